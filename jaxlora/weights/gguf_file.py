@@ -81,7 +81,7 @@ def read_gguf_config(reader: GGUFReader, metadata: dict[str, Any], path: str) ->
 def _unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undoes llama.cpp's interleaving of q/k rows for its rotary layout (as transformers does)."""
     rows = weight.shape[0]
-    shaped = weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+    shaped = weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
     return shaped.swapaxes(1, 2).reshape(weight.shape)
 
 

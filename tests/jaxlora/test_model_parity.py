@@ -1,0 +1,95 @@
+"""Our Llama-family forward against HF `transformers` on the same weights (float32)."""
+
+import os
+
+import numpy as np
+import pytest
+
+from jaxlora.weights import load_llama
+from tests.jaxlora.hf_checkpoints import (
+    checkpoint_dir, hf_logits, jax_logits, relative_error, save_random_model, tiny_llama_config,
+    tiny_qwen2_config, write_llama_gguf,
+)
+
+PROMPTS = [
+    "The capital of France is",
+    "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "In 1969, Neil Armstrong became the first person to walk on the Moon. He said: 'That's one small step",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2(smollm2_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_smollm2_gguf_matches_transformers(smollm2, hf_smollm2, prompt):
+    model, tokenizer = smollm2
+    tokens = np.array([tokenizer.encode(prompt)])
+    assert relative_error(jax_logits(model, tokens), hf_logits(hf_smollm2, tokens)) <= 1e-4
+
+
+def test_smollm2_greedy_answer(smollm2):
+    model, tokenizer = smollm2
+    tokens = np.array([tokenizer.encode("The capital of France is")])
+    next_id = int(jax_logits(model, tokens)[0, -1].argmax())
+    assert tokenizer.decode([next_id]).strip() == "Paris"
+
+
+@pytest.mark.parametrize(
+    "make_config",
+    [tiny_llama_config, tiny_qwen2_config, lambda: tiny_llama_config(attention_bias=True, tie_word_embeddings=True)],
+    ids=["llama3-rope-untied", "qwen2-bias-tied", "llama-attention-bias"],
+)
+def test_random_hf_checkpoint_matches_transformers(tmp_path, make_config):
+    directory = checkpoint_dir(tmp_path, "model")
+    reference = save_random_model(make_config(), directory)
+    tokens = np.random.default_rng(1).integers(0, 320, size=(2, 37))
+    ours = jax_logits(load_llama(directory), tokens)
+    assert relative_error(ours, hf_logits(reference, tokens)) <= 1e-4
+
+
+def test_sharded_safetensors_load(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    directory = checkpoint_dir(tmp_path, "sharded")
+    reference = save_random_model(tiny_llama_config(), directory)
+    torch.manual_seed(0)
+    reference.save_pretrained(directory, safe_serialization=True, max_shard_size="100KB")
+    assert os.path.exists(os.path.join(directory, "model.safetensors.index.json"))
+    os.remove(os.path.join(directory, "model.safetensors")) if os.path.exists(
+        os.path.join(directory, "model.safetensors")) else None
+    tokens = np.random.default_rng(2).integers(0, 320, size=(1, 20))
+    assert relative_error(jax_logits(load_llama(directory), tokens), hf_logits(reference, tokens)) <= 1e-4
+
+
+@pytest.mark.parametrize("qtype_name", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_types_dequantize_like_reference(tmp_path, qtype_name):
+    """A GGUF written from a random HF Llama loads back to its (de)quantized weights."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    reference = save_random_model(tiny_llama_config(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+                                  checkpoint_dir(tmp_path, "hf"))
+    with np.errstate(all="ignore"):
+        import torch
+
+        with torch.no_grad():  # the reference sees exactly the rounding the file holds
+            for name, param in reference.named_parameters():
+                if param.ndim == 2:
+                    array = param.numpy()
+                    param.copy_(torch.from_numpy(dequantize(quantize(array, qtype), qtype).reshape(array.shape)))
+    path = os.path.join(str(tmp_path), "tiny.gguf")
+    write_llama_gguf(reference, path, qtype)
+    tokens = np.random.default_rng(3).integers(0, 320, size=(2, 19))
+    assert relative_error(jax_logits(load_llama(path), tokens), hf_logits(reference, tokens)) <= 1e-4
