@@ -1,0 +1,186 @@
+"""GPU (Pallas -> Triton) SGMV kernels: shrink, expand and the per-segment outer product.
+
+Layout: one program per row tile (x split-K programs for shrink / column blocks for expand).
+Each program loops over the segments overlapping its tile (`TileRouting.tile_seg_lo/hi`) and
+masks the rows outside the current segment, so tiles may straddle segment boundaries and x/y
+are never relaid out. Metadata is passed as whole int32 arrays (Triton has no scalar prefetch).
+
+Mixed ranks (S-LoRA MBGMM): the rank axis is cut into static chunks of `rank_chunk` (>= 16,
+Triton dot dims) and each chunk runs under `lax.cond(chunk_start < rank)`, so a rank-8 segment
+in an r_max=64 pool reads and multiplies one 16-wide chunk of A/B, not 64 columns.
+
+Inputs arrive padded by the dispatcher: rows to a multiple of block_rows, k/n to multiples of
+block_k/block_n, r_max to a multiple of rank_chunk.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.routing import TileRouting
+from pallas_kernels.tiles import TileConfig
+
+_F32 = jnp.float32
+
+
+def _params(cfg: TileConfig):
+    return plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _segment(seg, starts_ref, slot_ref, rank_ref):
+    """(start, end, slot clamped to >= 0, rank, active) of segment `seg`."""
+    start, end = starts_ref[seg], starts_ref[seg + 1]
+    slot, rank = slot_ref[seg], rank_ref[seg]
+    return start, end, jnp.maximum(slot, 0), rank, (slot >= 0) & (end > start)
+
+
+def _row_mask(row0, block_rows, start, end):
+    rows = row0 + lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
+    return (rows >= start) & (rows < end)
+
+
+def _col_mask(col0, width, rank):
+    return (col0 + lax.broadcasted_iota(jnp.int32, (1, width), 1)) < rank
+
+
+def _shrink_kernel(starts_ref, slot_ref, rank_ref, lo_ref, hi_ref, x_ref, a_ref, out_ref, *,
+                   cfg: TileConfig, num_chunks: int, num_k_blocks: int):
+    tile, split = pl.program_id(0), pl.program_id(1)
+    bm, bk, rc = cfg.block_rows, cfg.block_k, cfg.rank_chunk
+    row0 = tile * bm
+    per_split = -(-num_k_blocks // cfg.k_splits)
+    kb_lo = split * per_split
+    kb_hi = jnp.minimum(kb_lo + per_split, num_k_blocks)
+
+    def seg_body(seg, accs):
+        start, end, slot, rank, active = _segment(seg, starts_ref, slot_ref, rank_ref)
+
+        def k_body(kb, chunk_accs):
+            x_blk = x_ref[pl.ds(row0, bm), pl.ds(kb * bk, bk)]
+            out = []
+            for c in range(num_chunks):
+                def add(acc, c=c):
+                    a_blk = a_ref[slot, pl.ds(kb * bk, bk), pl.ds(c * rc, rc)]
+                    return acc + jnp.dot(x_blk, a_blk, preferred_element_type=_F32)
+                out.append(lax.cond(active & (c * rc < rank), add, lambda acc: acc, chunk_accs[c]))
+            return tuple(out)
+
+        zeros = tuple(jnp.zeros((bm, rc), _F32) for _ in range(num_chunks))
+        seg_accs = lax.fori_loop(kb_lo, kb_hi, k_body, zeros)
+        rows = _row_mask(row0, bm, start, end)
+        return tuple(
+            acc + jnp.where(rows & _col_mask(c * rc, rc, rank), seg_accs[c], 0.0)
+            for c, acc in enumerate(accs)
+        )
+
+    init = tuple(jnp.zeros((bm, rc), _F32) for _ in range(num_chunks))
+    accs = lax.fori_loop(lo_ref[tile], hi_ref[tile], seg_body, init)
+    for c in range(num_chunks):
+        out_ref[split, pl.ds(row0, bm), pl.ds(c * rc, rc)] = accs[c]
+
+
+def sgmv_shrink_gpu(x, lora_a, seg_starts, seg_slot, seg_rank, routing: TileRouting,
+                    cfg: TileConfig, interpret: bool):
+    """v = x @ A[slot] per segment. x [T, k], lora_a [slots, k, r] -> v [T, r] (x.dtype)."""
+    num_rows, k = x.shape
+    r_max = lora_a.shape[-1]
+    kernel = functools.partial(_shrink_kernel, cfg=cfg, num_chunks=r_max // cfg.rank_chunk,
+                               num_k_blocks=k // cfg.block_k)
+    partial_sums = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((cfg.k_splits, num_rows, r_max), _F32),
+        grid=(num_rows // cfg.block_rows, cfg.k_splits),
+        compiler_params=_params(cfg),
+        interpret=interpret,
+    )(seg_starts, seg_slot, seg_rank, routing.tile_seg_lo, routing.tile_seg_hi, x, lora_a)
+    return partial_sums.sum(axis=0).astype(x.dtype)
+
+
+def _expand_kernel(starts_ref, slot_ref, rank_ref, scale_ref, lo_ref, hi_ref, y_ref, v_ref,
+                   b_ref, out_ref, *, cfg: TileConfig, num_chunks: int):
+    tile, col_block = pl.program_id(0), pl.program_id(1)
+    bm, bn, rc = cfg.block_rows, cfg.block_n, cfg.rank_chunk
+    row0, col0 = tile * bm, col_block * bn
+
+    def seg_body(seg, acc):
+        start, end, slot, rank, active = _segment(seg, starts_ref, slot_ref, rank_ref)
+        delta = jnp.zeros((bm, bn), _F32)
+        for c in range(num_chunks):
+            def add(d, c=c):
+                v_blk = v_ref[pl.ds(row0, bm), pl.ds(c * rc, rc)]
+                b_blk = b_ref[slot, pl.ds(c * rc, rc), pl.ds(col0, bn)]
+                v_blk = jnp.where(_col_mask(c * rc, rc, rank), v_blk, 0)
+                b_rows = (c * rc + lax.broadcasted_iota(jnp.int32, (rc, 1), 0)) < rank
+                b_blk = jnp.where(b_rows, b_blk, 0)
+                return d + jnp.dot(v_blk, b_blk, preferred_element_type=_F32)
+            delta = lax.cond(active & (c * rc < rank), add, lambda d: d, delta)
+        rows = _row_mask(row0, bm, start, end) & active
+        return acc + jnp.where(rows, scale_ref[seg] * delta, 0.0)
+
+    y_blk = y_ref[pl.ds(row0, bm), pl.ds(col0, bn)]
+    acc = lax.fori_loop(lo_ref[tile], hi_ref[tile], seg_body, y_blk.astype(_F32))
+    out_ref[pl.ds(row0, bm), pl.ds(col0, bn)] = acc.astype(out_ref.dtype)
+
+
+def sgmv_expand_gpu(y, v, lora_b, seg_starts, seg_slot, seg_rank, seg_scale,
+                    routing: TileRouting, cfg: TileConfig, interpret: bool):
+    """y += scale * v @ B[slot] per segment, in place (y aliased to the output).
+
+    y [T, n], v [T, r], lora_b [slots, r, n] -> [T, n] (y.dtype).
+    """
+    num_rows, n = y.shape
+    kernel = functools.partial(_expand_kernel, cfg=cfg,
+                               num_chunks=lora_b.shape[1] // cfg.rank_chunk)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
+        grid=(num_rows // cfg.block_rows, n // cfg.block_n),
+        input_output_aliases={6: 0},
+        compiler_params=_params(cfg),
+        interpret=interpret,
+    )(seg_starts, seg_slot, seg_rank, seg_scale, routing.tile_seg_lo, routing.tile_seg_hi,
+      y, v, lora_b)
+
+
+def _outer_kernel(starts_ref, slot_ref, rank_ref, lhs_ref, rhs_ref, out_ref, *,
+                  cfg: TileConfig, rank_axis: int):
+    seg, p_block, q_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bm, bp, bq = cfg.block_rows, cfg.block_k, cfg.block_n
+    start, end, _, rank, active = _segment(seg, starts_ref, slot_ref, rank_ref)
+    rank_block_start = (p_block * bp, q_block * bq)[rank_axis]
+    active = active & (rank_block_start < rank)
+
+    def tile_body(tile, acc):
+        lhs = lhs_ref[pl.ds(tile * bm, bm), pl.ds(p_block * bp, bp)]
+        rhs = rhs_ref[pl.ds(tile * bm, bm), pl.ds(q_block * bq, bq)]
+        lhs = jnp.where(_row_mask(tile * bm, bm, start, end), lhs, 0)
+        return acc + lax.dot_general(lhs, rhs, (((0,), (0,)), ((), ())),
+                                     preferred_element_type=_F32)
+
+    first = jnp.where(active, start // bm, 0)
+    last = jnp.where(active, (end + bm - 1) // bm, 0)
+    acc = lax.fori_loop(first, last, tile_body, jnp.zeros((bp, bq), _F32))
+    out_ref[seg, pl.ds(p_block * bp, bp), pl.ds(q_block * bq, bq)] = acc
+
+
+def segment_outer_gpu(lhs, rhs, seg_starts, seg_slot, seg_rank, rank_axis: int,
+                      cfg: TileConfig, interpret: bool):
+    """out[s] = lhs[seg s]^T @ rhs[seg s] (f32); zero for slot -1 / empty segments and for
+    blocks of the rank axis (0: p, 1: q) at or beyond the segment's rank.
+
+    lhs [T, p], rhs [T, q] -> [S, p, q] float32.
+    """
+    num_segments = seg_slot.shape[0]
+    p, q = lhs.shape[1], rhs.shape[1]
+    kernel = functools.partial(_outer_kernel, cfg=cfg, rank_axis=rank_axis)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_segments, p, q), _F32),
+        grid=(num_segments, p // cfg.block_k, q // cfg.block_n),
+        compiler_params=_params(cfg),
+        interpret=interpret,
+    )(seg_starts, seg_slot, seg_rank, lhs, rhs)
