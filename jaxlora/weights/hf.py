@@ -61,4 +61,4 @@ def load_hf_weights(path: str, config: LlamaConfig, dtype) -> dict[str, np.ndarr
         except Exception as err:
             raise WeightsError(f"{owner[name]}: cannot read tensor {name}: {err}") from err
 
-    return stack_weights(config, sorted(owner), read, dtype, source=path)
+    return stack_weights(config, sorted(owner), read, dtype, source=path, file_of=owner.__getitem__)

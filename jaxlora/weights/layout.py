@@ -45,10 +45,13 @@ def stack_weights(
     read: Callable[[str], np.ndarray],
     dtype,
     source: str,
+    file_of: Callable[[str], str] | None = None,
 ) -> dict[str, np.ndarray]:
     """Reads every HF-named tensor with `read(name)` and returns the model's flat weight dict.
 
-    Checks that each tensor has the shape the config implies and that none is missing."""
+    Checks that each tensor has the shape the config implies and that none is missing; errors
+    name `file_of(tensor name)` (default: `source`)."""
+    file_of = file_of or (lambda _: source)
     expected = weight_shapes(config)
     np_dtype = ml_dtypes.bfloat16 if np.dtype(dtype) == ml_dtypes.bfloat16 else np.dtype(dtype)
     stacked: dict[str, np.ndarray] = {}
@@ -61,19 +64,20 @@ def stack_weights(
         if name == "lm_head" and config.tie_word_embeddings:
             continue
         if name not in expected:
-            raise WeightsError(f"{source}: tensor {hf_name} is not part of a {config.model_type} model "
+            raise WeightsError(f"{file_of(hf_name)}: tensor {hf_name} is not part of a {config.model_type} model "
                                "with this config (e.g. a bias the config does not declare)")
         tensor = read(hf_name)
-        tensor = tensor.T if transpose else tensor
         want = expected[name] if layer is None else expected[name][1:]
-        if tuple(tensor.shape) != tuple(want):
-            raise WeightsError(f"{source}: tensor {hf_name} has shape {tuple(tensor.shape)}, "
-                               f"but the config implies {tuple(want)}")
+        want = tuple(reversed(want)) if transpose else tuple(want)
+        if tuple(tensor.shape) != want:
+            raise WeightsError(f"{file_of(hf_name)}: tensor {hf_name} has shape {tuple(tensor.shape)}, "
+                               f"but the config implies {want}")
+        tensor = tensor.T if transpose else tensor
         if layer is None:
             stacked[name] = np.asarray(tensor, np_dtype)
             continue
         if not 0 <= layer < config.num_layers:
-            raise WeightsError(f"{source}: tensor {hf_name} names layer {layer}, "
+            raise WeightsError(f"{file_of(hf_name)}: tensor {hf_name} names layer {layer}, "
                                f"but the config has {config.num_layers} layers")
         if name not in stacked:
             stacked[name] = np.empty(expected[name], np_dtype)
