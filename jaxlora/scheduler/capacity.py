@@ -59,7 +59,7 @@ def profile_token_capacity(
     fraction: float = 0.95,
     repeats: int = 1,
 ) -> CapacityProfile:
-    """Measure throughput at each candidate size (median of `repeats` runs) and pick the capacity."""
+    """Measure throughput per candidate size (median of `repeats` runs); pick the capacity."""
     sizes = tuple(sorted(set(candidates or power_of_two_candidates())))
     if any(size <= 0 for size in sizes):
         raise ValueError(f"candidate sizes must be positive, got {sizes}")

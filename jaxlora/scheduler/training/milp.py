@@ -25,6 +25,7 @@ import highspy
 import numpy as np
 
 from jaxlora.scheduler.training.data import Microbatch, Sample, padded_tokens, round_up
+from jaxlora.scheduler.training.greedy import decreasing
 
 
 @dataclass(frozen=True)
@@ -101,10 +102,11 @@ class _Instance:
 
     @classmethod
     def build(cls, samples: Sequence[Sample], capacity: int, multiple: int) -> _Instance:
-        ordered = tuple(sorted(samples, key=lambda s: (-s.num_tokens, s.adapter_id, s.sample_index)))
+        ordered = tuple(decreasing(samples))
         adapters = sorted({s.adapter_id for s in ordered})
         local = {a: i for i, a in enumerate(adapters)}
-        return cls(ordered, tuple(local[s.adapter_id] for s in ordered), len(adapters), capacity, multiple)
+        adapter_of = tuple(local[s.adapter_id] for s in ordered)
+        return cls(ordered, adapter_of, len(adapters), capacity, multiple)
 
 
 def _symmetry_open(layout: _Layout, s: int, b: int, stage2: bool) -> bool:
@@ -166,13 +168,16 @@ def _canonical_bins(inst: _Instance, bins: Sequence[Microbatch], stage2: bool) -
     position = {sample: i for i, sample in enumerate(inst.samples)}
     groups = [sorted(position[s] for s in mb) for mb in bins if mb]
     if stage2:
-        smallest = min(range(len(groups)), key=lambda i: padded_tokens((inst.samples[j] for j in groups[i]), inst.multiple))
+        loads = [padded_tokens([inst.samples[j] for j in g], inst.multiple) for g in groups]
+        smallest = loads.index(min(loads))
         last = groups.pop(smallest)
         return sorted(groups) + [last]
     return sorted(groups)
 
 
-def _start_vector(inst: _Instance, layout: _Layout, bins: Sequence[Microbatch], stage2: bool) -> np.ndarray:
+def _start_vector(
+    inst: _Instance, layout: _Layout, bins: Sequence[Microbatch], stage2: bool
+) -> np.ndarray:
     values = np.zeros(layout.num_cols)
     for b, members in enumerate(_canonical_bins(inst, bins, stage2)):
         for s in members:
@@ -199,7 +204,9 @@ def _feasible(inst: _Instance, bins: Sequence[Microbatch]) -> bool:
     return fits and placed == sorted(inst.samples)
 
 
-def _solve(inst: _Instance, layout: _Layout, start: Sequence[Microbatch], time_limit_s: float) -> MilpOutcome:
+def _solve(
+    inst: _Instance, layout: _Layout, start: Sequence[Microbatch], time_limit_s: float
+) -> MilpOutcome:
     began = time.perf_counter()
     stage2 = not layout.with_used
     highs = highspy.Highs()
@@ -220,7 +227,11 @@ def _solve(inst: _Instance, layout: _Layout, start: Sequence[Microbatch], time_l
 
 
 def min_bins(
-    samples: Sequence[Sample], capacity: int, multiple: int, start: Sequence[Microbatch], time_limit_s: float
+    samples: Sequence[Sample],
+    capacity: int,
+    multiple: int,
+    start: Sequence[Microbatch],
+    time_limit_s: float,
 ) -> MilpOutcome:
     """Stage 1: fewest microbatches, at most len(start) of them, starting from `start`."""
     inst = _Instance.build(samples, capacity, multiple)
@@ -229,9 +240,13 @@ def min_bins(
 
 
 def min_smallest(
-    samples: Sequence[Sample], capacity: int, multiple: int, start: Sequence[Microbatch], time_limit_s: float
+    samples: Sequence[Sample],
+    capacity: int,
+    multiple: int,
+    start: Sequence[Microbatch],
+    time_limit_s: float,
 ) -> MilpOutcome:
-    """Stage 2: len(start) microbatches; make the one with fewest padded tokens as small as possible."""
+    """Stage 2: len(start) microbatches; make the smallest one's padded tokens minimal."""
     inst = _Instance.build(samples, capacity, multiple)
     layout = _Layout(len(inst.samples), inst.num_adapters, len(start), with_used=False)
     return _solve(inst, layout, start, time_limit_s)
