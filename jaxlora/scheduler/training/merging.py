@@ -6,7 +6,7 @@ made it small); samples of the next block's smallest microbatch move into it, la
 first, while they fit the padded capacity and their adapter's previous global batch ended at
 least S microbatches earlier (the bubble lemma, see `lemma`). When a donor microbatch
 empties it disappears, which shifts everything after it one slot earlier; that is accepted
-only when it does not make more no-ops necessary.
+only when the pipeline slots (microbatches plus the no-ops they need) do not increase.
 """
 
 from __future__ import annotations
@@ -71,8 +71,9 @@ def _merge_boundary(blocks, i, global_batch_size, capacity, multiple, num_stages
     trial[i][-1], trial[i + 1][-1] = grown, kept
     if not kept:
         trial[i + 1].pop()
-        before = count_noops(flat, global_batch_size, num_stages, state)
-        if count_noops(_flat(trial), global_batch_size, num_stages, state) > before:
+        before = len(flat) + count_noops(flat, global_batch_size, num_stages, state)
+        after = len(flat) - 1 + count_noops(_flat(trial), global_batch_size, num_stages, state)
+        if after > before:
             return False
     blocks[:] = [b for b in trial if b]
     return not kept
