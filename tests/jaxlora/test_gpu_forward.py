@@ -30,5 +30,5 @@ def test_bf16_gpu_logits_match_f32_cpu():
         top1_agreement.append(float((on_gpu.argmax(-1) == reference.argmax(-1)).mean()))
     print(f"\n{jax.devices()[0].device_kind}: bf16 GPU vs f32 CPU relative error per prompt "
           f"{[f'{e:.2e}' for e in errors]}, top-1 agreement {[f'{a:.2f}' for a in top1_agreement]}")
-    assert max(errors) <= 3e-2
+    assert max(errors) <= 5e-2  # measured 1.7e-2..2.9e-2 on an H100 (2026-11-22)
     assert min(top1_agreement) >= 0.8
