@@ -107,6 +107,13 @@ class TrainingData:
         stop = min((batch + 1) * size, len(lengths))
         return tuple(Sample(adapter, i, lengths[i]) for i in range(batch * size, stop))
 
+    def all_samples(self) -> tuple[Sample, ...]:
+        """Every sample of every adapter (what a schedule must contain exactly once)."""
+        return tuple(
+            Sample(adapter, i, n) for adapter in self.adapters
+            for i, n in enumerate(self.lengths[adapter])
+        )
+
     def batch_of(self, sample: Sample) -> int:
         """Global batch index of a sample."""
         return batch_index(sample, self.global_batch_size)

@@ -24,7 +24,10 @@ GLOBAL_BATCH = 6
 
 
 def all_samples(data: TrainingData):
-    return [s for a in data.adapters for j in range(data.num_batches(a)) for s in data.global_batch(a, j)]
+    expected = [s for a in data.adapters for j in range(data.num_batches(a))
+                for s in data.global_batch(a, j)]
+    assert sorted(expected) == sorted(data.all_samples())
+    return expected
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +39,8 @@ def packed():
         for capacity in (4096, 8192):
             config = SchedulerConfig(capacity=capacity, time_limit_s=0.05)
             groups = adapter_groups(data, 2)
-            blocks = pack_window(window_samples(data, range(data.num_global_batches)), groups, config)
+            batches = window_samples(data, range(data.num_global_batches))
+            blocks = pack_window(batches, groups, config)
             out[(workload, capacity)] = (data, config, blocks)
     return out
 
@@ -76,7 +80,9 @@ def test_build_schedule_with_uneven_adapters_and_batch_sizes():
     data = TrainingData.from_lengths(lengths, {0: 3, 1: 1, 2: 4})
     for stages in (1, 3):
         for use_milp in (False, True):
-            config = SchedulerConfig(capacity=4096, num_stages=stages, time_limit_s=0.05, use_milp=use_milp)
+            config = SchedulerConfig(
+                capacity=4096, num_stages=stages, time_limit_s=0.05, use_milp=use_milp
+            )
             schedule = build_schedule(data, config)
             verify_schedule(schedule, all_samples(data), data.global_batch_size, 4096, 64, stages)
             assert {a: len(d) for a, d in schedule.completions.items()} == {0: 3, 1: 3, 2: 3}
@@ -98,7 +104,8 @@ def test_padding_waste_counts_noops():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [dict(capacity=32), dict(capacity=4096, num_stages=0), dict(capacity=4096, time_limit_s=0)]
+    "kwargs",
+    [dict(capacity=32), dict(capacity=4096, num_stages=0), dict(capacity=4096, time_limit_s=0)],
 )
 def test_config_validation(kwargs):
     with pytest.raises(ValueError):
