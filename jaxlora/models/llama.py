@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxlora.lora.ops import lora_delta
+from jaxlora.lora.plan import LoraPlan
 from jaxlora.models.config import LlamaConfig
 from jaxlora.models.layers import attention, apply_rope, rms_norm, rope_inverse_frequencies
 
@@ -37,6 +39,14 @@ class KVCache(NamedTuple):
     def zeros(cls, config: LlamaConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
         shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+class LoraInputs(NamedTuple):
+    """Adapters for one batch: the pool arrays (per module, leading layer axis; see
+    `jaxlora.lora.pool`) and the batch's plan (which slot each token uses)."""
+
+    pool: dict
+    plan: LoraPlan
 
 
 def projection_shapes(config: LlamaConfig) -> dict[str, tuple[int, int]]:
@@ -130,6 +140,8 @@ class Llama(nnx.Module):
         segment_ids: jax.Array | None = None,
         cache: KVCache | None = None,
         logit_indices: jax.Array | None = None,
+        lora: LoraInputs | None = None,
+        lora_backend: str = "gather",
     ) -> tuple[jax.Array, KVCache | None]:
         """Runs the decoder.
 
@@ -140,6 +152,8 @@ class Llama(nnx.Module):
             tokens attend only within their segment, causally by index. None: one sample a row.
           cache: a `KVCache` for incremental decoding; None for packed mode.
           logit_indices: [B] index along T whose logits to return; None: all positions.
+          lora: adapters and the plan over the B*T tokens (each token its own slot, or -1).
+          lora_backend: how the LoRA op is computed (see `jaxlora.lora.ops.BACKENDS`).
 
         Returns:
           (logits [B, T, vocab] or [B, vocab] float32, the updated cache or None).
@@ -153,14 +167,18 @@ class Llama(nnx.Module):
             mask = jnp.arange(cache.k.shape[2])[None, None, :] <= positions[:, :, None]
 
         def layer(hidden, per_layer):
-            weights, layer_cache = per_layer
+            weights, layer_cache, layer_pool = per_layer
+            layer_lora = None if lora is None else (layer_pool, lora.plan, lora_backend)
             hidden, layer_cache = decoder_layer(
-                config, weights, hidden, positions, inv_freq, mask, layer_cache
+                config, weights, hidden, positions, inv_freq, mask, layer_cache, layer_lora
             )
             return hidden, layer_cache
 
         per_layer_cache = None if cache is None else (cache.k, cache.v)
-        hidden, new_cache = jax.lax.scan(layer, hidden, (self.layer_weights(), per_layer_cache))
+        per_layer_pool = None if lora is None else lora.pool
+        hidden, new_cache = jax.lax.scan(
+            layer, hidden, (self.layer_weights(), per_layer_cache, per_layer_pool)
+        )
         if logit_indices is not None:
             hidden = jnp.take_along_axis(hidden, logit_indices[:, None, None], axis=1)[:, 0]
         logits = self.unembed(hidden)
@@ -177,21 +195,26 @@ def _packed_mask(shape: tuple[int, int], segment_ids: jax.Array | None) -> jax.A
     return causal & same_segment
 
 
-def _project(x: jax.Array, weights: dict[str, jax.Array], name: str) -> jax.Array:
+def _project(x: jax.Array, weights: dict[str, jax.Array], name: str, layer_lora=None) -> jax.Array:
+    """x @ W (+ bias) (+ the LoRA delta of each row's adapter, if this projection has adapters)."""
     y = jnp.dot(x, weights[f"{name}.kernel"], preferred_element_type=jnp.float32)
     if f"{name}.bias" in weights:
         y = y + weights[f"{name}.bias"]
+    if layer_lora is not None and name in layer_lora[0]:
+        pool, plan, backend = layer_lora
+        y = y + lora_delta(x, pool[name], plan, backend).astype(jnp.float32)
     return y.astype(x.dtype)
 
 
-def decoder_layer(config, weights, hidden, positions, inv_freq, mask, layer_cache):
-    """One pre-norm decoder layer. hidden [B, T, d]; layer_cache (k, v) [B, S, Hkv, Dh] or None."""
+def decoder_layer(config, weights, hidden, positions, inv_freq, mask, layer_cache, layer_lora=None):
+    """One pre-norm decoder layer. hidden [B, T, d]; layer_cache (k, v) [B, S, Hkv, Dh] or None;
+    layer_lora (this layer's pool arrays, plan, backend) or None."""
     batch, length, _ = hidden.shape
     heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
     x = rms_norm(hidden, weights["input_layernorm"], config.rms_norm_eps)
-    q = _project(x, weights, "q_proj").reshape(batch, length, heads, head_dim)
-    k = _project(x, weights, "k_proj").reshape(batch, length, kv_heads, head_dim)
-    v = _project(x, weights, "v_proj").reshape(batch, length, kv_heads, head_dim)
+    q = _project(x, weights, "q_proj", layer_lora).reshape(batch, length, heads, head_dim)
+    k = _project(x, weights, "k_proj", layer_lora).reshape(batch, length, kv_heads, head_dim)
+    v = _project(x, weights, "v_proj", layer_lora).reshape(batch, length, kv_heads, head_dim)
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     if layer_cache is not None:
         rows = jnp.arange(batch)[:, None]
@@ -200,8 +223,8 @@ def decoder_layer(config, weights, hidden, positions, inv_freq, mask, layer_cach
         layer_cache = (k_all, v_all)
         k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
     attn = attention(q, k, v, mask).reshape(batch, length, heads * head_dim)
-    hidden = hidden + _project(attn, weights, "o_proj")
+    hidden = hidden + _project(attn, weights, "o_proj", layer_lora)
     x = rms_norm(hidden, weights["post_attention_layernorm"], config.rms_norm_eps)
-    gated = jax.nn.silu(_project(x, weights, "gate_proj")) * _project(x, weights, "up_proj")
-    hidden = hidden + _project(gated, weights, "down_proj")
+    gated = jax.nn.silu(_project(x, weights, "gate_proj", layer_lora)) * _project(x, weights, "up_proj", layer_lora)
+    hidden = hidden + _project(gated, weights, "down_proj", layer_lora)
     return hidden, layer_cache

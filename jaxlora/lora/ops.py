@@ -1,0 +1,100 @@
+"""The LoRA linear op with a backend switch: delta = scale[slot] * (x @ A[slot]) @ B[slot] per row.
+
+Backends (all compute the same function; the plan says which slot each row uses):
+  "loop"       one masked dense product per pool slot (the plainest reference);
+  "gather"     gather each row's A/B, then batched einsums;
+  "ragged_dot" rows grouped by slot, `jax.lax.ragged_dot` (base rows use an extra zero adapter);
+  "onehot"     x against every slot, then a one-hot selection;
+  "pallas"     the SGMV kernels of `pallas_kernels` on the grouped rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxlora.lora.plan import LoraPlan
+
+BACKENDS = ("loop", "gather", "ragged_dot", "onehot", "pallas")
+_F32 = jnp.float32
+
+
+def lora_delta(x: jax.Array, module_pool: dict, plan: LoraPlan, backend: str = "gather") -> jax.Array:
+    """LoRA output of one projection of one layer.
+
+    Args:
+      x: [..., k] activations in batch order (N rows once flattened).
+      module_pool: {"a": [slots, k, r], "b": [slots, r, n], "scale": [slots], "rank": [slots]}.
+      plan: the batch's `LoraPlan` over the same N rows.
+      backend: one of BACKENDS.
+
+    Returns:
+      [..., n] in x's dtype; zero for rows whose slot is -1.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown LoRA backend {backend!r}; choose from {BACKENDS}")
+    lead_shape = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])
+    delta = _BACKEND_FNS[backend](rows, module_pool, plan)
+    return delta.reshape(*lead_shape, delta.shape[-1]).astype(x.dtype)
+
+
+def _row_scale(module_pool: dict, token_slot: jax.Array) -> jax.Array:
+    """[N] scale of each row's adapter, 0 for base rows."""
+    return jnp.where(token_slot >= 0, module_pool["scale"][jnp.maximum(token_slot, 0)], 0.0)
+
+
+def _loop(rows, module_pool, plan):
+    a, b, scale = module_pool["a"], module_pool["b"], module_pool["scale"]
+    delta = jnp.zeros((rows.shape[0], b.shape[-1]), _F32)
+    for slot in range(a.shape[0]):
+        shrunk = jnp.dot(rows, a[slot], preferred_element_type=_F32)
+        expanded = jnp.dot(shrunk, b[slot].astype(_F32), preferred_element_type=_F32)
+        delta = delta + jnp.where((plan.token_slot == slot)[:, None], scale[slot] * expanded, 0.0)
+    return delta
+
+
+def _gather(rows, module_pool, plan):
+    slot = jnp.maximum(plan.token_slot, 0)
+    shrunk = jnp.einsum("nk,nkr->nr", rows, module_pool["a"][slot], preferred_element_type=_F32)
+    shrunk = shrunk * _row_scale(module_pool, plan.token_slot)[:, None]
+    return jnp.einsum("nr,nrm->nm", shrunk, module_pool["b"][slot].astype(_F32), preferred_element_type=_F32)
+
+
+def _ragged_dot(rows, module_pool, plan):
+    a, b = module_pool["a"], module_pool["b"]
+    num_slots = a.shape[0]
+    group = jnp.where(plan.token_slot < 0, num_slots, plan.token_slot)
+    group_sizes = jnp.bincount(group, length=num_slots + 1).astype(jnp.int32)
+    a_ext = jnp.concatenate([a, jnp.zeros_like(a[:1])])
+    b_ext = jnp.concatenate([b, jnp.zeros_like(b[:1])]).astype(_F32)
+    grouped = rows[plan.perm]
+    shrunk = jax.lax.ragged_dot(grouped, a_ext, group_sizes, preferred_element_type=_F32)
+    shrunk = shrunk * _row_scale(module_pool, plan.token_slot[plan.perm])[:, None]
+    expanded = jax.lax.ragged_dot(shrunk, b_ext, group_sizes, preferred_element_type=_F32)
+    return expanded[plan.inv_perm]
+
+
+def _onehot(rows, module_pool, plan):
+    a, b = module_pool["a"], module_pool["b"]
+    selector = (plan.token_slot[:, None] == jnp.arange(a.shape[0])).astype(_F32)
+    selector = selector * module_pool["scale"][None, :]
+    shrunk_all = jnp.einsum("nk,skr->nsr", rows, a, preferred_element_type=_F32)
+    return jnp.einsum("nsr,ns,srm->nm", shrunk_all, selector, b.astype(_F32), preferred_element_type=_F32)
+
+
+def _pallas(rows, module_pool, plan):
+    import pallas_kernels
+
+    seg_valid = plan.seg_slot >= 0
+    seg_slot_clamped = jnp.maximum(plan.seg_slot, 0)
+    seg_rank = jnp.where(seg_valid, module_pool["rank"][seg_slot_clamped], 0).astype(jnp.int32)
+    seg_scale = jnp.where(seg_valid, module_pool["scale"][seg_slot_clamped], 0.0).astype(_F32)
+    grouped = rows[plan.perm]
+    delta = pallas_kernels.sgmv_lora_delta(
+        grouped, module_pool["a"], module_pool["b"], plan.seg_starts, plan.seg_slot, seg_rank, seg_scale
+    )
+    return delta.astype(_F32)[plan.inv_perm]
+
+
+_BACKEND_FNS = {"loop": _loop, "gather": _gather, "ragged_dot": _ragged_dot, "onehot": _onehot, "pallas": _pallas}

@@ -1,0 +1,198 @@
+"""PEFT-format adapters in and out: `adapter_config.json` + `adapter_model.safetensors`, with PEFT's
+key names (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`), for our Llama family.
+
+Loading validates everything before returning, so a refused adapter changes nothing anywhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxlora.lora.adapter import LoraAdapter, check_finite, empty_module
+from jaxlora.lora.config import AdapterError, LoraConfig, module_key
+from jaxlora.models.config import LlamaConfig
+from jaxlora.models.llama import PROJECTIONS
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.([a-z_]+)\.lora_([AB])\.weight$")
+
+
+def load_peft_adapter(path: str, base: LlamaConfig, name: str | None = None) -> LoraAdapter:
+    """Reads a PEFT LoRA adapter directory for the base model `base`; AdapterError if unusable."""
+    config = read_adapter_config(path, base)
+    adapter = LoraAdapter(name or os.path.basename(os.path.normpath(path)), config, {})
+    tensors = _read_tensors(os.path.join(path, WEIGHTS_FILE))
+    for module in config.target_modules:
+        adapter.modules[module] = empty_module(base, config, module)
+    seen = set()
+    for key, tensor in tensors.items():
+        layer, module, part = _parse_key(key, path)
+        if not (layer < base.num_layers and config.targets(layer, module)):
+            raise AdapterError(f"{path}: tensor {key} is for a module the adapter config does not target")
+        _place(adapter, layer, module, part, tensor, key, path)
+        seen.add((layer, module, part))
+    _check_all_present(config, base, seen, path)
+    check_finite(adapter, path)
+    return adapter
+
+
+def read_adapter_config(path: str, base: LlamaConfig) -> LoraConfig:
+    """Parses and checks `adapter_config.json`; refuses options jaxlora does not support."""
+    file = os.path.join(path, CONFIG_FILE)
+    if not os.path.exists(file):
+        raise AdapterError(f"{file}: not found (is {path} a PEFT adapter directory?)")
+    try:
+        with open(file) as f:
+            raw = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise AdapterError(f"{file}: not valid JSON: {err}") from err
+    if not isinstance(raw, dict):
+        raise AdapterError(f"{file}: expected a JSON object")
+    _refuse_unsupported(raw, file)
+    target_modules, layers = _targets(raw.get("target_modules"), raw.get("layers_to_transform"), base, file)
+    try:
+        return LoraConfig(
+            r=int(raw.get("r", 8)),
+            lora_alpha=float(raw.get("lora_alpha", 8)),
+            lora_dropout=float(raw.get("lora_dropout", 0.0)),
+            target_modules=target_modules,
+            use_rslora=bool(raw.get("use_rslora", False)),
+            rank_pattern={k: int(v) for k, v in (raw.get("rank_pattern") or {}).items()},
+            alpha_pattern={k: float(v) for k, v in (raw.get("alpha_pattern") or {}).items()},
+            layers_to_transform=layers,
+        )
+    except (TypeError, ValueError) as err:
+        raise AdapterError(f"{file}: {err}") from err
+
+
+def _refuse_unsupported(raw: dict, file: str) -> None:
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{file}: peft_type {raw['peft_type']!r} is not supported (only LORA)")
+    if raw.get("use_dora"):
+        raise AdapterError(f"{file}: DoRA (use_dora=true) is not supported")
+    if raw.get("modules_to_save"):
+        raise AdapterError(f"{file}: modules_to_save {raw['modules_to_save']} is not supported")
+    if raw.get("bias", "none") != "none":
+        raise AdapterError(f"{file}: bias={raw['bias']!r} is not supported (only 'none')")
+    if raw.get("fan_in_fan_out"):
+        raise AdapterError(f"{file}: fan_in_fan_out=true is not supported")
+    for option in ("target_parameters", "trainable_token_indices", "layer_replication"):
+        if raw.get(option):
+            raise AdapterError(f"{file}: {option} is not supported")
+    for option in ("use_qalora", "use_bdlora", "lora_bias"):
+        if raw.get(option):
+            raise AdapterError(f"{file}: {option}=true is not supported")
+
+
+def _targets(target_modules, layers_to_transform, base: LlamaConfig, file: str):
+    """(module names, layer indices or None) from PEFT's target_modules (list or regex)."""
+    embeddings = {"embed_tokens", "lm_head", "wte", "word_embeddings"}
+    if isinstance(target_modules, str):
+        matched = {(l, m) for l in range(base.num_layers) for m in PROJECTIONS
+                   if re.fullmatch(target_modules, module_key(l, m))}
+        if not matched:
+            raise AdapterError(f"{file}: target_modules regex {target_modules!r} matches no projection")
+        modules = sorted({m for _, m in matched}, key=PROJECTIONS.index)
+        layer_sets = {m: {l for l, mm in matched if mm == m} for m in modules}
+        if len({frozenset(s) for s in layer_sets.values()}) != 1:
+            raise AdapterError(f"{file}: target_modules regex targets different layers for different modules")
+        layers = sorted(next(iter(layer_sets.values())))
+        return tuple(modules), (None if len(layers) == base.num_layers else tuple(layers))
+    if not isinstance(target_modules, list) or not target_modules:
+        raise AdapterError(f"{file}: target_modules must be a non-empty list or a regex string")
+    names = [str(t).split(".")[-1] for t in target_modules]
+    if embeddings & set(names):
+        raise AdapterError(f"{file}: LoRA on embeddings/lm_head ({sorted(embeddings & set(names))}) is not supported")
+    unknown = sorted(set(names) - set(PROJECTIONS))
+    if unknown:
+        raise AdapterError(f"{file}: target_modules {unknown} are not supported (use {', '.join(PROJECTIONS)})")
+    if isinstance(layers_to_transform, int):
+        layers_to_transform = [layers_to_transform]
+    layers = None if layers_to_transform is None else tuple(int(l) for l in layers_to_transform)
+    return tuple(sorted(set(names), key=PROJECTIONS.index)), layers
+
+
+def _read_tensors(file: str) -> dict[str, np.ndarray]:
+    if not os.path.exists(file):
+        other = os.path.join(os.path.dirname(file), "adapter_model.bin")
+        hint = " (only safetensors is read, not adapter_model.bin)" if os.path.exists(other) else ""
+        raise AdapterError(f"{file}: not found{hint}")
+    try:
+        with safe_open(file, framework="numpy") as handle:
+            return {key: handle.get_tensor(key).astype(np.float32) for key in handle.keys()}
+    except Exception as err:
+        raise AdapterError(f"{file}: cannot read safetensors (truncated or corrupt?): {err}") from err
+
+
+def _parse_key(key: str, path: str) -> tuple[int, str, str]:
+    match = _KEY.match(key)
+    if not match or match.group(2) not in PROJECTIONS:
+        raise AdapterError(f"{path}: unexpected tensor {key!r} (jaxlora reads LoRA A/B of {', '.join(PROJECTIONS)})")
+    return int(match.group(1)), match.group(2), match.group(3)
+
+
+def _place(adapter, layer, module, part, tensor, key, path) -> None:
+    weights = adapter.modules[module]
+    rank = int(weights.rank[layer])
+    fan_in, fan_out = weights.a.shape[1], weights.b.shape[2]
+    want = (rank, fan_in) if part == "A" else (fan_out, rank)
+    if tensor.shape != want:
+        raise AdapterError(f"{path}: tensor {key} has shape {tensor.shape}, expected {want} "
+                           f"(rank {rank} from the adapter config; the base model's {module} is {fan_in}->{fan_out})")
+    if part == "A":
+        weights.a[layer, :, :rank] = tensor.T
+    else:
+        weights.b[layer, :rank, :] = tensor.T
+
+
+def _check_all_present(config: LoraConfig, base: LlamaConfig, seen: set, path: str) -> None:
+    missing = [f"{module_key(l, m)}.lora_{p}" for l in range(base.num_layers) for m in config.target_modules
+               for p in "AB" if config.targets(l, m) and (l, m, p) not in seen]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise AdapterError(f"{path}: missing tensors {', '.join(missing[:3])}{more}")
+
+
+def save_peft_adapter(adapter: LoraAdapter, path: str, base_model_name: str = "") -> None:
+    """Writes `adapter` so that `peft.PeftModel.from_pretrained(hf_model, path)` loads it."""
+    os.makedirs(path, exist_ok=True)
+    config = adapter.config
+    tensors = {}
+    for module, weights in adapter.modules.items():
+        for layer, rank in enumerate(weights.rank):
+            if rank == 0:
+                continue
+            prefix = f"base_model.model.{module_key(layer, module)}"
+            tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(weights.a[layer, :, :rank].T)
+            tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(weights.b[layer, :rank, :].T)
+    save_file(tensors, os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt"})
+    with open(os.path.join(path, CONFIG_FILE), "w") as f:
+        json.dump(_peft_config_dict(config, base_model_name), f, indent=2)
+
+
+def _peft_config_dict(config: LoraConfig, base_model_name: str) -> dict:
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name,
+        "r": config.r,
+        "lora_alpha": config.lora_alpha,
+        "lora_dropout": config.lora_dropout,
+        "target_modules": list(config.target_modules),
+        "use_rslora": config.use_rslora,
+        "rank_pattern": dict(config.rank_pattern),
+        "alpha_pattern": dict(config.alpha_pattern),
+        "layers_to_transform": None if config.layers_to_transform is None else list(config.layers_to_transform),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "inference_mode": True,
+        "init_lora_weights": True,
+    }
