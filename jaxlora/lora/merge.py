@@ -20,7 +20,8 @@ def merge_adapter(model: Llama, adapter: LoraAdapter, sign: float = 1.0) -> None
     for module in adapter.modules:
         param = model.weights[f"layers.{module}.kernel"]
         merged = param[...].astype(jnp.float32) + sign * jnp.asarray(adapter_delta(adapter, module))
-        param.value = merged.astype(param[...].dtype)
+        merged = merged.astype(param[...].dtype)
+        param.set_value(merged) if hasattr(param, "set_value") else setattr(param, "value", merged)
 
 
 def unmerge_adapter(model: Llama, adapter: LoraAdapter) -> None:
