@@ -126,3 +126,12 @@ def test_pool_refuses_rank_above_max_and_full_pool(pool):
     with pytest.raises(AdapterError, match="pool is full"):
         pool.load(random_adapter("third", CONFIG, LORA))
     _assert_unchanged(pool, snapshot)
+
+
+def test_evict_frees_the_slot_and_zeroes_it(pool):
+    slot = pool.load(random_adapter("second", CONFIG, LORA, seed=5))
+    pool.evict(slot)
+    assert pool.slot_names[slot] is None and pool.free_slot() == slot
+    for arrays in pool.arrays.values():
+        assert not np.asarray(arrays["a"][:, slot]).any() and not np.asarray(arrays["rank"][:, slot]).any()
+    assert np.asarray(pool.arrays["q_proj"]["a"][:, 0]).any()  # the resident adapter is untouched
