@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlora.models.llama import KVCache, Llama
+from jaxlora.lora.plan import build_plan
+from jaxlora.models.llama import KVCache, Llama, LoraInputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,10 +53,19 @@ def sample_next(logits: jax.Array, key: jax.Array, temperature: float, top_p: fl
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(4,))
-def _forward_step(graphdef, state, tokens, positions, cache, logit_indices):
+@functools.partial(jax.jit, static_argnums=(0, 7), donate_argnums=(4,))
+def _forward_step(graphdef, state, tokens, positions, cache, logit_indices, lora, lora_backend):
     model = nnx.merge(graphdef, state)
-    return model(tokens, positions, cache=cache, logit_indices=logit_indices)
+    return model(tokens, positions, cache=cache, logit_indices=logit_indices, lora=lora,
+                 lora_backend=lora_backend)
+
+
+def _lora_for(pool_arrays, row_slots, shape):
+    """LoraInputs for a [B, T] step where row b uses adapter slot row_slots[b] (-1: base)."""
+    if pool_arrays is None:
+        return None
+    token_slot = np.broadcast_to(np.asarray(row_slots, np.int32)[:, None], shape)
+    return LoraInputs(pool_arrays, build_plan(token_slot, num_segments=bucket(len(row_slots) + 1, 4)))
 
 
 def generate(
@@ -63,10 +73,15 @@ def generate(
     prompts: Sequence[Sequence[int]],
     params: SamplingParams = SamplingParams(),
     eos_token_ids: Sequence[int] = (),
+    pool_arrays: dict | None = None,
+    row_slots: Sequence[int] | None = None,
+    lora_backend: str = "gather",
 ) -> list[list[int]]:
     """Generates a continuation of each prompt (a list of token ids); returns the new ids only.
 
-    A sequence stops after an EOS token (kept in its output) or `max_new_tokens` tokens."""
+    With `pool_arrays` (an `AdapterPool`'s arrays), prompt b runs with adapter slot row_slots[b]
+    (-1: the base model), all in one batch. A sequence stops after an EOS token (kept in its
+    output) or `max_new_tokens` tokens."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     graphdef, state = nnx.split(model)
@@ -79,7 +94,11 @@ def generate(
         tokens[row, : len(prompt)] = prompt
     positions = np.broadcast_to(np.arange(prompt_len, dtype=np.int32), tokens.shape)
     cache = KVCache.zeros(model.config, batch, cache_len, model.dtype)
-    logits, cache = _forward_step(graphdef, state, tokens, positions, cache, jnp.asarray(lengths - 1))
+    if pool_arrays is not None and (row_slots is None or len(row_slots) != batch):
+        raise ValueError("row_slots must give one adapter slot per prompt")
+    logits, cache = _forward_step(graphdef, state, tokens, positions, cache, jnp.asarray(lengths - 1),
+                                  _lora_for(pool_arrays, row_slots, tokens.shape), lora_backend)
+    decode_lora = _lora_for(pool_arrays, row_slots, (batch, 1))
     key = jax.random.key(params.seed)
     eos = np.asarray(list(eos_token_ids), np.int32)
     outputs: list[list[int]] = [[] for _ in range(batch)]
@@ -95,7 +114,7 @@ def generate(
         step_positions = jnp.asarray(lengths + step)[:, None]
         logits, cache = _forward_step(
             graphdef, state, jnp.asarray(next_ids)[:, None], step_positions, cache,
-            jnp.zeros(batch, jnp.int32),
+            jnp.zeros(batch, jnp.int32), decode_lora, lora_backend,
         )
     return outputs
 

@@ -55,3 +55,29 @@ def test_top_p_keeps_only_the_nucleus():
 def test_bad_sampling_params(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def test_generation_with_adapters_equals_merged_weights(smollm2):
+    """Rows with different adapters in one batch decode like the adapter merged into the weights."""
+    from jaxlora.lora.adapter import random_adapter
+    from jaxlora.lora.config import LoraConfig
+    from jaxlora.lora.merge import merge_adapter, unmerge_adapter
+    from jaxlora.lora.pool import AdapterPool
+
+    model, tokenizer = smollm2
+    adapters = [random_adapter(f"a{i}", model.config, LoraConfig(r=8, lora_alpha=32, target_modules=("q_proj", "v_proj", "down_proj")),
+                               seed=i, b_std=0.2) for i in range(2)]
+    pool = AdapterPool(model.config, num_slots=2, max_rank=8)
+    slots = [pool.load(a) for a in adapters]
+    prompts = [tokenizer.encode("The weather today is")] * 3
+    params = SamplingParams(max_new_tokens=6)
+    together = generate(model, prompts, params, pool_arrays=pool.arrays, row_slots=[slots[0], -1, slots[1]])
+    expected = []
+    for adapter in (adapters[0], None, adapters[1]):
+        if adapter is not None:
+            merge_adapter(model, adapter)
+        expected.append(generate(model, prompts[:1], params)[0])
+        if adapter is not None:
+            unmerge_adapter(model, adapter)
+    assert together == expected
+    assert len({tuple(e) for e in expected}) > 1  # the adapters do change the greedy output
