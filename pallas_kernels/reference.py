@@ -81,15 +81,20 @@ def sgmv_lora_delta_ref(x, lora_a, lora_b, seg_starts, seg_slot, seg_rank, seg_s
     return sgmv_expand_ref(y, v, lora_b, seg_starts, seg_slot, seg_rank, seg_scale)
 
 
-def segment_outer_ref(lhs, rhs, seg_starts):
-    """out[s] = lhs[seg s]^T @ rhs[seg s] in float32. lhs [T, p], rhs [T, q] -> [S, p, q]."""
-    num_segments = seg_starts.shape[0] - 1
-    seg, valid = row_segments(seg_starts, lhs.shape[0])
-    onehot = (seg[:, None] == jnp.arange(num_segments)) & valid[:, None]
-    return jnp.einsum(
-        "ts,tp,tq->spq",
-        onehot.astype(jnp.float32),
-        lhs.astype(jnp.float32),
-        rhs.astype(jnp.float32),
-        precision=_HIGHEST,
-    )
+def segment_outer_ref(lhs, rhs, seg_starts, seg_slot, seg_rank, rank_axis: int):
+    """out[s] = lhs[seg s]^T @ rhs[seg s] in float32, zero for slot -1 segments and at
+    indices >= the segment's rank along `rank_axis` (0: p, 1: q).
+
+    lhs [T, p], rhs [T, q] -> [S, p, q] (the per-segment A/B gradients).
+    """
+    num_rows, num_segments = lhs.shape[0], seg_slot.shape[0]
+    seg, valid = row_segments(seg_starts, num_rows)
+    scale = jnp.zeros(seg_slot.shape, jnp.float32)
+    row_slot, row_rank, _ = row_adapters(seg_starts, seg_slot, seg_rank, scale, num_rows)
+    lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
+    if rank_axis == 0:
+        lhs = jnp.where(_rank_mask(row_slot, row_rank, lhs.shape[1]), lhs, 0.0)
+    else:
+        rhs = jnp.where(_rank_mask(row_slot, row_rank, rhs.shape[1]), rhs, 0.0)
+    onehot = (seg[:, None] == jnp.arange(num_segments)) & (valid & (row_slot >= 0))[:, None]
+    return jnp.einsum("ts,tp,tq->spq", onehot.astype(jnp.float32), lhs, rhs, precision=_HIGHEST)

@@ -158,6 +158,10 @@ def _outer_kernel(starts_ref, slot_ref, rank_ref, lhs_ref, rhs_ref, out_ref, *,
         lhs = lhs_ref[pl.ds(tile * bm, bm), pl.ds(p_block * bp, bp)]
         rhs = rhs_ref[pl.ds(tile * bm, bm), pl.ds(q_block * bq, bq)]
         lhs = jnp.where(_row_mask(tile * bm, bm, start, end), lhs, 0)
+        if rank_axis == 0:
+            lhs = jnp.where(_col_mask(p_block * bp, bp, rank), lhs, 0)
+        else:
+            rhs = jnp.where(_col_mask(q_block * bq, bq, rank), rhs, 0)
         return acc + lax.dot_general(lhs, rhs, (((0,), (0,)), ((), ())),
                                      preferred_element_type=_F32)
 
@@ -169,8 +173,8 @@ def _outer_kernel(starts_ref, slot_ref, rank_ref, lhs_ref, rhs_ref, out_ref, *,
 
 def segment_outer_gpu(lhs, rhs, seg_starts, seg_slot, seg_rank, rank_axis: int,
                       cfg: TileConfig, interpret: bool):
-    """out[s] = lhs[seg s]^T @ rhs[seg s] (f32); zero for slot -1 / empty segments and for
-    blocks of the rank axis (0: p, 1: q) at or beyond the segment's rank.
+    """out[s] = lhs[seg s]^T @ rhs[seg s] (f32); zero for slot -1 / empty segments and at
+    indices >= the segment's rank along `rank_axis` (0: p, 1: q; whole blocks there are skipped).
 
     lhs [T, p], rhs [T, q] -> [S, p, q] float32.
     """
