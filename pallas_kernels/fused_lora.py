@@ -1,0 +1,233 @@
+"""FusedLoRA / FusedMultiLoRA linear layer for training (LoRAFusion §4.1): dispatch + custom_vjp.
+
+    y = x @ W + s_i * dropout_i(x) @ A_i @ B_i      (per row, adapter i of the row's segment)
+
+Five kernels instead of the ~10 ops of an unfused LoRA layer (LoRAFusion's split-graph fusion):
+forward D (S = dropout(x) @ A; S is tiny and stored) and E (y = x @ W + s * S @ B, one
+accumulator); backward I (dB and dS from one read of dY), K (dA = xhat^T dS) and L
+(dX = dY W^T + mask * dS A^T / (1 - p), one accumulator). W is frozen: no dW is computed and
+its cotangent is zero. Dropout masks come from a (seed, row, column) hash computed inside the
+kernels and regenerated in the backward (no mask tensor). See `fused_lora_gpu` (Triton),
+`fused_lora_tpu` (Mosaic) and `fused_lora_layout` (hash, tile layout, block config).
+
+`impl`: None (auto: "gpu" on a GPU backend, "tpu" on TPU, "reference" elsewhere), "reference"
+(pure jnp + JAX autodiff), "gpu" or "tpu"; a kernel style that does not match the backend runs
+with `interpret=True` (the TPU style with the TPU interpreter), which is how CPU tests run both.
+
+Multi-adapter batches: rows grouped by adapter (seg_starts int32 [S+1], seg_slot int32 [S],
+-1 = base model only; rows outside all segments are base-only too), adapters in pools
+lora_a [P, k, r_max], lora_b [P, r_max, n] with per-slot slot_rank int32 [P] (<= r_max; columns
+beyond it are ignored), slot_scale float [P] and slot_dropout float [P] (in [0, 1)). Any number
+of adapters per microbatch. The rows are laid out tile-aligned (`build_tile_layout`: each
+segment padded to whole row tiles, via a gather of x / scatter of y); build the layout once per
+microbatch and pass `layout=` to every layer to share it (its block_m then fixes the row tile).
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import fused_lora_gpu, fused_lora_tpu
+from pallas_kernels.fused_lora_layout import (
+    FusedLoRAConfig,
+    TileLayout,
+    build_tile_layout,
+    default_config,
+    fit_block,
+    gather_rows,
+    identity_tile_layout,
+    next_pow2,
+    pad_axis,
+    round_up,
+)
+from pallas_kernels.fused_lora_reference import (
+    fused_lora_linear_reference,
+    fused_lora_linear_single_reference,
+)
+
+IMPLS = (None, "reference", "gpu", "tpu")
+_F32 = jnp.float32
+_I32 = jnp.int32
+
+
+def resolve_fused_impl(impl: str | None):
+    """(style, interpret) for an impl name; interpret is False, True or TPU InterpretParams."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    backend = jax.default_backend()
+    if impl is None:
+        impl = backend if backend in ("gpu", "tpu") else "reference"
+    if impl == "reference" or impl == backend:
+        return impl, False
+    if impl == "tpu" and hasattr(pltpu, "InterpretParams"):
+        return impl, pltpu.InterpretParams()
+    return impl, True
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    style: str
+    interpret: Any
+    cfg: FusedLoRAConfig
+    block_k: int
+    block_n: int
+
+
+def row_block(impl: str | None, num_rows: int, dtype=jnp.float32,
+              config: FusedLoRAConfig | None = None) -> int:
+    """The row tile (layout granularity) the kernels of `impl` use for `num_rows` rows."""
+    style, _ = resolve_fused_impl(impl)
+    cfg = config or default_config(style)
+    if style == "tpu":
+        multiple = 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+        return max(multiple, round_up(min(cfg.block_m, num_rows), multiple))
+    return fit_block("gpu", cfg.block_m, num_rows)
+
+
+def make_layout(seg_starts, seg_slot, slot_rank, slot_scale, slot_dropout, num_rows: int, *,
+                impl: str | None = None, dtype=jnp.float32,
+                config: FusedLoRAConfig | None = None) -> TileLayout:
+    """Tile layout + lookup table for a microbatch, with the row tile `impl` uses (build once,
+    pass as `layout=` to every layer)."""
+    bm = row_block(impl, num_rows, dtype, config)
+    return build_tile_layout(seg_starts, seg_slot, slot_rank, slot_scale, slot_dropout,
+                             num_rows, bm)
+
+
+# --- the kernels' custom_vjp (tile layout, padded shapes) ---------------------------------------
+
+def _forward(plan: _Plan, x_p, w_p, a_p, b_p, layout: TileLayout, seed):
+    if plan.style == "gpu":
+        s = fused_lora_gpu.shrink_gpu(x_p, a_p, layout, seed, plan.cfg, plan.block_k,
+                                      plan.interpret)
+        y = fused_lora_gpu.base_expand_gpu(x_p, w_p, s, b_p, layout, plan.cfg, plan.block_k,
+                                           plan.block_n, plan.interpret)
+    else:
+        s = fused_lora_tpu.shrink_tpu(x_p, a_p, layout, seed, plan.block_k, plan.interpret)
+        y = fused_lora_tpu.base_expand_tpu(x_p, w_p, s, b_p, layout, seed, plan.block_k,
+                                           plan.block_n, plan.interpret)
+    return y, s
+
+
+def _to_slots(per_item, item_slot, item_active, num_slots: int):
+    """Sum per-tile / per-segment partials into their adapter slots (inactive ones dropped)."""
+    keep = item_active & (item_slot >= 0)
+    values = jnp.where(keep[:, None, None], per_item, 0.0)
+    return jax.ops.segment_sum(values, jnp.clip(item_slot, 0, num_slots - 1),
+                               num_segments=num_slots)
+
+
+def _backward(plan: _Plan, x_p, w_p, a_p, b_p, layout: TileLayout, seed, s, dy):
+    num_slots = a_p.shape[0]
+    dy = dy.astype(x_p.dtype)
+    if plan.style == "gpu":
+        ds, db_tiles = fused_lora_gpu.grad_s_b_gpu(dy, s, b_p, layout, plan.cfg, plan.block_n,
+                                                   plan.interpret)
+        db = _to_slots(db_tiles, layout.tile_slot, layout.tile_active, num_slots)
+        da_segs = fused_lora_gpu.grad_a_gpu(x_p, ds, layout, seed, plan.cfg, plan.block_k,
+                                            plan.interpret)
+        dx = fused_lora_gpu.grad_x_gpu(dy, w_p, ds, a_p, layout, seed, plan.cfg, plan.block_k,
+                                       plan.block_n, plan.interpret)
+    else:
+        ds, db_segs = fused_lora_tpu.grad_s_b_tpu(dy, s, b_p, layout, seed, plan.block_n,
+                                                  plan.interpret)
+        db = _to_slots(db_segs, layout.seg_slot, layout.seg_active, num_slots)
+        da_segs = fused_lora_tpu.grad_a_tpu(x_p, ds, layout, seed, plan.block_k,
+                                            plan.interpret)
+        dx = fused_lora_tpu.grad_x_tpu(dy, w_p, ds, a_p, layout, seed, plan.block_k,
+                                       plan.block_n, plan.interpret)
+    da = _to_slots(da_segs, layout.seg_slot, layout.seg_active, num_slots)
+    return dx, da.astype(a_p.dtype), db.astype(b_p.dtype)
+
+
+def _fused_core(plan, x_p, w_p, a_p, b_p, layout, seed):
+    return _forward(plan, x_p, w_p, a_p, b_p, layout, seed)[0]
+
+
+def _fused_core_fwd(plan, x_p, w_p, a_p, b_p, layout, seed):
+    y, s = _forward(plan, x_p, w_p, a_p, b_p, layout, seed)
+    return y, (x_p, w_p, a_p, b_p, layout, seed, s)
+
+
+def _fused_core_bwd(plan, residuals, dy):
+    x_p, w_p, a_p, b_p, layout, seed, s = residuals
+    dx, da, db = _backward(plan, x_p, w_p, a_p, b_p, layout, seed, s, dy)
+    # W is frozen (zero cotangent, never computed); the layout and the seed are metadata.
+    return dx, None, da, db, None, None
+
+
+_fused_core = jax.custom_vjp(_fused_core, nondiff_argnums=(0,))
+_fused_core.defvjp(_fused_core_fwd, _fused_core_bwd)
+
+
+# --- public ops -------------------------------------------------------------------------------
+
+def _prepare(style, interpret, cfg, x, w, lora_a, lora_b):
+    k, n = w.shape
+    r_max = lora_a.shape[2]
+    bk, bn = fit_block(style, cfg.block_k, k), fit_block(style, cfg.block_n, n)
+    kp, np_ = round_up(k, bk), round_up(n, bn)
+    r_pad = max(16, next_pow2(r_max))
+    dtype = x.dtype
+    w_p = pad_axis(pad_axis(w.astype(dtype), 0, kp), 1, np_)
+    a_p = pad_axis(pad_axis(lora_a.astype(dtype), 1, kp), 2, r_pad)
+    b_p = pad_axis(pad_axis(lora_b.astype(dtype), 1, r_pad), 2, np_)
+    return _Plan(style, interpret, cfg, bk, bn), kp, w_p, a_p, b_p
+
+
+def fused_lora_linear(x, w, lora_a, lora_b, seg_starts, seg_slot, slot_rank, slot_scale,
+                      slot_dropout, seed, *, impl: str | None = None,
+                      config: FusedLoRAConfig | None = None, layout: TileLayout | None = None):
+    """Multi-adapter fused LoRA linear layer (see the module docstring).
+
+    x [m, k], w [k, n] (frozen), lora_a [P, k, r_max], lora_b [P, r_max, n],
+    seg_starts int32 [S+1], seg_slot int32 [S], slot_rank int32 [P], slot_scale float [P],
+    slot_dropout float [P], seed int32 scalar -> y [m, n] (x.dtype).
+    Differentiable in x, lora_a and lora_b (w's gradient is zero: it is frozen).
+    `layout` (from `make_layout`, same impl) replaces the segment / slot metadata arguments.
+    """
+    style, interpret = resolve_fused_impl(impl)
+    if style == "reference":
+        return fused_lora_linear_reference(x, w, lora_a, lora_b, seg_starts, seg_slot,
+                                           slot_rank, slot_scale, slot_dropout, seed)
+    cfg = config or default_config(style)
+    m, k = x.shape
+    n = w.shape[1]
+    if layout is None:
+        slot_rank = jnp.minimum(slot_rank.astype(_I32), lora_a.shape[2])
+        layout = make_layout(seg_starts, seg_slot, slot_rank, slot_scale, slot_dropout, m,
+                             impl=impl, dtype=x.dtype, config=cfg)
+    elif layout.num_rows != m:
+        raise ValueError(f"layout is for {layout.num_rows} rows, x has {m}")
+    plan, kp, w_p, a_p, b_p = _prepare(style, interpret, cfg, x, w, lora_a, lora_b)
+    x_p = pad_axis(gather_rows(x, layout.row_src), 1, kp)
+    seed = jnp.reshape(jnp.asarray(seed, _I32), (1,))
+    y_p = _fused_core(plan, x_p, w_p, a_p, b_p, layout, seed)
+    return y_p[layout.row_dst, :n]
+
+
+def fused_lora_linear_single(x, w, a, b, scale, dropout, seed, *, impl: str | None = None,
+                             config: FusedLoRAConfig | None = None):
+    """Single-adapter fused LoRA linear layer (FusedLoRA): every row uses adapter (a, b).
+
+    x [m, k], w [k, n], a [k, r], b [r, n], scale / dropout float scalars, seed int32 scalar
+    -> y [m, n] (x.dtype). Rows stay in place (padded at the end to whole tiles; no gather).
+    """
+    style, interpret = resolve_fused_impl(impl)
+    if style == "reference":
+        return fused_lora_linear_single_reference(x, w, a, b, scale, dropout, seed)
+    cfg = config or default_config(style)
+    m = x.shape[0]
+    n = w.shape[1]
+    bm = row_block(impl, m, x.dtype, cfg)
+    layout = identity_tile_layout(
+        m, bm, jnp.array([a.shape[1]], _I32), jnp.reshape(jnp.asarray(scale, _F32), (1,)),
+        jnp.reshape(jnp.asarray(dropout, _F32), (1,)))
+    plan, kp, w_p, a_p, b_p = _prepare(style, interpret, cfg, x, w, a[None], b[None])
+    x_p = pad_axis(pad_axis(x, 0, layout.row_src.shape[0]), 1, kp)
+    seed = jnp.reshape(jnp.asarray(seed, _I32), (1,))
+    y_p = _fused_core(plan, x_p, w_p, a_p, b_p, layout, seed)
+    return y_p[:m, :n]
