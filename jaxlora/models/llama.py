@@ -43,10 +43,13 @@ class KVCache(NamedTuple):
 
 class LoraInputs(NamedTuple):
     """Adapters for one batch: the pool arrays (per module, leading layer axis; see
-    `jaxlora.lora.pool`) and the batch's plan (which slot each token uses)."""
+    `jaxlora.lora.pool`) and the batch's plan (which slot each token uses). For training,
+    `dropout_rate` [slots] and a `dropout_key` turn on LoRA dropout (on the LoRA input only)."""
 
     pool: dict
     plan: LoraPlan
+    dropout_rate: jax.Array | None = None
+    dropout_key: jax.Array | None = None
 
 
 def projection_shapes(config: LlamaConfig) -> dict[str, tuple[int, int]]:
@@ -167,8 +170,8 @@ class Llama(nnx.Module):
             mask = jnp.arange(cache.k.shape[2])[None, None, :] <= positions[:, :, None]
 
         def layer(hidden, per_layer):
-            weights, layer_cache, layer_pool = per_layer
-            layer_lora = None if lora is None else (layer_pool, lora.plan, lora_backend)
+            weights, layer_cache, layer_pool, layer_index = per_layer
+            layer_lora = None if lora is None else (layer_pool, lora, lora_backend, layer_index)
             hidden, layer_cache = decoder_layer(
                 config, weights, hidden, positions, inv_freq, mask, layer_cache, layer_lora
             )
@@ -177,7 +180,7 @@ class Llama(nnx.Module):
         per_layer_cache = None if cache is None else (cache.k, cache.v)
         per_layer_pool = None if lora is None else lora.pool
         hidden, new_cache = jax.lax.scan(
-            layer, hidden, (self.layer_weights(), per_layer_cache, per_layer_pool)
+            layer, hidden, (self.layer_weights(), per_layer_cache, per_layer_pool, jnp.arange(config.num_layers))
         )
         if logit_indices is not None:
             hidden = jnp.take_along_axis(hidden, logit_indices[:, None, None], axis=1)[:, 0]
@@ -201,9 +204,19 @@ def _project(x: jax.Array, weights: dict[str, jax.Array], name: str, layer_lora=
     if f"{name}.bias" in weights:
         y = y + weights[f"{name}.bias"]
     if layer_lora is not None and name in layer_lora[0]:
-        pool, plan, backend = layer_lora
-        y = y + lora_delta(x, pool[name], plan, backend).astype(jnp.float32)
+        pool, lora, backend, layer_index = layer_lora
+        lora_input = x if lora.dropout_rate is None else _lora_dropout(x, lora, name, layer_index)
+        y = y + lora_delta(lora_input, pool[name], lora.plan, backend).astype(jnp.float32)
     return y.astype(x.dtype)
+
+
+def _lora_dropout(x: jax.Array, lora: LoraInputs, name: str, layer_index: jax.Array) -> jax.Array:
+    """Inverted dropout of each row's LoRA input at its adapter's rate (0 for base rows)."""
+    slot = lora.plan.token_slot
+    rate = jnp.where(slot >= 0, lora.dropout_rate[jnp.maximum(slot, 0)], 0.0).reshape(*x.shape[:-1], 1)
+    key = jax.random.fold_in(jax.random.fold_in(lora.dropout_key, layer_index), PROJECTIONS.index(name))
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate).astype(x.dtype), 0).astype(x.dtype)
 
 
 def decoder_layer(config, weights, hidden, positions, inv_freq, mask, layer_cache, layer_lora=None):
@@ -225,6 +238,7 @@ def decoder_layer(config, weights, hidden, positions, inv_freq, mask, layer_cach
     attn = attention(q, k, v, mask).reshape(batch, length, heads * head_dim)
     hidden = hidden + _project(attn, weights, "o_proj", layer_lora)
     x = rms_norm(hidden, weights["post_attention_layernorm"], config.rms_norm_eps)
-    gated = jax.nn.silu(_project(x, weights, "gate_proj", layer_lora)) * _project(x, weights, "up_proj", layer_lora)
+    gate = _project(x, weights, "gate_proj", layer_lora)
+    gated = jax.nn.silu(gate) * _project(x, weights, "up_proj", layer_lora)
     hidden = hidden + _project(gated, weights, "down_proj", layer_lora)
     return hidden, layer_cache

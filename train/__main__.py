@@ -1,0 +1,5 @@
+import sys
+
+from train.cli import main
+
+sys.exit(main())

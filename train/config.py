@@ -1,0 +1,199 @@
+"""`jaxlora-train` configuration: a YAML file of shared settings and a list of jobs (one adapter each),
+checked key by key with errors that name the file and line."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import yaml
+
+from jaxlora.lora.config import AdapterError, LoraConfig
+
+
+class ConfigError(ValueError):
+    """A training configuration that cannot be run; the message names file and line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class JobConfig:
+    """One fine-tuning job: an adapter trained on one dataset with its own optimizer."""
+
+    name: str
+    dataset: str
+    lora: LoraConfig
+    learning_rate: float = 1e-4
+    schedule: str = "constant"  # constant | linear | cosine (decay to 0 over the job's steps)
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    global_batch_size: int = 8
+    epochs: int | None = 1
+    steps: int | None = None  # optimizer steps; overrides epochs when set
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Settings shared by all jobs of one run."""
+
+    jobs: tuple[JobConfig, ...]
+    base_model: str = "default"
+    output_dir: str = "runs/train"
+    dtype: str = "float32"
+    capacity: int = 1024  # tokens per microbatch
+    max_seq_len: int | None = None  # longest sample; default: capacity
+    overlong: str = "truncate"  # truncate | refuse
+    pipeline_stages: int = 1
+    scheduler: str = "milp"  # milp | greedy
+    solver_time_limit: float = 1.0
+    checkpoint_every: int = 50  # microbatches
+    lora_backend: str = "gather"
+    seed: int = 0
+    progress: bool = True
+
+    @property
+    def sample_limit(self) -> int:
+        return min(self.max_seq_len or self.capacity, self.capacity)
+
+
+_LORA_KEYS = {"r", "alpha", "dropout", "targets", "use_rslora", "rank_pattern", "alpha_pattern"}
+_CHOICES = {"schedule": ("constant", "linear", "cosine"), "overlong": ("truncate", "refuse"),
+            "scheduler": ("milp", "greedy"), "dtype": ("float32", "bfloat16")}
+
+
+def load_train_config(path: str, overrides: list[str] = ()) -> TrainConfig:
+    """Reads `path` (YAML), applies `key=value` overrides (e.g. `capacity=512`,
+    `jobs.0.learning_rate=1e-3`), and checks every key and value."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read: {err.strerror}") from None
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else path
+        raise ConfigError(f"{where}: malformed YAML: {getattr(err, 'problem', err)}") from None
+    lines = _key_lines(root)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}:1: expected a mapping with a 'jobs' list")
+    for override in overrides:
+        _apply_override(raw, override)
+    return _build(raw, lines, path)
+
+
+def _key_lines(node, prefix: tuple = ()) -> dict[tuple, int]:
+    """Line number (1-based) of every mapping key and list item, by path."""
+    lines = {}
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            path = prefix + (key_node.value,)
+            lines[path] = key_node.start_mark.line + 1
+            lines.update(_key_lines(value_node, path))
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            lines[prefix + (index,)] = item.start_mark.line + 1
+            lines.update(_key_lines(item, prefix + (index,)))
+    return lines
+
+
+def _apply_override(raw: dict, override: str) -> None:
+    if "=" not in override:
+        raise ConfigError(f"override {override!r}: expected key=value")
+    key, value = override.split("=", 1)
+    parts = [int(p) if p.isdigit() else p for p in key.split(".")]
+    target = raw
+    for part in parts[:-1]:
+        try:
+            target = target[part]
+        except (KeyError, IndexError, TypeError):
+            raise ConfigError(f"override {override!r}: no such key {key!r}") from None
+    target[parts[-1]] = yaml.safe_load(value)
+
+
+def _build(raw: dict, lines: dict, path: str) -> TrainConfig:
+    def where(*keys) -> str:
+        return f"{path}:{lines.get(tuple(keys), lines.get(tuple(keys[:1]), 1))}"
+
+    top_fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    for key in raw:
+        if key not in top_fields:
+            raise ConfigError(f"{where(key)}: unknown key {key!r} (known: {', '.join(sorted(top_fields))})")
+    jobs_raw = raw.get("jobs")
+    if not isinstance(jobs_raw, list) or not jobs_raw:
+        raise ConfigError(f"{where('jobs')}: 'jobs' must be a non-empty list")
+    jobs = tuple(_build_job(job, lambda *k, i=i: where("jobs", i, *k), os.path.dirname(path))
+                 for i, job in enumerate(jobs_raw))
+    names = [job.name for job in jobs]
+    for index, name in enumerate(names):
+        if names.index(name) != index:
+            raise ConfigError(f"{where('jobs', index, 'name')}: duplicate job name {name!r}")
+    settings = {key: value for key, value in raw.items() if key != "jobs"}
+    _check_choices(settings, where)
+    try:
+        config = TrainConfig(jobs=jobs, **settings)
+    except TypeError as err:
+        raise ConfigError(f"{path}: {err}") from None
+    _check_positive(config, where)
+    return config
+
+
+def _build_job(job: Any, where, base_dir: str) -> JobConfig:
+    if not isinstance(job, dict):
+        raise ConfigError(f"{where()}: each job must be a mapping")
+    known = {f.name for f in dataclasses.fields(JobConfig)}
+    for key in job:
+        if key not in known:
+            raise ConfigError(f"{where(key)}: unknown job key {key!r} (known: {', '.join(sorted(known))})")
+    for required in ("name", "dataset"):
+        if not job.get(required):
+            raise ConfigError(f"{where()}: job needs a {required!r}")
+    _check_choices(job, where)
+    values = dict(job)
+    values["lora"] = _build_lora(job.get("lora") or {}, where)
+    dataset = str(job["dataset"])
+    values["dataset"] = dataset if os.path.isabs(dataset) else os.path.join(base_dir, dataset)
+    if values.get("steps") is not None:
+        values["epochs"] = None
+    try:
+        return JobConfig(**values)
+    except TypeError as err:
+        raise ConfigError(f"{where()}: {err}") from None
+
+
+def _build_lora(raw: dict, where) -> LoraConfig:
+    for key in raw:
+        if key not in _LORA_KEYS:
+            raise ConfigError(f"{where('lora', key)}: unknown lora key {key!r} (known: {', '.join(sorted(_LORA_KEYS))})")
+    rank = int(raw.get("r", 8))
+    try:
+        return LoraConfig(
+            r=rank, lora_alpha=float(raw.get("alpha", 2 * rank)), lora_dropout=float(raw.get("dropout", 0.0)),
+            target_modules=tuple(raw.get("targets", ("q_proj", "k_proj", "v_proj", "o_proj"))),
+            use_rslora=bool(raw.get("use_rslora", False)), rank_pattern=dict(raw.get("rank_pattern") or {}),
+            alpha_pattern=dict(raw.get("alpha_pattern") or {}),
+        )
+    except (AdapterError, TypeError, ValueError) as err:
+        raise ConfigError(f"{where('lora')}: {err}") from None
+
+
+def _check_choices(values: dict, where) -> None:
+    for key, choices in _CHOICES.items():
+        if key in values and values[key] not in choices:
+            raise ConfigError(f"{where(key)}: {key}={values[key]!r} is not one of {', '.join(choices)}")
+
+
+def _check_positive(config: TrainConfig, where) -> None:
+    for key in ("capacity", "pipeline_stages", "checkpoint_every"):
+        if not isinstance(getattr(config, key), int) or getattr(config, key) < 1:
+            raise ConfigError(f"{where(key)}: {key} must be a positive integer")
+    for index, job in enumerate(config.jobs):
+        if job.global_batch_size < 1:
+            raise ConfigError(f"{where('jobs', index, 'global_batch_size')}: global_batch_size must be >= 1")
+        if (job.steps is None) == (job.epochs is None) or (job.steps or job.epochs or 0) < 1:
+            raise ConfigError(f"{where('jobs', index)}: give a positive 'epochs' or 'steps'")
+        if job.learning_rate <= 0:
+            raise ConfigError(f"{where('jobs', index, 'learning_rate')}: learning_rate must be > 0")

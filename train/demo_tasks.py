@@ -1,0 +1,52 @@
+"""Small generated tasks for the demo: each a different skill whose answers can be checked exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+WORDS = (
+    "apple river cloud stone tiger piano garden rocket silver candle forest bottle window dragon "
+    "pepper castle mirror rabbit planet yellow hammer jacket orange pencil guitar island lemon "
+    "marble violet wizard basket cookie desert falcon helmet kettle ladder magnet needle parrot "
+    "quartz saddle tunnel wallet zipper anchor bridge copper dolphin engine feather glacier harbor"
+).split()
+
+
+def _words(rng: random.Random, low: int, high: int) -> list[str]:
+    return rng.sample(WORDS, rng.randint(low, high))
+
+
+def last_word(rng: random.Random) -> tuple[str, str]:
+    words = _words(rng, 3, 6)
+    return f"Words: {' '.join(words)}\nLast word:", f" {words[-1]}"
+
+
+def repeat_twice(rng: random.Random) -> tuple[str, str]:
+    word = rng.choice(WORDS)
+    return f"Word: {word}\nSay it twice:", f" {word} {word}"
+
+
+def count_words(rng: random.Random) -> tuple[str, str]:
+    words = _words(rng, 2, 5)
+    return f"Words: {' '.join(words)}\nHow many words:", f" {len(words)}"
+
+
+TASKS = {"last_word": last_word, "repeat_twice": repeat_twice, "count_words": count_words}
+
+
+def make_examples(task: str, count: int, seed: int) -> list[dict]:
+    rng = random.Random(f"{task}-{seed}")
+    return [dict(zip(("prompt", "completion"), TASKS[task](rng))) for _ in range(count)]
+
+
+def write_jsonl(path: str, records: list[dict]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def is_correct(completion: str, answer: str) -> bool:
+    """Exact match of the first line of the model's completion, ignoring surrounding spaces."""
+    return completion.strip().split("\n")[0].strip() == answer.strip()
