@@ -161,7 +161,7 @@ class Trainer:
                 for i, (job, cfg) in enumerate(zip(self.jobs, self.config.jobs))]
 
     def _state(self, microbatch: int) -> dict:
-        return {"microbatch": np.int64(microbatch), "trainable": self.trainable, "grads_acc": self.grads_acc,
+        return {"microbatch": np.asarray(microbatch, np.int64), "trainable": self.trainable, "grads_acc": self.grads_acc,
                 "loss_acc": self.loss_acc, "opt_states": list(self.opt_states),
                 "steps_done": np.asarray([job.steps_done for job in self.jobs], np.int64)}
 

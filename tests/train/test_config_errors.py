@@ -1,0 +1,79 @@
+"""Bad training input gets a clear error naming the file and the line."""
+
+import json
+
+import pytest
+
+from jaxlora.tokenizer import Tokenizer
+from train.config import ConfigError, load_train_config
+from train.data import load_job_samples, read_jsonl
+
+GOOD = """\
+output_dir: out
+capacity: 256
+jobs:
+  - name: a
+    dataset: a.jsonl
+    lora: {r: 4, alpha: 8}
+    steps: 2
+  - name: b
+    dataset: b.jsonl
+    epochs: 1
+"""
+
+
+def _write(tmp_path, text, name="jobs.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_good_config_and_overrides(tmp_path):
+    config = load_train_config(_write(tmp_path, GOOD), ["capacity=512", "jobs.1.learning_rate=0.01"])
+    assert config.capacity == 512 and config.jobs[1].learning_rate == 0.01
+    assert config.jobs[0].lora.r == 4 and config.jobs[0].steps == 2 and config.jobs[0].epochs is None
+    assert config.jobs[0].dataset == str(tmp_path / "a.jsonl")
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("jobs: [\n  - name: a\n", r"jobs\.yaml:2: malformed YAML"),
+    (GOOD.replace("capacity: 256", "capcity: 256"), r"jobs\.yaml:2: unknown key 'capcity'"),
+    (GOOD.replace("    epochs: 1", "    epochs: 1\n    learning_rat: 3"), r"jobs\.yaml:11: unknown job key 'learning_rat'"),
+    (GOOD.replace("lora: {r: 4, alpha: 8}", "lora: {r: 4, rank: 8}"), r"jobs\.yaml:6: unknown lora key 'rank'"),
+    (GOOD.replace("name: b", "name: a"), r"jobs\.yaml:8: duplicate job name 'a'"),
+    (GOOD.replace("capacity: 256", "capacity: -3"), r"jobs\.yaml:2: capacity must be a positive integer"),
+    (GOOD.replace("steps: 2", "steps: 2\n    schedule: sideways"), r"jobs\.yaml:8: schedule='sideways'"),
+    ("output_dir: out\n", r"jobs\.yaml:1: 'jobs' must be a non-empty list"),
+])
+def test_bad_configs(tmp_path, text, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_train_config(_write(tmp_path, text))
+
+
+def test_bad_override(tmp_path):
+    with pytest.raises(ConfigError, match="no such key"):
+        load_train_config(_write(tmp_path, GOOD), ["jobs.7.learning_rate=1"])
+
+
+@pytest.mark.parametrize("lines, expected", [
+    (['{"prompt": "a", "completion": "b"}', '{"prompt": "a", "completion": '], r"data\.jsonl:2: not valid JSON"),
+    (['{"prompt": "a", "completion": 3}'], r"data\.jsonl:1: expected 'text', 'prompt'\+'completion'"),
+    (['', '   '], r"data\.jsonl: the dataset is empty"),
+    (['{"messages": [{"role": "user", "content": "hi"}]}'], r"data\.jsonl:1: 'messages' has no assistant turn"),
+])
+def test_bad_datasets(tmp_path, lines, expected):
+    path = _write(tmp_path, "\n".join(lines) + "\n", "data.jsonl")
+    with pytest.raises(ConfigError, match=expected):
+        read_jsonl(path)
+
+
+def test_overlong_samples_truncate_or_refuse(tmp_path, smollm2):
+    _, tokenizer = smollm2
+    path = _write(tmp_path, json.dumps({"text": "word " * 40}) + "\n"
+                  + json.dumps({"prompt": "short", "completion": " ok"}) + "\n", "data.jsonl")
+    config = load_train_config(_write(tmp_path, GOOD.replace("a.jsonl", "data.jsonl")))
+    job = config.jobs[0]
+    with pytest.raises(ConfigError, match=r"data\.jsonl:1: sample has \d+ tokens, more than the limit of 16"):
+        load_job_samples(job, tokenizer, max_len=16, overlong="refuse")
+    samples = load_job_samples(job, tokenizer, max_len=16, overlong="truncate")
+    assert len(samples[0].tokens) == 16 and len(samples[1].tokens) < 16
