@@ -43,12 +43,12 @@ def arrays(seed, num_rows, k, n, r_max, num_slots, dtype):
 
 
 # Mixed ranks 8..128 in one batch, an empty segment, a slot -1 segment, a slot used twice, a
-# padded empty segment at the end; T = 50 (not a multiple of 16) with 3 trailing padding rows.
+# padded empty segment at the end, pool slot 5 used by no segment; T = 50 (not a multiple of 16) with 3 trailing padding rows.
 MIXED = dict(
     sizes=[5, 0, 9, 13, 6, 7, 7, 0],
     slots=[1, 2, -1, 0, 3, 4, 1, -1],
     ranks=[8, 16, 32, 128, 64, 17, 8, 0],
-    num_rows=50, k=48, n=64, r_max=128, num_slots=5,
+    num_rows=50, k=48, n=64, r_max=128, num_slots=6,
 )
 
 
