@@ -8,7 +8,8 @@ For x [m, k], W [k, n], rank r, bf16, it times (median of --iters runs, jitted):
 for one adapter and for --adapters adapters of equal share; "fwd" is y, "fwd+bwd" is y plus
 dX, dA, dB. The dropout mask of the XLA baseline uses the same hash (not jax.random).
 
-Run: python bench/fused_lora.py [--m 4096 --k 4096 --n 4096 --rank 16] [--out FILE.json]
+Run from the repo root: python bench/fused_lora.py [--m 4096 --k 4096 --n 4096 --rank 16]
+[--out FILE.json] (prefix PYTHONPATH=. where the project is not pip-installed).
 """
 
 import argparse

@@ -267,14 +267,12 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def fit_block(style: str, target: int, dim: int, lane: bool = True) -> int:
-    """Legal block for a dimension: GPU a power of two >= 16 (<= target, <= pow2 cover of dim);
-    TPU the whole dimension when it fits in target, else target (a multiple of 128 for lane
-    dimensions, of 8 for row dimensions)."""
+def fit_block(style: str, target: int, dim: int) -> int:
+    """Legal block for a k / n dimension: GPU a power of two >= 16 (<= target, <= the power of
+    two covering dim); TPU the whole dimension when it fits in target, else target rounded down
+    to a multiple of 128 (lanes). The dimension is then zero-padded to a multiple of it."""
     if style == "tpu":
-        if dim <= target:
-            return round_up(dim, 8) if not lane else dim
-        return max(128 if lane else 8, target // (128 if lane else 8) * (128 if lane else 8))
+        return dim if dim <= target else max(128, target // 128 * 128)
     return max(16, min(next_pow2(target), next_pow2(dim)))
 
 
