@@ -28,7 +28,7 @@ def test_sgmv_on_gpu(dtype):
     out = jax.jit(pk.sgmv_expand)(y, v, lora_b, starts, slots, ranks, scales)
     expected = ref.sgmv_expand_ref(y, v, lora_b, starts, slots, ranks, scales)
     assert rel_err(out - y, expected - y) <= TOL[dtype]
-    np.testing.assert_array_equal(np.asarray(out)[110:180], np.asarray(y)[110:180])  # slot -1
+    np.testing.assert_array_equal(np.asarray(out)[40:110], np.asarray(y)[40:110])  # slot -1
 
 
 @pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16))
