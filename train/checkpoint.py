@@ -30,6 +30,8 @@ class Checkpointer:
 
     def save(self, step: int, state) -> None:
         manager = self._manager()
+        if manager.latest_step() == step:
+            return  # already saved (the last periodic checkpoint fell on the final microbatch)
         manager.save(step, args=ocp.args.StandardSave(state), force=True)
         manager.wait_until_finished()
 

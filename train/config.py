@@ -39,7 +39,7 @@ class TrainConfig:
 
     jobs: tuple[JobConfig, ...]
     base_model: str = "default"
-    output_dir: str = "runs/train"
+    output_dir: str = "runs/train"  # relative paths (here and for datasets) start at the YAML file
     dtype: str = "float32"
     capacity: int = 1024  # tokens per microbatch
     max_seq_len: int | None = None  # longest sample; default: capacity
@@ -133,6 +133,8 @@ def _build(raw: dict, lines: dict, path: str) -> TrainConfig:
             raise ConfigError(f"{where('jobs', index, 'name')}: duplicate job name {name!r}")
     settings = {key: value for key, value in raw.items() if key != "jobs"}
     _check_choices(settings, where)
+    output_dir = str(settings.get("output_dir", TrainConfig.output_dir))
+    settings["output_dir"] = output_dir if os.path.isabs(output_dir) else os.path.join(os.path.dirname(path), output_dir)
     try:
         config = TrainConfig(jobs=jobs, **settings)
     except TypeError as err:
