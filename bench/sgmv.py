@@ -4,7 +4,8 @@
 
 SGMV: shrink + expand, T rows split evenly over the adapters, against `lax.ragged_dot` (the
 XLA grouped matmul). BGMV: one row per request (batch 256), each its own adapter, against a
-gather + einsum. Prints one line per case (median microseconds over --iters runs).
+gather + einsum. Prints one line per case (median microseconds over --iters runs). Pools and metadata are jit
+arguments (not constants), so XLA cannot constant-fold the baselines.
 """
 
 import argparse
@@ -45,22 +46,26 @@ def bench_sgmv(rows, hidden, rank, adapters, iters, dtype=jnp.bfloat16):
     scales = jnp.ones((adapters,), jnp.float32)
     y = jnp.zeros((rows, hidden), dtype)
 
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+
     @jax.jit
-    def kernels(x, y):
+    def kernels(x, y, lora_a, lora_b, starts, slots, ranks, scales):
         v = pk.sgmv_shrink(x, lora_a, starts, slots, ranks)
         return pk.sgmv_expand(y, v, lora_b, starts, slots, ranks, scales)
 
     @jax.jit
-    def ragged(x, y):
-        group_sizes = jnp.asarray(sizes, jnp.int32)
+    def ragged(x, y, lora_a, lora_b, group_sizes):
         v = jax.lax.ragged_dot(x, lora_a, group_sizes).astype(dtype)
         return y + jax.lax.ragged_dot(v, lora_b, group_sizes).astype(dtype)
 
-    err = jnp.linalg.norm((kernels(x, y) - ragged(x, y)).astype(jnp.float32))
-    err = float(err / jnp.linalg.norm(ragged(x, y).astype(jnp.float32)))
+    kernel_args = (x, y, lora_a, lora_b, starts, slots, ranks, scales)
+    ragged_args = (x, y, lora_a, lora_b, group_sizes)
+    expected = ragged(*ragged_args).astype(jnp.float32)
+    err = jnp.linalg.norm(kernels(*kernel_args).astype(jnp.float32) - expected)
+    err = float(err / jnp.linalg.norm(expected))
     print(f"sgmv T={rows} h={hidden} r={rank} adapters={adapters}: "
-          f"kernels {_median_us(kernels, x, y, iters=iters):.0f} us, "
-          f"ragged_dot {_median_us(ragged, x, y, iters=iters):.0f} us, rel diff {err:.1e}")
+          f"kernels {_median_us(kernels, *kernel_args, iters=iters):.0f} us, "
+          f"ragged_dot {_median_us(ragged, *ragged_args, iters=iters):.0f} us, rel diff {err:.1e}")
 
 
 def bench_bgmv(batch, hidden, rank, iters, dtype=jnp.bfloat16):
@@ -72,18 +77,19 @@ def bench_bgmv(batch, hidden, rank, iters, dtype=jnp.bfloat16):
     y = jnp.zeros((batch, hidden), dtype)
 
     @jax.jit
-    def kernels(x, y):
+    def kernels(x, y, lora_a, lora_b, row_slot, row_rank, row_scale):
         v = pk.bgmv_shrink(x, lora_a, row_slot, row_rank)
         return pk.bgmv_expand(y, v, lora_b, row_slot, row_rank, row_scale)
 
     @jax.jit
-    def gather(x, y):
+    def gather(x, y, lora_a, lora_b, row_slot):
         v = jnp.einsum("bk,bkr->br", x, lora_a[row_slot]).astype(dtype)
         return y + jnp.einsum("br,brn->bn", v, lora_b[row_slot]).astype(dtype)
 
+    args = (x, y, lora_a, lora_b, row_slot)
     print(f"bgmv B={batch} h={hidden} r={rank} (distinct adapters): "
-          f"kernels {_median_us(kernels, x, y, iters=iters):.0f} us, "
-          f"gather+einsum {_median_us(gather, x, y, iters=iters):.0f} us")
+          f"kernels {_median_us(kernels, *args, row_rank, row_scale, iters=iters):.0f} us, "
+          f"gather+einsum {_median_us(gather, *args, iters=iters):.0f} us")
 
 
 def main():
