@@ -5,17 +5,21 @@ Backends (all compute the same function; the plan says which slot each row uses)
   "gather"     gather each row's A/B, then batched einsums;
   "ragged_dot" rows grouped by slot, `jax.lax.ragged_dot` (base rows use an extra zero adapter);
   "onehot"     x against every slot, then a one-hot selection;
-  "pallas"     the SGMV kernels of `pallas_kernels` on the grouped rows.
+  "pallas"     the SGMV kernels of `pallas_kernels` on the grouped rows: compiled on a GPU/TPU,
+               the GPU-style kernel in interpret mode on a CPU;
+  "pallas_gpu", "pallas_tpu"  one kernel style explicitly (interpret mode off its own backend).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from jaxlora.lora.plan import LoraPlan
 
-BACKENDS = ("loop", "gather", "ragged_dot", "onehot", "pallas")
+BACKENDS = ("loop", "gather", "ragged_dot", "onehot", "pallas", "pallas_gpu", "pallas_tpu")
 _F32 = jnp.float32
 
 
@@ -83,18 +87,24 @@ def _onehot(rows, module_pool, plan):
     return jnp.einsum("nsr,ns,srm->nm", shrunk_all, selector, b.astype(_F32), preferred_element_type=_F32)
 
 
-def _pallas(rows, module_pool, plan):
+def _pallas(rows, module_pool, plan, impl=None):
     import pallas_kernels
 
+    if impl is None:
+        impl = jax.default_backend() if jax.default_backend() in ("gpu", "tpu") else "gpu"
     seg_valid = plan.seg_slot >= 0
     seg_slot_clamped = jnp.maximum(plan.seg_slot, 0)
     seg_rank = jnp.where(seg_valid, module_pool["rank"][seg_slot_clamped], 0).astype(jnp.int32)
     seg_scale = jnp.where(seg_valid, module_pool["scale"][seg_slot_clamped], 0.0).astype(_F32)
     grouped = rows[plan.perm]
     delta = pallas_kernels.sgmv_lora_delta(
-        grouped, module_pool["a"], module_pool["b"], plan.seg_starts, plan.seg_slot, seg_rank, seg_scale
+        grouped, module_pool["a"], module_pool["b"], plan.seg_starts, plan.seg_slot, seg_rank, seg_scale,
+        impl=impl,
     )
     return delta.astype(_F32)[plan.inv_perm]
 
 
-_BACKEND_FNS = {"loop": _loop, "gather": _gather, "ragged_dot": _ragged_dot, "onehot": _onehot, "pallas": _pallas}
+_BACKEND_FNS = {
+    "loop": _loop, "gather": _gather, "ragged_dot": _ragged_dot, "onehot": _onehot, "pallas": _pallas,
+    "pallas_gpu": functools.partial(_pallas, impl="gpu"), "pallas_tpu": functools.partial(_pallas, impl="tpu"),
+}

@@ -13,7 +13,7 @@ from jaxlora.models.llama import LoraInputs
 from jaxlora.models.llama import PROJECTIONS
 from tests.jaxlora.hf_checkpoints import relative_error
 
-REFERENCE_BACKENDS = [b for b in BACKENDS if b != "pallas"]
+REFERENCE_BACKENDS = [b for b in BACKENDS if not b.startswith("pallas")]
 RANKS = (8, 16, 64)
 ROW_ADAPTER = [1, -1, 2, 0, 1]  # adapter index of each batch row (-1: base model), deliberately unsorted
 SEQ_LEN = 12
@@ -58,7 +58,7 @@ def alone_logits(setup):
     return [_alone(model, adapters, tokens[row], index) for row, index in enumerate(ROW_ADAPTER)]
 
 
-@pytest.mark.parametrize("backend", REFERENCE_BACKENDS)
+@pytest.mark.parametrize("backend", REFERENCE_BACKENDS + ["pallas_gpu", "pallas_tpu"])
 def test_mixed_batch_equals_each_adapter_alone(setup, alone_logits, backend):
     model, _, pool, slots, tokens = setup
     token_slot = np.array([[slots[i] if i >= 0 else -1] * SEQ_LEN for i in ROW_ADAPTER])
