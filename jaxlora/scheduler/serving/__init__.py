@@ -1,0 +1,18 @@
+"""The serving policy (ARCHITECTURE §6): continuous batching under a token budget, KV-page
+admission control, and the LRU device adapter slots with prefetch. Host-side only (no JAX)."""
+
+from jaxlora.scheduler.serving.adapters import AdapterSlots
+from jaxlora.scheduler.serving.pages import PageAllocator, pages_for
+from jaxlora.scheduler.serving.policy import (
+    SchedulerConfig,
+    Sequence,
+    ServingScheduler,
+    Status,
+    StepPlan,
+    StepRow,
+)
+
+__all__ = [
+    "AdapterSlots", "PageAllocator", "SchedulerConfig", "Sequence", "ServingScheduler", "Status",
+    "StepPlan", "StepRow", "pages_for",
+]

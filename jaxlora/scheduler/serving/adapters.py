@@ -1,0 +1,80 @@
+"""Which adapter sits in which device pool slot, with LRU eviction (host bookkeeping, no JAX).
+
+Adapters are identified by a key (any hashable; the engine uses a unique id per registered
+adapter). A slot is *pinned* while running requests use its adapter: pinned slots are never
+evicted. The caller does the actual device copy for every `(slot, key)` this class hands out.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+
+class AdapterSlots:
+    """N slots; `acquire` places an adapter (free slot first, else the least recently used unpinned one)."""
+
+    def __init__(self, num_slots: int):
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.num_slots = num_slots
+        self.keys: list = [None] * num_slots
+        self._pins = [0] * num_slots
+        self._last_used = [0] * num_slots
+        self._clock = itertools.count(1)
+
+    def slot_of(self, key) -> int | None:
+        return self.keys.index(key) if key in self.keys else None
+
+    def resident(self) -> list:
+        return [key for key in self.keys if key is not None]
+
+    def victim(self, protect=()) -> int | None:
+        """The slot to fill next: a free one, else the LRU unpinned one whose key is not in `protect`."""
+        if None in self.keys:
+            return self.keys.index(None)
+        candidates = [s for s in range(self.num_slots) if self._pins[s] == 0 and self.keys[s] not in protect]
+        return min(candidates, key=lambda s: self._last_used[s]) if candidates else None
+
+    def can_place(self, key) -> bool:
+        return key in self.keys or self.victim() is not None
+
+    def place(self, key, protect=()) -> tuple[int, bool] | None:
+        """(slot, whether it must be loaded) for `key`, without pinning; None if no slot can be had."""
+        slot = self.slot_of(key)
+        if slot is not None:
+            return slot, False
+        slot = self.victim(protect)
+        if slot is None:
+            return None
+        self.keys[slot] = key
+        self._last_used[slot] = next(self._clock)
+        return slot, True
+
+    def pin(self, key) -> int:
+        slot = self.keys.index(key)
+        self._pins[slot] += 1
+        self.touch(key)
+        return slot
+
+    def unpin(self, key) -> None:
+        slot = self.keys.index(key)
+        if self._pins[slot] == 0:
+            raise ValueError(f"adapter {key!r} is not pinned")
+        self._pins[slot] -= 1
+
+    def touch(self, key) -> None:
+        self._last_used[self.keys.index(key)] = next(self._clock)
+
+    def pinned(self, key) -> bool:
+        slot = self.slot_of(key)
+        return slot is not None and self._pins[slot] > 0
+
+    def drop(self, key) -> int | None:
+        """Forgets an unpinned adapter (its slot becomes free); returns the slot, or None if absent."""
+        slot = self.slot_of(key)
+        if slot is None:
+            return None
+        if self._pins[slot]:
+            raise ValueError(f"adapter {key!r} is in use by running requests")
+        self.keys[slot] = None
+        return slot

@@ -1,0 +1,246 @@
+"""The serving policy: iteration-level continuous batching under a token budget (Orca, S-LoRA).
+
+Every step the scheduler picks, from the requests it knows, which tokens run next:
+  1. one decode token for every running request that has finished its prompt;
+  2. the next prompt chunk (at most `prefill_chunk` tokens) of running requests still in prefill;
+  3. new requests from the queue, first come first served, while the step has token budget,
+     rows, KV pages and an adapter slot for them.
+Requests join and leave at every step. Rows of a step are returned grouped by adapter slot
+(base-model rows last), the order the LoRA batch plan wants.
+
+Admission control: a request is admitted only when the page pool can hold its whole sequence
+(prompt + max_tokens), so a running request never waits for memory and nothing is preempted;
+its pages come back when it finishes or is aborted. Adapter slots: a running request pins its
+adapter's slot; admitting a request whose adapter is not on the device takes a free slot or
+evicts the least recently used unpinned adapter (the caller copies the weights before the step).
+If the head of the queue cannot get a slot (all pinned), later requests whose adapters are
+already on the device may go first (adapter-aware skipping); if it lacks pages, admission stops,
+so long requests are not starved.
+
+Pure host-side Python: no JAX here; `serve.engine` turns a `StepPlan` into device arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+from typing import Hashable
+
+from jaxlora.scheduler.serving.adapters import AdapterSlots
+from jaxlora.scheduler.serving.pages import PageAllocator, pages_for
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class Sequence:
+    """One generation: prompt ids, generated ids, its pages, and how many tokens are in the cache."""
+
+    seq_id: Hashable
+    prompt: list[int]
+    max_tokens: int
+    adapter: Hashable | None = None  # adapter key, None for the base model
+    eos_ids: frozenset[int] = frozenset()
+    output: list[int] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    order: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose keys/values are not in the cache yet (1 while decoding)."""
+        return len(self.prompt) + len(self.output) - self.num_computed
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < len(self.prompt)
+
+    def append(self, token: int) -> str | None:
+        """Records a generated token; returns "stop" or "length" if the sequence is now done."""
+        self.output.append(token)
+        if token in self.eos_ids:
+            return "stop"
+        if len(self.output) >= self.max_tokens:
+            return "length"
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """max_num_seqs: rows per step; token_budget: tokens per step; prefill_chunk: most prompt
+    tokens of one request per step."""
+
+    num_pages: int
+    page_size: int
+    num_adapter_slots: int
+    max_num_seqs: int = 32
+    token_budget: int = 128
+    prefill_chunk: int = 64
+
+    def __post_init__(self):
+        if min(self.max_num_seqs, self.token_budget, self.prefill_chunk) < 1:
+            raise ValueError("max_num_seqs, token_budget and prefill_chunk must be >= 1")
+
+
+@dataclasses.dataclass
+class StepRow:
+    """A row of a step: `count` tokens of `seq` from cache position `start`; `sample` when the
+    row's last token is the sequence's newest (its logits give the next token)."""
+
+    seq: Sequence
+    start: int
+    count: int
+    slot: int  # adapter pool slot, -1 for the base model
+    sample: bool
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """The rows of one step (grouped by slot, base last) and the adapters to copy in before it."""
+
+    rows: list[StepRow]
+    loads: list[tuple[int, Hashable]]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(row.count for row in self.rows)
+
+
+class ServingScheduler:
+    """Waiting queue, running set, pages and adapter slots; `schedule()` plans the next step."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.pages = PageAllocator(config.num_pages, config.page_size)
+        self.slots = AdapterSlots(config.num_adapter_slots)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self._order = itertools.count()
+
+    # ---- requests in and out -------------------------------------------------------------
+    def pages_needed(self, seq: Sequence) -> int:
+        return pages_for(len(seq.prompt) + seq.max_tokens, self.config.page_size)
+
+    def fits_ever(self, prompt_len: int, max_tokens: int) -> bool:
+        """Whether such a request could ever be admitted (the whole pool free)."""
+        return pages_for(prompt_len + max_tokens, self.config.page_size) <= self.config.num_pages
+
+    def add(self, seq: Sequence) -> None:
+        if not seq.prompt or seq.max_tokens < 1:
+            raise ValueError("a sequence needs a prompt token and max_tokens >= 1")
+        if not self.fits_ever(len(seq.prompt), seq.max_tokens):
+            raise ValueError(f"prompt + max_tokens ({len(seq.prompt) + seq.max_tokens}) exceeds the KV cache")
+        seq.order = next(self._order)
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Ends a waiting or running sequence: frees its pages and unpins its adapter."""
+        if seq.status is Status.FINISHED:
+            return
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self.pages.free(seq.pages)
+            seq.pages = []
+            if seq.adapter is not None:
+                self.slots.unpin(seq.adapter)
+        else:
+            self.waiting.remove(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ---- planning ------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Plans one step: decode rows, prefill chunks, then admissions (see the module doc)."""
+        budget = self.config.token_budget
+        rows: list[StepRow] = []
+        for seq in sorted(self.running, key=lambda s: (s.in_prefill, s.order)):
+            if budget == 0:
+                break
+            row = self._row(seq, budget)
+            rows.append(row)
+            budget -= row.count
+        loads = self._admit(rows, budget)
+        for row in rows:
+            if row.seq.adapter is not None:
+                self.slots.touch(row.seq.adapter)
+        rows.sort(key=lambda r: (r.slot < 0, r.slot))
+        return StepPlan(rows, loads)
+
+    def _row(self, seq: Sequence, budget: int) -> StepRow:
+        count = min(seq.num_pending, budget, self.config.prefill_chunk)
+        slot = -1 if seq.adapter is None else self.slots.slot_of(seq.adapter)
+        return StepRow(seq, seq.num_computed, count, slot, seq.num_computed + count == len(seq.tokens))
+
+    def _admit(self, rows: list[StepRow], budget: int) -> list[tuple[int, Hashable]]:
+        loads = []
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if not self.pages.can_allocate(self.pages_needed(seq)):
+                break
+            if seq.adapter is not None:
+                placed = self.slots.place(seq.adapter)
+                if placed is None:
+                    continue  # every slot pinned: let requests for resident adapters pass
+                if placed[1]:
+                    loads.append((placed[0], seq.adapter))
+                self.slots.pin(seq.adapter)
+            self.waiting.remove(seq)
+            seq.pages = self.pages.allocate(self.pages_needed(seq))
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            row = self._row(seq, budget)
+            rows.append(row)
+            budget -= row.count
+        return loads
+
+    def prefetch(self) -> list[tuple[int, Hashable]]:
+        """Slots to fill now with adapters of queued requests (queue order), evicting only unpinned
+        adapters that no earlier queued request wants. Returns the (slot, key) loads to perform."""
+        loads, wanted = [], []
+        for seq in self.waiting:
+            key = seq.adapter
+            if key is None or key in wanted:
+                continue
+            wanted.append(key)
+            if self.slots.slot_of(key) is not None:
+                continue
+            placed = self.slots.place(key, protect=wanted)
+            if placed is None:
+                break
+            loads.append((placed[0], key))
+        return loads
+
+    def complete(self, plan: StepPlan, sampled: dict) -> list[tuple[Sequence, int | None, str | None]]:
+        """Applies a finished step: advances each row's cache count, appends sampled tokens
+        (`sampled[seq_id]`), and finishes sequences that hit EOS or max_tokens.
+
+        Returns (seq, new token or None, finish reason or None) for every row still relevant."""
+        events = []
+        for row in plan.rows:
+            seq = row.seq
+            if seq.status is not Status.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed += row.count
+            if not row.sample:
+                continue
+            token = sampled[seq.seq_id]
+            reason = seq.append(token)
+            if reason is not None:
+                self.finish(seq, reason)
+            events.append((seq, token, reason))
+        return events

@@ -1,0 +1,466 @@
+"""The serving engine: continuous batching over a paged KV cache with many LoRA adapters.
+
+One `Engine` owns the device state (model weights, the KV page pool, the adapter pool) and the
+`ServingScheduler` (the policy, `jaxlora.scheduler.serving`). Each `step()`:
+  1. applies queued commands (new requests, aborts, adapter removals) from other threads;
+  2. asks the scheduler for the next step (decode rows, prefill chunks, admissions; grouped by
+     adapter) and copies in the adapters that admissions need;
+  3. dispatches one jitted forward over the flat token list (`jaxlora.models.paged`) that also
+     samples the next token of every finished row, and, while the device runs it, copies in the
+     adapters of queued requests (prefetch);
+  4. hands new tokens and finish reasons to each request's callback.
+
+Compiled shapes are bucketed: tokens per step and rows per step to powers of two, block-table
+width to a power of two of pages, the plan's segment count fixed; so a server compiles a few
+steps and then reuses them.
+
+All known adapters live in host memory (`LoraAdapter`); the device `AdapterPool` holds N of them.
+`start()` runs steps in a background thread; `submit`/`abort`/`add_adapter`/`remove_adapter` are
+thread-safe.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+import logging
+import threading
+import time
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxlora.lora.adapter import LoraAdapter, check_finite
+from jaxlora.lora.config import AdapterError
+from jaxlora.lora.plan import build_plan, segment_bucket
+from jaxlora.lora.pool import AdapterPool
+from jaxlora.models.llama import Llama, LoraInputs, projection_shapes
+from jaxlora.models.paged import PagedBatch, PagedKVCache, paged_forward
+from jaxlora.scheduler.serving import SchedulerConfig, Sequence, ServingScheduler, StepPlan, pages_for
+
+log = logging.getLogger("jaxlora.serve")
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (too long, bad sampling values); the message says why."""
+
+
+class UnknownAdapter(KeyError):
+    """No adapter of that name is registered."""
+
+
+class EngineBusy(RuntimeError):
+    """The waiting queue is full."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Sizes of the device state and of one step (see the module doc)."""
+
+    max_adapters_on_device: int = 4
+    max_lora_rank: int = 16
+    page_size: int = 16
+    num_pages: int = 512
+    max_model_len: int = 2048
+    max_num_seqs: int = 32
+    token_budget: int = 128
+    prefill_chunk: int = 64
+    max_waiting: int = 1024
+    lora_backend: str = "gather"
+
+    def __post_init__(self):
+        if self.max_model_len > self.num_pages * self.page_size:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the KV cache "
+                             f"({self.num_pages} pages x {self.page_size} tokens)")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingOptions:
+    """temperature 0: greedy. Sampled rows draw from key(seed) folded with the token index, so a
+    seeded request gives the same tokens whatever else is in the batch."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+class Event(NamedTuple):
+    """What a request's callback receives: a new token and/or a finish reason, or an error."""
+
+    token: int | None
+    finish_reason: str | None  # "stop" (EOS), "length" (max_tokens), "abort", "error"
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class _Request:
+    seq: Sequence
+    sampling: SamplingOptions
+    callback: Callable[[Event], None]
+    submitted: float
+
+
+@dataclasses.dataclass
+class _Registered:
+    uid: int
+    name: str
+    adapter: LoraAdapter
+    removed: bool = False
+
+
+def _bucket(n: int, minimum: int) -> int:
+    return max(minimum, 1 << max(0, (n - 1).bit_length()))
+
+
+def sample_rows(logits, temperature, top_p, seeds, counters, any_sampling: bool):
+    """Next token per row. logits [R, V]; temperature, top_p [R] float; seeds, counters [R] int.
+    Rows with temperature 0 take the argmax; others sample from the top-p nucleus."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not any_sampling:
+        return greedy
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    kept = jnp.where(mass_before < top_p[:, None], sorted_logits, jnp.inf)
+    scaled = jnp.where(scaled >= jnp.min(kept, axis=-1, keepdims=True), scaled, -jnp.inf)
+    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.fold_in(jax.random.key(0), s), c))(seeds, counters)
+    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 9, 10), donate_argnums=(2,))
+def _engine_step(graphdef, state, cache, batch, lora, temperature, top_p, seeds, counters, any_sampling, backend):
+    model = nnx.merge(graphdef, state)
+    logits, cache = paged_forward(model, batch, cache, lora, backend)
+    return sample_rows(logits, temperature, top_p, seeds, counters, any_sampling), cache
+
+
+class Engine:
+    """Continuous-batching multi-adapter generation over one model (see the module doc)."""
+
+    def __init__(self, model: Llama, eos_ids=(), config: EngineConfig = EngineConfig(),
+                 adapters: dict[str, LoraAdapter] | None = None):
+        self.config = config
+        self.model_config = model.config
+        self.eos_ids = frozenset(int(i) for i in eos_ids)
+        self._graphdef, self._state = nnx.split(model)
+        self._dtype = model.dtype
+        self.cache = PagedKVCache.zeros(model.config, config.num_pages, config.page_size, model.dtype)
+        self.pool = AdapterPool(model.config, config.max_adapters_on_device, config.max_lora_rank, dtype=model.dtype)
+        self.scheduler = ServingScheduler(SchedulerConfig(
+            num_pages=config.num_pages, page_size=config.page_size,
+            num_adapter_slots=config.max_adapters_on_device, max_num_seqs=config.max_num_seqs,
+            token_budget=config.token_budget, prefill_chunk=config.prefill_chunk))
+        self._num_segments = segment_bucket(config.max_adapters_on_device + 1)
+        self._max_pages = _bucket(pages_for(config.max_model_len, config.page_size), 1)
+        self._lock = threading.Lock()
+        self._registry: dict[str, _Registered] = {}
+        self._by_uid: dict[int, _Registered] = {}
+        self._uids = itertools.count()
+        self._commands: collections.deque = collections.deque()
+        self._requests: dict = {}
+        self._num_waiting_submitted = 0
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.stats = EngineStats()
+        for name, adapter in (adapters or {}).items():
+            self.add_adapter(name, adapter)
+
+    # ---- adapters (any thread) ---------------------------------------------------------
+    def add_adapter(self, name: str, adapter: LoraAdapter) -> None:
+        """Registers `adapter` under `name` (host memory); AdapterError if the pool cannot hold it,
+        ValueError if the name is taken."""
+        self.check_adapter(adapter)
+        with self._lock:
+            if name in self._registry:
+                raise ValueError(f"an adapter named {name!r} is already loaded")
+            entry = _Registered(next(self._uids), name, adapter)
+            self._registry[name] = entry
+            self._by_uid[entry.uid] = entry
+
+    def remove_adapter(self, name: str) -> None:
+        """Forgets `name` (UnknownAdapter if absent). Requests already submitted still finish."""
+        with self._lock:
+            entry = self._registry.pop(name, None)
+            if entry is None:
+                raise UnknownAdapter(name)
+            entry.removed = True
+        self._wake.set()
+
+    def adapter_names(self) -> list[str]:
+        with self._lock:
+            return list(self._registry)
+
+    def check_adapter(self, adapter: LoraAdapter) -> None:
+        """AdapterError unless `adapter` fits this engine's pool (modules, rank, shapes, finite)."""
+        extra = sorted(set(adapter.modules) - set(self.pool.target_modules))
+        if extra:
+            raise AdapterError(f"adapter targets {extra}, which the pool does not hold")
+        if adapter.max_rank > self.config.max_lora_rank:
+            raise AdapterError(f"adapter rank {adapter.max_rank} exceeds the server's max LoRA rank "
+                               f"{self.config.max_lora_rank}")
+        shapes = projection_shapes(self.model_config)
+        for module, weights in adapter.modules.items():
+            fan_in, fan_out = shapes[module]
+            layers = self.model_config.num_layers
+            if weights.a.shape[:2] != (layers, fan_in) or weights.b.shape[::2] != (layers, fan_out):
+                raise AdapterError(f"{module} weights {weights.a.shape}/{weights.b.shape} do not fit the base model")
+        check_finite(adapter, "adapter")
+
+    # ---- requests (any thread) ---------------------------------------------------------
+    def validate(self, prompt_len: int, max_tokens: int) -> None:
+        """RequestError unless a prompt of `prompt_len` tokens with `max_tokens` more fits."""
+        limit = self.config.max_model_len
+        if prompt_len < 1:
+            raise RequestError("the prompt is empty")
+        if prompt_len >= limit:
+            raise RequestError(f"the prompt has {prompt_len} tokens; this server's context is {limit} tokens")
+        if max_tokens < 1 or prompt_len + max_tokens > limit:
+            raise RequestError(f"max_tokens must be in [1, {limit - prompt_len}] for a {prompt_len}-token prompt "
+                               f"(context {limit}), got {max_tokens}")
+
+    def submit(self, request_id, prompt: list[int], max_tokens: int, adapter: str | None,
+               sampling: SamplingOptions, callback: Callable[[Event], None]) -> None:
+        """Queues a request; `callback(Event)` is called from the engine thread for every new token
+        and once with a finish reason. Raises RequestError, UnknownAdapter or EngineBusy."""
+        self.validate(len(prompt), max_tokens)
+        with self._lock:
+            uid = None
+            if adapter is not None:
+                if adapter not in self._registry:
+                    raise UnknownAdapter(adapter)
+                uid = self._registry[adapter].uid
+            if self._num_waiting_submitted >= self.config.max_waiting:
+                raise EngineBusy(f"{self._num_waiting_submitted} requests are waiting; try again later")
+            self._num_waiting_submitted += 1
+        seq = Sequence(request_id, list(prompt), max_tokens, uid, self.eos_ids)
+        request = _Request(seq, sampling, callback, time.monotonic())
+        self._command(lambda: self._add(request))
+
+    def abort(self, request_id) -> None:
+        """Ends a request (if still known) and frees its pages, at the next step boundary."""
+        self._command(lambda: self._abort(request_id))
+
+    def _command(self, fn) -> None:
+        self._commands.append(fn)
+        self._wake.set()
+
+    def _add(self, request: _Request) -> None:
+        with self._lock:
+            self._num_waiting_submitted -= 1
+        uid = request.seq.adapter
+        if uid is not None and uid not in self._by_uid:
+            self._deliver(request, Event(None, "error", "the adapter was unloaded"))
+            return
+        self._requests[request.seq.seq_id] = request
+        self.scheduler.add(request.seq)
+
+    def _abort(self, request_id) -> None:
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            self.scheduler.finish(request.seq, "abort")
+            self._deliver(request, Event(None, "abort"))
+
+    # ---- the step (engine thread) -------------------------------------------------------
+    def step(self) -> bool:
+        """Runs one iteration; returns False when there was nothing to do."""
+        while self._commands:
+            self._commands.popleft()()
+        self._drop_removed_adapters()
+        if not self.scheduler.has_work():
+            return False
+        plan = self.scheduler.schedule()
+        self._load(plan.loads)
+        if not plan.rows:
+            return True
+        started = time.monotonic()
+        try:
+            next_tokens = self._dispatch(plan)
+            self._load(self.scheduler.prefetch())  # overlaps the step running on the device
+            next_tokens = np.asarray(next_tokens)
+        except Exception as err:  # keep serving: fail this step's requests, rebuild the cache
+            log.exception("engine step failed")
+            self._fail_running(f"engine step failed: {err}")
+            return True
+        self._complete(plan, next_tokens, time.monotonic() - started)
+        return True
+
+    def _dispatch(self, plan: StepPlan):
+        """Builds the step's padded arrays and launches the jitted step (asynchronously)."""
+        batch, token_slot, rows = self._batch_arrays(plan)
+        lora = LoraInputs(self.pool.arrays, build_plan(token_slot, self._num_segments))
+        temperature, top_p, seeds, counters = self._sampling_arrays(plan, rows)
+        next_tokens, self.cache = _engine_step(
+            self._graphdef, self._state, self.cache, batch, lora, temperature, top_p, seeds, counters,
+            bool((temperature > 0).any()), self.config.lora_backend)
+        return next_tokens
+
+    def _batch_arrays(self, plan: StepPlan):
+        num_tokens = _bucket(plan.num_tokens, 8)
+        rows = _bucket(len(plan.rows), 4)
+        widest = max(pages_for(row.start + row.count, self.config.page_size) for row in plan.rows)
+        width = min(_bucket(widest, 1), self._max_pages)
+        tokens = np.zeros(num_tokens, np.int32)
+        positions = np.zeros(num_tokens, np.int32)
+        token_row = np.full(num_tokens, -1, np.int32)
+        token_slot = np.full(num_tokens, -1, np.int32)
+        tables = np.zeros((rows, width), np.int32)
+        logit_indices = np.zeros(rows, np.int32)
+        offset = 0
+        for r, row in enumerate(plan.rows):
+            span = slice(offset, offset + row.count)
+            tokens[span] = row.seq.tokens[row.start: row.start + row.count]
+            positions[span] = np.arange(row.start, row.start + row.count)
+            token_row[span], token_slot[span] = r, row.slot
+            pages = row.seq.pages[:width]
+            tables[r, : len(pages)] = pages
+            offset += row.count
+            logit_indices[r] = offset - 1
+        return PagedBatch(tokens, positions, token_row, tables, logit_indices), token_slot, rows
+
+    def _sampling_arrays(self, plan: StepPlan, rows: int):
+        temperature = np.zeros(rows, np.float32)
+        top_p = np.ones(rows, np.float32)
+        seeds = np.zeros(rows, np.uint32)
+        counters = np.zeros(rows, np.int32)
+        for r, row in enumerate(plan.rows):
+            options = self._requests[row.seq.seq_id].sampling
+            temperature[r], top_p[r] = options.temperature, options.top_p
+            seeds[r], counters[r] = options.seed % (1 << 32), len(row.seq.output)
+        return temperature, top_p, seeds, counters
+
+    def _complete(self, plan: StepPlan, next_tokens: np.ndarray, seconds: float) -> None:
+        sampled = {row.seq.seq_id: int(next_tokens[r]) for r, row in enumerate(plan.rows) if row.sample}
+        events = self.scheduler.complete(plan, sampled)
+        self.stats.record_step(plan.num_tokens, len(events), seconds)
+        for seq, token, reason in events:
+            request = self._requests[seq.seq_id]
+            if reason is not None:
+                del self._requests[seq.seq_id]
+            self._deliver(request, Event(token, reason))
+
+    def _deliver(self, request: _Request, event: Event) -> None:
+        try:
+            request.callback(event)
+        except Exception:
+            log.exception("request callback failed")
+
+    def _fail_running(self, message: str) -> None:
+        for seq in list(self.scheduler.running):
+            self.scheduler.finish(seq, "error")
+            request = self._requests.pop(seq.seq_id, None)
+            if request is not None:
+                self._deliver(request, Event(None, "error", message))
+        if self.cache.k.is_deleted():
+            self.cache = PagedKVCache.zeros(self.model_config, self.config.num_pages, self.config.page_size,
+                                            self._dtype)
+
+    def _load(self, loads) -> None:
+        for slot, uid in loads:
+            self.pool.load(self._by_uid[uid].adapter, slot=slot)
+            self.stats.adapter_loads += 1
+
+    def _drop_removed_adapters(self) -> None:
+        """Frees the slots and host copies of removed adapters that no request still uses."""
+        with self._lock:
+            removed = [e for e in self._by_uid.values() if e.removed]
+        if not removed:
+            return
+        in_use = {s.adapter for s in self.scheduler.running + self.scheduler.waiting}
+        for entry in removed:
+            if entry.uid in in_use:
+                continue
+            slot = self.scheduler.slots.drop(entry.uid)
+            if slot is not None:
+                self.pool.evict(slot)
+            with self._lock:
+                del self._by_uid[entry.uid]
+
+    # ---- thread ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Runs steps in a daemon thread until `stop()`."""
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="jaxlora-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._wake.clear()
+            try:
+                busy = self.step()
+            except Exception:
+                log.exception("engine loop error")
+                busy = False
+            if not busy:
+                self._wake.wait(0.05)
+
+    def run_until_idle(self, max_steps: int = 100_000) -> None:
+        """Steps in the calling thread until no request is left (tests, offline use)."""
+        for _ in range(max_steps):
+            if not self.step() and not self._commands:
+                return
+        raise RuntimeError(f"still busy after {max_steps} steps")
+
+    # ---- introspection ----------------------------------------------------------------------
+    @property
+    def free_pages(self) -> int:
+        return self.scheduler.pages.num_free
+
+    def snapshot(self) -> dict:
+        """Counts for /metrics and /health (read without locking; values may be one step stale)."""
+        scheduler = self.scheduler
+        return {
+            "running": len(scheduler.running),
+            "waiting": len(scheduler.waiting) + self._num_waiting_submitted,
+            "adapters_on_device": len(scheduler.slots.resident()),
+            "adapters_known": len(self._registry),
+            "free_pages": scheduler.pages.num_free,
+            "total_pages": self.config.num_pages,
+            "tokens_per_second": self.stats.tokens_per_second(),
+        }
+
+
+class EngineStats:
+    """Step counters and a sliding window of generated tokens for tokens/s."""
+
+    def __init__(self, window_s: float = 10.0):
+        self.window_s = window_s
+        self.steps = 0
+        self.step_tokens = 0
+        self.generated = 0
+        self.adapter_loads = 0
+        self.step_seconds = 0.0
+        self._recent: collections.deque = collections.deque()
+
+    def record_step(self, tokens: int, generated: int, seconds: float) -> None:
+        self.steps += 1
+        self.step_tokens += tokens
+        self.generated += generated
+        self.step_seconds += seconds
+        now = time.monotonic()
+        self._recent.append((now, generated))
+        while self._recent and self._recent[0][0] < now - self.window_s:
+            self._recent.popleft()
+
+    def tokens_per_second(self) -> float:
+        now = time.monotonic()
+        recent = [(t, n) for t, n in list(self._recent) if t >= now - self.window_s]
+        return sum(n for _, n in recent) / self.window_s if recent else 0.0
