@@ -7,7 +7,9 @@ Backends (all compute the same function; the plan says which slot each row uses)
   "onehot"     x against every slot, then a one-hot selection;
   "pallas"     the SGMV kernels of `pallas_kernels` on the grouped rows: compiled on a GPU/TPU,
                the GPU-style kernel in interpret mode on a CPU;
-  "pallas_gpu", "pallas_tpu"  one kernel style explicitly (interpret mode off its own backend).
+  "pallas_gpu", "pallas_tpu"  one kernel style explicitly (interpret mode off its own backend);
+  "fused", "fused_tpu"  training backend: the model computes x @ W + LoRA in one fused kernel
+               (`pallas_kernels.fused_lora_linear`), so `lora_delta` itself is not called.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import jax.numpy as jnp
 
 from jaxlora.lora.plan import LoraPlan
 
-BACKENDS = ("loop", "gather", "ragged_dot", "onehot", "pallas", "pallas_gpu", "pallas_tpu")
+FUSED_BACKENDS = ("fused", "fused_tpu")
+BACKENDS = ("loop", "gather", "ragged_dot", "onehot", "pallas", "pallas_gpu", "pallas_tpu") + FUSED_BACKENDS
 _F32 = jnp.float32
 
 
@@ -35,7 +38,7 @@ def lora_delta(x: jax.Array, module_pool: dict, plan: LoraPlan, backend: str = "
     Returns:
       [..., n] in x's dtype; zero for rows whose slot is -1.
     """
-    if backend not in BACKENDS:
+    if backend not in BACKENDS or backend in FUSED_BACKENDS:
         raise ValueError(f"unknown LoRA backend {backend!r}; choose from {BACKENDS}")
     lead_shape = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
