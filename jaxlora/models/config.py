@@ -6,6 +6,8 @@ import dataclasses
 from typing import Any, Mapping
 
 SUPPORTED_HF_ARCHITECTURES = ("llama", "qwen2", "mistral")
+# The linear projections of a decoder layer (PEFT's module names), where LoRA can go.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class ConfigError(ValueError):

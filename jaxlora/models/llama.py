@@ -19,15 +19,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxlora.lora.ops import FUSED_BACKENDS, lora_delta
-from pallas_kernels.fused_lora import fused_lora_linear
-from pallas_kernels.fused_lora_layout import dropout_inv_keep, dropout_mask
-from jaxlora.lora.plan import LoraPlan
-from jaxlora.models.config import LlamaConfig
+from jaxlora.lora.project import LoraInputs, project as _project
+from jaxlora.models.config import PROJECTIONS, LlamaConfig
 from jaxlora.models.layers import attention, apply_rope, rms_norm, rope_inverse_frequencies
 
-# Names of the stacked per-layer weights, as `layers.<name>`; kernels are [num_layers, in, out].
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Stacked per-layer weights are `layers.<name>`; kernels are [num_layers, in, out].
+__all__ = ["KVCache", "Llama", "LoraInputs", "PROJECTIONS", "decoder_layer", "projection_shapes", "weight_shapes"]
 LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
@@ -41,17 +38,6 @@ class KVCache(NamedTuple):
     def zeros(cls, config: LlamaConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
         shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-
-
-class LoraInputs(NamedTuple):
-    """Adapters for one batch: the pool arrays (per module, leading layer axis; see
-    `jaxlora.lora.pool`) and the batch's plan (which slot each token uses). For training,
-    `dropout_rate` [slots] and a `dropout_key` turn on LoRA dropout (on the LoRA input only)."""
-
-    pool: dict
-    plan: LoraPlan
-    dropout_rate: jax.Array | None = None
-    dropout_key: jax.Array | None = None
 
 
 def projection_shapes(config: LlamaConfig) -> dict[str, tuple[int, int]]:
@@ -198,61 +184,6 @@ def _packed_mask(shape: tuple[int, int], segment_ids: jax.Array | None) -> jax.A
         return jnp.broadcast_to(causal, (batch, length, length))
     same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
     return causal & same_segment
-
-
-def _project(x: jax.Array, weights: dict[str, jax.Array], name: str, layer_lora=None) -> jax.Array:
-    """x @ W (+ bias) (+ the LoRA delta of each row's adapter, if this projection has adapters)."""
-    has_lora = layer_lora is not None and name in layer_lora[0]
-    if has_lora and layer_lora[2] in FUSED_BACKENDS:
-        y = _fused_project(x, weights[f"{name}.kernel"], name, layer_lora)
-    else:
-        y = jnp.dot(x, weights[f"{name}.kernel"], preferred_element_type=jnp.float32)
-    if f"{name}.bias" in weights:
-        y = y + weights[f"{name}.bias"]
-    if has_lora and layer_lora[2] not in FUSED_BACKENDS:
-        pool, lora, backend, layer_index = layer_lora
-        lora_input = x
-        if lora.dropout_rate is not None:
-            lora_input = _lora_dropout(x, lora, _dropout_seed(lora, layer_index, name))
-        y = y + lora_delta(lora_input, pool[name], lora.plan, backend).astype(jnp.float32)
-    return y.astype(x.dtype)
-
-
-def _dropout_seed(lora: LoraInputs, layer_index: jax.Array, name: str) -> jax.Array:
-    """int32 seed of the dropout hash for one projection of one layer in this step."""
-    key = jax.random.fold_in(jax.random.fold_in(lora.dropout_key, layer_index), PROJECTIONS.index(name))
-    return jax.lax.bitcast_convert_type(jax.random.bits(key, (), jnp.uint32), jnp.int32)
-
-
-def _grouped_rates(lora: LoraInputs) -> jax.Array:
-    """[N] dropout rate of each row in grouped (plan) order; 0 for base rows."""
-    slot = lora.plan.token_slot[lora.plan.perm]
-    return jnp.where(slot >= 0, lora.dropout_rate[jnp.maximum(slot, 0)], 0.0)
-
-
-def _lora_dropout(x: jax.Array, lora: LoraInputs, seed: jax.Array) -> jax.Array:
-    """Inverted dropout of each row's LoRA input at its adapter's rate, from the counter-based hash
-    of (seed, grouped row, column) that the fused kernels use, so every backend drops the same."""
-    rows = x.reshape(-1, x.shape[-1])
-    rates = _grouped_rates(lora)
-    keep = dropout_mask(seed, rows.shape[0], rows.shape[1], rates)[lora.plan.inv_perm]
-    scale = dropout_inv_keep(rates)[lora.plan.inv_perm][:, None]
-    return jnp.where(keep, rows * scale, 0).astype(x.dtype).reshape(x.shape)
-
-
-def _fused_project(x: jax.Array, kernel: jax.Array, name: str, layer_lora) -> jax.Array:
-    """x @ W + LoRA in one fused kernel (training backend) on rows grouped by adapter; float32."""
-    pool, lora, backend, layer_index = layer_lora
-    module_pool, plan = pool[name], lora.plan
-    rows = x.reshape(-1, x.shape[-1])[plan.perm]
-    num_slots = module_pool["a"].shape[0]
-    rates = jnp.zeros(num_slots, jnp.float32) if lora.dropout_rate is None else lora.dropout_rate
-    seed = jnp.int32(0) if lora.dropout_key is None else _dropout_seed(lora, layer_index, name)
-    impl = "tpu" if backend == "fused_tpu" else (
-        jax.default_backend() if jax.default_backend() in ("gpu", "tpu") else "gpu")
-    y = fused_lora_linear(rows, kernel, module_pool["a"], module_pool["b"], plan.seg_starts, plan.seg_slot,
-                          module_pool["rank"], module_pool["scale"], rates, seed, impl=impl)
-    return y[plan.inv_perm].astype(jnp.float32).reshape(*x.shape[:-1], kernel.shape[-1])
 
 
 def decoder_layer(config, weights, hidden, positions, inv_freq, mask, layer_cache, layer_lora=None):
