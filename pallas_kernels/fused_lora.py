@@ -32,6 +32,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import fused_lora_gpu, fused_lora_tpu
 from pallas_kernels.fused_lora_layout import (
+    KERNELS,
     FusedLoRAConfig,
     TileLayout,
     build_tile_layout,
@@ -101,10 +102,8 @@ def make_layout(seg_starts, seg_slot, slot_rank, slot_scale, slot_dropout, num_r
 
 def _forward(plan: _Plan, x_p, w_p, a_p, b_p, layout: TileLayout, seed):
     if plan.style == "gpu":
-        s = fused_lora_gpu.shrink_gpu(x_p, a_p, layout, seed, plan.cfg, plan.block_k,
-                                      plan.interpret)
-        y = fused_lora_gpu.base_expand_gpu(x_p, w_p, s, b_p, layout, plan.cfg, plan.block_k,
-                                           plan.block_n, plan.interpret)
+        s = fused_lora_gpu.shrink_gpu(x_p, a_p, layout, seed, plan.cfg, plan.interpret)
+        y = fused_lora_gpu.base_expand_gpu(x_p, w_p, s, b_p, layout, plan.cfg, plan.interpret)
     else:
         s = fused_lora_tpu.shrink_tpu(x_p, a_p, layout, seed, plan.block_k, plan.interpret)
         y = fused_lora_tpu.base_expand_tpu(x_p, w_p, s, b_p, layout, seed, plan.block_k,
@@ -113,24 +112,27 @@ def _forward(plan: _Plan, x_p, w_p, a_p, b_p, layout: TileLayout, seed):
 
 
 def _to_slots(per_item, item_slot, item_active, num_slots: int):
-    """Sum per-tile / per-segment partials into their adapter slots (inactive ones dropped)."""
+    """Sum per-tile / per-segment partials into their adapter slots (inactive ones dropped):
+    a one-hot contraction over the items (deterministic; no scatter)."""
     keep = item_active & (item_slot >= 0)
     values = jnp.where(keep[:, None, None], per_item, 0.0)
-    return jax.ops.segment_sum(values, jnp.clip(item_slot, 0, num_slots - 1),
-                               num_segments=num_slots)
+    onehot = (item_slot[:, None] == jnp.arange(num_slots, dtype=_I32)[None, :]) & keep[:, None]
+    return jnp.einsum("ep,erc->prc", onehot.astype(_F32), values,
+                      precision=jax.lax.Precision.HIGHEST)
 
 
 def _backward(plan: _Plan, x_p, w_p, a_p, b_p, layout: TileLayout, seed, s, dy):
     num_slots = a_p.shape[0]
     dy = dy.astype(x_p.dtype)
     if plan.style == "gpu":
-        ds, db_tiles = fused_lora_gpu.grad_s_b_gpu(dy, s, b_p, layout, plan.cfg, plan.block_n,
-                                                   plan.interpret)
+        ds_parts, db_tiles = fused_lora_gpu.grad_s_b_gpu(dy, s, b_p, layout, plan.cfg,
+                                                         plan.interpret)
+        ds = jnp.sum(ds_parts, axis=0).astype(dy.dtype)
         db = _to_slots(db_tiles, layout.tile_slot, layout.tile_active, num_slots)
-        da_segs = fused_lora_gpu.grad_a_gpu(x_p, ds, layout, seed, plan.cfg, plan.block_k,
-                                            plan.interpret)
-        dx = fused_lora_gpu.grad_x_gpu(dy, w_p, ds, a_p, layout, seed, plan.cfg, plan.block_k,
-                                       plan.block_n, plan.interpret)
+        da_parts = fused_lora_gpu.grad_a_gpu(x_p, ds, layout, seed, plan.cfg, plan.interpret)
+        da_segs = jnp.sum(da_parts, axis=0)
+        dx = fused_lora_gpu.grad_x_gpu(dy, w_p, ds, a_p, layout, seed, plan.cfg,
+                                       plan.interpret)
     else:
         ds, db_segs = fused_lora_tpu.grad_s_b_tpu(dy, s, b_p, layout, seed, plan.block_n,
                                                   plan.interpret)
@@ -165,10 +167,20 @@ _fused_core.defvjp(_fused_core_fwd, _fused_core_bwd)
 
 # --- public ops -------------------------------------------------------------------------------
 
+def _blocks(style, cfg: FusedLoRAConfig, k: int, n: int):
+    """(block_k, block_n) that k and n are padded to multiples of: on GPU the largest of the
+    five kernels' blocks (each kernel's block then divides the padded size)."""
+    if style != "gpu":
+        return fit_block(style, cfg.block_k, k), fit_block(style, cfg.block_n, n)
+    configs = [cfg.kernel(name) for name in KERNELS]
+    return (max(fit_block(style, c.block_k, k) for c in configs),
+            max(fit_block(style, c.block_n, n) for c in configs))
+
+
 def _prepare(style, interpret, cfg, x, w, lora_a, lora_b):
     k, n = w.shape
     r_max = lora_a.shape[2]
-    bk, bn = fit_block(style, cfg.block_k, k), fit_block(style, cfg.block_n, n)
+    bk, bn = _blocks(style, cfg, k, n)
     kp, np_ = round_up(k, bk), round_up(n, bn)
     r_pad = max(16, next_pow2(r_max))
     dtype = x.dtype
@@ -203,8 +215,10 @@ def fused_lora_linear(x, w, lora_a, lora_b, seg_starts, seg_slot, slot_rank, slo
     elif layout.num_rows != m:
         raise ValueError(f"layout is for {layout.num_rows} rows, x has {m}")
     plan, kp, w_p, a_p, b_p = _prepare(style, interpret, cfg, x, w, lora_a, lora_b)
-    x_p = pad_axis(gather_rows(x, layout.row_src), 1, kp)
     seed = jnp.reshape(jnp.asarray(seed, _I32), (1,))
+    if style == "gpu":  # caller's row order (no gathered copy); only columns padded
+        return _fused_core(plan, pad_axis(x, 1, kp), w_p, a_p, b_p, layout, seed)[:, :n]
+    x_p = pad_axis(gather_rows(x, layout.row_src), 1, kp)
     y_p = _fused_core(plan, x_p, w_p, a_p, b_p, layout, seed)
     return y_p[layout.row_dst, :n]
 
@@ -227,7 +241,10 @@ def fused_lora_linear_single(x, w, a, b, scale, dropout, seed, *, impl: str | No
         m, bm, jnp.array([a.shape[1]], _I32), jnp.reshape(jnp.asarray(scale, _F32), (1,)),
         jnp.reshape(jnp.asarray(dropout, _F32), (1,)))
     plan, kp, w_p, a_p, b_p = _prepare(style, interpret, cfg, x, w, a[None], b[None])
-    x_p = pad_axis(pad_axis(x, 0, layout.row_src.shape[0]), 1, kp)
+    if style == "gpu":
+        x_p = pad_axis(x, 1, kp)
+    else:
+        x_p = pad_axis(pad_axis(x, 0, layout.row_src.shape[0]), 1, kp)
     seed = jnp.reshape(jnp.asarray(seed, _I32), (1,))
     y_p = _fused_core(plan, x_p, w_p, a_p, b_p, layout, seed)
     return y_p[:m, :n]

@@ -2,24 +2,31 @@
 
 All kernels run on the tile layout of `fused_lora_layout` (every row tile belongs to one adapter
 slot; per-tile table passed as whole int32/float32 arrays, since Triton has no scalar prefetch)
-and take whole-array refs indexed with `pl.ds`. Shapes arrive padded: rows to T * block_m, k to
-a multiple of block_k, n of block_n, the rank axis R (>= 16, a power of two) is one block.
+and take whole-array refs indexed with `pl.ds`. x / dY are read and y / dX written in the
+caller's row order: row tile t covers caller rows tile_row0[t] .. + tile_nrows[t] - 1, loaded and
+stored with row masks, so no gathered copy of x, y, dY or dX is ever made. The small S / dS
+[T * block_m, R] live in the padded tile layout (row t * block_m + i). Columns arrive padded:
+k to whole k blocks, n to whole n blocks, the rank axis R (>= 16, a power of two) is one block.
+Each kernel has its own blocks / warps / stages (`FusedLoRAConfig.kernel(name)`); a kernel's
+row block divides the layout's block_m (a row tile is split into sub-tiles of one slot).
 
 Forward
   D  `shrink`:  S[t] = (mask * x[t]) @ A[slot_t] / (1 - p_t), columns >= rank_t zeroed.
-                grid (T,); loop over k blocks. S (x.dtype) is stored and re-read.
-  E  `base_expand`: y[t, j] = x[t] @ W[:, j] + s_t * S[t] @ B[slot_t][:, j] in one accumulator.
-                grid (T, n / block_n); loop over k blocks.
+                grid (row sub-tiles,); loop over k blocks. S (x.dtype) is stored and re-read.
+  E  `base_expand`: y[t, j] = x[t] @ W[:, j] + s_t * S[t] @ B[slot_t][:, j] in one accumulator
+                (the LoRA term is the GEMM's epilogue). 1-D grid in grouped (swizzled) order
+                over (row blocks, n blocks); loop over k blocks.
 Backward
-  I  `grad_s_b`: one read of dY[t, j] per block feeds both dS[t] += dY[t, j] @ B[:, j]^T and the
-                per-tile partial dB_t[:, j] = s_t * S[t]^T @ dY[t, j]. grid (T,); loop over n.
-                dS = s_t * (...) masked to rank; dB partials are reduced per slot outside
-                (no float atomics).
+  I  `grad_s_b`: one read of dY[t, j] per block feeds both the dS partial of column block j,
+                dY[t, j] @ B[:, j]^T, and the per-tile dB partial s_t * S[t]^T @ dY[t, j].
+                grid (T, n / block_n); each program loops over its tile's row sub-blocks. dS
+                partials [n / block_n, T * block_m, R] and dB partials [T, R, n] (float32) are
+                summed outside (no float atomics).
   K  `grad_a`:  dA_e = sum over the tiles of segment e of (mask * x[t])^T @ dS[t] / (1 - p).
-                grid (E segments, k / block_k); each program loops over its segment's tiles
-                (they are contiguous), so it owns its output block: no atomics, no partials.
+                grid (E segments, k / block_k, splits); each program sums a contiguous share of
+                its segment's tiles; the shares are added outside.
   L  `grad_x`:  dX[t, i] = dY[t] @ W[i, :]^T + mask * (dS[t] @ A[slot_t][i, :]^T) / (1 - p).
-                grid (T, k / block_k); loop over n blocks.
+                1-D grouped grid over (row blocks, k blocks); loop over n blocks.
 Dead tiles (past the used ones) skip all work; their outputs are never read.
 """
 
@@ -31,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.fused_lora_layout import FusedLoRAConfig, TileLayout, dropout_keep
+from pallas_kernels.fused_lora_layout import FusedLoRAConfig, TileLayout, dropout_keep, fit_block
 
 _F32 = jnp.float32
 _I32 = jnp.int32
@@ -43,15 +50,36 @@ def _params(cfg: FusedLoRAConfig):
 
 def _table(layout: TileLayout):
     return (layout.tile_slot, layout.tile_rank, layout.tile_scale, layout.tile_threshold,
-            layout.tile_inv_keep, layout.tile_row0, layout.tile_live)
+            layout.tile_inv_keep, layout.tile_row0, layout.tile_nrows, layout.tile_live)
 
 
-def _tile(t, slot_ref, rank_ref, scale_ref, thr_ref, inv_ref, row0_ref, live_ref):
-    """(slot >= 0, rank, scale, threshold, inv_keep, row0, live, active) of tile t."""
-    slot, rank, live = slot_ref[t], rank_ref[t], live_ref[t] > 0
-    active = live & (slot >= 0) & (rank > 0)
-    return (jnp.maximum(slot, 0), rank, scale_ref[t], thr_ref[t], inv_ref[t], row0_ref[t], live,
-            active)
+class _Tile:
+    """The lookup-table entry of tile t (refs of `_table`, read as scalars)."""
+
+    def __init__(self, refs, t):
+        slot_ref, rank_ref, scale_ref, thr_ref, inv_ref, row0_ref, nrows_ref, live_ref = refs
+        slot = slot_ref[t]
+        self.rank, self.scale, self.thr, self.inv = rank_ref[t], scale_ref[t], thr_ref[t], inv_ref[t]
+        self.row0, self.nrows = row0_ref[t], nrows_ref[t]
+        self.live = live_ref[t] > 0
+        self.active = self.live & (slot >= 0) & (self.rank > 0)
+        self.slot = jnp.maximum(slot, 0)
+
+
+def _row_mask(nvalid, shape):
+    """[bm, w] mask of the block's rows < nvalid."""
+    return jnp.broadcast_to(lax.broadcasted_iota(_I32, (shape[0], 1), 0) < nvalid, shape)
+
+
+def _load_rows(ref, row_start, nvalid, col0, shape):
+    """ref[row_start + i, col0 + c] for the block `shape`; rows i >= nvalid read as 0."""
+    return plt.load(ref.at[pl.ds(row_start, shape[0]), pl.ds(col0, shape[1])],
+                    mask=_row_mask(nvalid, shape), other=0)
+
+
+def _store_rows(ref, row_start, nvalid, col0, value):
+    plt.store(ref.at[pl.ds(row_start, value.shape[0]), pl.ds(col0, value.shape[1])], value,
+              mask=_row_mask(nvalid, value.shape))
 
 
 def _masked(x_blk, seed, row0, col0, threshold):
@@ -78,213 +106,271 @@ def _tn(a, b):
     return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=_F32)
 
 
+def _grouped(pid, num_m: int, num_n: int, group: int):
+    """Swizzled (row block, column block) of a 1-D program id: `group` row blocks sweep the
+    columns together, so their x rows and W columns stay in L2."""
+    per_group = group * num_n
+    first_m = (pid // per_group) * group
+    size = jnp.minimum(num_m - first_m, group)
+    within = pid % per_group
+    return first_m + within % size, within // size
+
+
+def _fit(target: int, dim: int) -> int:
+    block = fit_block("gpu", target, dim)
+    if dim % block:
+        raise ValueError(f"dimension {dim} is not padded to a multiple of block {block}")
+    return block
+
+
+def _sub_rows(layout_bm: int, cfg: FusedLoRAConfig) -> int:
+    bm = min(cfg.block_m, layout_bm)
+    if layout_bm % bm:
+        raise ValueError(f"kernel block_m {bm} must divide the layout's {layout_bm}")
+    return bm
+
+
 # --- D: S = dropout(x) @ A -------------------------------------------------------------------
 
-def _shrink_kernel(slot_ref, rank_ref, scale_ref, thr_ref, inv_ref, row0_ref, live_ref,
-                   seed_ref, x_ref, a_ref, s_ref, *, bm: int, bk: int, nk: int):
-    t = pl.program_id(0)
-    slot, rank, _, thr, inv, row0, _, active = _tile(t, slot_ref, rank_ref, scale_ref, thr_ref,
-                                                     inv_ref, row0_ref, live_ref)
+def _shrink_kernel(*refs, bm: int, ratio: int, bk: int, nk: int):
+    table, (seed_ref, x_ref, a_ref, s_ref) = refs[:8], refs[8:]
+    p = pl.program_id(0)
+    t, sub = p // ratio, p % ratio
+    tile = _Tile(table, t)
     seed = seed_ref[0]
     r = s_ref.shape[1]
+    row_start = tile.row0 + sub * bm
+    nvalid = tile.nrows - sub * bm
 
-    @pl.when(active)
+    @pl.when(tile.active & (nvalid > 0))
     def _compute():
         def body(kb, acc):
-            x_blk = _masked(x_ref[pl.ds(t * bm, bm), pl.ds(kb * bk, bk)], seed, row0, kb * bk,
-                            thr)
-            a_blk = a_ref[slot, pl.ds(kb * bk, bk), :]
+            x_blk = _load_rows(x_ref, row_start, nvalid, kb * bk, (bm, bk))
+            x_blk = _masked(x_blk, seed, row_start, kb * bk, tile.thr)
+            a_blk = a_ref[tile.slot, pl.ds(kb * bk, bk), :]
             return acc + jnp.dot(x_blk, a_blk, preferred_element_type=_F32)
 
         acc = lax.fori_loop(0, nk, body, jnp.zeros((bm, r), _F32))
-        s = jnp.where(_rank_cols(r, rank), acc * inv, 0.0)
-        s_ref[pl.ds(t * bm, bm), :] = s.astype(s_ref.dtype)
+        s = jnp.where(_rank_cols(r, tile.rank), acc * tile.inv, 0.0)
+        s_ref[pl.ds(p * bm, bm), :] = s.astype(s_ref.dtype)
 
-    @pl.when(jnp.logical_not(active))
+    @pl.when(tile.live & jnp.logical_not(tile.active & (nvalid > 0)))
     def _zero():
-        s_ref[pl.ds(t * bm, bm), :] = jnp.zeros((bm, r), s_ref.dtype)
+        s_ref[pl.ds(p * bm, bm), :] = jnp.zeros((bm, r), s_ref.dtype)
 
 
-def shrink_gpu(x, lora_a, layout: TileLayout, seed, cfg: FusedLoRAConfig, bk: int, interpret):
-    """D: x [M, k], lora_a [P, k, R] -> S [M, R] (x.dtype)."""
-    num_rows, k = x.shape
-    bm = layout.block_m
-    kernel = functools.partial(_shrink_kernel, bm=bm, bk=bk, nk=k // bk)
+def shrink_gpu(x, lora_a, layout: TileLayout, seed, cfg: FusedLoRAConfig, interpret):
+    """D: x [m, k] (caller rows), lora_a [P, k, R] -> S [T * block_m, R] (x.dtype)."""
+    k = x.shape[1]
+    kcfg = cfg.kernel("shrink")
+    bm = _sub_rows(layout.block_m, kcfg)
+    bk = _fit(kcfg.block_k, k)
+    ratio = layout.block_m // bm
+    kernel = functools.partial(_shrink_kernel, bm=bm, ratio=ratio, bk=bk, nk=k // bk)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((num_rows, lora_a.shape[2]), x.dtype),
-        grid=(layout.num_tiles,),
-        compiler_params=_params(cfg),
+        out_shape=jax.ShapeDtypeStruct((layout.num_tiles * layout.block_m, lora_a.shape[2]),
+                                       x.dtype),
+        grid=(layout.num_tiles * ratio,),
+        compiler_params=_params(kcfg),
         interpret=interpret,
     )(*_table(layout), seed, x, lora_a)
 
 
 # --- E: y = x @ W + s * S @ B ------------------------------------------------------------------
 
-def _base_expand_kernel(slot_ref, rank_ref, scale_ref, thr_ref, inv_ref, row0_ref, live_ref,
-                        x_ref, w_ref, s_ref, b_ref, y_ref, *, bm: int, bk: int, bn: int,
-                        nk: int):
-    t, j = pl.program_id(0), pl.program_id(1)
-    slot, _, scale, _, _, _, live, active = _tile(t, slot_ref, rank_ref, scale_ref, thr_ref,
-                                                  inv_ref, row0_ref, live_ref)
+def _base_expand_kernel(*refs, bm: int, ratio: int, bk: int, bn: int, nk: int, num_m: int,
+                        num_n: int, group: int):
+    table, (x_ref, w_ref, s_ref, b_ref, y_ref) = refs[:8], refs[8:]
+    pm, j = _grouped(pl.program_id(0), num_m, num_n, group)
+    t, sub = pm // ratio, pm % ratio
+    tile = _Tile(table, t)
+    row_start = tile.row0 + sub * bm
+    nvalid = tile.nrows - sub * bm
 
-    @pl.when(live)
+    @pl.when(tile.live & (nvalid > 0))
     def _compute():
         def body(kb, acc):
-            x_blk = x_ref[pl.ds(t * bm, bm), pl.ds(kb * bk, bk)]
+            x_blk = _load_rows(x_ref, row_start, nvalid, kb * bk, (bm, bk))
             w_blk = w_ref[pl.ds(kb * bk, bk), pl.ds(j * bn, bn)]
             return acc + jnp.dot(x_blk, w_blk, preferred_element_type=_F32)
 
         acc = lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), _F32))
 
         def add_lora(acc):
-            s_blk = s_ref[pl.ds(t * bm, bm), :]
-            b_blk = b_ref[slot, :, pl.ds(j * bn, bn)]
-            return acc + scale * jnp.dot(s_blk, b_blk, preferred_element_type=_F32)
+            s_blk = s_ref[pl.ds(pm * bm, bm), :]
+            b_blk = b_ref[tile.slot, :, pl.ds(j * bn, bn)]
+            return acc + tile.scale * jnp.dot(s_blk, b_blk, preferred_element_type=_F32)
 
-        acc = lax.cond(active, add_lora, lambda acc: acc, acc)
-        y_ref[pl.ds(t * bm, bm), pl.ds(j * bn, bn)] = acc.astype(y_ref.dtype)
+        acc = lax.cond(tile.active, add_lora, lambda acc: acc, acc)
+        _store_rows(y_ref, row_start, nvalid, j * bn, acc.astype(y_ref.dtype))
 
 
-def base_expand_gpu(x, w, s, lora_b, layout: TileLayout, cfg: FusedLoRAConfig, bk: int, bn: int,
-                    interpret):
-    """E: x [M, k], w [k, n], S [M, R], lora_b [P, R, n] -> y [M, n] (x.dtype)."""
-    num_rows, k = x.shape
+def base_expand_gpu(x, w, s, lora_b, layout: TileLayout, cfg: FusedLoRAConfig, interpret):
+    """E: x [m, k], w [k, n], S [T * block_m, R], lora_b [P, R, n] -> y [m, n] (x.dtype)."""
+    m, k = x.shape
     n = w.shape[1]
-    bm = layout.block_m
-    kernel = functools.partial(_base_expand_kernel, bm=bm, bk=bk, bn=bn, nk=k // bk)
+    kcfg = cfg.kernel("base_expand")
+    bm = _sub_rows(layout.block_m, kcfg)
+    bk, bn = _fit(kcfg.block_k, k), _fit(kcfg.block_n, n)
+    ratio = layout.block_m // bm
+    num_m, num_n = layout.num_tiles * ratio, n // bn
+    kernel = functools.partial(_base_expand_kernel, bm=bm, ratio=ratio, bk=bk, bn=bn,
+                               nk=k // bk, num_m=num_m, num_n=num_n, group=cfg.group_m)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((num_rows, n), x.dtype),
-        grid=(layout.num_tiles, n // bn),
-        compiler_params=_params(cfg),
+        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        grid=(num_m * num_n,),
+        compiler_params=_params(kcfg),
         interpret=interpret,
     )(*_table(layout), x, w, s, lora_b)
 
 
 # --- I: dS = s * dY B^T and dB partials = s * S^T dY, one read of dY ----------------------------
 
-def _grad_s_b_kernel(slot_ref, rank_ref, scale_ref, thr_ref, inv_ref, row0_ref, live_ref,
-                     dy_ref, s_ref, b_ref, ds_ref, dbp_ref, *, bm: int, bn: int, nn: int):
-    t = pl.program_id(0)
-    slot, rank, scale, _, _, _, _, active = _tile(t, slot_ref, rank_ref, scale_ref, thr_ref,
-                                                  inv_ref, row0_ref, live_ref)
+def _grad_s_b_kernel(*refs, bm: int, ratio: int, bn: int):
+    table, (dy_ref, s_ref, b_ref, dsp_ref, dbp_ref) = refs[:8], refs[8:]
+    t, j = pl.program_id(0), pl.program_id(1)
+    tile = _Tile(table, t)
     r = s_ref.shape[1]
+    layout_bm = bm * ratio
 
-    @pl.when(active)
+    @pl.when(tile.active)
     def _compute():
-        s_blk = s_ref[pl.ds(t * bm, bm), :]
+        b_blk = b_ref[tile.slot, :, pl.ds(j * bn, bn)]
+        keep_rank = _rank_cols(r, tile.rank)
 
-        def body(j, acc):
-            dy_blk = dy_ref[pl.ds(t * bm, bm), pl.ds(j * bn, bn)]
-            b_blk = b_ref[slot, :, pl.ds(j * bn, bn)]
-            dbp_ref[t, :, pl.ds(j * bn, bn)] = scale * _tn(s_blk, dy_blk)
-            return acc + _nt(dy_blk, b_blk)
+        def body(sub, db):
+            nvalid = tile.nrows - sub * bm
+            dy_blk = _load_rows(dy_ref, tile.row0 + sub * bm, nvalid, j * bn, (bm, bn))
+            s_blk = s_ref[pl.ds(t * layout_bm + sub * bm, bm), :]
+            ds = jnp.where(keep_rank, tile.scale * _nt(dy_blk, b_blk), 0.0)
+            dsp_ref[j, pl.ds(t * layout_bm + sub * bm, bm), :] = ds
+            return db + _tn(s_blk, dy_blk)
 
-        acc = lax.fori_loop(0, nn, body, jnp.zeros((bm, r), _F32))
-        ds = jnp.where(_rank_cols(r, rank), scale * acc, 0.0)
-        ds_ref[pl.ds(t * bm, bm), :] = ds.astype(ds_ref.dtype)
-
-    @pl.when(jnp.logical_not(active))
-    def _zero():
-        ds_ref[pl.ds(t * bm, bm), :] = jnp.zeros((bm, r), ds_ref.dtype)
+        db = lax.fori_loop(0, ratio, body, jnp.zeros((r, bn), _F32))
+        dbp_ref[t, :, pl.ds(j * bn, bn)] = tile.scale * db
 
 
-def grad_s_b_gpu(dy, s, lora_b, layout: TileLayout, cfg: FusedLoRAConfig, bn: int, interpret):
-    """I: dY [M, n], S [M, R], lora_b [P, R, n] -> (dS [M, R] (dY.dtype), dB per-tile partials
-    [T, R, n] float32; rows of inactive tiles are not written: mask with tile_active)."""
-    num_rows, n = dy.shape
+def grad_s_b_gpu(dy, s, lora_b, layout: TileLayout, cfg: FusedLoRAConfig, interpret):
+    """I: dY [m, n], S [T * block_m, R], lora_b [P, R, n] -> (dS partials
+    [n / block_n, T * block_m, R] float32 (sum them), dB per-tile partials [T, R, n] float32).
+    Rows of inactive tiles are not written: mask with tile_active."""
+    n = dy.shape[1]
     r = s.shape[1]
-    bm = layout.block_m
-    kernel = functools.partial(_grad_s_b_kernel, bm=bm, bn=bn, nn=n // bn)
+    kcfg = cfg.kernel("grad_s_b")
+    bm = _sub_rows(layout.block_m, kcfg)
+    bn = _fit(kcfg.block_n, n)
+    kernel = functools.partial(_grad_s_b_kernel, bm=bm, ratio=layout.block_m // bm, bn=bn)
     return pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((num_rows, r), dy.dtype),
+        out_shape=(jax.ShapeDtypeStruct((n // bn, s.shape[0], r), _F32),
                    jax.ShapeDtypeStruct((layout.num_tiles, r, n), _F32)),
-        grid=(layout.num_tiles,),
-        compiler_params=_params(cfg),
+        grid=(layout.num_tiles, n // bn),
+        compiler_params=_params(kcfg),
         interpret=interpret,
     )(*_table(layout), dy, s, lora_b)
 
 
 # --- K: dA = xhat^T dS (per segment) -----------------------------------------------------------
 
-def _grad_a_kernel(slot_ref, rank_ref, scale_ref, thr_ref, inv_ref, row0_ref, live_ref,
-                   seg_slot_ref, seg_lo_ref, seg_hi_ref, seed_ref, x_ref, ds_ref, da_ref, *,
-                   bm: int, bk: int):
-    e, kb = pl.program_id(0), pl.program_id(1)
+def _grad_a_kernel(*refs, bm: int, ratio: int, bk: int, splits: int):
+    table = refs[:8]
+    seg_slot_ref, seg_lo_ref, seg_hi_ref, seed_ref, x_ref, ds_ref, da_ref = refs[8:]
+    e, kb, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seed = seed_ref[0]
     r = ds_ref.shape[1]
     lo = seg_lo_ref[e]
     hi = jnp.where(seg_slot_ref[e] >= 0, seg_hi_ref[e], lo)
+    share = (hi - lo + splits - 1) // splits
+    first = lo + split * share
+    last = jnp.minimum(first + share, hi)
+    layout_bm = bm * ratio
 
-    def body(t, acc):
-        _, _, _, thr, inv, row0, _, active = _tile(t, slot_ref, rank_ref, scale_ref, thr_ref,
-                                                   inv_ref, row0_ref, live_ref)
+    def body(step, acc):
+        t, sub = first + step // ratio, step % ratio
+        tile = _Tile(table, t)
+        nvalid = tile.nrows - sub * bm
 
         def add(acc):
-            x_blk = _masked(x_ref[pl.ds(t * bm, bm), pl.ds(kb * bk, bk)], seed, row0, kb * bk,
-                            thr)
-            return acc + inv * _tn(x_blk, ds_ref[pl.ds(t * bm, bm), :])
+            x_blk = _load_rows(x_ref, tile.row0 + sub * bm, nvalid, kb * bk, (bm, bk))
+            x_blk = _masked(x_blk, seed, tile.row0 + sub * bm, kb * bk, tile.thr)
+            ds_blk = ds_ref[pl.ds(t * layout_bm + sub * bm, bm), :]
+            return acc + tile.inv * _tn(x_blk, ds_blk)
 
-        return lax.cond(active, add, lambda acc: acc, acc)
+        return lax.cond(tile.active & (nvalid > 0), add, lambda acc: acc, acc)
 
-    acc = lax.fori_loop(lo, hi, body, jnp.zeros((bk, r), _F32))
-    da_ref[e, pl.ds(kb * bk, bk), :] = acc
+    num_steps = jnp.maximum(last - first, 0) * ratio
+    acc = lax.fori_loop(0, num_steps, body, jnp.zeros((bk, r), _F32))
+    da_ref[split, e, pl.ds(kb * bk, bk), :] = acc
 
 
-def grad_a_gpu(x, ds, layout: TileLayout, seed, cfg: FusedLoRAConfig, bk: int, interpret):
-    """K: x [M, k], dS [M, R] -> dA per segment [E, k, R] float32 (zero for inactive ones)."""
+def grad_a_gpu(x, ds, layout: TileLayout, seed, cfg: FusedLoRAConfig, interpret):
+    """K: x [m, k], dS [T * block_m, R] -> dA partials [splits, E, k, R] float32 (sum over
+    splits; zero for inactive segments)."""
     k = x.shape[1]
     r = ds.shape[1]
+    kcfg = cfg.kernel("grad_a")
+    bm = _sub_rows(layout.block_m, kcfg)
+    bk = _fit(kcfg.block_k, k)
     num_segments = layout.seg_slot.shape[0]
-    kernel = functools.partial(_grad_a_kernel, bm=layout.block_m, bk=bk)
+    splits = max(1, cfg.splits)
+    kernel = functools.partial(_grad_a_kernel, bm=bm, ratio=layout.block_m // bm, bk=bk,
+                               splits=splits)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((num_segments, k, r), _F32),
-        grid=(num_segments, k // bk),
-        compiler_params=_params(cfg),
+        out_shape=jax.ShapeDtypeStruct((splits, num_segments, k, r), _F32),
+        grid=(num_segments, k // bk, splits),
+        compiler_params=_params(kcfg),
         interpret=interpret,
     )(*_table(layout), layout.seg_slot, layout.seg_tile_lo, layout.seg_tile_hi, seed, x, ds)
 
 
 # --- L: dX = dY W^T + mask * (dS A^T) / (1 - p) --------------------------------------------------
 
-def _grad_x_kernel(slot_ref, rank_ref, scale_ref, thr_ref, inv_ref, row0_ref, live_ref,
-                   seed_ref, dy_ref, w_ref, ds_ref, a_ref, dx_ref, *, bm: int, bk: int, bn: int,
-                   nn: int):
-    t, i = pl.program_id(0), pl.program_id(1)
-    slot, _, _, thr, inv, row0, live, active = _tile(t, slot_ref, rank_ref, scale_ref, thr_ref,
-                                                     inv_ref, row0_ref, live_ref)
+def _grad_x_kernel(*refs, bm: int, ratio: int, bk: int, bn: int, nn: int, num_m: int,
+                   num_k: int, group: int):
+    table, (seed_ref, dy_ref, w_ref, ds_ref, a_ref, dx_ref) = refs[:8], refs[8:]
+    pm, i = _grouped(pl.program_id(0), num_m, num_k, group)
+    t, sub = pm // ratio, pm % ratio
+    tile = _Tile(table, t)
     seed = seed_ref[0]
+    row_start = tile.row0 + sub * bm
+    nvalid = tile.nrows - sub * bm
 
-    @pl.when(live)
+    @pl.when(tile.live & (nvalid > 0))
     def _compute():
         def body(j, acc):
-            dy_blk = dy_ref[pl.ds(t * bm, bm), pl.ds(j * bn, bn)]
+            dy_blk = _load_rows(dy_ref, row_start, nvalid, j * bn, (bm, bn))
             w_blk = w_ref[pl.ds(i * bk, bk), pl.ds(j * bn, bn)]
             return acc + _nt(dy_blk, w_blk)
 
         acc = lax.fori_loop(0, nn, body, jnp.zeros((bm, bk), _F32))
 
         def add_lora(acc):
-            lora = _nt(ds_ref[pl.ds(t * bm, bm), :], a_ref[slot, pl.ds(i * bk, bk), :]) * inv
-            return acc + _masked(lora, seed, row0, i * bk, thr)
+            ds_blk = ds_ref[pl.ds(pm * bm, bm), :]
+            lora = _nt(ds_blk, a_ref[tile.slot, pl.ds(i * bk, bk), :]) * tile.inv
+            return acc + _masked(lora, seed, row_start, i * bk, tile.thr)
 
-        acc = lax.cond(active, add_lora, lambda acc: acc, acc)
-        dx_ref[pl.ds(t * bm, bm), pl.ds(i * bk, bk)] = acc.astype(dx_ref.dtype)
+        acc = lax.cond(tile.active, add_lora, lambda acc: acc, acc)
+        _store_rows(dx_ref, row_start, nvalid, i * bk, acc.astype(dx_ref.dtype))
 
 
-def grad_x_gpu(dy, w, ds, lora_a, layout: TileLayout, seed, cfg: FusedLoRAConfig, bk: int,
-               bn: int, interpret):
-    """L: dY [M, n], w [k, n], dS [M, R], lora_a [P, k, R] -> dX [M, k] (dY.dtype)."""
-    num_rows, n = dy.shape
+def grad_x_gpu(dy, w, ds, lora_a, layout: TileLayout, seed, cfg: FusedLoRAConfig, interpret):
+    """L: dY [m, n], w [k, n], dS [T * block_m, R], lora_a [P, k, R] -> dX [m, k] (dY.dtype)."""
+    m, n = dy.shape
     k = w.shape[0]
-    kernel = functools.partial(_grad_x_kernel, bm=layout.block_m, bk=bk, bn=bn, nn=n // bn)
+    kcfg = cfg.kernel("grad_x")
+    bm = _sub_rows(layout.block_m, kcfg)
+    bk, bn = _fit(kcfg.block_k, k), _fit(kcfg.block_n, n)
+    ratio = layout.block_m // bm
+    num_m, num_k = layout.num_tiles * ratio, k // bk
+    kernel = functools.partial(_grad_x_kernel, bm=bm, ratio=ratio, bk=bk, bn=bn, nn=n // bn,
+                               num_m=num_m, num_k=num_k, group=cfg.group_m)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((num_rows, k), dy.dtype),
-        grid=(layout.num_tiles, k // bk),
-        compiler_params=_params(cfg),
+        out_shape=jax.ShapeDtypeStruct((m, k), dy.dtype),
+        grid=(num_m * num_k,),
+        compiler_params=_params(kcfg),
         interpret=interpret,
     )(*_table(layout), seed, dy, w, ds, lora_a)

@@ -33,6 +33,9 @@ values change) and can be passed to every layer's call.
 """
 
 import dataclasses
+import functools
+import json
+import os
 from typing import NamedTuple
 
 import jax
@@ -111,7 +114,10 @@ class TileLayout(NamedTuple):
 
     row_src [T*block_m], row_dst [m];
     tile_slot, tile_rank, tile_scale, tile_threshold, tile_inv_keep, tile_row0, tile_live,
-    tile_seg [T]; seg_slot, seg_tile_lo, seg_tile_hi [E].
+    tile_seg [T]; seg_slot, seg_tile_lo, seg_tile_hi [E]; tile_nrows [T] (caller rows in the
+    tile: rows tile_row0 .. tile_row0 + tile_nrows - 1; 0 for dead tiles). The GPU kernels read
+    x / dY and write y / dX in the caller's row order through (tile_row0, tile_nrows), so they
+    need no gathered copy; row_src / row_dst serve the TPU kernels.
     """
 
     row_src: jax.Array
@@ -127,6 +133,7 @@ class TileLayout(NamedTuple):
     seg_slot: jax.Array
     seg_tile_lo: jax.Array
     seg_tile_hi: jax.Array
+    tile_nrows: jax.Array
 
     @property
     def num_tiles(self) -> int:
@@ -209,7 +216,7 @@ def build_tile_layout(seg_starts, seg_slot, slot_rank, slot_scale, slot_dropout,
         tile_slot=slot, tile_rank=rank, tile_scale=scale, tile_threshold=threshold,
         tile_inv_keep=inv_keep, tile_row0=tile_row0.astype(_I32),
         tile_live=live.astype(_I32), tile_seg=tile_seg, seg_slot=ext_slot,
-        seg_tile_lo=seg_tile_lo, seg_tile_hi=seg_tile_hi)
+        seg_tile_lo=seg_tile_lo, seg_tile_hi=seg_tile_hi, tile_nrows=tile_rows.astype(_I32))
 
 
 def identity_tile_layout(num_rows: int, block_m: int, slot_rank, slot_scale, slot_dropout,
@@ -228,7 +235,8 @@ def identity_tile_layout(num_rows: int, block_m: int, slot_rank, slot_scale, slo
         tile_slot=t_slot, tile_rank=rank, tile_scale=scale, tile_threshold=threshold,
         tile_inv_keep=inv_keep, tile_row0=tiles * block_m, tile_live=live.astype(_I32),
         tile_seg=jnp.zeros((num_tiles,), _I32), seg_slot=jnp.full((1,), slot, _I32),
-        seg_tile_lo=zero, seg_tile_hi=one)
+        seg_tile_lo=zero, seg_tile_hi=one,
+        tile_nrows=jnp.minimum(block_m, num_rows - tiles * block_m).astype(_I32))
 
 
 def gather_rows(x, row_src):
@@ -239,11 +247,18 @@ def gather_rows(x, row_src):
 
 @dataclasses.dataclass(frozen=True)
 class FusedLoRAConfig:
-    """Block sizes and Triton launch parameters shared by the five fused kernels.
+    """Block sizes and Triton launch parameters of the fused kernels.
 
     block_m: row tile (the layout granularity). block_k: tile along k (x columns / W rows).
     block_n: tile along n. The rank axis is one block (r_max padded to >= 16, a power of two).
     Dimensions are clamped to the problem and padded to whole blocks by the dispatcher.
+    group_m: row blocks per group in the swizzled launch order of the two GEMM kernels (L2
+    reuse). splits: programs per (segment, k block) in the dA kernel (each sums a share of the
+    segment's tiles; the shares are added outside).
+
+    GPU only: `shrink`, `base_expand`, `grad_s_b`, `grad_a`, `grad_x` override the blocks, warps
+    and stages of one kernel each (None: this config's own). A kernel's block_m is clamped to
+    the layout's and must divide it (powers of two do).
     """
 
     block_m: int = 64
@@ -251,12 +266,52 @@ class FusedLoRAConfig:
     block_n: int = 128
     num_warps: int = 4
     num_stages: int = 2
+    group_m: int = 8
+    splits: int = 4
+    shrink: "FusedLoRAConfig | None" = None
+    base_expand: "FusedLoRAConfig | None" = None
+    grad_s_b: "FusedLoRAConfig | None" = None
+    grad_a: "FusedLoRAConfig | None" = None
+    grad_x: "FusedLoRAConfig | None" = None
+
+    def kernel(self, name: str) -> "FusedLoRAConfig":
+        """The config of one GPU kernel ("shrink", "base_expand", ...)."""
+        return getattr(self, name) or self
+
+
+KERNELS = ("shrink", "base_expand", "grad_s_b", "grad_a", "grad_x")
 
 
 def default_config(style: str) -> FusedLoRAConfig:
     if style == "tpu":
         return FusedLoRAConfig(block_m=128, block_k=512, block_n=512)
-    return FusedLoRAConfig()
+    return gpu_config()
+
+
+def gpu_config(device_kind: str | None = None) -> FusedLoRAConfig:
+    """GPU per-kernel blocks: the measured table (`fused_lora_tiles.json`) for this device
+    kind if it has one, else a heuristic for Hopper/Ampere-class GPUs."""
+    table = _tile_table_json()
+    if device_kind is None:
+        try:
+            device_kind = jax.devices()[0].device_kind
+        except RuntimeError:
+            device_kind = ""
+    entry = table.get(device_kind) or table.get("default")
+    if entry is None:
+        return FusedLoRAConfig()
+    top = {key: value for key, value in entry.items() if key not in KERNELS}
+    kernels = {name: FusedLoRAConfig(**entry[name]) for name in KERNELS if name in entry}
+    return FusedLoRAConfig(**top, **kernels)
+
+
+@functools.cache
+def _tile_table_json() -> dict:
+    path = os.path.join(os.path.dirname(__file__), "fused_lora_tiles.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as file:
+        return json.load(file)
 
 
 def next_pow2(value: int) -> int:
