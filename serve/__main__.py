@@ -1,0 +1,5 @@
+"""`python -m serve ...` is `jaxlora-serve ...`."""
+
+from serve.cli import main
+
+main()

@@ -1,0 +1,464 @@
+"""The OpenAI-compatible HTTP API over an `Engine` (FastAPI).
+
+Endpoints: /v1/completions, /v1/chat/completions (JSON or SSE streaming), /v1/models,
+/v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's bodies), /health, /metrics.
+`model` names the base model or a registered adapter. Handlers tokenize, submit one engine
+sequence per (prompt, choice), and await the engine's events through an asyncio queue; a request
+that ends early (client gone, stop string, error) aborts its sequences so their KV pages are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import secrets
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from jaxlora.lora.config import AdapterError
+from jaxlora.lora.peft_io import load_peft_adapter
+from jaxlora.tokenizer import TokenizerError
+from serve.engine import Engine, EngineBusy, RequestError, SamplingOptions, UnknownAdapter
+from serve.metrics import Metrics
+from serve.protocol import (
+    ApiError, ChatRequest, CompletionRequest, Limits, LoadAdapterRequest, UnloadAdapterRequest, check_common,
+    stop_list,
+)
+from serve.text import TextTracker
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    """The served base model's name, where runtime adapters may be loaded from, and input limits."""
+
+    model_name: str
+    allowed_adapter_dirs: tuple[str, ...] = ()
+    limits: Limits = Limits()
+
+
+@dataclasses.dataclass
+class SeqSpec:
+    """One engine sequence of a request: prompt ids, token limit, adapter (None: base), sampling."""
+
+    prompt: list[int]
+    max_tokens: int
+    adapter: str | None
+    sampling: SamplingOptions
+    stops: list[str]
+
+
+class Generation:
+    """The sequences of one HTTP request; `events()` yields (choice index, text delta, finish reason)."""
+
+    def __init__(self, engine: Engine, tokenizer, specs: list[SeqSpec]):
+        self.engine, self.specs = engine, specs
+        self.request_id = uuid.uuid4().hex
+        self.trackers = [TextTracker(tokenizer, spec.stops) for spec in specs]
+        self.done = [False] * len(specs)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.first_token_at: float | None = None
+        self.started = time.monotonic()
+
+    def _id(self, index: int) -> str:
+        return f"{self.request_id}-{index}"
+
+    def submit(self) -> None:
+        """Submits every sequence (engine errors raise here, before any response is sent)."""
+        loop = asyncio.get_running_loop()
+        for index, spec in enumerate(self.specs):
+            callback = lambda event, i=index: loop.call_soon_threadsafe(self.queue.put_nowait, (i, event))
+            try:
+                self.engine.submit(self._id(index), spec.prompt, spec.max_tokens, spec.adapter, spec.sampling, callback)
+            except Exception:
+                self.done[index:] = [True] * (len(self.specs) - index)
+                self.abort()
+                raise
+
+    def abort(self) -> None:
+        for index, done in enumerate(self.done):
+            if not done:
+                self.done[index] = True
+                self.engine.abort(self._id(index))
+
+    async def events(self):
+        try:
+            while not all(self.done):
+                index, event = await self.queue.get()
+                if self.done[index]:
+                    continue
+                if event.error is not None:
+                    raise ApiError(500, event.error)
+                if event.token is not None and self.first_token_at is None:
+                    self.first_token_at = time.monotonic()
+                delta, reason = self.trackers[index].add(event.token, event.finish_reason)
+                if reason is not None:
+                    if event.finish_reason is None:  # a stop string: end it in the engine too
+                        self.engine.abort(self._id(index))
+                    self.done[index] = True
+                if delta or reason:
+                    yield index, delta, reason
+        finally:
+            self.abort()
+
+    def usage(self) -> dict:
+        prompt = sum(len(spec.prompt) for spec in self.specs)
+        completion = sum(t.num_tokens for t in self.trackers)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class Server:
+    """State shared by the handlers: engine, tokenizer, settings, metrics."""
+
+    def __init__(self, engine: Engine, tokenizer, settings: ServerSettings):
+        self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
+        self.limits = settings.limits
+        self.metrics = Metrics(engine)
+        self.allowed = [os.path.realpath(d) for d in settings.allowed_adapter_dirs]
+
+    # ---- request -> sequences ----------------------------------------------------------------
+    def resolve_model(self, model: str) -> str | None:
+        """The adapter a `model` field names (None: the base model); ApiError 404 if unknown."""
+        if model == self.settings.model_name:
+            return None
+        if model in self.engine.adapter_names():
+            return model
+        raise ApiError(404, f"The model `{model}` does not exist.", "model", "not_found_error")
+
+    def max_tokens_for(self, prompt_len: int, requested: int | None, default: int) -> int:
+        context = self.engine.config.max_model_len
+        if prompt_len >= context:
+            raise ApiError(400, f"the prompt has {prompt_len} tokens; this model's context is {context} tokens",
+                           "prompt")
+        if requested is None:
+            return max(1, min(default, self.limits.max_tokens, context - prompt_len))
+        if prompt_len + requested > context:
+            raise ApiError(400, f"max_tokens ({requested}) + prompt ({prompt_len} tokens) exceeds the context "
+                                f"of {context} tokens", "max_tokens")
+        return requested
+
+    def specs(self, body, prompts: list[list[int]], default_max: int) -> list[SeqSpec]:
+        adapter = self.resolve_model(body.model)
+        temperature = 1.0 if body.temperature is None else body.temperature
+        top_p = 1.0 if body.top_p is None else body.top_p
+        seed = secrets.randbits(32) if body.seed is None else body.seed
+        requested = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        specs = []
+        for prompt in prompts:
+            max_tokens = self.max_tokens_for(len(prompt), requested, default_max)
+            for choice in range(body.n):
+                sampling = SamplingOptions(temperature, top_p, (seed + choice) % (1 << 32))
+                specs.append(SeqSpec(prompt, max_tokens, adapter, sampling, stop_list(body.stop)))
+        if len(specs) > self.limits.max_sequences:
+            raise ApiError(400, f"prompts x n = {len(specs)} exceeds {self.limits.max_sequences}", "n")
+        return specs
+
+    def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts or len(prompts) > self.limits.max_prompts:
+            raise ApiError(400, f"send 1 to {self.limits.max_prompts} prompts", "prompt")
+        return [self.tokens_of(p) for p in prompts]
+
+    def tokens_of(self, prompt: str | list[int]) -> list[int]:
+        context = self.engine.config.max_model_len
+        if isinstance(prompt, str):
+            if len(prompt) > 16 * context:  # cheap bound before tokenizing
+                raise ApiError(400, f"the prompt is longer than this model's context of {context} tokens", "prompt")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            vocab = self.engine.model_config.vocab_size
+            if any(not 0 <= i < vocab for i in ids):
+                raise ApiError(400, f"token ids must be in [0, {vocab})", "prompt")
+        if not ids:
+            raise ApiError(400, "the prompt is empty", "prompt")
+        return ids
+
+    def chat_prompt(self, body: ChatRequest) -> list[int]:
+        if len(body.messages) > self.limits.max_messages:
+            raise ApiError(400, f"at most {self.limits.max_messages} messages", "messages")
+        if body.tools:
+            raise ApiError(400, "tools are not supported", "tools")
+        if body.logprobs:
+            raise ApiError(400, "logprobs are not supported", "logprobs")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages)
+        except TokenizerError as err:
+            raise ApiError(400, str(err), "messages") from err
+        return self.tokens_of(text)
+
+    def check_adapter_path(self, path: str) -> str:
+        """The real path of `path` if it lies under an allowed directory; ApiError 403 if not."""
+        if not self.allowed:
+            raise ApiError(403, "loading adapters at run time is disabled (start the server with "
+                                "--allowed-adapter-dir)", "lora_path")
+        real = os.path.realpath(path)
+        for allowed in self.allowed:
+            if os.path.commonpath([real, allowed]) == allowed:
+                return real
+        raise ApiError(403, f"{path} is not under an allowed adapter directory", "lora_path")
+
+    # ---- running -------------------------------------------------------------------------------
+    def start(self, specs: list[SeqSpec]) -> Generation:
+        generation = Generation(self.engine, self.tokenizer, specs)
+        try:
+            generation.submit()
+        except RequestError as err:
+            raise ApiError(400, str(err)) from err
+        except UnknownAdapter as err:
+            raise ApiError(404, f"The model `{err.args[0]}` does not exist.", "model", "not_found_error") from err
+        except EngineBusy as err:
+            raise ApiError(429, str(err)) from err
+        self.metrics.prompt_tokens.inc(sum(len(s.prompt) for s in specs))
+        return generation
+
+    def finished(self, generation: Generation, endpoint: str, status: str) -> None:
+        metrics = self.metrics
+        metrics.requests.labels(endpoint, status).inc()
+        usage = generation.usage()
+        metrics.generation_tokens.inc(usage["completion_tokens"])
+        now = time.monotonic()
+        metrics.e2e.observe(now - generation.started)
+        if generation.first_token_at is not None:
+            metrics.ttft.observe(generation.first_token_at - generation.started)
+            if usage["completion_tokens"] > 1:
+                metrics.tpot.observe((now - generation.first_token_at) / (usage["completion_tokens"] - 1))
+
+    async def collect(self, generation: Generation, request: Request, endpoint: str):
+        """All choices' texts and finish reasons; aborts if the client disconnects meanwhile."""
+        texts = [""] * len(generation.specs)
+        reasons: list[str | None] = [None] * len(generation.specs)
+
+        async def run():
+            async for index, delta, reason in generation.events():
+                texts[index] += delta
+                reasons[index] = reason or reasons[index]
+
+        task = asyncio.ensure_future(run())
+        status = "ok"
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.5)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+                    status = "disconnected"
+                    break
+            if status == "ok":
+                task.result()
+        except ApiError:
+            status = "error"
+            raise
+        finally:
+            if not task.done():
+                task.cancel()
+            self.finished(generation, endpoint, status)
+        return texts, reasons
+
+    async def stream(self, generation: Generation, endpoint: str, chunk, final_chunks):
+        """SSE lines: `chunk(index, delta, reason)` per event, then `final_chunks()`, then [DONE]."""
+        status = "disconnected"
+        try:
+            async for index, delta, reason in generation.events():
+                yield _sse(chunk(index, delta, reason))
+            for extra in final_chunks():
+                yield _sse(extra)
+            yield "data: [DONE]\n\n"
+            status = "ok"
+        except ApiError as err:
+            status = "error"
+            yield _sse(err.body())
+        finally:
+            self.finished(generation, endpoint, status)
+
+
+def _sse(payload: dict) -> str:
+    import json
+
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _validation_message(err: RequestValidationError) -> str:
+    parts = []
+    for e in err.errors()[:5]:
+        where = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
+        parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
+    return "invalid request: " + "; ".join(parts)
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for bodies over `max_bytes` (by Content-Length, or while reading)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await self._too_large(send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise ApiError(413, f"request body exceeds {self.max_bytes} bytes")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    async def _too_large(self, send):
+        response = JSONResponse(ApiError(413, f"request body exceeds {self.max_bytes} bytes").body(), 413)
+        await response({"type": "http"}, None, send)
+
+
+def create_app(engine: Engine, tokenizer, settings: ServerSettings) -> FastAPI:
+    """The FastAPI app; the engine thread starts with the app and stops with it."""
+    server = Server(engine, tokenizer, settings)
+
+    async def lifespan(app):
+        if not engine.alive:
+            engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="jaxlora-serve", lifespan=lifespan)
+    app.state.server = server
+    app.add_middleware(BodyLimit, max_bytes=settings.limits.max_body_bytes)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request, err: ApiError):
+        return JSONResponse(err.body(), err.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, err: RequestValidationError):
+        return JSONResponse(ApiError(400, _validation_message(err)).body(), 400)
+
+    _add_generation_routes(app, server)
+    _add_admin_routes(app, server)
+    return app
+
+
+def _add_generation_routes(app: FastAPI, server: Server) -> None:
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_common(body, server.limits)
+        if body.echo or body.logprobs is not None or (body.best_of or 1) > 1 or body.suffix:
+            raise ApiError(400, "echo, logprobs, best_of and suffix are not supported")
+        prompts = server.completion_prompts(body)
+        generation = server.start(server.specs(body, prompts, server.limits.default_max_tokens))
+        cid, created = f"cmpl-{generation.request_id}", int(time.time())
+        if body.stream:
+            def chunk(index, delta, reason):
+                return {"id": cid, "object": "text_completion", "created": created, "model": body.model,
+                        "choices": [{"index": index, "text": delta, "logprobs": None, "finish_reason": reason}]}
+
+            return _streaming(server.stream(generation, "completions", chunk, _usage_chunks(body, generation, cid, created, "text_completion")))
+        texts, reasons = await server.collect(generation, request, "completions")
+        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
+        return {"id": cid, "object": "text_completion", "created": created, "model": body.model,
+                "choices": choices, "usage": generation.usage()}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        check_common(body, server.limits)
+        if body.max_completion_tokens is not None and not 1 <= body.max_completion_tokens <= server.limits.max_tokens:
+            raise ApiError(400, f"max_completion_tokens must be in [1, {server.limits.max_tokens}]",
+                           "max_completion_tokens")
+        prompt = server.chat_prompt(body)
+        generation = server.start(server.specs(body, [prompt], server.limits.max_tokens))
+        cid, created = f"chatcmpl-{generation.request_id}", int(time.time())
+        if body.stream:
+            return _streaming(server.stream(generation, "chat", _chat_chunker(body, cid, created, len(generation.specs)),
+                                            _usage_chunks(body, generation, cid, created, "chat.completion.chunk")))
+        texts, reasons = await server.collect(generation, request, "chat")
+        choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r}
+                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        return {"id": cid, "object": "chat.completion", "created": created, "model": body.model,
+                "choices": choices, "usage": generation.usage()}
+
+
+def _chat_chunker(body: ChatRequest, cid: str, created: int, count: int):
+    """Chat chunks: the first chunk of each choice carries the assistant role."""
+    started = [False] * count
+
+    def chunk(index, delta, reason):
+        content = {"content": delta} if delta or reason is None else {}
+        if not started[index]:
+            started[index] = True
+            content = {"role": "assistant", **content}
+        return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": body.model,
+                "choices": [{"index": index, "delta": content, "logprobs": None, "finish_reason": reason}]}
+
+    return chunk
+
+
+def _usage_chunks(body, generation: Generation, cid: str, created: int, kind: str):
+    def final():
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield {"id": cid, "object": kind, "created": created, "model": body.model, "choices": [],
+                   "usage": generation.usage()}
+
+    return final
+
+
+def _streaming(lines) -> StreamingResponse:
+    return StreamingResponse(lines, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _add_admin_routes(app: FastAPI, server: Server) -> None:
+    @app.get("/v1/models")
+    async def models():
+        created = int(time.time())
+        base = server.settings.model_name
+        data = [{"id": base, "object": "model", "created": created, "owned_by": "jaxlora", "root": base, "parent": None}]
+        data += [{"id": name, "object": "model", "created": created, "owned_by": "jaxlora", "root": name,
+                  "parent": base} for name in server.engine.adapter_names()]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadAdapterRequest):
+        name = body.lora_name
+        if name == server.settings.model_name or name in server.engine.adapter_names():
+            raise ApiError(400, f"the adapter {name!r} is already loaded", "lora_name")
+        path = server.check_adapter_path(body.lora_path)
+        try:
+            adapter = await run_in_threadpool(load_peft_adapter, path, server.engine.model_config, name)
+            server.engine.add_adapter(name, adapter)
+        except (AdapterError, ValueError) as err:
+            raise ApiError(400, f"cannot load adapter {name!r}: {err}", "lora_path") from err
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadAdapterRequest):
+        try:
+            server.engine.remove_adapter(body.lora_name)
+        except UnknownAdapter:
+            raise ApiError(404, f"the adapter {body.lora_name!r} is not loaded", "lora_name", "not_found_error")
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    @app.get("/health")
+    async def health():
+        if not server.engine.alive:
+            return JSONResponse({"status": "engine stopped"}, 503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,98 @@
+"""`jaxlora-serve` / `python -m serve`: load a model and adapters, start the engine and the HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from serve.protocol import Limits
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxlora-serve", description="OpenAI-compatible multi-LoRA server (jaxlora).")
+    p.add_argument("--model", default="default", help='"default" (embedded SmolLM2-135M-Instruct), a HF dir or .gguf')
+    p.add_argument("--served-model-name", default=None, help="the base model's name in the API")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH", help="a PEFT adapter to serve")
+    p.add_argument("--allowed-adapter-dir", action="append", default=[], metavar="DIR",
+                   help="directory under which /v1/load_lora_adapter may read adapters (repeatable)")
+    p.add_argument("--max-adapters-on-device", type=int, default=4, help="adapter pool slots on the device")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="largest servable rank (default: 16 or the "
+                                                                  "largest startup adapter's rank)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-model-len", type=int, default=2048, help="context length (prompt + output tokens)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-kv-pages", type=int, default=None, help="KV pages (default: 8 full contexts)")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="rows per step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=128, help="token budget per step")
+    p.add_argument("--prefill-chunk", type=int, default=64, help="most prompt tokens of one request per step")
+    p.add_argument("--max-tokens-limit", type=int, default=1024, help="largest max_tokens a request may ask")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-waiting", type=int, default=1024, help="queued sequences before 429")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def parse_adapters(specs: list[str]) -> list[tuple[str, str]]:
+    pairs = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--adapter expects NAME=PATH, got {spec!r}")
+        pairs.append((name, path))
+    return pairs
+
+
+def default_model_name(model: str) -> str:
+    if model in ("default", ""):
+        return "SmolLM2-135M-Instruct"
+    base = os.path.basename(os.path.normpath(model))
+    return base[: -len(".gguf")] if base.endswith(".gguf") else base
+
+
+def build_app(args):
+    """Loads everything the arguments name and returns the FastAPI app (errors exit with a message)."""
+    import jax.numpy as jnp
+
+    from jaxlora.lora.config import AdapterError
+    from jaxlora.lora.peft_io import load_peft_adapter
+    from jaxlora.weights import WeightsError, load_model
+    from serve.app import ServerSettings, create_app
+    from serve.engine import Engine, EngineConfig
+
+    try:
+        model, tokenizer = load_model(args.model, jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
+        adapters = {name: load_peft_adapter(path, model.config, name) for name, path in parse_adapters(args.adapter)}
+    except (WeightsError, AdapterError, OSError) as err:
+        raise SystemExit(f"jaxlora-serve: {err}")
+    max_rank = args.max_lora_rank or max([16] + [a.max_rank for a in adapters.values()])
+    context = min(args.max_model_len, model.config.max_position_embeddings)
+    pages = args.num_kv_pages or 8 * -(-context // args.page_size)
+    config = EngineConfig(
+        max_adapters_on_device=args.max_adapters_on_device, max_lora_rank=max_rank, page_size=args.page_size,
+        num_pages=pages, max_model_len=context, max_num_seqs=args.max_num_seqs,
+        token_budget=args.max_num_batched_tokens, prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting)
+    try:
+        engine = Engine(model, tokenizer.eos_token_ids, config, adapters)
+    except (AdapterError, ValueError) as err:
+        raise SystemExit(f"jaxlora-serve: {err}")
+    limits = Limits(max_tokens=args.max_tokens_limit, max_body_bytes=args.max_body_bytes)
+    settings = ServerSettings(args.served_model_name or default_model_name(args.model),
+                              tuple(args.allowed_adapter_dir), limits)
+    return create_app(engine, tokenizer, settings)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    app = build_app(args)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30)
+
+
+if __name__ == "__main__":
+    main()

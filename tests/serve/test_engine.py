@@ -1,0 +1,91 @@
+"""The engine: continuous batching over 8 adapters + base equals merged-weight generation, also
+with fewer device slots than adapters (eviction and reload), and seeded sampling is batch-independent."""
+
+import numpy as np
+import pytest
+
+from jaxlora.generate import SamplingParams, generate
+from jaxlora.lora.merge import merge_adapter, unmerge_adapter
+from serve.engine import Engine, EngineConfig, SamplingOptions
+from tests.serve.conftest import SMALL_ENGINE, exact_weights
+
+MAX_TOKENS = 8
+TOPICS = ["The capital of France is", "My favourite food is", "Once upon a time", "The best way to learn is",
+          "Water boils at", "In 1492,", "The quick brown fox", "Dear diary, today"]
+
+
+def _requests(tokenizer):
+    """32 (prompt ids, adapter name or None) pairs over ad0..ad7 and the base model."""
+    names = [f"ad{i}" for i in range(8)] + [None]
+    return [(tokenizer.encode(f"{TOPICS[i % 8]}{' so' * (i // 8)}"), names[i % 9]) for i in range(32)]
+
+
+@pytest.fixture(scope="module")
+def expected(smollm2, adapters8):
+    """Greedy outputs of each request generated with its adapter merged into the weights (one
+    batch per adapter: batched generation equals one at a time, tests/jaxlora/test_generate.py)."""
+    model, tokenizer = smollm2
+    requests = _requests(tokenizer)
+    outputs = [None] * len(requests)
+    params = SamplingParams(max_new_tokens=MAX_TOKENS)
+    for name in sorted({n for _, n in requests}, key=str):
+        rows = [i for i, (_, n) in enumerate(requests) if n == name]
+        with exact_weights(model):
+            if name is not None:
+                merge_adapter(model, adapters8[name])
+            batch = generate(model, [requests[i][0] for i in rows], params, tokenizer.eos_token_ids)
+            for i, output in zip(rows, batch):
+                outputs[i] = output
+    return requests, outputs
+
+
+def _serve_all(engine, requests, options=SamplingOptions()):
+    got = {i: [] for i in range(len(requests))}
+    for i, (prompt, name) in enumerate(requests):
+        engine.submit(i, prompt, MAX_TOKENS, name, options, lambda e, i=i: got[i].append(e))
+    engine.run_until_idle()
+    for events in got.values():
+        assert events[-1].finish_reason in ("stop", "length")
+    return [[e.token for e in got[i] if e.token is not None] for i in range(len(requests))]
+
+
+@pytest.mark.parametrize("slots", [8, 3])
+def test_continuous_batching_equals_merged_generation(smollm2, adapters8, expected, slots):
+    model, tokenizer = smollm2
+    requests, outputs = expected
+    assert len({tuple(o) for o in outputs}) > 20  # the adapters really change the outputs
+    engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(max_adapters_on_device=slots, **SMALL_ENGINE),
+                    adapters8)
+    initial = engine.free_pages
+    assert _serve_all(engine, requests) == outputs
+    assert engine.free_pages == initial and engine.stats.steps > MAX_TOKENS
+    assert engine.stats.adapter_loads == 8  # queued requests of resident adapters go first: one load each
+    if slots < 8:  # a second wave needs adapters that were evicted: loaded again, same outputs
+        assert _serve_all(engine, requests[:9]) == outputs[:9]
+        assert engine.stats.adapter_loads >= 8 + 9 - slots
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(smollm2, adapters8):
+    model, tokenizer = smollm2
+    requests = _requests(tokenizer)[:6]
+    options = SamplingOptions(temperature=0.8, top_p=0.9, seed=7)
+    engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(max_adapters_on_device=8, **SMALL_ENGINE), adapters8)
+    together = _serve_all(engine, requests, options)
+    alone = [_serve_all(engine, [r], options)[0] for r in requests[:2]]
+    assert together[:2] == alone
+    greedy = _serve_all(engine, requests[:2])
+    assert together[:2] != greedy
+
+
+def test_aborted_request_frees_its_pages(smollm2):
+    model, tokenizer = smollm2
+    engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(**SMALL_ENGINE))
+    events = []
+    engine.submit("r", tokenizer.encode("Count: 1, 2, 3,"), 60, None, SamplingOptions(), events.append)
+    for _ in range(3):
+        engine.step()
+    assert engine.free_pages < SMALL_ENGINE["num_pages"]
+    engine.abort("r")
+    engine.step()
+    assert engine.free_pages == SMALL_ENGINE["num_pages"] and events[-1].finish_reason == "abort"
+    assert not engine.scheduler.has_work()

@@ -1,0 +1,118 @@
+"""The serving policy alone (no model): token budget, page admission, grouping, LRU adapter slots."""
+
+import pytest
+
+from jaxlora.scheduler.serving import AdapterSlots, PageAllocator, SchedulerConfig, Sequence, ServingScheduler, Status
+
+
+def _scheduler(**kw):
+    config = dict(num_pages=8, page_size=4, num_adapter_slots=2, max_num_seqs=4, token_budget=16, prefill_chunk=8)
+    config.update(kw)
+    return ServingScheduler(SchedulerConfig(**config))
+
+
+def _run_step(scheduler, token=1):
+    plan = scheduler.schedule()
+    sampled = {row.seq.seq_id: token for row in plan.rows if row.sample}
+    return plan, scheduler.complete(plan, sampled)
+
+
+def test_prefill_is_chunked_and_decode_rows_come_first():
+    s = _scheduler()
+    s.add(Sequence("long", list(range(1, 13)), max_tokens=4))
+    plan, _ = _run_step(s)
+    assert [(r.start, r.count, r.sample) for r in plan.rows] == [(0, 8, False)]
+    plan, events = _run_step(s)
+    assert [(r.start, r.count, r.sample) for r in plan.rows] == [(8, 4, True)] and events[0][1] == 1
+    s.add(Sequence("new", [5, 6, 7], max_tokens=2))
+    plan, _ = _run_step(s)
+    assert [(r.seq.seq_id, r.count) for r in plan.rows] == [("long", 1), ("new", 3)]
+
+
+def test_token_budget_bounds_each_step():
+    s = _scheduler(num_pages=64, token_budget=10, max_num_seqs=8)
+    for i in range(5):
+        s.add(Sequence(i, [1] * 6, max_tokens=3))
+    while s.has_work():
+        plan, _ = _run_step(s)
+        assert 0 < plan.num_tokens <= 10
+
+
+def test_admission_waits_for_pages_and_pages_come_back():
+    s = _scheduler(num_pages=4, page_size=4)
+    s.add(Sequence("a", [1] * 8, max_tokens=4))  # 12 tokens: 3 pages
+    s.add(Sequence("b", [1] * 4, max_tokens=4))  # 2 pages: must wait
+    _run_step(s)
+    assert [q.seq_id for q in s.running] == ["a"] and [q.seq_id for q in s.waiting] == ["b"]
+    assert s.pages.num_free == 1
+    s.finish(s.running[0], "abort")
+    assert s.pages.num_free == 4
+    _run_step(s)
+    assert [q.seq_id for q in s.running] == ["b"]
+
+
+def test_sequences_finish_on_eos_or_length():
+    s = _scheduler()
+    s.add(Sequence("eos", [1, 2], max_tokens=5, eos_ids=frozenset({7})))
+    s.add(Sequence("len", [1, 2], max_tokens=2))
+    reasons = {}
+    for _ in range(4):
+        _, events = _run_step(s, token=7)
+        reasons.update({seq.seq_id: reason for seq, _, reason in events if reason})
+    assert reasons == {"eos": "stop", "len": "length"} and not s.has_work() and s.pages.num_free == 8
+
+
+def test_rows_are_grouped_by_adapter_slot_base_last():
+    s = _scheduler(num_pages=64, max_num_seqs=8, token_budget=64)
+    for i, adapter in enumerate(["x", None, "y", "x", None, "y"]):
+        s.add(Sequence(i, [1, 2], max_tokens=2, adapter=adapter))
+    plan = s.schedule()
+    slots = [row.slot for row in plan.rows]
+    assert slots == sorted(slots, key=lambda v: (v < 0, v)) and slots.count(-1) == 2
+    assert sorted(key for _, key in plan.loads) == ["x", "y"]
+
+
+def test_lru_never_evicts_pinned_adapters_and_queue_skips_ahead():
+    s = _scheduler(num_pages=64, num_adapter_slots=1, max_num_seqs=8)
+    s.add(Sequence("a1", [1, 2], max_tokens=3, adapter="a"))
+    s.add(Sequence("b1", [1, 2], max_tokens=3, adapter="b"))  # its adapter cannot get the only slot yet
+    s.add(Sequence("a2", [1, 2], max_tokens=3, adapter="a"))  # may pass b1: "a" is on the device
+    plan = s.schedule()
+    assert [r.seq.seq_id for r in plan.rows] == ["a1", "a2"] and plan.loads == [(0, "a")]
+    assert s.prefetch() == []  # "a" is pinned: nothing to evict
+    while s.running:
+        _run_step(s)
+    assert s.prefetch() == [(0, "b")]  # queued b1's adapter goes in once "a" is unpinned
+
+
+def test_adapter_slots_lru_order():
+    slots = AdapterSlots(2)
+    assert slots.place("a") == (0, True) and slots.place("b") == (1, True)
+    slots.touch("a")
+    assert slots.place("c") == (1, True)  # "b" was least recently used
+    slots.pin("a")
+    assert slots.place("d") == (1, True)  # "a" is pinned
+    with pytest.raises(ValueError):
+        slots.drop("a")
+
+
+def test_page_allocator_all_or_nothing():
+    pages = PageAllocator(3, 16)
+    taken = pages.allocate(2)
+    with pytest.raises(ValueError):
+        pages.allocate(2)
+    assert pages.num_free == 1
+    pages.free(taken)
+    assert pages.num_free == 3
+    with pytest.raises(ValueError):
+        pages.free(taken)
+
+
+def test_requests_that_can_never_fit_are_refused():
+    s = _scheduler(num_pages=2, page_size=4)
+    with pytest.raises(ValueError):
+        s.add(Sequence("big", [1] * 6, max_tokens=4))
+    seq = Sequence("ok", [1] * 4, max_tokens=4)
+    s.add(seq)
+    s.finish(seq, "abort")
+    assert seq.status is Status.FINISHED and not s.has_work()
