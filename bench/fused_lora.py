@@ -223,9 +223,9 @@ def kernel_times(m, k, n, r, cfg: FusedLoRAConfig, kernels=("shrink", "base_expa
                                   jnp.full((1,), SCALE, jnp.float32),
                                   jnp.full((1,), P_DROP, jnp.float32))
     seed = jnp.array([SEED], jnp.int32)
-    s = jax.jit(lambda x, a, lay: fused_lora_gpu.shrink_gpu(x, a, lay, seed, cfg, INTERPRET))(
-        x, a, layout)
-    ds = jax.random.normal(jax.random.PRNGKey(3), s.shape, BF16)
+    padded = (layout.num_tiles * layout.block_m, 16)  # S / dS in the tile layout (r <= 16)
+    s = jax.random.normal(jax.random.PRNGKey(2), padded, BF16)
+    ds = jax.random.normal(jax.random.PRNGKey(3), padded, BF16)
 
     def grad_s_b(dy, s, b, lay):
         parts, dbp = fused_lora_gpu.grad_s_b_gpu(dy, s, b, lay, cfg, INTERPRET)

@@ -106,14 +106,24 @@ def _tn(a, b):
     return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=_F32)
 
 
+def _div(a, b):
+    """a // b for non-negative int32 scalars (lax.div: jnp's floor division does not lower to
+    Triton in jax 0.11)."""
+    return lax.div(jnp.asarray(a, _I32), jnp.asarray(b, _I32))
+
+
+def _rem(a, b):
+    return lax.rem(jnp.asarray(a, _I32), jnp.asarray(b, _I32))
+
+
 def _grouped(pid, num_m: int, num_n: int, group: int):
     """Swizzled (row block, column block) of a 1-D program id: `group` row blocks sweep the
     columns together, so their x rows and W columns stay in L2."""
     per_group = group * num_n
-    first_m = (pid // per_group) * group
+    first_m = _div(pid, per_group) * group
     size = jnp.minimum(num_m - first_m, group)
-    within = pid % per_group
-    return first_m + within % size, within // size
+    within = _rem(pid, per_group)
+    return first_m + _rem(within, size), _div(within, size)
 
 
 def _fit(target: int, dim: int) -> int:
@@ -135,7 +145,7 @@ def _sub_rows(layout_bm: int, cfg: FusedLoRAConfig) -> int:
 def _shrink_kernel(*refs, bm: int, ratio: int, bk: int, nk: int):
     table, (seed_ref, x_ref, a_ref, s_ref) = refs[:8], refs[8:]
     p = pl.program_id(0)
-    t, sub = p // ratio, p % ratio
+    t, sub = _div(p, ratio), _rem(p, ratio)
     tile = _Tile(table, t)
     seed = seed_ref[0]
     r = s_ref.shape[1]
@@ -183,7 +193,7 @@ def _base_expand_kernel(*refs, bm: int, ratio: int, bk: int, bn: int, nk: int, n
                         num_n: int, group: int):
     table, (x_ref, w_ref, s_ref, b_ref, y_ref) = refs[:8], refs[8:]
     pm, j = _grouped(pl.program_id(0), num_m, num_n, group)
-    t, sub = pm // ratio, pm % ratio
+    t, sub = _div(pm, ratio), _rem(pm, ratio)
     tile = _Tile(table, t)
     row_start = tile.row0 + sub * bm
     nvalid = tile.nrows - sub * bm
@@ -282,13 +292,13 @@ def _grad_a_kernel(*refs, bm: int, ratio: int, bk: int, splits: int):
     r = ds_ref.shape[1]
     lo = seg_lo_ref[e]
     hi = jnp.where(seg_slot_ref[e] >= 0, seg_hi_ref[e], lo)
-    share = (hi - lo + splits - 1) // splits
+    share = _div(hi - lo + (splits - 1), splits)
     first = lo + split * share
     last = jnp.minimum(first + share, hi)
     layout_bm = bm * ratio
 
     def body(step, acc):
-        t, sub = first + step // ratio, step % ratio
+        t, sub = first + _div(step, ratio), _rem(step, ratio)
         tile = _Tile(table, t)
         nvalid = tile.nrows - sub * bm
 
@@ -332,7 +342,7 @@ def _grad_x_kernel(*refs, bm: int, ratio: int, bk: int, bn: int, nn: int, num_m:
                    num_k: int, group: int):
     table, (seed_ref, dy_ref, w_ref, ds_ref, a_ref, dx_ref) = refs[:8], refs[8:]
     pm, i = _grouped(pl.program_id(0), num_m, num_k, group)
-    t, sub = pm // ratio, pm % ratio
+    t, sub = _div(pm, ratio), _rem(pm, ratio)
     tile = _Tile(table, t)
     seed = seed_ref[0]
     row_start = tile.row0 + sub * bm
