@@ -13,10 +13,14 @@ seg_scale float32 [S]. Rows >= seg_starts[S] are padding (zero delta, y untouche
 from pallas_kernels.lora_delta import sgmv_lora_delta
 from pallas_kernels.ops import (
     bgmv_expand,
+    bgmv_lora,
     bgmv_shrink,
     resolve_impl,
     segment_outer,
     sgmv_expand,
+    sgmv_lora,
+    sgmv_lora_routing,
+    sgmv_lora_tiles,
     sgmv_shrink,
 )
 from pallas_kernels.routing import TileRouting, make_routing
@@ -26,12 +30,16 @@ __all__ = [
     "TileConfig",
     "TileRouting",
     "bgmv_expand",
+    "bgmv_lora",
     "bgmv_shrink",
     "get_tile_config",
     "make_routing",
     "resolve_impl",
     "segment_outer",
     "sgmv_expand",
+    "sgmv_lora",
     "sgmv_lora_delta",
+    "sgmv_lora_routing",
+    "sgmv_lora_tiles",
     "sgmv_shrink",
 ]

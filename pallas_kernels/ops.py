@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import bgmv_gpu, reference, sgmv_gpu, sgmv_tpu
-from pallas_kernels.layout import fit_tiles, pad_to
+from pallas_kernels.layout import fit_tiles, pad_axis, pad_to, round_up
 from pallas_kernels.routing import TileRouting, make_routing
 from pallas_kernels.tiles import TileConfig, get_tile_config
 
@@ -60,6 +60,42 @@ def _routing(routing: TileRouting | None, starts, padded_rows: int, block_rows: 
     return routing
 
 
+def _gpu_sgmv_shrink_partials(x, lora_a, seg_starts, seg_slot, seg_rank, cfg, interpret,
+                              routing):
+    """[k_splits, T_pad, r_pad] f32 partial sums of the GPU shrink (metadata clipped in-kernel)."""
+    x_p = pad_to(x, (cfg.block_rows, cfg.block_k))
+    a_p = pad_to(lora_a, (None, cfg.block_k, cfg.rank_chunk))
+    route = _routing(routing, seg_starts, x_p.shape[0], cfg.block_rows)
+    return sgmv_gpu.sgmv_shrink_gpu(x_p, a_p, seg_starts.astype(jnp.int32),
+                                    seg_slot.astype(jnp.int32), seg_rank.astype(jnp.int32),
+                                    route, cfg, interpret)
+
+
+def _gpu_sgmv_expand(y, v, lora_b, seg_starts, seg_slot, seg_rank, seg_scale, cfg, interpret,
+                     routing):
+    """GPU expand; v is [T, r] or split-K partials [parts, T', r'] (rows/ranks padded or cut)."""
+    (num_rows, n), r_max = y.shape, lora_b.shape[1]
+    y_p = pad_to(y, (cfg.block_rows, cfg.block_n))
+    b_p = pad_to(lora_b, (None, cfg.rank_chunk, cfg.block_n))
+    if v.ndim == 2:
+        v = v[None]
+    v = _fit_axis(_fit_axis(v, 1, y_p.shape[0]), 2, b_p.shape[1])
+    route = _routing(routing, seg_starts, y_p.shape[0], cfg.block_rows)
+    out = sgmv_gpu.sgmv_expand_gpu(y_p, v, b_p, seg_starts.astype(jnp.int32),
+                                   seg_slot.astype(jnp.int32), seg_rank.astype(jnp.int32),
+                                   seg_scale.astype(jnp.float32), route, cfg, interpret)
+    return out[:num_rows, :n]
+
+
+def _fit_axis(array, axis: int, size: int):
+    """Zero-pad or cut `axis` to `size` (no copy when it already has that size)."""
+    if array.shape[axis] == size:
+        return array
+    if array.shape[axis] > size:
+        return jax.lax.slice_in_dim(array, 0, size, axis=axis)
+    return pad_axis(array, axis, size)
+
+
 def sgmv_shrink(x, lora_a, seg_starts, seg_slot, seg_rank, *, impl=None, tiles=None,
                 routing=None):
     """v[seg] = x[seg] @ A[slot][:, :rank] (zero beyond rank; zero rows for slot -1/padding).
@@ -72,12 +108,15 @@ def sgmv_shrink(x, lora_a, seg_starts, seg_slot, seg_rank, *, impl=None, tiles=N
         return reference.sgmv_shrink_ref(x, lora_a, seg_starts, seg_slot, seg_rank)
     (num_rows, k), r_max = x.shape, lora_a.shape[-1]
     cfg = choose_tiles("sgmv_shrink", style, num_rows, k, r_max, r_max, tiles)
+    if style == "gpu":
+        partials = _gpu_sgmv_shrink_partials(x, lora_a, seg_starts, seg_slot, seg_rank, cfg,
+                                             interpret, routing)
+        return partials.sum(axis=0)[:num_rows, :r_max].astype(x.dtype)
     starts, slots, ranks = _metadata(seg_starts, seg_slot, seg_rank, num_rows, r_max)
     x_p = pad_to(x, (cfg.block_rows, cfg.block_k))
     a_p = pad_to(lora_a, (None, cfg.block_k, cfg.rank_chunk))
     route = _routing(routing, starts, x_p.shape[0], cfg.block_rows)
-    kernel = sgmv_gpu.sgmv_shrink_gpu if style == "gpu" else sgmv_tpu.sgmv_shrink_tpu
-    v = kernel(x_p, a_p, starts, slots, ranks, route, cfg, interpret)
+    v = sgmv_tpu.sgmv_shrink_tpu(x_p, a_p, starts, slots, ranks, route, cfg, interpret)
     return v[:num_rows, :r_max]
 
 
@@ -93,19 +132,89 @@ def sgmv_expand(y, v, lora_b, seg_starts, seg_slot, seg_rank, seg_scale, *, impl
         return reference.sgmv_expand_ref(y, v, lora_b, seg_starts, seg_slot, seg_rank, seg_scale)
     (num_rows, n), r_max = y.shape, lora_b.shape[1]
     cfg = choose_tiles("sgmv_expand", style, num_rows, r_max, n, r_max, tiles)
+    if style == "gpu":
+        return _gpu_sgmv_expand(y, v, lora_b, seg_starts, seg_slot, seg_rank, seg_scale, cfg,
+                                interpret, routing)
     starts, slots, ranks = _metadata(seg_starts, seg_slot, seg_rank, num_rows, r_max)
     y_p = pad_to(y, (cfg.block_rows, cfg.block_n))
     v_p = pad_to(v, (cfg.block_rows, cfg.rank_chunk))
     b_p = pad_to(lora_b, (None, cfg.rank_chunk, cfg.block_n))
     route = _routing(routing, starts, y_p.shape[0], cfg.block_rows)
-    kernel = sgmv_gpu.sgmv_expand_gpu if style == "gpu" else sgmv_tpu.sgmv_expand_tpu
-    out = kernel(y_p, v_p, b_p, starts, slots, ranks, seg_scale.astype(jnp.float32), route, cfg,
-                 interpret)
+    out = sgmv_tpu.sgmv_expand_tpu(y_p, v_p, b_p, starts, slots, ranks,
+                                   seg_scale.astype(jnp.float32), route, cfg, interpret)
     return out[:num_rows, :n]
+
+
+def sgmv_lora_tiles(num_rows: int, in_dim: int, out_dim: int, r_max: int, *, impl=None,
+                    tiles=None) -> tuple[TileConfig, TileConfig]:
+    """(shrink, expand) tile configs `sgmv_lora` uses for these shapes (`tiles`: an explicit
+    (shrink, expand) pair or None for the device lookup)."""
+    style, _ = resolve_impl(impl)
+    style = "gpu" if style == "reference" else style
+    shrink_tiles, expand_tiles = tiles if tiles is not None else (None, None)
+    return (choose_tiles("sgmv_shrink", style, num_rows, in_dim, r_max, r_max, shrink_tiles),
+            choose_tiles("sgmv_expand", style, num_rows, r_max, out_dim, r_max, expand_tiles))
+
+
+def sgmv_lora_routing(seg_starts, num_rows: int, in_dim: int, out_dim: int, r_max: int, *,
+                      impl=None, tiles=None) -> tuple[TileRouting, TileRouting]:
+    """The (shrink, expand) routing pair for `sgmv_lora`: build it once per batch and pass it
+    to every layer's call (saves the per-call routing ops)."""
+    shrink_cfg, expand_cfg = sgmv_lora_tiles(num_rows, in_dim, out_dim, r_max, impl=impl,
+                                             tiles=tiles)
+    return tuple(make_routing(seg_starts, round_up(num_rows, cfg.block_rows), cfg.block_rows)
+                 for cfg in (shrink_cfg, expand_cfg))
+
+
+def sgmv_lora(y, x, lora_a, lora_b, seg_starts, seg_slot, seg_rank, seg_scale, *, impl=None,
+              tiles=None, routing=None):
+    """y[seg] += scale * (x[seg] @ A[slot][:, :rank]) @ B[slot][:rank]: shrink then expand.
+
+    On GPU the shrink's split-K partial sums go straight into the expand (two kernel launches,
+    no reduction pass, v kept in f32 until it is rounded to B's dtype for the expand's dot) and
+    y is updated in place. y [T, n], x [T, k], lora_a [slots, k, r_max], lora_b [slots, r_max,
+    n], segment metadata as in `sgmv_shrink`/`sgmv_expand` -> [T, n] (y.dtype).
+    `tiles`: a (shrink, expand) TileConfig pair; `routing`: a pair from `sgmv_lora_routing`.
+    """
+    style, interpret = resolve_impl(impl)
+    if style != "gpu":
+        shrink_tiles, expand_tiles = tiles if tiles is not None else (None, None)
+        route_s, route_e = routing if routing is not None else (None, None)
+        v = sgmv_shrink(x, lora_a, seg_starts, seg_slot, seg_rank, impl=impl,
+                        tiles=shrink_tiles, routing=route_s)
+        return sgmv_expand(y, v, lora_b, seg_starts, seg_slot, seg_rank, seg_scale, impl=impl,
+                           tiles=expand_tiles, routing=route_e)
+    (num_rows, k), (n, r_max) = x.shape, (y.shape[1], lora_a.shape[-1])
+    shrink_cfg, expand_cfg = sgmv_lora_tiles(num_rows, k, n, r_max, impl=impl, tiles=tiles)
+    route_s, route_e = routing if routing is not None else (None, None)
+    partials = _gpu_sgmv_shrink_partials(x, lora_a, seg_starts, seg_slot, seg_rank, shrink_cfg,
+                                         interpret, route_s)
+    return _gpu_sgmv_expand(y, partials, lora_b, seg_starts, seg_slot, seg_rank, seg_scale,
+                            expand_cfg, interpret, route_e)
 
 
 def _unit_segments(row_slot):
     return jnp.arange(row_slot.shape[0] + 1, dtype=jnp.int32)
+
+
+def _gpu_bgmv_shrink_partials(x, lora_a, row_slot, row_rank, cfg, interpret):
+    x_p = pad_to(x, (None, cfg.block_k))
+    a_p = pad_to(lora_a, (None, cfg.block_k, cfg.rank_chunk))
+    return bgmv_gpu.bgmv_shrink_gpu(x_p, a_p, row_slot.astype(jnp.int32),
+                                    row_rank.astype(jnp.int32), cfg, interpret)
+
+
+def _gpu_bgmv_expand(y, v, lora_b, row_slot, row_rank, row_scale, cfg, interpret):
+    n = y.shape[1]
+    y_p = pad_to(y, (None, cfg.block_n))
+    b_p = pad_to(lora_b, (None, cfg.rank_chunk, cfg.block_n))
+    if v.ndim == 2:
+        v = v[None]
+    v = _fit_axis(v, 2, b_p.shape[1])
+    out = bgmv_gpu.bgmv_expand_gpu(y_p, v, b_p, row_slot.astype(jnp.int32),
+                                   row_rank.astype(jnp.int32), row_scale.astype(jnp.float32),
+                                   cfg, interpret)
+    return out[:, :n]
 
 
 def bgmv_shrink(x, lora_a, row_slot, row_rank, *, impl=None, tiles=None):
@@ -122,10 +231,8 @@ def bgmv_shrink(x, lora_a, row_slot, row_rank, *, impl=None, tiles=None):
                                                           lora_a.shape[-1]))
     (batch, k), r_max = x.shape, lora_a.shape[-1]
     cfg = choose_tiles("bgmv_shrink", style, batch, k, r_max, r_max, tiles)
-    _, slots, ranks = _metadata(_unit_segments(row_slot), row_slot, row_rank, batch, r_max)
-    x_p = pad_to(x, (None, cfg.block_k))
-    a_p = pad_to(lora_a, (None, cfg.block_k, cfg.rank_chunk))
-    return bgmv_gpu.bgmv_shrink_gpu(x_p, a_p, slots, ranks, cfg, interpret)[:, :r_max]
+    partials = _gpu_bgmv_shrink_partials(x, lora_a, row_slot, row_rank, cfg, interpret)
+    return partials.sum(axis=0)[:, :r_max].astype(x.dtype)
 
 
 def bgmv_expand(y, v, lora_b, row_slot, row_rank, row_scale, *, impl=None, tiles=None):
@@ -143,13 +250,28 @@ def bgmv_expand(y, v, lora_b, row_slot, row_rank, row_scale, *, impl=None, tiles
                            row_scale, impl=impl, tiles=cfg)
     (batch, n), r_max = y.shape, lora_b.shape[1]
     cfg = choose_tiles("bgmv_expand", style, batch, r_max, n, r_max, tiles)
-    _, slots, ranks = _metadata(_unit_segments(row_slot), row_slot, row_rank, batch, r_max)
-    y_p = pad_to(y, (None, cfg.block_n))
-    v_p = pad_to(v, (None, cfg.rank_chunk))
-    b_p = pad_to(lora_b, (None, cfg.rank_chunk, cfg.block_n))
-    out = bgmv_gpu.bgmv_expand_gpu(y_p, v_p, b_p, slots, ranks, row_scale.astype(jnp.float32),
-                                   cfg, interpret)
-    return out[:, :n]
+    return _gpu_bgmv_expand(y, v, lora_b, row_slot, row_rank, row_scale, cfg, interpret)
+
+
+def bgmv_lora(y, x, lora_a, lora_b, row_slot, row_rank, row_scale, *, impl=None, tiles=None):
+    """Decode: y[b] += scale[b] * (x[b] @ A[slot[b]][:, :rank]) @ B[slot[b]][:rank].
+
+    On GPU the shrink's split-K partials go straight into the expand (two launches, no
+    reduction pass; rows with slot -1 are not touched). `tiles`: a (shrink, expand) pair.
+    y [B, n], x [B, k] -> [B, n] (y.dtype).
+    """
+    style, interpret = resolve_impl(impl)
+    shrink_tiles, expand_tiles = tiles if tiles is not None else (None, None)
+    if style != "gpu":
+        v = bgmv_shrink(x, lora_a, row_slot, row_rank, impl=impl, tiles=shrink_tiles)
+        return bgmv_expand(y, v, lora_b, row_slot, row_rank, row_scale, impl=impl,
+                           tiles=expand_tiles)
+    (batch, k), (n, r_max) = x.shape, (y.shape[1], lora_a.shape[-1])
+    shrink_cfg = choose_tiles("bgmv_shrink", style, batch, k, r_max, r_max, shrink_tiles)
+    expand_cfg = choose_tiles("bgmv_expand", style, batch, r_max, n, r_max, expand_tiles)
+    partials = _gpu_bgmv_shrink_partials(x, lora_a, row_slot, row_rank, shrink_cfg, interpret)
+    return _gpu_bgmv_expand(y, partials, lora_b, row_slot, row_rank, row_scale, expand_cfg,
+                            interpret)
 
 
 def _bgmv_tpu_tiles(op: str, batch: int, in_dim: int, out_dim: int) -> TileConfig:

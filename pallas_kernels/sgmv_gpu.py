@@ -3,11 +3,23 @@
 Layout: one program per row tile (x split-K programs for shrink / column blocks for expand).
 Each program loops over the segments overlapping its tile (`TileRouting.tile_seg_lo/hi`) and
 masks the rows outside the current segment, so tiles may straddle segment boundaries and x/y
-are never relaid out. Metadata is passed as whole int32 arrays (Triton has no scalar prefetch).
+are never relaid out. Metadata is passed as whole int32 arrays (Triton has no scalar prefetch)
+and clipped inside the kernels (no XLA pre-pass: each extra launch costs microseconds).
+
+Shrink (Punica/vLLM split-K): grid (row tiles, k_splits); each program reduces its share of
+the k blocks and writes f32 partial sums [k_splits, T, r_max]. The expand sums the partials
+while it loads v (`sgmv_expand_gpu` takes v as [parts, T, r] or [T, r]), so the fused
+shrink -> expand pipeline (`ops.sgmv_lora`) is two launches and no reduction pass.
+Inactive segments (slot -1, empty, rank 0) get a zero trip count instead of a branch, and the
+first rank chunk runs unconditionally, so the k loop of a uniform-rank pool (rank_chunk ==
+r_max) has no branch in it and Triton can software-pipeline its loads (num_stages).
 
 Mixed ranks (S-LoRA MBGMM): the rank axis is cut into static chunks of `rank_chunk` (>= 16,
-Triton dot dims) and each chunk runs under `lax.cond(chunk_start < rank)`, so a rank-8 segment
-in an r_max=64 pool reads and multiplies one 16-wide chunk of A/B, not 64 columns.
+Triton dot dims) and chunks after the first run under `lax.cond(chunk_start < rank)`, so a
+rank-8 segment in an r_max=64 pool reads and multiplies one 16-wide chunk of A/B, not 64.
+
+Expand writes y in place (input/output aliasing): under jit with y produced in the same
+computation (the base projection) or donated, no copy of y is made.
 
 Inputs arrive padded by the dispatcher: rows to a multiple of block_rows, k/n to multiples of
 block_k/block_n, r_max to a multiple of rank_chunk.
@@ -31,11 +43,12 @@ def _params(cfg: TileConfig):
     return plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _segment(seg, starts_ref, slot_ref, rank_ref):
-    """(start, end, slot clamped to >= 0, rank, active) of segment `seg`."""
-    start, end = starts_ref[seg], starts_ref[seg + 1]
-    slot, rank = slot_ref[seg], rank_ref[seg]
-    return start, end, jnp.maximum(slot, 0), rank, (slot >= 0) & (end > start)
+def _segment(seg, starts_ref, slot_ref, rank_ref, num_rows: int, r_max: int):
+    """(start, end, slot clamped to >= 0, rank clipped to [0, r_max], active) of `seg`."""
+    start = jnp.clip(starts_ref[seg], 0, num_rows)
+    end = jnp.clip(starts_ref[seg + 1], 0, num_rows)
+    slot, rank = slot_ref[seg], jnp.clip(rank_ref[seg], 0, r_max)
+    return start, end, jnp.maximum(slot, 0), rank, (slot >= 0) & (end > start) & (rank > 0)
 
 
 def _row_mask(row0, block_rows, start, end):
@@ -47,30 +60,40 @@ def _col_mask(col0, width, rank):
     return (col0 + lax.broadcasted_iota(jnp.int32, (1, width), 1)) < rank
 
 
+def _split_range(split, num_k_blocks: int, k_splits: int):
+    per_split = -(-num_k_blocks // k_splits)
+    kb_lo = split * per_split
+    return kb_lo, jnp.minimum(kb_lo + per_split, num_k_blocks)
+
+
 def _shrink_kernel(starts_ref, slot_ref, rank_ref, lo_ref, hi_ref, x_ref, a_ref, out_ref, *,
                    cfg: TileConfig, num_chunks: int, num_k_blocks: int):
     tile, split = pl.program_id(0), pl.program_id(1)
     bm, bk, rc = cfg.block_rows, cfg.block_k, cfg.rank_chunk
-    row0 = tile * bm
-    per_split = -(-num_k_blocks // cfg.k_splits)
-    kb_lo = split * per_split
-    kb_hi = jnp.minimum(kb_lo + per_split, num_k_blocks)
+    num_rows, r_max = x_ref.shape[0], a_ref.shape[-1]
+    row0 = pl.multiple_of(tile * bm, bm)
+    kb_lo, kb_hi = _split_range(split, num_k_blocks, cfg.k_splits)
 
     def seg_body(seg, accs):
-        start, end, slot, rank, active = _segment(seg, starts_ref, slot_ref, rank_ref)
+        start, end, slot, rank, active = _segment(seg, starts_ref, slot_ref, rank_ref,
+                                                  num_rows, r_max)
 
         def k_body(kb, chunk_accs):
-            x_blk = x_ref[pl.ds(row0, bm), pl.ds(kb * bk, bk)]
-            out = []
-            for c in range(num_chunks):
-                def add(acc, c=c):
-                    a_blk = a_ref[slot, pl.ds(kb * bk, bk), pl.ds(c * rc, rc)]
-                    return acc + jnp.dot(x_blk, a_blk, preferred_element_type=_F32)
-                out.append(lax.cond(active & (c * rc < rank), add, lambda acc: acc, chunk_accs[c]))
+            k0 = pl.multiple_of(kb * bk, bk)
+            x_blk = x_ref[pl.ds(row0, bm), pl.ds(k0, bk)]
+
+            def add(acc, c):
+                a_blk = a_ref[slot, pl.ds(k0, bk), pl.ds(c * rc, rc)]
+                return acc + jnp.dot(x_blk, a_blk, preferred_element_type=_F32)
+
+            out = [add(chunk_accs[0], 0)]  # every active segment has rank >= 1
+            for c in range(1, num_chunks):
+                out.append(lax.cond(c * rc < rank, functools.partial(add, c=c),
+                                    lambda acc: acc, chunk_accs[c]))
             return tuple(out)
 
         zeros = tuple(jnp.zeros((bm, rc), _F32) for _ in range(num_chunks))
-        seg_accs = lax.fori_loop(kb_lo, kb_hi, k_body, zeros)
+        seg_accs = lax.fori_loop(kb_lo, jnp.where(active, kb_hi, kb_lo), k_body, zeros)
         rows = _row_mask(row0, bm, start, end)
         return tuple(
             acc + jnp.where(rows & _col_mask(c * rc, rc, rank), seg_accs[c], 0.0)
@@ -85,39 +108,51 @@ def _shrink_kernel(starts_ref, slot_ref, rank_ref, lo_ref, hi_ref, x_ref, a_ref,
 
 def sgmv_shrink_gpu(x, lora_a, seg_starts, seg_slot, seg_rank, routing: TileRouting,
                     cfg: TileConfig, interpret: bool):
-    """v = x @ A[slot] per segment. x [T, k], lora_a [slots, k, r] -> v [T, r] (x.dtype)."""
+    """Split-K partial sums of v = x @ A[slot] per segment (rank-masked; 0 for rows of no
+    active segment).
+
+    x [T, k], lora_a [slots, k, r] -> [k_splits, T, r] float32 (sum over axis 0 is v).
+    """
     num_rows, k = x.shape
     r_max = lora_a.shape[-1]
     kernel = functools.partial(_shrink_kernel, cfg=cfg, num_chunks=r_max // cfg.rank_chunk,
                                num_k_blocks=k // cfg.block_k)
-    partial_sums = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((cfg.k_splits, num_rows, r_max), _F32),
         grid=(num_rows // cfg.block_rows, cfg.k_splits),
         compiler_params=_params(cfg),
         interpret=interpret,
     )(seg_starts, seg_slot, seg_rank, routing.tile_seg_lo, routing.tile_seg_hi, x, lora_a)
-    return partial_sums.sum(axis=0).astype(x.dtype)
 
 
 def _expand_kernel(starts_ref, slot_ref, rank_ref, scale_ref, lo_ref, hi_ref, y_ref, v_ref,
                    b_ref, out_ref, *, cfg: TileConfig, num_chunks: int):
     tile, col_block = pl.program_id(0), pl.program_id(1)
     bm, bn, rc = cfg.block_rows, cfg.block_n, cfg.rank_chunk
-    row0, col0 = tile * bm, col_block * bn
+    num_rows, r_max, num_parts = y_ref.shape[0], b_ref.shape[1], v_ref.shape[0]
+    row0, col0 = pl.multiple_of(tile * bm, bm), pl.multiple_of(col_block * bn, bn)
+
+    def load_v(c):  # sum of the shrink's split-K partials (one part for a plain v)
+        v = v_ref[0, pl.ds(row0, bm), pl.ds(c * rc, rc)].astype(_F32)
+        for part in range(1, num_parts):
+            v = v + v_ref[part, pl.ds(row0, bm), pl.ds(c * rc, rc)].astype(_F32)
+        return v
 
     def seg_body(seg, acc):
-        start, end, slot, rank, active = _segment(seg, starts_ref, slot_ref, rank_ref)
-        delta = jnp.zeros((bm, bn), _F32)
-        for c in range(num_chunks):
-            def add(d, c=c):
-                v_blk = v_ref[pl.ds(row0, bm), pl.ds(c * rc, rc)]
-                b_blk = b_ref[slot, pl.ds(c * rc, rc), pl.ds(col0, bn)]
-                v_blk = jnp.where(_col_mask(c * rc, rc, rank), v_blk, 0)
-                b_rows = (c * rc + lax.broadcasted_iota(jnp.int32, (rc, 1), 0)) < rank
-                b_blk = jnp.where(b_rows, b_blk, 0)
-                return d + jnp.dot(v_blk, b_blk, preferred_element_type=_F32)
-            delta = lax.cond(active & (c * rc < rank), add, lambda d: d, delta)
+        start, end, slot, rank, active = _segment(seg, starts_ref, slot_ref, rank_ref,
+                                                  num_rows, r_max)
+
+        def add(d, c):
+            v_blk = jnp.where(_col_mask(c * rc, rc, rank), load_v(c), 0.0)
+            b_blk = b_ref[slot, pl.ds(c * rc, rc), pl.ds(col0, bn)]
+            b_rows = (c * rc + lax.broadcasted_iota(jnp.int32, (rc, 1), 0)) < rank
+            b_blk = jnp.where(b_rows, b_blk, 0)
+            return d + jnp.dot(v_blk.astype(b_blk.dtype), b_blk, preferred_element_type=_F32)
+
+        delta = add(jnp.zeros((bm, bn), _F32), 0)
+        for c in range(1, num_chunks):
+            delta = lax.cond(c * rc < rank, functools.partial(add, c=c), lambda d: d, delta)
         rows = _row_mask(row0, bm, start, end) & active
         return acc + jnp.where(rows, scale_ref[seg] * delta, 0.0)
 
@@ -130,9 +165,12 @@ def sgmv_expand_gpu(y, v, lora_b, seg_starts, seg_slot, seg_rank, seg_scale,
                     routing: TileRouting, cfg: TileConfig, interpret: bool):
     """y += scale * v @ B[slot] per segment, in place (y aliased to the output).
 
-    y [T, n], v [T, r], lora_b [slots, r, n] -> [T, n] (y.dtype).
+    y [T, n], v [T, r] or split-K partials [parts, T, r] (summed here), lora_b [slots, r, n]
+    -> [T, n] (y.dtype).
     """
     num_rows, n = y.shape
+    if v.ndim == 2:
+        v = v[None]
     kernel = functools.partial(_expand_kernel, cfg=cfg,
                                num_chunks=lora_b.shape[1] // cfg.rank_chunk)
     return pl.pallas_call(
@@ -150,7 +188,9 @@ def _outer_kernel(starts_ref, slot_ref, rank_ref, lhs_ref, rhs_ref, out_ref, *,
                   cfg: TileConfig, rank_axis: int):
     seg, p_block, q_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bm, bp, bq = cfg.block_rows, cfg.block_k, cfg.block_n
-    start, end, _, rank, active = _segment(seg, starts_ref, slot_ref, rank_ref)
+    r_max = (lhs_ref.shape[1], rhs_ref.shape[1])[rank_axis]
+    start, end, _, rank, active = _segment(seg, starts_ref, slot_ref, rank_ref,
+                                           lhs_ref.shape[0], r_max)
     rank_block_start = (p_block * bp, q_block * bq)[rank_axis]
     active = active & (rank_block_start < rank)
 

@@ -2,9 +2,12 @@
 
 `tile_table.json` (next to this file) has the form
     {"<device_kind>": {"<op>": {"<bucket>": {"block_rows": 64, ...}}}}
-with `bucket = shape_bucket(num_rows, in_dim, out_dim)`. An offline profiler fills it; any
-device, op or bucket missing from it falls back to `heuristic_tiles` (a new GPU must work
-without a table entry). Entries may be partial: missing fields come from the heuristic.
+with `bucket = shape_bucket(num_rows, in_dim, out_dim)`. The offline profiler
+`python -m pallas_kernels.tune` fills it on the device at hand. A bucket missing from it takes
+the nearest row bucket of the same (in_dim, out_dim) (within 4x rows); any other device, op
+or shape falls back to `heuristic_tiles` (a new GPU must work without a table entry). Entries
+may be partial: missing fields come from the heuristic; extra fields (the profiler's measured
+times) are ignored.
 
 Ops and their (num_rows, in_dim, out_dim): "sgmv_shrink"/"bgmv_shrink" (T, k, r_max),
 "sgmv_expand"/"bgmv_expand" (T, r_max, n), "segment_outer" (T, p, q).
@@ -59,18 +62,26 @@ def load_table(path: str = str(TABLE_PATH)) -> dict:
 
 
 def _gpu_heuristic(op: str, num_rows: int, in_dim: int, out_dim: int) -> TileConfig:
-    rows = min(64, max(16, next_pow2(num_rows)))
+    """Triton defaults: enough programs to fill ~132 SMs a few times over (split-K for the
+    shrinks, column blocks for the expands); uniform-rank pools take one rank chunk
+    (`fit_tiles` cuts rank_chunk to a divisor of r_max)."""
     if op.startswith("bgmv"):
-        rows = 1
-    if op.endswith("shrink"):
+        if op == "bgmv_shrink":
+            block_k = min(256, max(16, next_pow2(in_dim)))
+            k_blocks = -(-in_dim // block_k)
+            k_splits = max(1, min(k_blocks, 1024 // max(num_rows, 1)))
+            return TileConfig(1, block_k, 16, 16, k_splits, 4, 2)
+        return TileConfig(1, 16, min(256, max(16, next_pow2(out_dim))), 16, 1, 4, 2)
+    rows = min(64, max(16, next_pow2(num_rows)))
+    if op == "sgmv_shrink":
         block_k = min(256, max(16, next_pow2(in_dim)))
         k_blocks = -(-in_dim // block_k)
-        tiles = max(1, num_rows // max(rows, 1))
-        k_splits = max(1, min(k_blocks, 128 // tiles))
-        return TileConfig(rows, block_k, 16, 16, k_splits, 4, 2)
+        tiles = max(1, -(-num_rows // rows))
+        k_splits = max(1, min(k_blocks, 256 // tiles))
+        return TileConfig(rows, block_k, 16, 64, k_splits, 4, 3)
     block_k = min(64, max(16, next_pow2(in_dim)))
     block_n = min(128, max(16, next_pow2(out_dim)))
-    return TileConfig(rows, block_k, block_n, 16, 1, 4, 2)
+    return TileConfig(rows, block_k, block_n, 64, 1, 4, 2)
 
 
 def _tpu_heuristic(op: str, num_rows: int, in_dim: int, out_dim: int) -> TileConfig:
@@ -91,6 +102,27 @@ def heuristic_tiles(op: str, num_rows: int, in_dim: int, out_dim: int, style: st
     return _gpu_heuristic(op, num_rows, in_dim, out_dim)
 
 
+def _nearest_entry(op_table: dict, num_rows: int, in_dim: int, out_dim: int,
+                   max_octaves: int = 2) -> dict | None:
+    """The entry of this exact bucket, else of the same (in_dim, out_dim) buckets with the
+    nearest row bucket within `max_octaves` powers of two (ties: the larger rows), else None."""
+    key = shape_bucket(num_rows, in_dim, out_dim)
+    if key in op_table:
+        return op_table[key]
+    rows = next_pow2(num_rows).bit_length()
+    suffix = key.split("x", 1)[1]
+    best = None
+    for other, entry in op_table.items():
+        other_rows, _, other_suffix = other.partition("x")
+        if other_suffix != suffix or not other_rows.isdigit():
+            continue
+        distance = abs(int(other_rows).bit_length() - rows)
+        rank = (distance, -int(other_rows))
+        if distance <= max_octaves and (best is None or rank < best[0]):
+            best = (rank, entry)
+    return None if best is None else best[1]
+
+
 def get_tile_config(
     device_kind: str,
     op: str,
@@ -100,10 +132,15 @@ def get_tile_config(
     style: str = "gpu",
     table: dict | None = None,
 ) -> TileConfig:
-    """Table entry for (device_kind, op, shape bucket) over the heuristic's defaults."""
+    """Table entry for (device_kind, op, shape bucket) over the heuristic's defaults.
+
+    A bucket missing from the table takes the entry of the nearest row bucket of the same
+    (in_dim, out_dim) buckets (within 4x rows); an unknown device, op or shape gets the
+    heuristic. Non-TileConfig fields of an entry (measured times) are ignored.
+    """
     base = heuristic_tiles(op, num_rows, in_dim, out_dim, style)
     table = load_table() if table is None else table
-    entry = table.get(device_kind, {}).get(op, {}).get(shape_bucket(num_rows, in_dim, out_dim))
+    entry = _nearest_entry(table.get(device_kind, {}).get(op, {}), num_rows, in_dim, out_dim)
     if not entry:
         return base
     known = {f.name for f in dataclasses.fields(TileConfig)}

@@ -129,3 +129,32 @@ def test_auto_impl_and_errors():
     assert pk.resolve_impl("gpu") == ("gpu", True)
     with pytest.raises(ValueError, match="impl"):
         pk.resolve_impl("cuda")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_sgmv_lora_pipeline(impl):
+    """shrink -> expand with the split-K partials passed straight on (GPU), row tiles of the
+    two kernels different (the partials' rows are cut to the expand's padding)."""
+    x, lora_a, lora_b, y, starts, slots, ranks, scales = mixed_batch(jnp.float32, seed=9)
+    expand_tiles = SMALL_TILES.__class__(block_rows=32, block_k=16, block_n=32, rank_chunk=32)
+    out = pk.sgmv_lora(y, x, lora_a, lora_b, starts, slots, ranks, scales, impl=impl,
+                       tiles=(SMALL_TILES, expand_tiles))
+    v = ref.sgmv_shrink_ref(x, lora_a, starts, slots, ranks)
+    expected = ref.sgmv_expand_ref(y, v, lora_b, starts, slots, ranks, scales)
+    assert rel_err(out - y, expected - y) <= 1e-5
+    np.testing.assert_array_equal(np.asarray(out[UNTOUCHED_ROWS]), np.asarray(y[UNTOUCHED_ROWS]))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bgmv_lora_pipeline(impl):
+    x, lora_a, lora_b, y = arrays(10, 12, 64, 48, 32, 5, jnp.float32)
+    row_slot = jnp.array([0, 4, -1, 3, 3, 2, -1, 1, 4, 0, 2, 2], jnp.int32)
+    row_rank = jnp.array([8, 16, 32, 32, 32, 0, 8, 17, 8, 8, 16, 32], jnp.int32)
+    row_scale = jnp.linspace(0.5, 2.0, 12, dtype=jnp.float32)
+    tiles = (SMALL_TILES, SMALL_TILES) if impl == "gpu" else None
+    out = pk.bgmv_lora(y, x, lora_a, lora_b, row_slot, row_rank, row_scale, impl=impl,
+                       tiles=tiles)
+    v = ref.bgmv_shrink_ref(x, lora_a, row_slot, row_rank)
+    expected = ref.bgmv_expand_ref(y, v, lora_b, row_slot, row_rank, row_scale)
+    assert rel_err(out - y, expected - y) <= 1e-5
+    np.testing.assert_array_equal(np.asarray(out)[[2, 5, 6]], np.asarray(y)[[2, 5, 6]])

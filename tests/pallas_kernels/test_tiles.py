@@ -52,3 +52,21 @@ def test_pad_to_is_noop_when_aligned():
     array = jnp.ones((32, 48))
     assert pad_to(array, (16, 16)) is array
     assert pad_to(array, (None, 32)).shape == (32, 64)
+
+
+def test_missing_bucket_takes_nearest_row_bucket():
+    table = {"NVIDIA H200": {"bgmv_shrink": {
+        shape_bucket(16, 4096, 16): {"k_splits": 4, "us": 3.0},
+        shape_bucket(64, 4096, 16): {"k_splits": 16, "us": 5.0},
+    }}}
+    near = lambda rows: get_tile_config("NVIDIA H200", "bgmv_shrink", rows, 4096, 16, "gpu",
+                                        table).k_splits
+    assert near(16) == 4 and near(64) == 16  # exact buckets
+    assert near(8) == 4 and near(128) == 16  # one octave away
+    assert near(32) == 16  # a tie between 16 and 64 takes the larger rows
+    far = get_tile_config("NVIDIA H200", "bgmv_shrink", 1024, 4096, 16, "gpu", table)
+    assert far == heuristic_tiles("bgmv_shrink", 1024, 4096, 16, "gpu")  # 4 octaves: heuristic
+    other_shape = get_tile_config("NVIDIA H200", "bgmv_shrink", 16, 2048, 16, "gpu", table)
+    assert other_shape == heuristic_tiles("bgmv_shrink", 16, 2048, 16, "gpu")
+    unknown = get_tile_config("Some Future GPU", "bgmv_shrink", 16, 4096, 16, "gpu", table)
+    assert unknown == heuristic_tiles("bgmv_shrink", 16, 4096, 16, "gpu")
