@@ -1,0 +1,245 @@
+"""Multi-adapter LoRA training throughput on a Llama-3.1-8B-shaped model (random bf16 weights).
+
+    PYTHONPATH=. python3 bench/train.py [--layers 8] [--capacity 8192] [--workloads xsum cnndm wikisum mixed]
+
+Four adapters (r=16, alpha=32, dropout 0.1, all seven projections) on the lognormal workloads of
+ARCHITECTURE §8, measured in one run, tokens/s counting real (unpadded) tokens:
+  jaxlora        our schedule (mixed-adapter microbatches, MILP + merging), fused LoRA kernels;
+  jaxlora-xla    our schedule, the unfused XLA LoRA path (gather + einsum);
+  sequential     (a) the 4 jobs one after another, each packed alone, unfused XLA path;
+  peft-best      (b) HF transformers + peft, one job at a time, full 4096-token rows, no padding;
+  peft-padded    (b) HF transformers + peft, one job at a time, batches of 4 samples padded to
+                 the longest.
+Compilation and the (ahead-of-time) scheduling are outside the timed region. Writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+# Run as a script, this file's folder comes first on sys.path and its name would hide the
+# `train` package: look it up from the repository root instead.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxlora.lora.adapter import random_adapter
+from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.pool import AdapterPool
+from jaxlora.models.config import PROJECTIONS, LlamaConfig, RopeScaling
+from jaxlora.models.llama import Llama
+from jaxlora.scheduler.training.greedy import per_adapter_first_fit
+from jaxlora.scheduler.training.schedule import SchedulerConfig, build_schedule
+from jaxlora.scheduler.training.workloads import synthetic_data
+from train.config import JobConfig
+from train.data import TokenizedSample
+from train.optim import apply_adapter_update, make_optimizer, slot_params
+from train.step import add_trees, device_batch, make_grad_step, pack_microbatch, split_pool
+
+LORA = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.1, target_modules=PROJECTIONS)
+
+
+def llama8b_config(layers: int, tiny: bool) -> LlamaConfig:
+    if tiny:  # for a CPU smoke test of this script
+        return LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=layers,
+                           num_heads=4, num_kv_heads=2, head_dim=16)
+    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=layers,
+                       num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+                       rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), max_position_embeddings=131072)
+
+
+def make_samples(data, vocab: int, seed: int) -> dict:
+    """Random token ids for every (adapter, sample index) of the workload."""
+    rng = np.random.default_rng(seed)
+    return {(a, i): TokenizedSample(rng.integers(0, vocab, n, dtype=np.int32), np.ones(n, bool), "synthetic")
+            for a in data.adapters for i, n in enumerate(data.lengths[a])}
+
+
+def batch_weights(data) -> dict:
+    """1 / target tokens of each (adapter, global batch)."""
+    out = {}
+    for a in data.adapters:
+        size = data.global_batch_size[a]
+        for b in range(data.num_batches(a)):
+            out[(a, b)] = 1.0 / sum(n - 1 for n in data.lengths[a][b * size:(b + 1) * size])
+    return out
+
+
+class JaxloraRun:
+    """Trains the adapters of a pool over a list of microbatches, per-adapter AdamW."""
+
+    def __init__(self, model, pool, num_adapters, backend, steps_per_adapter):
+        trainable, self.frozen = split_pool(pool.arrays)
+        self.trainable = jax.tree.map(jnp.copy, trainable)  # updates donate it: keep the pool intact
+        self.num_slots = num_adapters
+        self.grad_step = make_grad_step(model, num_adapters, backend)
+        job = JobConfig(name="bench", dataset="", lora=LORA, learning_rate=1e-4)
+        self.optimizers = [make_optimizer(job, steps_per_adapter) for _ in range(num_adapters)]
+        self.opt_states = [o.init(slot_params(self.trainable, i, LORA.r)) for i, o in enumerate(self.optimizers)]
+        self.grads_acc = jax.tree.map(jnp.zeros_like, self.trainable)
+        self.dropout = jnp.full(num_adapters, LORA.lora_dropout, jnp.float32)
+
+    def microbatch(self, index, entries, capacity):
+        arrays = pack_microbatch(entries, capacity, self.num_slots)
+        batch, plan = device_batch(arrays, self.num_slots)
+        key = jax.random.fold_in(jax.random.key(0), index)
+        _, grads = self.grad_step(self.trainable, self.frozen, batch, plan, self.dropout, key)
+        self.grads_acc = add_trees(self.grads_acc, grads)
+
+    def step(self, slot):
+        self.trainable, self.grads_acc, self.opt_states[slot] = apply_adapter_update(
+            self.optimizers[slot], self.trainable, self.grads_acc, slot, LORA.r, self.opt_states[slot])
+
+    def sync(self):
+        jax.block_until_ready(self.trainable)
+
+
+def run_microbatches(run: JaxloraRun, microbatches, data, samples, weights, capacity) -> None:
+    seen = {a: 0 for a in data.adapters}
+    for index, microbatch in enumerate(microbatches):
+        entries = []
+        for s in microbatch:
+            batch = s.sample_index // data.global_batch_size[s.adapter_id]
+            entries.append((s.adapter_id, samples[(s.adapter_id, s.sample_index)], weights[(s.adapter_id, batch)]))
+        if entries:
+            run.microbatch(index, entries, capacity)
+        for s in microbatch:
+            seen[s.adapter_id] += 1
+            if seen[s.adapter_id] % data.global_batch_size[s.adapter_id] == 0:
+                run.step(s.adapter_id)
+    run.sync()
+
+
+def time_jaxlora(model, pool, data, samples, microbatches, capacity, backend) -> dict:
+    weights = batch_weights(data)
+    run = JaxloraRun(model, pool, len(data.adapters), backend, max(data.num_batches(a) for a in data.adapters))
+    run_microbatches(run, microbatches[:1], data, samples, weights, capacity)  # compile the step
+    for slot in data.adapters:  # compile each adapter's optimizer step (zero gradient: no change)
+        run.step(slot)
+    run.sync()
+    start = time.perf_counter()
+    run_microbatches(run, microbatches, data, samples, weights, capacity)
+    elapsed = time.perf_counter() - start
+    tokens = sum(s.num_tokens for mb in microbatches for s in mb)
+    return {"tokens_per_s": tokens / elapsed, "seconds": elapsed, "tokens": tokens,
+            "microbatches": len(microbatches)}
+
+
+def time_peft(config: LlamaConfig, data, samples, mode: str) -> dict:
+    """HF transformers + peft, one job at a time (all jobs timed; model built once per job)."""
+    import torch
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+    from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
+
+    hf_config = HFLlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                              intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+                              num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+                              max_position_embeddings=8192, attn_implementation="sdpa")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        base = LlamaForCausalLM(hf_config).to(torch.bfloat16)
+    total_tokens, total_time = 0, 0.0
+    for adapter in data.adapters:
+        model = get_peft_model(base, PeftLoraConfig(r=LORA.r, lora_alpha=LORA.lora_alpha, lora_dropout=0.1,
+                                                    target_modules=list(PROJECTIONS)))
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        batches = _peft_batches(data, samples, adapter, mode, device)
+        for tokens, labels in batches[:1]:  # warm-up
+            _peft_step(model, optimizer, tokens, labels)
+        torch.cuda.synchronize() if device == "cuda" else None
+        start = time.perf_counter()
+        for tokens, labels in batches:
+            _peft_step(model, optimizer, tokens, labels)
+        torch.cuda.synchronize() if device == "cuda" else None
+        total_time += time.perf_counter() - start
+        total_tokens += sum(int((labels != -100).sum()) for _, labels in batches)
+        base = model.unload()
+    return {"tokens_per_s": total_tokens / total_time, "seconds": total_time, "tokens": total_tokens}
+
+
+def _peft_batches(data, samples, adapter, mode, device):
+    import torch
+
+    lengths = data.lengths[adapter]
+    if mode == "best":  # the same number of real tokens, as full 4096-token rows, 2 per step
+        total = sum(lengths)
+        width = min(4096, total)
+        rows = total // width
+        flat = np.concatenate([samples[(adapter, i)].tokens for i in range(len(lengths))])[: rows * width]
+        out = []
+        for start in range(0, rows, 2):
+            tokens = torch.as_tensor(flat[start * width:(start + 2) * width].reshape(-1, width).astype(np.int64),
+                                     device=device)
+            out.append((tokens, tokens.clone()))
+        return out
+    out = []
+    for start in range(0, len(lengths), 4):
+        group = [samples[(adapter, i)].tokens for i in range(start, min(start + 4, len(lengths)))]
+        width = max(len(g) for g in group)
+        tokens = np.zeros((len(group), width), np.int64)
+        labels = np.full((len(group), width), -100, np.int64)
+        for row, g in enumerate(group):
+            tokens[row, : len(g)], labels[row, : len(g)] = g, g
+        out.append((torch.as_tensor(tokens, device=device), torch.as_tensor(labels, device=device)))
+    return out
+
+
+def _peft_step(model, optimizer, tokens, labels):
+    loss = model(input_ids=tokens, labels=labels).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--capacity", type=int, default=8192)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--batches", type=int, default=2, help="global batches per adapter")
+    parser.add_argument("--workloads", nargs="+", default=["xsum", "cnndm", "wikisum", "mixed"])
+    parser.add_argument("--variants", nargs="+",
+                        default=["jaxlora", "jaxlora-xla", "sequential", "peft-best", "peft-padded"])
+    parser.add_argument("--tiny", action="store_true", help="tiny model (CPU smoke test)")
+    parser.add_argument("--out", default="bench/results/train.json")
+    args = parser.parse_args()
+    config = llama8b_config(args.layers, args.tiny)
+    model = Llama(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    pool = AdapterPool(config, num_slots=4, max_rank=LORA.r, dtype=jnp.bfloat16)
+    for index in range(4):
+        pool.load(random_adapter(f"adapter{index}", config, LORA, seed=index))
+    results = []
+    for workload in args.workloads:
+        data = synthetic_data(workload, 4, args.batches * args.global_batch, args.global_batch, seed=1)
+        samples = make_samples(data, config.vocab_size, seed=2)
+        ours = build_schedule(data, SchedulerConfig(capacity=args.capacity, padding_multiple=1, time_limit_s=1.0))
+        alone = per_adapter_first_fit(data.all_samples(), args.capacity, 1)
+        runs = {"jaxlora": lambda: time_jaxlora(model, pool, data, samples, ours.microbatches, args.capacity, "fused"),
+                "jaxlora-xla": lambda: time_jaxlora(model, pool, data, samples, ours.microbatches, args.capacity, "gather"),
+                "sequential": lambda: time_jaxlora(model, pool, data, samples, alone, args.capacity, "gather"),
+                "peft-best": lambda: time_peft(config, data, samples, "best"),
+                "peft-padded": lambda: time_peft(config, data, samples, "padded")}
+        for variant in args.variants:
+            result = {"workload": workload, "variant": variant, **runs[variant]()}
+            results.append(result)
+            print(f"{workload:8} {variant:12} {result['tokens_per_s']:10.0f} tokens/s  ({result['seconds']:.2f} s)",
+                  flush=True)
+    device = jax.devices()[0].device_kind
+    report = {"device": device, "jax": jax.__version__, "date": datetime.date.today().isoformat(),
+              "host": platform.node(), "layers": args.layers, "capacity": args.capacity, "results": results}
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"device: {device}, jax {jax.__version__}, {args.layers} layers; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
