@@ -21,7 +21,11 @@ SEQ_LEN = 12
 
 @pytest.fixture(scope="module")
 def setup(smollm2):
-    model, tokenizer = smollm2
+    return make_setup(smollm2[0])
+
+
+def make_setup(model):
+    """(model, 3 adapters, a pool holding them, their slots, random tokens [5, SEQ_LEN])."""
     adapters = [
         random_adapter(f"rank{r}", model.config,
                        LoraConfig(r=r, lora_alpha=2.0 * r, target_modules=PROJECTIONS, use_rslora=(r == 64)),
