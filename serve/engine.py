@@ -10,9 +10,9 @@ One `Engine` owns the device state (model weights, the KV page pool, the adapter
      adapters of queued requests (prefetch);
   4. hands new tokens and finish reasons to each request's callback.
 
-Compiled shapes are bucketed: tokens per step and rows per step to powers of two, block-table
-width to a power of two of pages, the plan's segment count fixed; so a server compiles a few
-steps and then reuses them.
+Compiled shapes are bucketed: tokens per step to a power of two (>= 8; rows per step use the
+same number), block-table width to a power of two of pages (>= 4), the plan's segment count
+fixed; so a server compiles a few steps (and a sampling variant of each) and then reuses them.
 
 All known adapters live in host memory (`LoraAdapter`); the device `AdapterPool` holds N of them.
 `start()` runs steps in a background thread; `submit`/`abort`/`add_adapter`/`remove_adapter` are
@@ -304,9 +304,9 @@ class Engine:
 
     def _batch_arrays(self, plan: StepPlan):
         num_tokens = _bucket(plan.num_tokens, 8)
-        rows = _bucket(len(plan.rows), 4)
+        rows = num_tokens  # rows <= tokens; one bucket for both halves the compiled variants
         widest = max(pages_for(row.start + row.count, self.config.page_size) for row in plan.rows)
-        width = min(_bucket(widest, 1), self._max_pages)
+        width = min(_bucket(widest, 4), self._max_pages)
         tokens = np.zeros(num_tokens, np.int32)
         positions = np.zeros(num_tokens, np.int32)
         token_row = np.full(num_tokens, -1, np.int32)

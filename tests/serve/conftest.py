@@ -13,6 +13,7 @@ from jaxlora.lora.config import LoraConfig
 
 SMALL_ENGINE = dict(page_size=8, num_pages=96, max_model_len=128, max_num_seqs=16, token_budget=64,
                     prefill_chunk=16, max_lora_rank=8)
+BODY_LIMIT = 64 * 1024
 
 
 def make_adapters(config, count, prefix="ad"):
@@ -93,7 +94,7 @@ def live_server(smollm2, adapters8, allowed_dir):
     config = EngineConfig(max_adapters_on_device=2, **SMALL_ENGINE)
     engine = Engine(model, tokenizer.eos_token_ids, config, {n: adapters8[n] for n in ("ad0", "ad1")})
     settings = ServerSettings("SmolLM2-135M-Instruct", (str(allowed_dir),),
-                              Limits(max_tokens=64, max_body_bytes=64 * 1024))
+                              Limits(max_tokens=64, max_body_bytes=BODY_LIMIT))
     with LiveServer(create_app(engine, tokenizer, settings), engine) as server:
         yield server
 
