@@ -121,6 +121,7 @@ def test_disconnect_mid_stream_frees_kv_pages(live_server):
     engine = live_server.engine
     initial = engine.config.num_pages
     _wait_for(lambda: engine.free_pages == initial)
+    before = _disconnected(live_server)
     body = {"model": "ad1", "prompt": "Count to one hundred: 1, 2, 3,", "max_tokens": 60, "temperature": 0,
             "stream": True}
     with httpx.stream("POST", live_server.url + "/v1/completions", json=body, timeout=60) as response:
@@ -130,8 +131,7 @@ def test_disconnect_mid_stream_frees_kv_pages(live_server):
         assert any(c.startswith("data: ") for c in chunks)
         assert engine.free_pages < initial  # the request holds pages while it streams
     _wait_for(lambda: engine.free_pages == initial and not engine.scheduler.has_work())
-    metrics = httpx.get(live_server.url + "/metrics").text
-    assert 'jaxlora_requests_total{endpoint="completions",status="disconnected"} 1.0' in metrics
+    _wait_for(lambda: _disconnected(live_server) == before + 1)
 
 
 def _wait_for(condition, timeout=60.0):
@@ -139,3 +139,24 @@ def _wait_for(condition, timeout=60.0):
     while not condition():
         assert time.time() < deadline, "timed out"
         time.sleep(0.05)
+
+
+def test_disconnect_while_waiting_for_a_non_streaming_answer_frees_kv_pages(live_server):
+    engine = live_server.engine
+    initial = engine.config.num_pages
+    _wait_for(lambda: engine.free_pages == initial)
+    before = _disconnected(live_server)
+    body = {"model": BASE, "prompt": "List the numbers: 1, 2, 3,", "max_tokens": 60, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live_server.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    _wait_for(lambda: engine.free_pages == initial and not engine.scheduler.has_work())
+    _wait_for(lambda: _disconnected(live_server) == before + 1)
+
+
+def _disconnected(server) -> float:
+    """The server's count of completions requests whose client went away."""
+    key = 'jaxlora_requests_total{endpoint="completions",status="disconnected"} '
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith(key):
+            return float(line[len(key):])
+    return 0.0

@@ -89,3 +89,26 @@ def test_aborted_request_frees_its_pages(smollm2):
     engine.step()
     assert engine.free_pages == SMALL_ENGINE["num_pages"] and events[-1].finish_reason == "abort"
     assert not engine.scheduler.has_work()
+
+
+def test_failed_step_fails_its_requests_and_the_engine_keeps_serving(smollm2, monkeypatch):
+    import serve.engine as engine_module
+
+    model, tokenizer = smollm2
+    engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(**SMALL_ENGINE))
+    real_step = engine_module._engine_step
+
+    def broken(*args):
+        raise RuntimeError("device on fire")
+
+    monkeypatch.setattr(engine_module, "_engine_step", broken)
+    events = []
+    engine.submit("a", tokenizer.encode("Hi"), 4, None, SamplingOptions(), events.append)
+    engine.run_until_idle()
+    assert events[-1].finish_reason == "error" and "device on fire" in events[-1].error
+    assert engine.free_pages == SMALL_ENGINE["num_pages"]
+    monkeypatch.setattr(engine_module, "_engine_step", real_step)
+    events.clear()
+    engine.submit("b", tokenizer.encode("Hi"), 4, None, SamplingOptions(), events.append)
+    engine.run_until_idle()
+    assert events[-1].finish_reason in ("stop", "length") and len(events) >= 1
