@@ -237,8 +237,9 @@ class Engine:
                 if adapter not in self._registry:
                     raise UnknownAdapter(adapter)
                 uid = self._registry[adapter].uid
-            if self._num_waiting_submitted >= self.config.max_waiting:
-                raise EngineBusy(f"{self._num_waiting_submitted} requests are waiting; try again later")
+            waiting = self._num_waiting_submitted + len(self.scheduler.waiting)
+            if waiting >= self.config.max_waiting:
+                raise EngineBusy(f"{waiting} requests are waiting; try again later")
             self._num_waiting_submitted += 1
         seq = Sequence(request_id, list(prompt), max_tokens, uid, self.eos_ids)
         request = _Request(seq, sampling, callback, time.monotonic())

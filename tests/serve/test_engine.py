@@ -112,3 +112,25 @@ def test_failed_step_fails_its_requests_and_the_engine_keeps_serving(smollm2, mo
     engine.submit("b", tokenizer.encode("Hi"), 4, None, SamplingOptions(), events.append)
     engine.run_until_idle()
     assert events[-1].finish_reason in ("stop", "length") and len(events) >= 1
+
+
+def test_full_queue_and_bad_requests_are_refused(smollm2, adapters8):
+    from serve.engine import EngineBusy, RequestError, UnknownAdapter
+
+    model, tokenizer = smollm2
+    engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(max_waiting=2, **SMALL_ENGINE), {"ad0": adapters8["ad0"]})
+    noop = lambda event: None
+    for i in range(2):
+        engine.submit(i, [1, 2], 4, "ad0", SamplingOptions(), noop)
+    with pytest.raises(EngineBusy):
+        engine.submit(2, [1, 2], 4, None, SamplingOptions(), noop)
+    with pytest.raises(UnknownAdapter):
+        engine.submit(3, [1, 2], 4, "nope", SamplingOptions(), noop)
+    with pytest.raises(RequestError, match="context"):
+        engine.submit(4, [1] * SMALL_ENGINE["max_model_len"], 4, None, SamplingOptions(), noop)
+    with pytest.raises(RequestError, match="max_tokens"):
+        engine.submit(5, [1, 2], SMALL_ENGINE["max_model_len"], None, SamplingOptions(), noop)
+    engine.abort(0)
+    engine.abort(1)
+    engine.run_until_idle()
+    assert engine.free_pages == SMALL_ENGINE["num_pages"]
