@@ -176,13 +176,16 @@ def run_case(m, k, n, r, num, cfg):
     xla, fused, reference = layers(m, num, r)
     case = {"m": m, "k": k, "n": n, "rank": r, "adapters": num}
 
-    # correctness vs the float32 reference, fresh inputs
+    fused_fb = jax.jit(fwd_bwd(fused))
+    xla_fb = jax.jit(fwd_bwd(xla))
+
+    # correctness vs the float32 reference, fresh inputs (same jitted functions as timed)
     cx, cw, ca, cb, cdy = make_inputs(m, k, n, r, num, key=1)
-    got = jax.jit(fwd_bwd(fused))(cx, cw, ca, cb, cdy)
+    got = fused_fb(cx, cw, ca, cb, cdy)
+    xla_got = xla_fb(cx, cw, ca, cb, cdy)
     with jax.default_matmul_precision("highest"):
         up = [v.astype(jnp.float32) for v in (cx, cw, ca, cb, cdy)]
         want = jax.jit(fwd_bwd(reference))(*up)
-        xla_got = jax.jit(fwd_bwd(xla))(cx, cw, ca, cb, cdy)
     errors = rel_errors(got, want)
     case["rel_err_fused"] = dict(zip(["y", "dx", "da", "db"], errors))
     case["rel_err_xla"] = dict(zip(["y", "dx", "da", "db"], rel_errors(xla_got, want)))
@@ -193,9 +196,9 @@ def run_case(m, k, n, r, num, cfg):
     timed = [("base_fwd", jax.jit(base_fwd), (x, w)),
              ("base_fwd_dx", jax.jit(base_fwd_dx), (x, w, dy)),
              ("xla_fwd", jax.jit(xla), (x, w, a, b)),
-             ("xla_fwd_bwd", jax.jit(fwd_bwd(xla)), (x, w, a, b, dy)),
+             ("xla_fwd_bwd", xla_fb, (x, w, a, b, dy)),
              ("fused_fwd", jax.jit(fused), (x, w, a, b)),
-             ("fused_fwd_bwd", jax.jit(fwd_bwd(fused)), (x, w, a, b, dy))]
+             ("fused_fwd_bwd", fused_fb, (x, w, a, b, dy))]
     for name, fn, args in timed:
         times[name], detail[name] = device_time(fn, *args)
     case["us"] = {key: round(v, 1) for key, v in times.items()}
@@ -276,9 +279,18 @@ SWEEP = {
 }
 
 
-def sweep(m, k, n, r, base_cfg: FusedLoRAConfig):
+# around the H100 winners of SWEEP (8 warps, 128 x 128 tiles)
+SWEEP_FINE = {
+    "base_expand": [kcfg(128, 64, 128, 8, 5), kcfg(128, 32, 128, 8, 6), kcfg(64, 64, 128, 4, 4),
+                    kcfg(128, 64, 64, 4, 4)],
+    "grad_x": [kcfg(128, 128, 64, 8, 5), kcfg(128, 128, 32, 8, 6), kcfg(64, 128, 64, 4, 4),
+               kcfg(128, 64, 64, 4, 4)],
+}
+
+
+def sweep(m, k, n, r, base_cfg: FusedLoRAConfig, table=None):
     rows = []
-    for name, candidates in SWEEP.items():
+    for name, candidates in (table or SWEEP).items():
         for cand in candidates:
             layout_bm = max(base_cfg.block_m, cand.block_m)
             cfg = dataclasses.replace(base_cfg, block_m=layout_bm, **{name: cand})
@@ -359,8 +371,11 @@ def main():
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--name", default="fused_lora")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--fine", action="store_true", help="sweep SWEEP_FINE, not SWEEP")
     parser.add_argument("--shapes", default="all", help="all, indices into SHAPES, or MxKxNxR,...")
     parser.add_argument("--adapters", default="1,4")
+    parser.add_argument("--budget-s", type=float, default=1e9,
+                        help="start no new case after this many seconds")
     parser.add_argument("--plot-only", default=None, help="render the PNG of a results JSON")
     args = parser.parse_args()
     if args.plot_only:
@@ -388,8 +403,12 @@ def main():
             json.dump(results, file, indent=1)
 
     log(f"device {results['device']} jax {results['jax']}")
+    begin = time.perf_counter()
     for m, k, n, r in shapes:
         for num in [int(v) for v in args.adapters.split(",")]:
+            if time.perf_counter() - begin > args.budget_s:
+                log(f"skipped {m}x{k}x{n} a{num}: over --budget-s")
+                continue
             start = time.perf_counter()
             case = run_case(m, k, n, r, num, cfg)
             results["cases"].append(case)
@@ -403,7 +422,8 @@ def main():
         results["kernels_default"] = kernel_times(m, k, n, r, cfg)
         save()
         log("kernels (default config)", results["kernels_default"])
-        results["sweep"] = {"shape": [m, k, n, r], "rows": sweep(m, k, n, r, cfg)}
+        results["sweep"] = {"shape": [m, k, n, r],
+                            "rows": sweep(m, k, n, r, cfg, SWEEP_FINE if args.fine else SWEEP)}
         save()
     try:
         plot(results, json_path.replace(".json", ".png"))

@@ -298,9 +298,12 @@ def gpu_config(device_kind: str | None = None) -> FusedLoRAConfig:
         except RuntimeError:
             device_kind = ""
     entry = table.get(device_kind) or table.get("default")
+    if not isinstance(entry, dict):
+        return FusedLoRAConfig()
     if entry is None:
         return FusedLoRAConfig()
-    top = {key: value for key, value in entry.items() if key not in KERNELS}
+    top = {key: value for key, value in entry.items()
+           if key not in KERNELS and not key.startswith("_")}
     kernels = {name: FusedLoRAConfig(**entry[name]) for name in KERNELS if name in entry}
     return FusedLoRAConfig(**top, **kernels)
 
