@@ -494,7 +494,7 @@ def tune_bucket(bucket: Bucket, jobs: int, log: list, deadline: float, *,
 
 
 def tune(plan: list[Bucket], table: dict, time_budget: float, jobs: int, log: list,
-         **bucket_kw) -> dict:
+         on_update=None, **bucket_kw) -> dict:
     """Tune the buckets of `plan` (in order, until the time budget is spent) into `table`
     (`bucket_kw`: max_candidates / trials / sets for `tune_bucket`)."""
     kind = jax.devices()[0].device_kind
@@ -518,6 +518,8 @@ def tune(plan: list[Bucket], table: dict, time_budget: float, jobs: int, log: li
         print(f"{bucket.op:12s} {bucket.key:16s} best {us:8.1f} us (heuristic "
               f"{heuristic_us if heuristic_us is None else round(heuristic_us, 1)}) "
               f"{_short(cfg)}  [{time.time() - t0:.0f}s]", flush=True)
+        if on_update is not None:
+            on_update(table)
     return table
 
 
@@ -550,13 +552,15 @@ def main(argv=None):
     table = json.loads(text) if text.strip() else {}
     plan = [b for b in default_plan(args.hidden, args.plan == "quick") if b.op in args.ops]
     log: list = []
-    try:
-        table = tune(plan, table, args.time_budget, args.jobs, log)
-    finally:
+
+    def save(table):  # after every bucket: a run cut short keeps what it measured
         for path in [args.table, *args.out]:
             write_table(table, path)
         if args.log:
             args.log.write_text(json.dumps(log, indent=1) + "\n")
+
+    table = tune(plan, table, args.time_budget, args.jobs, log, on_update=save)
+    save(table)
     errors = [e for e in log if "error" in e]
     print(f"{len(log)} candidates, {len(errors)} rejected; table written to {args.table}")
     for entry in errors[:5]:
