@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import secrets
 import time
@@ -284,8 +285,6 @@ class Server:
 
 
 def _sse(payload: dict) -> str:
-    import json
-
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
@@ -368,9 +367,11 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
                 return {"id": cid, "object": "text_completion", "created": created, "model": body.model,
                         "choices": [{"index": index, "text": delta, "logprobs": None, "finish_reason": reason}]}
 
-            return _streaming(server.stream(generation, "completions", chunk, _usage_chunks(body, generation, cid, created, "text_completion")))
+            final = _usage_chunks(body, generation, cid, created, "text_completion")
+            return _streaming(server.stream(generation, "completions", chunk, final))
         texts, reasons = await server.collect(generation, request, "completions")
-        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
+        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
+                   for i, (t, r) in enumerate(zip(texts, reasons))]
         return {"id": cid, "object": "text_completion", "created": created, "model": body.model,
                 "choices": choices, "usage": generation.usage()}
 
@@ -384,8 +385,9 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         generation = server.start(server.specs(body, [prompt], server.limits.max_tokens))
         cid, created = f"chatcmpl-{generation.request_id}", int(time.time())
         if body.stream:
-            return _streaming(server.stream(generation, "chat", _chat_chunker(body, cid, created, len(generation.specs)),
-                                            _usage_chunks(body, generation, cid, created, "chat.completion.chunk")))
+            chunk = _chat_chunker(body, cid, created, len(generation.specs))
+            final = _usage_chunks(body, generation, cid, created, "chat.completion.chunk")
+            return _streaming(server.stream(generation, "chat", chunk, final))
         texts, reasons = await server.collect(generation, request, "chat")
         choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r}
                    for i, (t, r) in enumerate(zip(texts, reasons))]
@@ -427,7 +429,8 @@ def _add_admin_routes(app: FastAPI, server: Server) -> None:
     async def models():
         created = int(time.time())
         base = server.settings.model_name
-        data = [{"id": base, "object": "model", "created": created, "owned_by": "jaxlora", "root": base, "parent": None}]
+        data = [{"id": base, "object": "model", "created": created, "owned_by": "jaxlora", "root": base,
+                 "parent": None}]
         data += [{"id": name, "object": "model", "created": created, "owned_by": "jaxlora", "root": name,
                   "parent": base} for name in server.engine.adapter_names()]
         return {"object": "list", "data": data}

@@ -1,11 +1,10 @@
 """The engine: continuous batching over 8 adapters + base equals merged-weight generation, also
 with fewer device slots than adapters (eviction and reload), and seeded sampling is batch-independent."""
 
-import numpy as np
 import pytest
 
 from jaxlora.generate import SamplingParams, generate
-from jaxlora.lora.merge import merge_adapter, unmerge_adapter
+from jaxlora.lora.merge import merge_adapter
 from serve.engine import Engine, EngineConfig, SamplingOptions
 from tests.serve.conftest import SMALL_ENGINE, exact_weights
 
@@ -118,7 +117,8 @@ def test_full_queue_and_bad_requests_are_refused(smollm2, adapters8):
     from serve.engine import EngineBusy, RequestError, UnknownAdapter
 
     model, tokenizer = smollm2
-    engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(max_waiting=2, **SMALL_ENGINE), {"ad0": adapters8["ad0"]})
+    engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(max_waiting=2, **SMALL_ENGINE),
+                    {"ad0": adapters8["ad0"]})
     noop = lambda event: None
     for i in range(2):
         engine.submit(i, [1, 2], 4, "ad0", SamplingOptions(), noop)
