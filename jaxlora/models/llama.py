@@ -186,9 +186,12 @@ def _packed_mask(shape: tuple[int, int], segment_ids: jax.Array | None) -> jax.A
     return causal & same_segment
 
 
-def decoder_layer(config, weights, hidden, positions, inv_freq, mask, layer_cache, layer_lora=None):
+def decoder_layer(config, weights, hidden, positions, inv_freq, mask, layer_cache, layer_lora=None,
+                  reduce_partial=None):
     """One pre-norm decoder layer. hidden [B, T, d]; layer_cache (k, v) [B, S, Hkv, Dh] or None;
-    layer_lora (this layer's pool arrays, plan, backend) or None."""
+    layer_lora (this layer's pool arrays, plan, backend) or None; reduce_partial (tensor parallel
+    inside shard_map) sums the row-parallel o_proj/down_proj partial outputs over the shards."""
+    reduce_partial = reduce_partial or (lambda y: y)
     batch, length, _ = hidden.shape
     heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
     x = rms_norm(hidden, weights["input_layernorm"], config.rms_norm_eps)
@@ -203,9 +206,9 @@ def decoder_layer(config, weights, hidden, positions, inv_freq, mask, layer_cach
         layer_cache = (k_all, v_all)
         k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
     attn = attention(q, k, v, mask).reshape(batch, length, heads * head_dim)
-    hidden = hidden + _project(attn, weights, "o_proj", layer_lora)
+    hidden = hidden + reduce_partial(_project(attn, weights, "o_proj", layer_lora))
     x = rms_norm(hidden, weights["post_attention_layernorm"], config.rms_norm_eps)
     gate = _project(x, weights, "gate_proj", layer_lora)
     gated = jax.nn.silu(gate) * _project(x, weights, "up_proj", layer_lora)
-    hidden = hidden + _project(gated, weights, "down_proj", layer_lora)
+    hidden = hidden + reduce_partial(_project(gated, weights, "down_proj", layer_lora))
     return hidden, layer_cache

@@ -1,0 +1,188 @@
+"""Device mesh, logical-axis sharding rules, and the placement of a Llama and its adapter pool.
+
+One `jax.sharding.Mesh` with the axes `data` (batch), `stage` (pipeline: groups of layers) and
+`tensor` (Megatron tensor parallel). Every weight and pool array has logical axis names
+(`weight_axes`, `pool_axes`); a `ShardingRules` table maps them to mesh axes (MaxText /
+jax-llm-examples style), so one table decides the layout of everything.
+
+Tensor parallel: column-parallel q, k, v, gate, up (kernel output dim on `tensor`), row-parallel
+o, down (kernel input dim on `tensor`). The LoRA pool follows S-LoRA by reusing the kernel's
+axes: A [k, r] takes the kernel's input axis and B [r, n] its output axis, so column-parallel
+layers split B by output columns (x @ A is computed replicated) and row-parallel layers split A
+by input rows (the partial x @ A @ B is summed with the base layer's partial sums).
+
+`make_grad_step` is the GSPMD path: jit with sharded inputs, XLA inserts the collectives. Custom
+kernels (a `pallas_call` has no SPMD rule) run under `jax.shard_map` (`jaxlora.parallel`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from jaxlora.lora.plan import LoraPlan
+from jaxlora.models.config import LlamaConfig
+from jaxlora.models.llama import Llama, LoraInputs
+
+MESH_AXES = ("data", "stage", "tensor")
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+# (input axis, output axis) of each projection's kernel [in, out].
+PROJECTION_AXES = {
+    "q_proj": ("embed", "q_heads"),
+    "k_proj": ("embed", "kv_heads"),
+    "v_proj": ("embed", "kv_heads"),
+    "o_proj": ("q_heads", "embed"),
+    "gate_proj": ("embed", "mlp"),
+    "up_proj": ("embed", "mlp"),
+    "down_proj": ("mlp", "embed"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """Logical axis -> mesh axis (None: replicated). `pipelined()` puts the layer axis on `stage`."""
+
+    batch: str | None = "data"
+    length: str | None = None
+    layers: str | None = None
+    embed: str | None = None
+    q_heads: str | None = "tensor"
+    kv_heads: str | None = "tensor"
+    mlp: str | None = "tensor"
+    vocab: str | None = "tensor"
+    slots: str | None = None
+    rank: str | None = None
+
+    def spec(self, logical_axes: tuple[str | None, ...]) -> P:
+        return P(*(None if axis is None else getattr(self, axis) for axis in logical_axes))
+
+    def pipelined(self) -> "ShardingRules":
+        return dataclasses.replace(self, layers="stage")
+
+
+def make_mesh(data: int = 1, stage: int = 1, tensor: int = 1, devices=None) -> Mesh:
+    """A (data, stage, tensor) mesh over `devices` (default: all, over every process)."""
+    devices = jax.devices() if devices is None else devices
+    size = data * stage * tensor
+    if size != len(devices):
+        raise ValueError(f"mesh {data}x{stage}x{tensor} needs {size} devices, have {len(devices)}")
+    grid = np.asarray(devices, dtype=object).reshape(data, stage, tensor)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def check_divisible(config: LlamaConfig, mesh: Mesh) -> None:
+    """Raises ValueError unless heads, KV heads, FFN width and layers split evenly on the mesh."""
+    tensor, stage = mesh.shape["tensor"], mesh.shape["stage"]
+    sizes = {"num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads,
+             "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size}
+    for name, size in sizes.items():
+        if size % tensor:
+            raise ValueError(f"{name}={size} does not split over tensor={tensor}")
+    if config.num_layers % stage:
+        raise ValueError(f"num_layers={config.num_layers} does not split over stage={stage}")
+
+
+def weight_axes(name: str) -> tuple[str, ...]:
+    """Logical axes of the model weight `name` (a key of `Llama.weights`)."""
+    if name == "embed_tokens":
+        return ("vocab", "embed")
+    if name == "lm_head":
+        return ("embed", "vocab")
+    if name == "norm":
+        return ("embed",)
+    module, _, kind = name.removeprefix("layers.").partition(".")
+    if not kind:  # a per-layer norm
+        return ("layers", "embed")
+    fan_in, fan_out = PROJECTION_AXES[module]
+    return ("layers", fan_in, fan_out) if kind == "kernel" else ("layers", fan_out)
+
+
+def pool_axes(module: str, key: str) -> tuple[str, ...]:
+    """Logical axes of a pool array (S-LoRA: A shares the kernel's input axis, B its output axis)."""
+    fan_in, fan_out = PROJECTION_AXES[module]
+    return {"a": ("layers", "slots", fan_in, "rank"), "b": ("layers", "slots", "rank", fan_out),
+            "scale": ("layers", "slots"), "rank": ("layers", "slots")}[key]
+
+
+def weight_specs(model: Llama, rules: ShardingRules) -> dict[str, P]:
+    return {name: rules.spec(weight_axes(name)) for name in model.weights}
+
+
+def pool_specs(pool_arrays: dict, rules: ShardingRules) -> dict:
+    return {m: {k: rules.spec(pool_axes(m, k)) for k in arrays} for m, arrays in pool_arrays.items()}
+
+
+def put(value, mesh: Mesh, spec: P) -> jax.Array:
+    """`value` as a global array with `spec` on `mesh`; every process passes the same value."""
+    sharding = NamedSharding(mesh, spec)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def shard_model(model: Llama, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> Llama:
+    """Moves every weight of `model` (in place) to its sharding on `mesh`; returns the model."""
+    check_divisible(model.config, mesh)
+    for name, spec in weight_specs(model, rules).items():
+        model.weights[name].value = put(model.weights[name][...], mesh, spec)
+    return model
+
+
+def shard_pool(pool_arrays: dict, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> dict:
+    """An adapter pool's arrays ({module: {a, b, scale, rank}} or a subset) placed on `mesh`."""
+    specs = pool_specs(pool_arrays, rules)
+    return {m: {k: put(v, mesh, specs[m][k]) for k, v in arrays.items()} for m, arrays in pool_arrays.items()}
+
+
+def shard_batch(batch: dict, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> dict:
+    """[B, T] batch arrays with B on the data axis."""
+    return {key: put(value, mesh, rules.spec(("batch", "length"))) for key, value in batch.items()}
+
+
+def shard_plan(plan: LoraPlan, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> LoraPlan:
+    """A global plan: token_slot split like the flattened batch, the grouping arrays replicated."""
+    return LoraPlan(put(plan.token_slot, mesh, rules.spec(("batch",))),
+                    *(put(value, mesh, P()) for value in plan[1:]))
+
+
+def replicate(value, mesh: Mesh) -> jax.Array:
+    return put(value, mesh, P())
+
+
+def per_slot_loss(logits, batch, token_slot, num_slots: int):
+    """(sum of weighted token losses, the same per adapter slot [num_slots])."""
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(log_probs, batch["targets"][..., None], axis=-1)[..., 0]
+    weighted = (nll * batch["weights"]).reshape(-1)
+    slot = jnp.where(token_slot.reshape(-1) < 0, num_slots, token_slot.reshape(-1))
+    per_slot = jnp.zeros(num_slots + 1, jnp.float32).at[slot].add(weighted)[:num_slots]
+    return weighted.sum(), per_slot
+
+
+def make_grad_step(model: Llama, num_slots: int, lora_backend: str = "gather"):
+    """GSPMD training step: jitted (model state, trainable, frozen, batch, plan, dropout rate, key)
+    -> (per-slot loss, grads of trainable). Pass `nnx.split(model)[1]` of a `shard_model`-ed model
+    and inputs placed by `shard_pool`/`shard_batch`/`shard_plan`: their shardings drive XLA's
+    partitioner. Same loss as `train.step.make_grad_step`. Backends: any that runs under GSPMD
+    (not the Pallas ones; `jaxlora.parallel` runs those under shard_map)."""
+    graphdef, _ = nnx.split(model)
+
+    def loss_fn(trainable, state, frozen, batch, plan, dropout_rate, dropout_key):
+        pool = {m: {**trainable[m], **frozen[m]} for m in trainable}
+        logits, _ = nnx.merge(graphdef, state)(
+            batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"],
+            lora=LoraInputs(pool, plan, dropout_rate, dropout_key), lora_backend=lora_backend)
+        return per_slot_loss(logits, batch, plan.token_slot, num_slots)
+
+    @jax.jit
+    def grad_step(state, trainable, frozen, batch, plan, dropout_rate, dropout_key):
+        grads, per_slot = jax.grad(loss_fn, has_aux=True)(trainable, state, frozen, batch, plan,
+                                                           dropout_rate, dropout_key)
+        return per_slot, grads
+
+    return grad_step
