@@ -381,8 +381,8 @@ def main():
     if args.plot_only:
         with open(args.plot_only) as file:
             results = json.load(file)
-        plot(results, args.plot_only.replace(".json", ".png"))
         print(markdown(results))
+        plot(results, args.plot_only.replace(".json", ".png"))
         return
     os.makedirs(args.out, exist_ok=True)
     cfg = default_config("gpu")
