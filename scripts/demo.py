@@ -1,9 +1,15 @@
 """`make demo`: train three LoRA adapters together on the embedded SmolLM2-135M-Instruct model, each
 on its own generated skill, then answer every task with the base model and with each adapter, side
-by side in one batch, and print the accuracy table and a few answers."""
+by side in one batch, and print the accuracy table and a few answers. Finally serve the adapters
+with `jaxlora-serve` (OpenAI-compatible HTTP) and query each one through the API."""
 
+import json
 import os
+import socket
+import subprocess
+import sys
 import time
+import urllib.request
 
 import yaml
 
@@ -11,7 +17,7 @@ from jaxlora.generate import SamplingParams, generate
 from jaxlora.lora.pool import AdapterPool
 from jaxlora.weights import load_model
 from train.config import load_train_config
-from train.demo_tasks import TASKS, is_correct, make_examples, write_jsonl
+from train.demo_tasks import DEMO_TASKS as TASKS, is_correct, make_examples, write_jsonl
 from train.trainer import Trainer
 
 RUN_DIR = os.environ.get("JAXLORA_DEMO_DIR", "runs/demo")
@@ -59,6 +65,57 @@ def print_table(accuracy: dict, names: list[str]) -> None:
         print(f"{name:<14}" + "".join(f"{accuracy[(name, task)]:>14.0%}" for task in TASKS))
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.load(response)
+
+
+def _wait_healthy(base_url: str, server: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"jaxlora-serve exited with code {server.returncode}")
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError("jaxlora-serve did not become healthy in time")
+
+
+def serve_and_query(adapter_dir: str, names: list[str]) -> None:
+    """Starts jaxlora-serve with the trained adapters and asks each (and the base model) one question."""
+    port = _free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "serve", "--model", "default", "--port", str(port),
+               "--max-adapters-on-device", "2", "--log-level", "warning"]
+    for name in names:
+        command += ["--adapter", f"{name}={os.path.join(adapter_dir, name)}"]
+    print(f"\nserving the adapters: jaxlora-serve on {base_url} (2 device slots for 3 adapters) ...")
+    server = subprocess.Popen(command)
+    try:
+        _wait_healthy(base_url, server)
+        models = [m["id"] for m in json.load(urllib.request.urlopen(f"{base_url}/v1/models"))["data"]]
+        print(f"GET /v1/models -> {models}")
+        for name in names:
+            prompt = make_examples(name, 1, seed=2)[0]["prompt"]
+            for model in (name, "SmolLM2-135M-Instruct"):
+                answer = _post(f"{base_url}/v1/completions",
+                               {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0})
+                text = answer["choices"][0]["text"].split("\n")[0]
+                print(f"POST /v1/completions model={model!r:26} {prompt!r} -> {text!r}")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
 def main() -> None:
     started = time.time()
     os.makedirs(RUN_DIR, exist_ok=True)
@@ -78,6 +135,7 @@ def main() -> None:
         _, own_answer = samples[(task, task)]
         print(f"  {example['prompt']!r}\n    base: {base_answer!r}   {task}: {own_answer!r}   "
               f"(expected {example['completion']!r})")
+    serve_and_query(config.output_dir, [a.name for a in adapters])
     print(f"\ndone in {time.time() - started:.0f} s")
 
 

@@ -23,6 +23,11 @@ def last_word(rng: random.Random) -> tuple[str, str]:
     return f"Words: {' '.join(words)}\nLast word:", f" {words[-1]}"
 
 
+def first_word(rng: random.Random) -> tuple[str, str]:
+    words = _words(rng, 3, 6)
+    return f"Words: {' '.join(words)}\nFirst word:", f" {words[0]}"
+
+
 def repeat_twice(rng: random.Random) -> tuple[str, str]:
     word = rng.choice(WORDS)
     return f"Word: {word}\nSay it twice:", f" {word} {word}"
@@ -33,7 +38,8 @@ def count_words(rng: random.Random) -> tuple[str, str]:
     return f"Words: {' '.join(words)}\nHow many words:", f" {len(words)}"
 
 
-TASKS = {"last_word": last_word, "repeat_twice": repeat_twice, "count_words": count_words}
+TASKS = {"last_word": last_word, "first_word": first_word, "repeat_twice": repeat_twice, "count_words": count_words}
+DEMO_TASKS = ("last_word", "repeat_twice", "first_word")
 
 
 def make_examples(task: str, count: int, seed: int) -> list[dict]:
