@@ -74,6 +74,16 @@ def batch_weights(data) -> dict:
     return out
 
 
+_GRAD_STEPS: dict = {}
+
+
+def cached_grad_step(model, num_adapters, backend):
+    """One jitted step per backend for the whole run (compiled once, reused by every workload)."""
+    if backend not in _GRAD_STEPS:
+        _GRAD_STEPS[backend] = make_grad_step(model, num_adapters, backend)
+    return _GRAD_STEPS[backend]
+
+
 class JaxloraRun:
     """Trains the adapters of a pool over a list of microbatches, per-adapter AdamW."""
 
@@ -81,7 +91,7 @@ class JaxloraRun:
         trainable, self.frozen = split_pool(pool.arrays)
         self.trainable = jax.tree.map(jnp.copy, trainable)  # updates donate it: keep the pool intact
         self.num_slots = num_adapters
-        self.grad_step = make_grad_step(model, num_adapters, backend)
+        self.grad_step = cached_grad_step(model, num_adapters, backend)
         job = JobConfig(name="bench", dataset="", lora=LORA, learning_rate=1e-4)
         self.optimizers = [make_optimizer(job, steps_per_adapter) for _ in range(num_adapters)]
         self.opt_states = [o.init(slot_params(self.trainable, i, LORA.r)) for i, o in enumerate(self.optimizers)]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import grain
 import numpy as np
 
 from jaxlora.tokenizer import Tokenizer, TokenizerError
@@ -117,6 +116,8 @@ def load_job_samples(job: JobConfig, tokenizer: Tokenizer, max_len: int, overlon
             raise ConfigError(f"{where}: sample has no token to learn from")
         return TokenizedSample(np.asarray(tokens, np.int32), np.asarray(mask, bool), where)
 
+    import grain  # here, not at the top: bench/train.py uses this module where Grain is not installed
+
     dataset = grain.MapDataset.source(records).map(tokenize)
     return [dataset[i] for i in range(len(dataset))]
 
@@ -132,5 +133,7 @@ def sample_order(num_samples: int, job: JobConfig) -> list[int]:
         raise ConfigError(f"job {job.name!r}: {num_samples} samples do not fill one global batch of "
                           f"{job.global_batch_size}")
     epochs = -(-needed // num_samples)
+    import grain
+
     order = grain.MapDataset.range(num_samples).shuffle(seed=job.seed).repeat(epochs)
     return [int(order[i]) for i in range(needed)]
