@@ -27,4 +27,6 @@ def test_mixed_batch_equals_each_adapter_alone_on_gpu(random_smollm2, backend):
     mixed = cpu_test._forward(model, tokens, pool.arrays, token_slot, backend)
     errors = [cpu_test.relative_error(mixed[row], expected) for row, expected in enumerate(alone)]
     print(f"\n{backend}: relative error per row {[f'{e:.1e}' for e in errors]}")
-    assert max(errors) <= 1e-5
+    # float32 on the GPU: cuBLAS and the kernels sum in other orders than the per-row run; over 30
+    # random layers the rows agree to ~1e-5..1e-4 (the CPU test holds them to 1e-5).
+    assert max(errors) <= 2e-4
