@@ -129,7 +129,7 @@ def shard_model(model: Llama, mesh: Mesh, rules: ShardingRules = ShardingRules()
     """Moves every weight of `model` (in place) to its sharding on `mesh`; returns the model."""
     check_divisible(model.config, mesh)
     for name, spec in weight_specs(model, rules).items():
-        model.weights[name].value = put(model.weights[name][...], mesh, spec)
+        model.weights[name].set_value(put(model.weights[name][...], mesh, spec))
     return model
 
 

@@ -3,6 +3,8 @@ parallelism tests (shapes divide by 4 tensor shards, 2 or 4 data shards, 2 stage
 
 from __future__ import annotations
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,8 +24,8 @@ def tiny_model(config: LlamaConfig = CONFIG) -> Llama:
     # Non-zero biases, so that the row/column split of biases is checked too.
     for name in model.weights:
         if name.endswith(".bias"):
-            key = jax.random.key(hash(name) % 1000)
-            model.weights[name].value = 0.1 * jax.random.normal(key, model.weights[name].shape)
+            key = jax.random.key(zlib.crc32(name.encode()))
+            model.weights[name].set_value(0.1 * jax.random.normal(key, model.weights[name].shape))
     return model
 
 

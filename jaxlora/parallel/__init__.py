@@ -1,0 +1,2 @@
+"""Manual (shard_map) parallelism: tensor-parallel layers that can run Pallas LoRA kernels, a
+GPipe pipeline over the `stage` mesh axis, and pipeline bubble accounting (ARCHITECTURE §7)."""
