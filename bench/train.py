@@ -5,8 +5,8 @@
 Four adapters (r=16, alpha=32, dropout 0.1, all seven projections) on the lognormal workloads of
 ARCHITECTURE §8, measured in one run, tokens/s counting real (unpadded) tokens:
   jaxlora        our schedule (mixed-adapter microbatches, MILP + merging), fused LoRA kernels;
-  jaxlora-xla    our schedule, the unfused XLA LoRA path (gather + einsum);
-  sequential     (a) the 4 jobs one after another, each packed alone, unfused XLA path;
+  jaxlora-xla    our schedule, the unfused XLA LoRA path (one-hot einsum: x @ A of every slot);
+  sequential     (a) the 4 jobs one after another, each packed alone, the same unfused XLA path;
   peft-best      (b) HF transformers + peft, one job at a time, full 4096-token rows, no padding;
   peft-padded    (b) HF transformers + peft, one job at a time, batches of 4 samples padded to
                  the longest.
@@ -234,8 +234,8 @@ def main() -> None:
         ours = build_schedule(data, SchedulerConfig(capacity=args.capacity, padding_multiple=1, time_limit_s=1.0))
         alone = per_adapter_first_fit(data.all_samples(), args.capacity, 1)
         runs = {"jaxlora": lambda: time_jaxlora(model, pool, data, samples, ours.microbatches, args.capacity, "fused"),
-                "jaxlora-xla": lambda: time_jaxlora(model, pool, data, samples, ours.microbatches, args.capacity, "gather"),
-                "sequential": lambda: time_jaxlora(model, pool, data, samples, alone, args.capacity, "gather"),
+                "jaxlora-xla": lambda: time_jaxlora(model, pool, data, samples, ours.microbatches, args.capacity, "onehot"),
+                "sequential": lambda: time_jaxlora(model, pool, data, samples, alone, args.capacity, "onehot"),
                 "peft-best": lambda: time_peft(config, data, samples, "best"),
                 "peft-padded": lambda: time_peft(config, data, samples, "padded")}
         for variant in args.variants:
