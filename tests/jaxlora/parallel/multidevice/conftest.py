@@ -10,5 +10,5 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs 8 devices (run via tests/jaxlora/parallel/test_multidevice.py)")
     for item in items:
-        if "multidevice" in str(item.fspath):
+        if "/multidevice/" in str(item.fspath):
             item.add_marker(skip)
