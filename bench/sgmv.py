@@ -63,7 +63,8 @@ class Case:
     r_max: int
     row_slot: np.ndarray  # [rows] int32, sorted (grouped by adapter)
     slot_rank: np.ndarray  # [pool] int32
-    sets: int
+    sets: int  # input sets (x, A, B) rotated through
+    reps: int  # times a jitted call goes over them (steps per call = sets * reps)
     popularity: str = ""
 
     @property
@@ -79,10 +80,14 @@ class Case:
         ab = sum(2 * self.hidden * int(self.slot_rank[s]) * 2 for s in used)
         return self.rows * self.hidden * 2 + 2 * self.rows * self.hidden * 2 + ab
 
-    def steps(self, path: str) -> int:
+    def schedule(self, path: str) -> tuple[int, int]:
+        """(sets, reps) of one jitted call of `path`: fewer for the slow XLA paths (their
+        steps take milliseconds, and a per-slot loop unrolls into many dots)."""
         if path == "loop":
-            return max(1, min(self.sets, 16 // self.pool))
-        return self.sets
+            return max(1, min(self.sets, 16 // self.pool)), 1
+        if path == "gather" and self.kind == "prefill":
+            return self.sets, 1
+        return self.sets, self.reps
 
     def params(self) -> dict:
         return dict(kind=self.kind, rows=self.rows, hidden=self.hidden, r_max=self.r_max,
@@ -96,7 +101,7 @@ def prefill_case(rows, rank, adapters, hidden=4096, ranks=None, name=None) -> Ca
     slot_rank = np.asarray(ranks if ranks is not None else [rank] * adapters, np.int32)
     return Case(name or f"prefill T={rows} r={rank} n={adapters}", "prefill", rows, hidden,
                 int(slot_rank.max()), np.repeat(np.arange(adapters, dtype=np.int32), sizes),
-                slot_rank, sets=4)
+                slot_rank, sets=4, reps=4)
 
 
 def decode_case(batch, popularity, hidden=4096, rank=16, seed=0) -> Case:
@@ -119,29 +124,26 @@ def decode_case(batch, popularity, hidden=4096, rank=16, seed=0) -> Case:
     slots = np.sort(slots).astype(np.int32)
     pool = int(slots.max()) + 1
     return Case(f"decode B={batch} {popularity}", "decode", batch, hidden, rank, slots,
-                np.full(pool, rank, np.int32), sets=16, popularity=popularity)
+                np.full(pool, rank, np.int32), sets=8, reps=8, popularity=popularity)
 
 
 def default_cases(quick: bool = False) -> list[Case]:
-    cases = [prefill_case(4096, 16, 4), prefill_case(4096, 16, 64)]
-    batches = (1, 8, 16, 32, 64)
-    pops = ("distinct", "uniform", "skewed", "identical")
-    cases += [decode_case(64, "distinct"), decode_case(32, "distinct")]
+    """All cases, in priority order (a run cut short keeps the targets' cases)."""
+    cases = [prefill_case(4096, 16, 4), prefill_case(4096, 16, 64),
+             decode_case(64, "distinct"), decode_case(32, "distinct"),
+             prefill_case(4096, 64, 4), prefill_case(4096, 64, 64)]
     if quick:
         return cases
-    cases += [prefill_case(4096, 64, 4), prefill_case(4096, 64, 64),
-              prefill_case(8192, 16, 4), prefill_case(8192, 16, 64),
-              prefill_case(8192, 64, 4), prefill_case(8192, 64, 64),
-              prefill_case(4096, 64, 16, ranks=[8, 16, 32, 64] * 4,
-                           name="prefill T=4096 mixed r=8..64 n=16")]
-    seen = {c.name for c in cases}
-    for batch in batches:
-        for pop in pops if batch > 1 else ("distinct",):
-            case = decode_case(batch, pop)
-            if batch == 1:
-                case.name, case.popularity = "decode B=1 (one adapter)", "all"
-            if case.name not in seen:
-                cases.append(case)
+    cases.append(prefill_case(4096, 64, 16, ranks=[8, 16, 32, 64] * 4,
+                              name="prefill T=4096 mixed r=8..64 n=16"))
+    for batch in (64, 32, 16):
+        for pop in ("uniform", "skewed", "identical") + (("distinct",) if batch == 16 else ()):
+            cases.append(decode_case(batch, pop))
+    one = decode_case(1, "distinct")
+    one.name, one.popularity = "decode B=1 (one adapter)", "all"
+    cases.append(one)
+    cases += [prefill_case(8192, 16, 4), prefill_case(8192, 16, 64),
+              prefill_case(8192, 64, 4), prefill_case(8192, 64, 64)]
     return cases
 
 
@@ -149,11 +151,9 @@ def smoke_cases() -> list[Case]:
     cases = [prefill_case(64, 16, 4, hidden=64),
              prefill_case(64, 32, 4, hidden=64, ranks=[8, 16, 32, 16], name="prefill mixed")]
     for pop in ("distinct", "uniform", "skewed", "identical"):
-        case = decode_case(8, pop, hidden=64)
-        case.sets = 2
-        cases.append(case)
+        cases.append(decode_case(8, pop, hidden=64))
     for case in cases:
-        case.sets = 2
+        case.sets, case.reps = 2, 2
     return cases
 
 
@@ -210,12 +210,16 @@ STEPS = {"pallas": _pallas, "ragged_dot": _ragged, "gather": _gather, "onehot": 
          "loop": _loop}
 
 
-def make_run(path: str, steps: int):
+def make_run(path: str, num_sets: int, reps: int):
     step = jax.jit(STEPS[path])
 
     def run(y, sets, meta):
-        for x, a, b in sets[:steps]:
-            y = jax.lax.optimization_barrier(step(y, x, a, b, meta))
+        for _ in range(reps):
+            for x, a, b in sets[:num_sets]:
+                # each step's inputs depend on the previous y: XLA can neither merge the
+                # repeated steps on one input set (CSE) nor fuse across steps.
+                y, x, a, b = jax.lax.optimization_barrier((y, x, a, b))
+                y = step(y, x, a, b, meta)
         return y
 
     return jax.jit(run, donate_argnums=0)
@@ -260,7 +264,8 @@ def spec_sets(case: Case):
 
 
 def reference_delta(case: Case, sets, steps: int, rows: np.ndarray) -> np.ndarray:
-    """float64 sum over the first `steps` sets of scale * (x @ A) @ B on the given rows."""
+    """float64 sum over the first `steps` sets of scale * (x @ A) @ B on the given rows
+    (one pass: multiply by the reps)."""
     slots = case.row_slot[rows]
     scale = case.slot_scale.astype(np.float64)[slots]
     total = np.zeros((rows.size, case.hidden))
@@ -272,6 +277,21 @@ def reference_delta(case: Case, sets, steps: int, rows: np.ndarray) -> np.ndarra
         for i, s in enumerate(slots):
             total[i] += scale[i] * (xr[i] @ a_np[int(s)]) @ b_np[int(s)]
     return total
+
+
+def null_call_us(case: Case) -> float:
+    """Host time per call of an executable with a pallas run's arguments and no device work:
+    the per-call dispatch cost that the steps of one call share."""
+    run = jax.jit(lambda y, sets, meta: y, donate_argnums=0)
+    sets, meta = make_sets(case), metadata(case)
+    state = [jnp.zeros((case.rows, case.hidden), BF16)]
+
+    def call():
+        state[0] = run(state[0], sets, meta)
+        return state[0]
+
+    us, _ = measure(call, 1, target_s=0.02)
+    return us
 
 
 def copy_bandwidth(num_bytes: int = 1 << 30) -> float:
@@ -315,14 +335,15 @@ def run_case(case: Case, compiled: dict, bandwidth: float) -> dict:
                 f"{str(exe)[:400]}"
             out["results"][path] = res
             continue
-        steps = case.steps(path)
+        num_sets, reps = case.schedule(path)
+        steps = num_sets * reps
         try:
             got = exe(jnp.array(y0, copy=True), sets, meta)
-            if steps not in refs:
-                refs[steps] = reference_delta(case, sets, steps, sample)
+            if num_sets not in refs:
+                refs[num_sets] = reference_delta(case, sets, num_sets, sample)
             diff = np.asarray(got[jnp.asarray(sample)], np.float64) - np.asarray(
                 y0[jnp.asarray(sample)], np.float64)
-            res["rel_err"] = rel_err(diff, refs[steps])
+            res["rel_err"] = rel_err(diff, reps * refs[num_sets])
             state = [jnp.array(y0, copy=True)]
 
             def call(state=state):
@@ -422,7 +443,9 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes, kernels in interpret mode off a GPU (plumbing test)")
     parser.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1))
-    parser.add_argument("--time-budget", type=float, default=1e9, help="seconds for timing")
+    parser.add_argument("--time-budget", type=float, default=1e9,
+                        help="seconds; groups of cases not started by then are skipped")
+    parser.add_argument("--group", type=int, default=6, help="cases compiled together")
     parser.add_argument("--plot-from", type=pathlib.Path, default=None,
                         help="only render the PNG from a JSON report")
     args = parser.parse_args(argv)
@@ -441,23 +464,6 @@ def main(argv=None):
     cases = smoke_cases() if args.smoke else default_cases(args.quick)
     if jax.default_backend() != "gpu":
         STEP_KW["impl"] = "gpu"  # the GPU kernels in interpret mode
-    lowered = []  # (case index, path, Lowered)
-    for ci, case in enumerate(cases):
-        meta = metadata(case)
-        y_spec = jax.ShapeDtypeStruct((case.rows, case.hidden), BF16)
-        for path in PATHS:
-            try:
-                run = make_run(path, case.steps(path))
-                lowered.append((ci, path, run.lower(y_spec, spec_sets(case), meta)))
-            except Exception as err:  # noqa: BLE001
-                lowered.append((ci, path, err))
-    print(f"lowered {len(lowered)} in {time.time() - start:.0f}s", flush=True)
-    todo = [low for _, _, low in lowered if not isinstance(low, Exception)]
-    done = iter(compile_all(todo, args.jobs))
-    compiled = [dict() for _ in cases]
-    for ci, path, low in lowered:
-        compiled[ci][path] = low if isinstance(low, Exception) else next(done)
-    print(f"compiled in {time.time() - start:.0f}s", flush=True)
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write)", flush=True)
     report = dict(device=device.device_kind, jax=jax.__version__,
@@ -465,15 +471,42 @@ def main(argv=None):
                   copy_GBps=bandwidth / 1e9, timing="median wall time per step of queued "
                   "device-bound calls (see module docstring)", cases=[])
     json_path = args.out / f"sgmv_{tag}.json"
-    deadline = time.time() + args.time_budget
-    for ci, case in enumerate(cases):
+    report["dispatch_us_per_call"] = null_call_us(cases[0])
+    print(f"dispatch of an empty call with the same arguments: "
+          f"{report['dispatch_us_per_call']:.0f} us", flush=True)
+    deadline = start + args.time_budget
+    # Cases in priority order, in groups: lower all paths of a group, compile them in a
+    # thread pool, then time them (compiling never overlaps a measurement).
+    for first in range(0, len(cases), args.group):
+        group = cases[first: first + args.group]
         if time.time() > deadline:
-            print(f"time budget spent: skipping {case.name}", flush=True)
+            print(f"time budget spent: skipping {[c.name for c in group]}", flush=True)
             continue
-        out = run_case(case, compiled[ci], bandwidth)
-        report["cases"].append(out)
-        print(table_lines([out])[-1], flush=True)
-        json_path.write_text(json.dumps(report, indent=1) + "\n")
+        t0 = time.time()
+        lowered = []  # (case index in group, path, Lowered or exception)
+        for ci, case in enumerate(group):
+            meta = metadata(case)
+            y_spec = jax.ShapeDtypeStruct((case.rows, case.hidden), BF16)
+            for path in PATHS:
+                try:
+                    run = make_run(path, *case.schedule(path))
+                    lowered.append((ci, path, run.lower(y_spec, spec_sets(case), meta)))
+                except Exception as err:  # noqa: BLE001
+                    lowered.append((ci, path, err))
+        t1 = time.time()
+        todo = [low for _, _, low in lowered if not isinstance(low, Exception)]
+        done = iter(compile_all(todo, args.jobs))
+        compiled = [dict() for _ in group]
+        for ci, path, low in lowered:
+            compiled[ci][path] = low if isinstance(low, Exception) else next(done)
+        print(f"[{len(lowered)} executables: lowered {t1 - t0:.0f}s, compiled "
+              f"{time.time() - t1:.0f}s]", flush=True)
+        for ci, case in enumerate(group):
+            out = run_case(case, compiled[ci], bandwidth)
+            report["cases"].append(out)
+            print(table_lines([out])[-1], flush=True)
+            json_path.write_text(json.dumps(report, indent=1) + "\n")
+        del compiled, lowered, todo
     print(f"\n{device.device_kind} | jax {jax.__version__} | {report['date']} | copy "
           f"{bandwidth / 1e9:.0f} GB/s | times in us per LoRA layer (shrink+expand); "
           "! = rel err > 2e-2")

@@ -57,15 +57,21 @@ def fit_tiles(cfg: TileConfig, style: str, num_rows: int, in_dim: int, out_dim: 
             block_n=_tpu_block(cfg.block_n, out_dim),
             rank_chunk=_tpu_block(cfg.rank_chunk, rank_dim),
             k_splits=1,
+            col_blocks=1,
         )
     block_k = _gpu_block(cfg.block_k, in_dim)
+    block_n = _gpu_block(cfg.block_n, out_dim)
+    col_blocks = _prev_pow2(max(1, cfg.col_blocks))
+    while col_blocks > 1 and (round_up(out_dim, block_n) // block_n) % col_blocks:
+        col_blocks //= 2
     return dataclasses.replace(
         cfg,
         block_rows=_gpu_block(cfg.block_rows, num_rows),
         block_k=block_k,
-        block_n=_gpu_block(cfg.block_n, out_dim),
+        block_n=block_n,
         rank_chunk=_gpu_block(cfg.rank_chunk, rank_dim),
         k_splits=max(1, min(cfg.k_splits, -(-in_dim // block_k))),
+        col_blocks=col_blocks,
     )
 
 

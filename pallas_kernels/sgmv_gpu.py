@@ -128,10 +128,10 @@ def sgmv_shrink_gpu(x, lora_a, seg_starts, seg_slot, seg_rank, routing: TileRout
 
 def _expand_kernel(starts_ref, slot_ref, rank_ref, scale_ref, lo_ref, hi_ref, y_ref, v_ref,
                    b_ref, out_ref, *, cfg: TileConfig, num_chunks: int):
-    tile, col_block = pl.program_id(0), pl.program_id(1)
+    tile, col_group = pl.program_id(0), pl.program_id(1)
     bm, bn, rc = cfg.block_rows, cfg.block_n, cfg.rank_chunk
     num_rows, r_max, num_parts = y_ref.shape[0], b_ref.shape[1], v_ref.shape[0]
-    row0, col0 = pl.multiple_of(tile * bm, bm), pl.multiple_of(col_block * bn, bn)
+    row0 = pl.multiple_of(tile * bm, bm)
 
     def load_v(c):  # sum of the shrink's split-K partials (one part for a plain v)
         v = v_ref[0, pl.ds(row0, bm), pl.ds(c * rc, rc)].astype(_F32)
@@ -139,26 +139,37 @@ def _expand_kernel(starts_ref, slot_ref, rank_ref, scale_ref, lo_ref, hi_ref, y_
             v = v + v_ref[part, pl.ds(row0, bm), pl.ds(c * rc, rc)].astype(_F32)
         return v
 
-    def seg_body(seg, acc):
-        start, end, slot, rank, active = _segment(seg, starts_ref, slot_ref, rank_ref,
-                                                  num_rows, r_max)
+    def column_block(j, carry):
+        col0 = pl.multiple_of((col_group * cfg.col_blocks + j) * bn, bn)
 
-        def add(d, c):
-            v_blk = jnp.where(_col_mask(c * rc, rc, rank), load_v(c), 0.0)
-            b_blk = b_ref[slot, pl.ds(c * rc, rc), pl.ds(col0, bn)]
-            b_rows = (c * rc + lax.broadcasted_iota(jnp.int32, (rc, 1), 0)) < rank
-            b_blk = jnp.where(b_rows, b_blk, 0)
-            return d + jnp.dot(v_blk.astype(b_blk.dtype), b_blk, preferred_element_type=_F32)
+        def seg_body(seg, acc):
+            start, end, slot, rank, active = _segment(seg, starts_ref, slot_ref, rank_ref,
+                                                      num_rows, r_max)
 
-        delta = add(jnp.zeros((bm, bn), _F32), 0)
-        for c in range(1, num_chunks):
-            delta = lax.cond(c * rc < rank, functools.partial(add, c=c), lambda d: d, delta)
-        rows = _row_mask(row0, bm, start, end) & active
-        return acc + jnp.where(rows, scale_ref[seg] * delta, 0.0)
+            def add(d, c):
+                v_blk = jnp.where(_col_mask(c * rc, rc, rank), load_v(c), 0.0)
+                b_blk = b_ref[slot, pl.ds(c * rc, rc), pl.ds(col0, bn)]
+                b_rows = (c * rc + lax.broadcasted_iota(jnp.int32, (rc, 1), 0)) < rank
+                b_blk = jnp.where(b_rows, b_blk, 0)
+                return d + jnp.dot(v_blk.astype(b_blk.dtype), b_blk,
+                                   preferred_element_type=_F32)
 
-    y_blk = y_ref[pl.ds(row0, bm), pl.ds(col0, bn)]
-    acc = lax.fori_loop(lo_ref[tile], hi_ref[tile], seg_body, y_blk.astype(_F32))
-    out_ref[pl.ds(row0, bm), pl.ds(col0, bn)] = acc.astype(out_ref.dtype)
+            delta = add(jnp.zeros((bm, bn), _F32), 0)
+            for c in range(1, num_chunks):
+                delta = lax.cond(c * rc < rank, functools.partial(add, c=c), lambda d: d,
+                                 delta)
+            rows = _row_mask(row0, bm, start, end) & active
+            return acc + jnp.where(rows, scale_ref[seg] * delta, 0.0)
+
+        y_blk = y_ref[pl.ds(row0, bm), pl.ds(col0, bn)]
+        acc = lax.fori_loop(lo_ref[tile], hi_ref[tile], seg_body, y_blk.astype(_F32))
+        out_ref[pl.ds(row0, bm), pl.ds(col0, bn)] = acc.astype(out_ref.dtype)
+        return carry
+
+    if cfg.col_blocks == 1:
+        column_block(0, 0)
+    else:
+        lax.fori_loop(0, cfg.col_blocks, column_block, 0)
 
 
 def sgmv_expand_gpu(y, v, lora_b, seg_starts, seg_slot, seg_rank, seg_scale,
@@ -176,7 +187,7 @@ def sgmv_expand_gpu(y, v, lora_b, seg_starts, seg_slot, seg_rank, seg_scale,
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
-        grid=(num_rows // cfg.block_rows, n // cfg.block_n),
+        grid=(num_rows // cfg.block_rows, n // (cfg.block_n * cfg.col_blocks)),
         input_output_aliases={6: 0},
         compiler_params=_params(cfg),
         interpret=interpret,

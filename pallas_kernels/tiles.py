@@ -30,7 +30,9 @@ class TileConfig:
     segment_outer). block_n: output column block of expand (q block of segment_outer).
     rank_chunk: rank granularity (GPU: static chunks skipped beyond a segment's rank; TPU:
     the rank block of a grid axis whose blocks >= rank are skipped). k_splits: GPU shrink
-    split-K programs (partial sums reduced outside the kernel). num_warps/num_stages: Triton.
+    split-K programs (partial sums summed by the expand, or outside the kernel).
+    num_warps/num_stages: Triton. col_blocks: GPU SGMV expand, block_n-wide column blocks
+    one program loops over (its v rows / split-K partials then come from L1, not L2).
     """
 
     block_rows: int = 32
@@ -40,6 +42,7 @@ class TileConfig:
     k_splits: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    col_blocks: int = 1
 
 
 def next_pow2(value: int) -> int:

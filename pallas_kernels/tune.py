@@ -50,7 +50,8 @@ DOMAINS = {
                         k_splits=(1, 2, 4, 8, 16), rank_chunk=(16, 32, 64),
                         num_warps=(2, 4, 8), num_stages=(1, 2, 3, 4)),
     "sgmv_expand": dict(block_rows=(16, 32, 64, 128), block_n=(64, 128, 256, 512),
-                        rank_chunk=(16, 32, 64), num_warps=(2, 4, 8), num_stages=(1, 2, 3)),
+                        col_blocks=(1, 2, 4, 8, 16), rank_chunk=(16, 32, 64),
+                        num_warps=(2, 4, 8), num_stages=(1, 2, 3)),
     "bgmv_shrink": dict(block_k=(64, 128, 256, 512, 1024), k_splits=(1, 2, 4, 8, 16, 32, 64),
                         rank_chunk=(16, 32, 64), num_warps=(1, 2, 4, 8), num_stages=(1, 2, 3)),
     "bgmv_expand": dict(block_n=(64, 128, 256, 512, 1024, 2048), rank_chunk=(16, 32, 64),
@@ -76,8 +77,10 @@ SEEDS = {
         dict(block_rows=128, block_n=128, num_warps=8, num_stages=2),
         dict(block_rows=128, block_n=256, num_warps=8, num_stages=1),
         dict(block_rows=32, block_n=128, num_warps=4, num_stages=1),
-        dict(block_rows=16, block_n=256, num_warps=4, num_stages=2),
-        dict(block_rows=64, block_n=64, num_warps=2, num_stages=2),
+        dict(block_rows=32, block_n=256, col_blocks=4, num_warps=4, num_stages=2),
+        dict(block_rows=64, block_n=128, col_blocks=8, num_warps=4, num_stages=2),
+        dict(block_rows=64, block_n=256, col_blocks=4, num_warps=8, num_stages=2),
+        dict(block_rows=128, block_n=128, col_blocks=4, num_warps=8, num_stages=2),
     ],
     "bgmv_shrink": [
         dict(block_k=256, k_splits=16, num_warps=4),
@@ -145,6 +148,8 @@ def legal(bucket: Bucket, cfg: TileConfig) -> TileConfig:
     legal_cfg = fit_tiles(cfg, "gpu", *bucket.dims, bucket.r_max)
     if bucket.op.startswith("bgmv"):
         legal_cfg = dataclasses.replace(legal_cfg, block_rows=1)
+    if bucket.op != "sgmv_expand":
+        legal_cfg = dataclasses.replace(legal_cfg, col_blocks=1)
     if not bucket.op.endswith("shrink"):
         legal_cfg = dataclasses.replace(legal_cfg, k_splits=1)
     return legal_cfg
@@ -249,27 +254,40 @@ def rel_err(actual, expected) -> float:
     return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30))
 
 
+def _barrier(*values):
+    """optimization_barrier: makes a step's inputs depend on the previous step's output, so
+    XLA can neither merge repeated steps on the same input set (CSE) nor reorder them."""
+    return jax.lax.optimization_barrier(values)
+
+
 class _Workload:
     """Inputs and a candidate-runner builder for one bucket.
 
-    `build(cfg)` -> (fn, [args per layout]); fn runs `self.sets` kernel launches. `check`
-    -> relative error against a float64 host reference on sampled rows. Off a GPU the
-    kernels run in interpret mode (the CPU test of the profiler's plumbing).
+    `build(cfg)` -> (fn, [args per layout]); fn runs `self.steps` kernel launches, chained
+    (each step's inputs pass through an optimization barrier with the previous output), over
+    `self.sets` input sets `self.reps` times. `check` -> relative error against a float64
+    host reference on sampled rows. Off a GPU the kernels run in interpret mode (the CPU test
+    of the profiler's plumbing).
     """
 
     dtype = jnp.bfloat16
     interpret = property(lambda self: jax.default_backend() != "gpu")
 
-    def __init__(self, bucket: Bucket, sets: int):
+    def __init__(self, bucket: Bucket, sets: int, steps: int = 16):
         self.bucket = bucket
         self.sets = sets
+        self.reps = max(1, steps // sets)
+
+    @property
+    def steps(self) -> int:
+        return self.sets * self.reps
 
 
 class SgmvShrinkWorkload(_Workload):
     LAYOUTS = (4, 64)
 
-    def __init__(self, bucket, sets=4):
-        super().__init__(bucket, sets)
+    def __init__(self, bucket, sets=4, steps=16):
+        super().__init__(bucket, sets, steps)
         rows, hidden, r = bucket.rows, bucket.hidden, bucket.r_max
         self.xs = tuple(_normal(10 + i, (rows, hidden), 1.0, self.dtype) for i in range(sets))
         self.a = _normal(1, (64, hidden, r), hidden ** -0.5, self.dtype)
@@ -286,16 +304,22 @@ class SgmvShrinkWorkload(_Workload):
             x, a, starts, slots, ranks, route, cfg, self.interpret))
 
         def run(xs, a, starts, slots, ranks, route):
-            return tuple(step(x, a, starts, slots, ranks, route) for x in xs)
+            out = jnp.zeros((), jnp.float32)
+            for _ in range(self.reps):
+                for x in xs:
+                    x, a_in, _ = _barrier(x, a, out)
+                    out = step(x, a_in, starts, slots, ranks, route)
+            return out  # the partials of the last step (input set xs[-1])
 
         return run, [(self.xs, self.a, *self.meta(cfg, i)) for i in range(len(self.layouts))]
 
-    def check(self, outs, layout):
+    def check(self, out, layout):
         starts, slots = self.layouts[layout]
-        v = np.asarray(jnp.sum(outs[0], axis=0))
-        rows = np.random.default_rng(0).choice(self.bucket.rows, min(128, self.bucket.rows), replace=False)
+        v = np.asarray(jnp.sum(out, axis=0))
+        rows = np.random.default_rng(0).choice(self.bucket.rows, min(128, self.bucket.rows),
+                                               replace=False)
         seg = np.searchsorted(starts, rows, side="right") - 1
-        x = np.asarray(self.xs[0][rows], np.float64)
+        x = np.asarray(self.xs[-1][rows], np.float64)
         a = np.asarray(self.a[slots[seg]], np.float64)
         return rel_err(v[rows], np.einsum("nk,nkr->nr", x, a))
 
@@ -303,8 +327,8 @@ class SgmvShrinkWorkload(_Workload):
 class SgmvExpandWorkload(_Workload):
     LAYOUTS = (4, 64)
 
-    def __init__(self, bucket, sets=4, parts=4):
-        super().__init__(bucket, sets)
+    def __init__(self, bucket, sets=1, steps=16, parts=4):
+        super().__init__(bucket, 1, steps)
         rows, hidden, r = bucket.rows, bucket.hidden, bucket.r_max
         self.y = _normal(2, (rows, hidden), 1.0, self.dtype)
         self.v = _normal(3, (parts, rows, r), 1.0, jnp.float32)
@@ -325,36 +349,42 @@ class SgmvExpandWorkload(_Workload):
                                                 cfg, self.interpret))
 
         def run(y, v, b, starts, slots, ranks, scales, route):
-            for _ in range(self.sets):
-                y = jax.lax.optimization_barrier(step(y, v, b, starts, slots, ranks, scales,
-                                                      route))
+            for _ in range(self.steps):
+                y, v_in, b_in = _barrier(y, v, b)
+                y = step(y, v_in, b_in, starts, slots, ranks, scales, route)
             return y
 
         return run, [(self.y, self.v, self.b, *self.meta(cfg, i))
                      for i in range(len(self.layouts))]
 
-    def check(self, y0, out, layout, steps):
+    def check(self, y0, out, layout):
         starts, slots = self.layouts[layout]
         scales = _scales(slots.size).astype(np.float64)
-        rows = np.random.default_rng(0).choice(self.bucket.rows, min(128, self.bucket.rows), replace=False)
+        rows = np.random.default_rng(0).choice(self.bucket.rows, min(128, self.bucket.rows),
+                                               replace=False)
         seg = np.searchsorted(starts, rows, side="right") - 1
         v = np.asarray(self.v, np.float64).sum(0)[rows]
         v = np.asarray(jnp.asarray(v, jnp.float32).astype(self.dtype), np.float64)
         b = np.asarray(self.b[slots[seg]], np.float64)
-        delta = steps * scales[seg][:, None] * np.einsum("nr,nrm->nm", v, b)
+        delta = self.steps * scales[seg][:, None] * np.einsum("nr,nrm->nm", v, b)
         got = np.asarray(out[rows], np.float64) - np.asarray(y0[rows], np.float64)
         return rel_err(got, delta)
 
 
+def _decode_sets(bucket: Bucket, sets: int | None) -> int:
+    """Input sets to rotate: ~160 MB of pools (more than L2), at most 16."""
+    set_bytes = bucket.rows * bucket.hidden * bucket.r_max * 2
+    return sets or int(min(16, max(2, math.ceil(160e6 / set_bytes))))
+
+
 class BgmvShrinkWorkload(_Workload):
-    def __init__(self, bucket, sets=None):
+    def __init__(self, bucket, sets=None, steps=64):
         rows, hidden, r = bucket.rows, bucket.hidden, bucket.r_max
-        set_bytes = rows * hidden * r * 2
-        sets = sets or int(min(16, max(2, math.ceil(160e6 / set_bytes))))
-        super().__init__(bucket, sets)
-        self.xs = tuple(_normal(20 + i, (rows, hidden), 1.0, self.dtype) for i in range(sets))
+        super().__init__(bucket, _decode_sets(bucket, sets), steps)
+        self.xs = tuple(_normal(20 + i, (rows, hidden), 1.0, self.dtype)
+                        for i in range(self.sets))
         self.pools = tuple(_normal(40 + i, (rows, hidden, r), hidden ** -0.5, self.dtype)
-                           for i in range(sets))
+                           for i in range(self.sets))
         self.slot = jnp.arange(rows, dtype=jnp.int32)
         self.rank = jnp.full((rows,), r, jnp.int32)
 
@@ -363,26 +393,30 @@ class BgmvShrinkWorkload(_Workload):
             x, a, slot, rank, cfg, self.interpret))
 
         def run(xs, pools, slot, rank):
-            return tuple(step(x, a, slot, rank) for x, a in zip(xs, pools))
+            out = jnp.zeros((), jnp.float32)
+            for _ in range(self.reps):
+                for x, a in zip(xs, pools):
+                    x, a, _ = _barrier(x, a, out)
+                    out = step(x, a, slot, rank)
+            return out
 
         return run, [(self.xs, self.pools, self.slot, self.rank)]
 
-    def check(self, outs, layout):
-        v = np.asarray(jnp.sum(outs[0], axis=0), np.float64)
-        x, a = np.asarray(self.xs[0], np.float64), np.asarray(self.pools[0], np.float64)
+    def check(self, out, layout):
+        v = np.asarray(jnp.sum(out, axis=0), np.float64)
+        x, a = np.asarray(self.xs[-1], np.float64), np.asarray(self.pools[-1], np.float64)
         return rel_err(v, np.einsum("nk,nkr->nr", x, a))
 
 
 class BgmvExpandWorkload(_Workload):
-    def __init__(self, bucket, sets=None, parts=8):
+    def __init__(self, bucket, sets=None, steps=64, parts=8):
         rows, hidden, r = bucket.rows, bucket.hidden, bucket.r_max
-        set_bytes = rows * hidden * r * 2
-        sets = sets or int(min(16, max(2, math.ceil(160e6 / set_bytes))))
-        super().__init__(bucket, sets)
+        super().__init__(bucket, _decode_sets(bucket, sets), steps)
         self.y = _normal(5, (rows, hidden), 1.0, self.dtype)
-        self.vs = tuple(_normal(60 + i, (parts, rows, r), 1.0, jnp.float32) for i in range(sets))
+        self.vs = tuple(_normal(60 + i, (parts, rows, r), 1.0, jnp.float32)
+                        for i in range(self.sets))
         self.pools = tuple(_normal(80 + i, (rows, r, hidden), r ** -0.5, self.dtype)
-                           for i in range(sets))
+                           for i in range(self.sets))
         self.slot = jnp.arange(rows, dtype=jnp.int32)
         self.rank = jnp.full((rows,), r, jnp.int32)
         self.scale = jnp.linspace(0.5, 2.0, rows, dtype=jnp.float32)
@@ -392,13 +426,15 @@ class BgmvExpandWorkload(_Workload):
             y, v, b, slot, rank, scale, cfg, self.interpret))
 
         def run(y, vs, pools, slot, rank, scale):
-            for v, b in zip(vs, pools):
-                y = jax.lax.optimization_barrier(step(y, v, b, slot, rank, scale))
+            for _ in range(self.reps):
+                for v, b in zip(vs, pools):
+                    y, v, b = _barrier(y, v, b)
+                    y = step(y, v, b, slot, rank, scale)
             return y
 
         return run, [(self.y, self.vs, self.pools, self.slot, self.rank, self.scale)]
 
-    def check(self, y0, out, layout, steps):
+    def check(self, y0, out, layout):
         scale = np.asarray(self.scale, np.float64)
         delta = 0
         for v, b in zip(self.vs, self.pools):
@@ -406,7 +442,7 @@ class BgmvExpandWorkload(_Workload):
             delta = delta + scale[:, None] * np.einsum("nr,nrm->nm", v,
                                                        np.asarray(b, np.float64))
         got = np.asarray(out, np.float64) - np.asarray(y0, np.float64)
-        return rel_err(got, delta)
+        return rel_err(got, self.reps * delta)
 
 
 WORKLOADS = {"sgmv_shrink": SgmvShrinkWorkload, "sgmv_expand": SgmvExpandWorkload,
@@ -447,18 +483,17 @@ def run_candidates(work, cands: list[TileConfig], jobs: int, log: list,
                     y0 = args[0]
                     state = [jnp.array(y0, copy=True)]
                     out = exe(jnp.array(y0, copy=True), *args[1:])
-                    errs.append(work.check(y0, out, layout, work.sets))
+                    errs.append(work.check(y0, out, layout))
 
                     def call(state=state, rest=args[1:]):
                         state[0] = exe(state[0], *rest)
                         return state[0]
                 else:
-                    outs = exe(*args)
-                    errs.append(work.check(outs, layout))
+                    errs.append(work.check(exe(*args), layout))
 
                     def call(args=args):
                         return exe(*args)
-                us, host_frac = measure(call, work.sets, trials=trials)
+                us, host_frac = measure(call, work.steps, trials=trials)
                 times.append(us)
                 host.append(host_frac)
             entry.update(us=float(np.sum(times)), per_layout_us=times, rel_err=max(errs),
@@ -474,9 +509,11 @@ def run_candidates(work, cands: list[TileConfig], jobs: int, log: list,
 
 
 def tune_bucket(bucket: Bucket, jobs: int, log: list, deadline: float, *,
-                max_candidates: int | None = None, trials: int = 5, sets: int | None = None):
+                max_candidates: int | None = None, trials: int = 5, sets: int | None = None,
+                steps: int | None = None):
     """(best (us, cfg), heuristic us or None) for one bucket."""
-    work = WORKLOADS[bucket.op](bucket, sets=sets) if sets else WORKLOADS[bucket.op](bucket)
+    kwargs = {k: v for k, v in dict(sets=sets, steps=steps).items() if v}
+    work = WORKLOADS[bucket.op](bucket, **kwargs)
     seeds = seed_candidates(bucket)[:max_candidates]
     results = run_candidates(work, seeds, jobs, log, trials)
     heuristic = legal(bucket, heuristic_tiles(bucket.op, *bucket.dims, "gpu"))

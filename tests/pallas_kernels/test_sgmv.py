@@ -136,7 +136,8 @@ def test_sgmv_lora_pipeline(impl):
     """shrink -> expand with the split-K partials passed straight on (GPU), row tiles of the
     two kernels different (the partials' rows are cut to the expand's padding)."""
     x, lora_a, lora_b, y, starts, slots, ranks, scales = mixed_batch(jnp.float32, seed=9)
-    expand_tiles = SMALL_TILES.__class__(block_rows=32, block_k=16, block_n=32, rank_chunk=32)
+    expand_tiles = SMALL_TILES.__class__(block_rows=32, block_k=16, block_n=32, rank_chunk=32,
+                                         col_blocks=2)  # one program loops over both blocks
     out = pk.sgmv_lora(y, x, lora_a, lora_b, starts, slots, ranks, scales, impl=impl,
                        tiles=(SMALL_TILES, expand_tiles))
     v = ref.sgmv_shrink_ref(x, lora_a, starts, slots, ranks)

@@ -38,7 +38,7 @@ def test_tune_writes_winners_keyed_by_device(tmp_path):
     table = {"Other GPU": {"sgmv_shrink": {"1x1x1": {"block_rows": 16}}}}
     log = []
     table = tune.tune(plan, table, time_budget=1e4, jobs=1, log=log, max_candidates=2,
-                      trials=1, sets=2)
+                      trials=1, sets=2, steps=4)
     kind = jax.devices()[0].device_kind
     assert table["Other GPU"] == {"sgmv_shrink": {"1x1x1": {"block_rows": 16}}}  # kept
     for bucket in plan:
