@@ -11,6 +11,8 @@ ARCHITECTURE §8, measured in one run, tokens/s counting real (unpadded) tokens:
   peft-padded    (b) HF transformers + peft, one job at a time, batches of 4 samples padded to
                  the longest.
 Compilation and the (ahead-of-time) scheduling are outside the timed region. Writes JSON to --out.
+Run the JAX variants and the PyTorch variants in separate processes (JAX holds most of the GPU
+memory while it lives): `--variants jaxlora-xla sequential` then `--variants peft-best peft-padded`.
 """
 
 from __future__ import annotations
@@ -223,11 +225,14 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/train.json")
     args = parser.parse_args()
     config = llama8b_config(args.layers, args.tiny)
-    model = Llama(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
-    pool = AdapterPool(config, num_slots=4, max_rank=LORA.r, dtype=jnp.bfloat16)
-    for index in range(4):
-        pool.load(random_adapter(f"adapter{index}", config, LORA, seed=index))
+    model = pool = None
+    if any(v.startswith(("jaxlora", "sequential")) for v in args.variants):
+        model = Llama(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+        pool = AdapterPool(config, num_slots=4, max_rank=LORA.r, dtype=jnp.bfloat16)
+        for index in range(4):
+            pool.load(random_adapter(f"adapter{index}", config, LORA, seed=index))
     results = []
+    device = jax.devices()[0].device_kind
     for workload in args.workloads:
         data = synthetic_data(workload, 4, args.batches * args.global_batch, args.global_batch, seed=1)
         samples = make_samples(data, config.vocab_size, seed=2)
@@ -243,12 +248,16 @@ def main() -> None:
             results.append(result)
             print(f"{workload:8} {variant:12} {result['tokens_per_s']:10.0f} tokens/s  ({result['seconds']:.2f} s)",
                   flush=True)
-    device = jax.devices()[0].device_kind
+            _write_report(args, device, results)  # after every variant: a crash keeps what was measured
+    print(f"device: {device}, jax {jax.__version__}, {args.layers} layers; wrote {args.out}")
+
+
+def _write_report(args, device: str, results: list) -> None:
     report = {"device": device, "jax": jax.__version__, "date": datetime.date.today().isoformat(),
-              "host": platform.node(), "layers": args.layers, "capacity": args.capacity, "results": results}
+              "host": platform.node(), "layers": args.layers, "capacity": args.capacity,
+              "global_batch": args.global_batch, "batches": args.batches, "results": results}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
-    print(f"device: {device}, jax {jax.__version__}, {args.layers} layers; wrote {args.out}")
 
 
 if __name__ == "__main__":
