@@ -131,19 +131,20 @@ def default_cases(quick: bool = False) -> list[Case]:
     """All cases, in priority order (a run cut short keeps the targets' cases)."""
     cases = [prefill_case(4096, 16, 4), prefill_case(4096, 16, 64),
              decode_case(64, "distinct"), decode_case(32, "distinct"),
-             prefill_case(4096, 64, 4), prefill_case(4096, 64, 64)]
+             prefill_case(8192, 16, 4), prefill_case(8192, 16, 64)]
     if quick:
         return cases
-    cases.append(prefill_case(4096, 64, 16, ranks=[8, 16, 32, 64] * 4,
-                              name="prefill T=4096 mixed r=8..64 n=16"))
+    cases += [prefill_case(4096, 64, 4), prefill_case(4096, 64, 64),
+              prefill_case(8192, 64, 4), prefill_case(8192, 64, 64),
+              prefill_case(4096, 64, 16, ranks=[8, 16, 32, 64] * 4,
+                           name="prefill T=4096 mixed r=8..64 n=16"),
+              decode_case(16, "distinct")]
     for batch in (64, 32, 16):
-        for pop in ("uniform", "skewed", "identical") + (("distinct",) if batch == 16 else ()):
+        for pop in ("uniform", "skewed", "identical"):
             cases.append(decode_case(batch, pop))
     one = decode_case(1, "distinct")
     one.name, one.popularity = "decode B=1 (one adapter)", "all"
     cases.append(one)
-    cases += [prefill_case(8192, 16, 4), prefill_case(8192, 16, 64),
-              prefill_case(8192, 64, 4), prefill_case(8192, 64, 64)]
     return cases
 
 

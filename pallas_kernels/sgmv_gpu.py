@@ -216,8 +216,9 @@ def _outer_kernel(starts_ref, slot_ref, rank_ref, lhs_ref, rhs_ref, out_ref, *,
         return acc + lax.dot_general(lhs, rhs, (((0,), (0,)), ((), ())),
                                      preferred_element_type=_F32)
 
-    first = jnp.where(active, start // bm, 0)
-    last = jnp.where(active, (end + bm - 1) // bm, 0)
+    # lax.div, not //: jnp's floor division does not lower to Triton on jax 0.11.
+    first = jnp.where(active, lax.div(start, bm), 0)
+    last = jnp.where(active, lax.div(end + bm - 1, bm), 0)
     acc = lax.fori_loop(first, last, tile_body, jnp.zeros((bp, bq), _F32))
     out_ref[seg, pl.ds(p_block * bp, bp), pl.ds(q_block * bq, bq)] = acc
 

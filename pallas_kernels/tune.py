@@ -304,18 +304,18 @@ class SgmvShrinkWorkload(_Workload):
             x, a, starts, slots, ranks, route, cfg, self.interpret))
 
         def run(xs, a, starts, slots, ranks, route):
-            out = jnp.zeros((), jnp.float32)
+            outs = [jnp.zeros((), jnp.float32)]
             for _ in range(self.reps):
                 for x in xs:
-                    x, a_in, _ = _barrier(x, a, out)
-                    out = step(x, a_in, starts, slots, ranks, route)
-            return out  # the partials of the last step (input set xs[-1])
+                    x, a_in, _ = _barrier(x, a, outs[-1])
+                    outs.append(step(x, a_in, starts, slots, ranks, route))
+            return tuple(outs[1:])  # every step's output is live (none is pruned)
 
         return run, [(self.xs, self.a, *self.meta(cfg, i)) for i in range(len(self.layouts))]
 
-    def check(self, out, layout):
+    def check(self, outs, layout):
         starts, slots = self.layouts[layout]
-        v = np.asarray(jnp.sum(out, axis=0))
+        v = np.asarray(jnp.sum(outs[-1], axis=0))
         rows = np.random.default_rng(0).choice(self.bucket.rows, min(128, self.bucket.rows),
                                                replace=False)
         seg = np.searchsorted(starts, rows, side="right") - 1
@@ -393,17 +393,17 @@ class BgmvShrinkWorkload(_Workload):
             x, a, slot, rank, cfg, self.interpret))
 
         def run(xs, pools, slot, rank):
-            out = jnp.zeros((), jnp.float32)
+            outs = [jnp.zeros((), jnp.float32)]
             for _ in range(self.reps):
                 for x, a in zip(xs, pools):
-                    x, a, _ = _barrier(x, a, out)
-                    out = step(x, a, slot, rank)
-            return out
+                    x, a, _ = _barrier(x, a, outs[-1])
+                    outs.append(step(x, a, slot, rank))
+            return tuple(outs[1:])  # every step's output is live (none is pruned)
 
         return run, [(self.xs, self.pools, self.slot, self.rank)]
 
-    def check(self, out, layout):
-        v = np.asarray(jnp.sum(out, axis=0), np.float64)
+    def check(self, outs, layout):
+        v = np.asarray(jnp.sum(outs[-1], axis=0), np.float64)
         x, a = np.asarray(self.xs[-1], np.float64), np.asarray(self.pools[-1], np.float64)
         return rel_err(v, np.einsum("nk,nkr->nr", x, a))
 
