@@ -91,3 +91,20 @@ def pad_to(array, multiples):
         if multiple is not None:
             array = pad_axis(array, axis, multiple)
     return array
+
+
+def shrink_smem_bytes(cfg: TileConfig, rank_pad: int, itemsize: int) -> int:
+    """Shared memory of the GPU SGMV shrink: Triton keeps num_stages copies of the x block
+    [block_rows, block_k] and the A block [block_k, rank_pad] (matches its own count)."""
+    return cfg.num_stages * cfg.block_k * (cfg.block_rows + rank_pad) * itemsize
+
+
+def fit_shrink_smem(cfg: TileConfig, rank_pad: int, itemsize: int, limit: int) -> TileConfig:
+    """Fewer pipeline stages, then smaller k blocks (powers of two: still dividing k), until
+    the shrink fits `limit` bytes of shared memory (f32 inputs need twice bf16's)."""
+    while shrink_smem_bytes(cfg, rank_pad, itemsize) > limit and cfg.num_stages > 1:
+        cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+    while shrink_smem_bytes(cfg, rank_pad, itemsize) > limit and cfg.block_k > _GPU_MIN_BLOCK:
+        cfg = dataclasses.replace(cfg, block_k=cfg.block_k // 2)
+    return cfg
+

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import bgmv_gpu, reference, sgmv_gpu, sgmv_tpu
-from pallas_kernels.layout import fit_tiles, pad_axis, pad_to, round_up
+from pallas_kernels.layout import fit_shrink_smem, fit_tiles, pad_axis, pad_to, round_up
 from pallas_kernels.routing import TileRouting, make_routing
-from pallas_kernels.tiles import TileConfig, get_tile_config
+from pallas_kernels.tiles import TileConfig, get_tile_config, smem_limit
 
 IMPLS = (None, "reference", "gpu", "tpu")
 
@@ -63,6 +63,9 @@ def _routing(routing: TileRouting | None, starts, padded_rows: int, block_rows: 
 def _gpu_sgmv_shrink_partials(x, lora_a, seg_starts, seg_slot, seg_rank, cfg, interpret,
                               routing):
     """[k_splits, T_pad, r_pad] f32 partial sums of the GPU shrink (metadata clipped in-kernel)."""
+    itemsize = max(x.dtype.itemsize, lora_a.dtype.itemsize)
+    rank_pad = round_up(lora_a.shape[-1], cfg.rank_chunk)
+    cfg = fit_shrink_smem(cfg, rank_pad, itemsize, smem_limit(jax.devices()[0].device_kind))
     x_p = pad_to(x, (cfg.block_rows, cfg.block_k))
     a_p = pad_to(lora_a, (None, cfg.block_k, cfg.rank_chunk))
     route = _routing(routing, seg_starts, x_p.shape[0], cfg.block_rows)

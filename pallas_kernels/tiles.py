@@ -96,6 +96,17 @@ def _tpu_heuristic(op: str, num_rows: int, in_dim: int, out_dim: int) -> TileCon
     return TileConfig(rows, block_k, block_n, rank_block, 1, 4, 2)
 
 
+def smem_limit(device_kind: str) -> int:
+    """Shared memory per block (bytes) Triton may use: Hopper/Blackwell 227 KiB (H100 reports
+    232448), A100 163 KiB, anything else 99 KiB (sm_86/sm_89 class)."""
+    kind = device_kind.upper()
+    if any(name in kind for name in ("H100", "H200", "H800", "H20", "B200", "B100", "GB200")):
+        return 232448
+    if any(name in kind for name in ("A100", "A800")):
+        return 166912
+    return 101376
+
+
 def heuristic_tiles(op: str, num_rows: int, in_dim: int, out_dim: int, style: str) -> TileConfig:
     """Tiles for a device with no table entry; style "gpu" (Triton) or "tpu" (Mosaic)."""
     if op not in OPS:

@@ -3,9 +3,9 @@
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.layout import fit_tiles, pad_to
+from pallas_kernels.layout import fit_shrink_smem, fit_tiles, pad_to, shrink_smem_bytes
 from pallas_kernels.tiles import TileConfig, get_tile_config, heuristic_tiles, load_table
-from pallas_kernels.tiles import shape_bucket
+from pallas_kernels.tiles import shape_bucket, smem_limit
 
 TABLE = {"NVIDIA H200": {"sgmv_shrink": {shape_bucket(4096, 4096, 16): {"block_rows": 128,
                                                                        "k_splits": 8}}}}
@@ -70,3 +70,17 @@ def test_missing_bucket_takes_nearest_row_bucket():
     assert other_shape == heuristic_tiles("bgmv_shrink", 16, 2048, 16, "gpu")
     unknown = get_tile_config("Some Future GPU", "bgmv_shrink", 16, 4096, 16, "gpu", table)
     assert unknown == heuristic_tiles("bgmv_shrink", 16, 4096, 16, "gpu")
+
+
+def test_shrink_fits_shared_memory():
+    """The heuristic shrink for the GPU gradient test's f32 shapes (k=1536, r=64) asked Triton
+    for 384 KiB of shared memory on an H100; the guard trims stages, then k blocks."""
+    limit = smem_limit("NVIDIA H100 80GB HBM3")
+    cfg = fit_tiles(heuristic_tiles("sgmv_shrink", 300, 1536, 64, "gpu"), "gpu", 300, 1536, 64,
+                    64)
+    assert shrink_smem_bytes(cfg, 64, 4) > limit
+    fitted = fit_shrink_smem(cfg, 64, 4, limit)
+    assert shrink_smem_bytes(fitted, 64, 4) <= limit and 1536 % fitted.block_k == 0
+    tuned_bf16 = TileConfig(64, 256, 16, 64, 2, 4, 3)  # the H100 table's r=64 winner
+    assert fit_shrink_smem(tuned_bf16, 64, 2, limit) == tuned_bf16
+    assert smem_limit("Imaginary GPU 9000") < limit
