@@ -48,7 +48,7 @@ class TrainConfig:
     scheduler: str = "milp"  # milp | greedy
     solver_time_limit: float = 1.0
     checkpoint_every: int = 50  # microbatches
-    lora_backend: str = "gather"
+    lora_backend: str = "onehot"  # the fastest XLA path for a few adapters (bench/results/sgmv_h100.json)
     seed: int = 0
     progress: bool = True
 
