@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 from jaxlora.lora.config import AdapterError, LoraConfig
+from jaxlora.lora.ops import BACKENDS
 
 
 class ConfigError(ValueError):
@@ -59,7 +60,7 @@ class TrainConfig:
 
 _LORA_KEYS = {"r", "alpha", "dropout", "targets", "use_rslora", "rank_pattern", "alpha_pattern"}
 _CHOICES = {"schedule": ("constant", "linear", "cosine"), "overlong": ("truncate", "refuse"),
-            "scheduler": ("milp", "greedy"), "dtype": ("float32", "bfloat16")}
+            "scheduler": ("milp", "greedy"), "dtype": ("float32", "bfloat16"), "lora_backend": BACKENDS}
 
 
 def load_train_config(path: str, overrides: list[str] = ()) -> TrainConfig:
