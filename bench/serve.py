@@ -1,0 +1,536 @@
+"""Multi-LoRA serving throughput and latency of `serve.engine.Engine` on a Llama-3.1-8B-shaped
+model (random bf16 weights), against the same engine serving the base model only, in one run.
+
+    PYTHONPATH=. python bench/serve.py [--layers 32] [--suite all] [--time-budget 520] [--out FILE]
+    PYTHONPATH=. python bench/serve.py --tiny          # CPU smoke test (tiny model, few requests)
+
+Workloads (ARCHITECTURE §8, no downloads):
+  slora   the S-LoRA generator: adapter = floor(n * X), X ~ power(alpha); gamma inter-arrival
+          times (mean 1 / rate, coefficient of variation cv); input and output lengths uniform in
+          [8, 512). Spec `slora:n=100,alpha=1,cv=1[,rate=4,requests=100,mode=replay]`.
+  punica  Punica's popularity cases over the same arrivals and lengths: distinct (one adapter per
+          request, at most --max-adapters), uniform (ceil(sqrt(requests)) adapters), skewed
+          (Zipf 1.5 over min(requests, --max-adapters) adapters), identical (one adapter).
+          Spec `punica:skewed[,requests=...,mode=throughput,...]`.
+Modes: `replay` submits each request at its arrival time (wall clock); `throughput` submits all
+at t=0 and runs as fast as possible. Suites (`--suite`): `slora` (the default point n=100,
+alpha=1, cv=1, then one-at-a-time sweeps n in {1, 20, 1000, 2000}, alpha in {0.1, 0.3, 0.6},
+cv in {2, 4}), `punica` (the four cases, throughput mode), `all` (the default point, the Punica
+cases, then the sweeps). `--cases` gives specs explicitly. `--time-budget` skips the cases that
+would not finish in time (for a device call with a wall-clock limit).
+
+Each case runs the trace twice on fresh engines (same config, same compiled steps): with its
+adapters, and with every request on the base model (`adapter=None`; the arrivals and lengths do
+not depend on the adapter column, so one base run serves every case with the same trace). The
+driver calls `Engine.step()` in this thread (no HTTP, no engine thread); TTFT counts from the
+scheduled arrival time, so time a request waits for a running step counts as queueing.
+Reported: generated tokens/s and requests/s over the makespan (first arrival to last finish),
+TTFT and TPOT (per request: (finish - first token) / (tokens - 1)) p50/p90, adapter loads.
+Requests ignore EOS (random weights), so each generates exactly its output length.
+
+Adapters (r=16, alpha=32, all seven projections): every adapter is its own host `LoraAdapter`
+(own name, own `ModuleLora` objects, own per-layer scales), registered with `Engine.add_adapter`
+and copied into device slots by the engine's normal path (LRU pool, prefetch). To keep host
+memory and setup time bounded (one 8B-shaped r=16 adapter is 168 MB in float32; 1000 would be
+168 GB), adapter i shares its A/B arrays with weight set i % --weight-sets (random, generated
+once) and multiplies its scale by a per-adapter factor in [1, 1.01), so adapters still compute
+different functions. Each device load copies the full A/B of the adapter, as for any adapter.
+Only the adapters a trace requests are registered (unrequested ones would only sit in a dict).
+
+Compilation: the engine buckets each step's shape (tokens, block-table width); before the cases
+every bucket is compiled (in parallel threads into JAX's persistent compilation cache, then once
+through the real jitted step with an all-padding batch, which writes nothing), so no timed run
+compiles. `compiles_in_run` in the JSON says if one did anyway.
+
+Writes JSON (device, jax version, date, settings, results) to --out after every case, and a PNG
+next to it when matplotlib is importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+# Run as a script, this file's folder comes first on sys.path and its name would hide the
+# `serve` package: look it up from the repository root instead.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxlora.lora.adapter import LoraAdapter, ModuleLora, random_adapter
+from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.plan import build_plan
+from jaxlora.models.config import PROJECTIONS, LlamaConfig, RopeScaling
+from jaxlora.models.llama import Llama, LoraInputs
+from jaxlora.models.paged import PagedBatch
+from jaxlora.scheduler.serving import pages_for
+from serve import engine as engine_module
+from serve.engine import Engine, EngineConfig, Event, SamplingOptions
+
+LORA = LoraConfig(r=16, lora_alpha=32, target_modules=PROJECTIONS)
+GREEDY = SamplingOptions()
+
+
+def llama8b_config(layers: int, tiny: bool) -> LlamaConfig:
+    if tiny:  # for a CPU smoke test of this script
+        return LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=layers,
+                           num_heads=4, num_kv_heads=2, head_dim=16)
+    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=layers,
+                       num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+                       rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), max_position_embeddings=131072)
+
+
+# ---- workloads ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    kind: str  # "slora" | "punica"
+    mode: str  # "replay" | "throughput"
+    requests: int
+    rate: float
+    cv: float
+    n: int = 0  # slora: number of adapters
+    alpha: float = 1.0  # slora: power-law exponent
+    popularity: str = ""  # punica: distinct | uniform | skewed | identical
+
+    @property
+    def name(self) -> str:
+        if self.kind == "slora":
+            head = f"slora n={self.n} a={self.alpha:g} cv={self.cv:g}"
+        else:
+            head = f"punica {self.popularity}"
+        return f"{head} ({self.mode}, {self.requests} req" + (f" @ {self.rate:g}/s)" if self.mode == "replay" else ")")
+
+
+@dataclasses.dataclass
+class Trace:
+    arrivals: np.ndarray  # seconds from the first arrival (0 for every request in throughput mode)
+    prompt_lens: np.ndarray
+    output_lens: np.ndarray
+    adapters: np.ndarray  # adapter index per request
+
+    def base_key(self) -> bytes:
+        """What a base-model run depends on (everything but the adapter column)."""
+        return self.arrivals.tobytes() + self.prompt_lens.tobytes() + self.output_lens.tobytes()
+
+
+def make_trace(case: Case, seed: int, min_len: int, max_len: int, max_adapters: int) -> Trace:
+    """Arrivals, lengths and adapters from independent streams: the first two do not depend on the
+    adapter distribution, so cases differing only in n/alpha/popularity share their base run."""
+    count = case.requests
+    arrival_rng, length_rng, adapter_rng = (np.random.default_rng([seed, i]) for i in range(3))
+    shape = 1.0 / case.cv ** 2  # gamma: mean shape * scale = 1 / rate, cv = 1 / sqrt(shape)
+    gaps = arrival_rng.gamma(shape, 1.0 / (case.rate * shape), count)
+    arrivals = np.cumsum(gaps) - gaps[0]
+    if case.mode == "throughput":
+        arrivals = np.zeros(count)
+    prompt_lens = length_rng.integers(min_len, max_len, count)
+    output_lens = length_rng.integers(min_len, max_len, count)
+    if case.kind == "slora":
+        adapters = np.minimum((case.n * adapter_rng.power(case.alpha, count)).astype(np.int64), case.n - 1)
+    elif case.popularity == "distinct":
+        adapters = np.arange(count) % max_adapters
+    elif case.popularity == "uniform":
+        adapters = adapter_rng.integers(0, math.ceil(math.sqrt(count)), count)
+    elif case.popularity == "skewed":
+        m = min(count, max_adapters)
+        weights = np.arange(1, m + 1, dtype=np.float64) ** -1.5
+        adapters = adapter_rng.choice(m, count, p=weights / weights.sum())
+    elif case.popularity == "identical":
+        adapters = np.zeros(count, np.int64)
+    else:
+        raise ValueError(f"unknown Punica case {case.popularity!r}")
+    return Trace(arrivals, prompt_lens, output_lens, adapters)
+
+
+def parse_case(spec: str, defaults: dict) -> Case:
+    """`slora:n=100,alpha=1,cv=1,...` or `punica:skewed,...` (unset fields from `defaults`)."""
+    kind, _, rest = spec.partition(":")
+    fields = dict(defaults)
+    fields["mode"] = defaults["slora_mode"] if kind == "slora" else defaults["punica_mode"]
+    fields.pop("slora_mode"), fields.pop("punica_mode")
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            fields["popularity"] = key
+            continue
+        if key not in ("n", "alpha", "cv", "rate", "requests", "mode"):
+            raise ValueError(f"unknown field {key!r} in case {spec!r}")
+        fields[key] = value if key == "mode" else (int(value) if key in ("n", "requests") else float(value))
+    if kind == "slora":
+        fields.setdefault("n", 100)
+        fields.pop("popularity", None)
+    elif kind == "punica":
+        if fields.get("popularity") not in ("distinct", "uniform", "skewed", "identical"):
+            raise ValueError(f"a Punica case needs distinct|uniform|skewed|identical: {spec!r}")
+    else:
+        raise ValueError(f"a case is slora:... or punica:...: {spec!r}")
+    if fields["mode"] not in ("replay", "throughput"):
+        raise ValueError(f"mode must be replay or throughput: {spec!r}")
+    return Case(kind=kind, **fields)
+
+
+SLORA_DEFAULT = "slora:n=100,alpha=1,cv=1"
+SLORA_SWEEPS = (["slora:n=1,alpha=1,cv=1", "slora:n=1000,alpha=1,cv=1", "slora:n=2000,alpha=1,cv=1",
+                 "slora:n=20,alpha=1,cv=1"]
+                + [f"slora:n=100,alpha={a},cv=1" for a in (0.1, 0.3, 0.6)]
+                + [f"slora:n=100,alpha=1,cv={cv}" for cv in (2, 4)])
+PUNICA = [f"punica:{p}" for p in ("distinct", "uniform", "skewed", "identical")]
+SUITES = {"slora": [SLORA_DEFAULT] + SLORA_SWEEPS, "punica": PUNICA, "all": [SLORA_DEFAULT] + PUNICA + SLORA_SWEEPS}
+
+
+# ---- adapters -----------------------------------------------------------------------------------
+
+class AdapterFactory:
+    """Adapter i: a distinct host object sharing A/B with weight set i % num_sets (see the module doc)."""
+
+    def __init__(self, config: LlamaConfig, num_sets: int, seed: int = 100):
+        self.sets = [random_adapter(f"set{k}", config, LORA, seed=seed + k) for k in range(num_sets)]
+        self.bytes_per_set = sum(m.a.nbytes + m.b.nbytes for m in self.sets[0].modules.values())
+
+    def __call__(self, index: int) -> LoraAdapter:
+        base = self.sets[index % len(self.sets)]
+        factor = np.float32(1.0 + 0.01 * ((index * 0.6180339887) % 1.0))
+        modules = {name: ModuleLora(m.a, m.b, m.rank.copy(), m.scale * factor) for name, m in base.modules.items()}
+        return LoraAdapter(f"adapter{index}", LORA, modules)
+
+
+# ---- engine runs --------------------------------------------------------------------------------
+
+class Record:
+    __slots__ = ("submitted", "first", "end", "tokens", "reason", "error")
+
+    def __init__(self):
+        self.submitted = self.first = self.end = None
+        self.tokens = 0
+        self.reason = self.error = None
+
+
+def _cache_size() -> int:
+    size = getattr(engine_module._engine_step, "_cache_size", None)
+    return size() if callable(size) else -1
+
+
+def run_trace(model, engine_config: EngineConfig, trace: Trace, prompts: list, factory: AdapterFactory | None) -> dict:
+    """Serves `trace` on a fresh engine (with its adapters if `factory`, else all on the base model)."""
+    setup_start = time.perf_counter()
+    engine = Engine(model, eos_ids=(), config=engine_config)
+    if factory is not None:
+        for index in sorted(set(int(a) for a in trace.adapters)):
+            engine.add_adapter(f"adapter{index}", factory(index))
+    setup_s = time.perf_counter() - setup_start
+    names = [None if factory is None else f"adapter{int(a)}" for a in trace.adapters]
+    count = len(names)
+    records = [Record() for _ in range(count)]
+    finished = [0]
+
+    def callback_for(record: Record):
+        def callback(event: Event):
+            now = time.perf_counter()
+            if event.token is not None:
+                record.tokens += 1
+                if record.first is None:
+                    record.first = now
+            if event.finish_reason is not None:
+                record.end, record.reason, record.error = now, event.finish_reason, event.error
+                finished[0] += 1
+        return callback
+
+    compiles_before = _cache_size()
+    start = time.perf_counter()
+    lateness = 0.0
+    submitted = 0
+    while finished[0] < count:
+        now = time.perf_counter() - start
+        while submitted < count and trace.arrivals[submitted] <= now:
+            i = submitted
+            records[i].submitted = start + trace.arrivals[i]
+            lateness = max(lateness, now - trace.arrivals[i])
+            engine.submit(i, prompts[i], int(trace.output_lens[i]), names[i], GREEDY, callback_for(records[i]))
+            submitted += 1
+        if not engine.step() and finished[0] < count:
+            if submitted < count:  # idle until the next arrival
+                time.sleep(max(0.0, min(0.05, start + trace.arrivals[submitted] - time.perf_counter())))
+            elif not engine.scheduler.has_work() and not engine._commands:
+                raise RuntimeError(f"engine idle with {count - finished[0]} requests unfinished")
+    end = max(r.end for r in records)
+    stats = engine.stats
+    result = summarize(records, start, end)
+    result.update({
+        "setup_s": setup_s, "adapters_registered": len(engine.adapter_names()),
+        "adapter_loads": stats.adapter_loads, "steps": stats.steps,
+        "mean_step_tokens": stats.step_tokens / max(1, stats.steps),
+        "mean_step_ms": 1e3 * stats.step_seconds / max(1, stats.steps),
+        "max_submit_lateness_s": lateness, "compiles_in_run": max(0, _cache_size() - compiles_before),
+    })
+    del engine
+    gc.collect()
+    return result
+
+
+def _pct(values, q):
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+def summarize(records: list, start: float, end: float) -> dict:
+    ok = [r for r in records if r.reason in ("length", "stop")]
+    duration = end - start
+    ttft = [r.first - r.submitted for r in ok if r.first is not None]
+    tpot = [(r.end - r.first) / (r.tokens - 1) for r in ok if r.tokens > 1]
+    e2e = [r.end - r.submitted for r in ok]
+    tokens = sum(r.tokens for r in records)
+    return {
+        "requests": len(records), "finished_ok": len(ok), "errors": len(records) - len(ok),
+        "generated_tokens": tokens, "duration_s": duration,
+        "tokens_per_s": tokens / duration, "requests_per_s": len(ok) / duration,
+        "ttft_p50_ms": 1e3 * _pct(ttft, 50), "ttft_p90_ms": 1e3 * _pct(ttft, 90),
+        "tpot_p50_ms": 1e3 * _pct(tpot, 50), "tpot_p90_ms": 1e3 * _pct(tpot, 90),
+        "latency_mean_s": float(np.mean(e2e)) if e2e else float("nan"), "latency_p90_s": _pct(e2e, 90),
+    }
+
+
+# ---- compilation ----------------------------------------------------------------------------------
+
+def step_shapes(config: EngineConfig) -> list[tuple[int, int]]:
+    """Every (tokens, block-table width) bucket the engine can dispatch (see `serve.engine`)."""
+    bucket = engine_module._bucket
+    max_pages = bucket(pages_for(config.max_model_len, config.page_size), 1)
+    tokens = sorted({bucket(t, 8) for t in range(1, config.token_budget + 1)})
+    widths = sorted({min(bucket(p, 4), max_pages) for p in range(1, max_pages + 1)})
+    return [(t, w) for t in tokens for w in widths]
+
+
+def _noop_args(engine: Engine, num_tokens: int, width: int):
+    """Arguments of the engine's jitted step for an all-padding batch (writes no key/value)."""
+    zeros = np.zeros(num_tokens, np.int32)
+    batch = PagedBatch(zeros, zeros, np.full(num_tokens, -1, np.int32), np.zeros((num_tokens, width), np.int32), zeros)
+    lora = LoraInputs(engine.pool.arrays, build_plan(np.full(num_tokens, -1, np.int32), engine._num_segments))
+    return (engine._graphdef, engine._state, engine.cache, batch, lora, np.zeros(num_tokens, np.float32),
+            np.ones(num_tokens, np.float32), np.zeros(num_tokens, np.uint32), zeros, False,
+            engine.config.lora_backend)
+
+
+def compile_all(model, config: EngineConfig, threads: int) -> dict:
+    """Compiles every step bucket: in parallel into the persistent cache (lower/compile), then
+    through the jitted function itself (each call loads its executable into the in-memory cache)."""
+    engine = Engine(model, eos_ids=(), config=config)
+    shapes = step_shapes(config)
+    start = time.perf_counter()
+    parallel_error = None
+    if threads > 1:
+        def aot(shape):
+            engine_module._engine_step.lower(*_noop_args(engine, *shape)).compile()
+        try:
+            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+                list(pool.map(aot, shapes))
+        except Exception as err:  # the serial pass below still compiles (or raises)
+            parallel_error = f"{type(err).__name__}: {err}"
+            print(f"parallel compile failed ({parallel_error}); compiling serially", flush=True)
+    parallel_s = time.perf_counter() - start
+    per_shape = {}
+    for shape in shapes:
+        t = time.perf_counter()
+        tokens, engine.cache = engine_module._engine_step(*_noop_args(engine, *shape))
+        np.asarray(tokens)
+        per_shape[f"{shape[0]}x{shape[1]}"] = time.perf_counter() - t
+    del engine
+    gc.collect()
+    return {"shapes": len(shapes), "jit_cache_entries": _cache_size(), "threads": threads, "parallel_s": parallel_s,
+            "serial_s": sum(per_shape.values()), "per_shape_s": per_shape, "parallel_error": parallel_error}
+
+
+# ---- report ---------------------------------------------------------------------------------------
+
+HEADER = (f"{'case':48} {'run':4} {'tok/s':>8} {'req/s':>6} {'TTFT p50':>9} {'p90':>8} {'TPOT p50':>9} "
+          f"{'p90':>7} {'loads':>5}")
+
+
+def print_row(name: str, label: str, r: dict) -> None:
+    print(f"{name:48} {label:4} {r['tokens_per_s']:8.0f} {r['requests_per_s']:6.2f} {r['ttft_p50_ms']:7.0f}ms "
+          f"{r['ttft_p90_ms']:6.0f}ms {r['tpot_p50_ms']:7.1f}ms {r['tpot_p90_ms']:5.1f}ms {r['adapter_loads']:5d}"
+          + (f"  errors {r['errors']}" if r["errors"] else "")
+          + (f"  compiled {r['compiles_in_run']}x" if r["compiles_in_run"] else ""), flush=True)
+
+
+def write_report(path: str, report: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    results = [r for r in report["results"] if "lora" in r]
+    if not results:
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(16, 0.45 * len(results) + 2.5), sharey=True)
+    y = np.arange(len(results))
+    for ax, key, title in zip(axes, ("tokens_per_s", "ttft_p90_ms", "tpot_p90_ms"),
+                              ("generated tokens/s", "TTFT p90 (ms)", "TPOT p90 (ms)")):
+        ax.barh(y - 0.2, [r["lora"][key] for r in results], 0.4, label="adapters")
+        ax.barh(y + 0.2, [r["base"][key] for r in results], 0.4, label="base model")
+        ax.set_title(title)
+    axes[0].set_yticks(y, [r["case"] for r in results], fontsize=8)
+    axes[0].invert_yaxis()
+    axes[0].legend()
+    fig.suptitle(f"jaxlora serving, {report['device']}, {report['model']['layers']} layers, jax {report['jax']}")
+    fig.tight_layout()
+    fig.savefig(os.path.splitext(path)[0] + ".png", dpi=110)
+    plt.close(fig)
+
+
+# ---- main -----------------------------------------------------------------------------------------
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny model, short sequences (CPU smoke test)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 32; --tiny: 2)")
+    parser.add_argument("--suite", choices=sorted(SUITES), default="all")
+    parser.add_argument("--cases", nargs="+", default=None, help="case specs (instead of --suite)")
+    parser.add_argument("--requests", type=int, default=None, help="requests per case (default 100; --tiny: 12)")
+    parser.add_argument("--rate", type=float, default=None, help="requests/s in replay mode (default 4; --tiny: 20)")
+    parser.add_argument("--slora-mode", choices=("replay", "throughput"), default="replay")
+    parser.add_argument("--punica-mode", choices=("replay", "throughput"), default="throughput")
+    parser.add_argument("--min-len", type=int, default=None, help="input/output lengths in [min, max) (default 8)")
+    parser.add_argument("--max-len", type=int, default=None, help="(default 512; --tiny: 24)")
+    parser.add_argument("--max-adapters", type=int, default=1000, help="Punica distinct/skewed adapter cap")
+    parser.add_argument("--weight-sets", type=int, default=4, help="distinct random A/B sets the adapters share")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--adapter-slots", type=int, default=None, help="device adapter pool (default 16; --tiny: 4)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="rows per step (default 64; --tiny: 8)")
+    parser.add_argument("--token-budget", type=int, default=None, help="tokens per step (default 256; --tiny: 32)")
+    parser.add_argument("--prefill-chunk", type=int, default=None, help="(default 128; --tiny: 16)")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--num-pages", type=int, default=None, help="KV pages (default: max-num-seqs full contexts)")
+    parser.add_argument("--lora-backend", default=None, help="jaxlora.lora.ops backend (default: pallas on a GPU, "
+                        "gather elsewhere; onehot if pallas fails to compile)")
+    parser.add_argument("--compile-threads", type=int, default=min(8, os.cpu_count() or 1))
+    parser.add_argument("--compile-cache", default="/tmp/jaxlora_serve_jit_cache",
+                        help="JAX persistent compilation cache dir ('' to disable)")
+    parser.add_argument("--time-budget", type=float, default=0, help="seconds; skip cases that would not fit (0: off)")
+    parser.add_argument("--out", default="bench/results/serve.json")
+    args = parser.parse_args()
+    tiny = args.tiny
+    pick = lambda value, default, tiny_default: value if value is not None else (tiny_default if tiny else default)
+    args.layers = pick(args.layers, 32, 2)
+    args.requests = pick(args.requests, 100, 12)
+    args.rate = pick(args.rate, 4.0, 20.0)
+    args.min_len = pick(args.min_len, 8, 4)
+    args.max_len = pick(args.max_len, 512, 24)
+    slots = pick(args.adapter_slots, 16, 4)
+    max_num_seqs = pick(args.max_num_seqs, 64, 8)
+    max_model_len = 2 * (args.max_len - 1)
+    if args.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    backend = args.lora_backend or ("pallas" if jax.default_backend() == "gpu" else "gather")
+    engine_config = EngineConfig(
+        max_adapters_on_device=slots, max_lora_rank=LORA.r, page_size=args.page_size,
+        num_pages=args.num_pages or max_num_seqs * pages_for(max_model_len, args.page_size),
+        max_model_len=max_model_len, max_num_seqs=max_num_seqs, token_budget=pick(args.token_budget, 256, 32),
+        prefill_chunk=pick(args.prefill_chunk, 128, 16), max_waiting=1 << 30, lora_backend=backend)
+
+    defaults = {"requests": args.requests, "rate": args.rate, "cv": 1.0, "slora_mode": args.slora_mode,
+                "punica_mode": args.punica_mode}
+    cases = [parse_case(spec, defaults) for spec in (args.cases or SUITES[args.suite])]
+    t0 = time.perf_counter()
+    device = jax.devices()[0].device_kind
+    print(f"device: {device}, jax {jax.__version__}, {args.layers} layers, backend {backend}, "
+          f"{len(cases)} cases", flush=True)
+
+    config = llama8b_config(args.layers, tiny)
+    model = Llama(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    jax.block_until_ready(nnx.state(model))
+    factory = AdapterFactory(config, args.weight_sets)
+    setup_s = time.perf_counter() - t0
+    print(f"model and {args.weight_sets} adapter weight sets ready in {setup_s:.1f} s "
+          f"({factory.bytes_per_set / 2**20:.1f} MiB float32 per adapter)", flush=True)
+
+    try:
+        compile_info = compile_all(model, engine_config, args.compile_threads)
+    except Exception as err:
+        if backend != "pallas":
+            raise
+        print(f"the pallas backend failed to compile ({type(err).__name__}: {str(err)[:300]}); using onehot",
+              flush=True)
+        backend = "onehot"
+        engine_config = dataclasses.replace(engine_config, lora_backend=backend)
+        compile_info = compile_all(model, engine_config, args.compile_threads)
+    print(f"compiled {compile_info['shapes']} step shapes: {compile_info['parallel_s']:.1f} s in "
+          f"{compile_info['threads']} threads, then {compile_info['serial_s']:.1f} s loading/compiling serially",
+          flush=True)
+
+    # Warm-up (untimed): a few requests with adapters and on the base model exercise adapter loads,
+    # prefetch and the host-side step path once.
+    warm_case = Case("punica", "throughput", min(8, args.requests), args.rate, 1.0, popularity="distinct")
+    warm = make_trace(warm_case, args.seed + 1, args.min_len, args.max_len, args.max_adapters)
+    warm_prompts = [[1] * int(n) for n in warm.prompt_lens]
+    run_trace(model, engine_config, warm, warm_prompts, factory)
+    run_trace(model, engine_config, warm, warm_prompts, None)
+
+    report = {
+        "device": device, "jax": jax.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "host": platform.node(), "backend": jax.default_backend(),
+        "model": {"shape": "tiny" if tiny else "Llama-3.1-8B", "layers": args.layers, "dtype": "bfloat16",
+                  "weights": "random"},
+        "adapters": {"r": LORA.r, "lora_alpha": LORA.lora_alpha, "target_modules": list(PROJECTIONS),
+                     "weight_sets": args.weight_sets, "bytes_per_adapter_float32": factory.bytes_per_set,
+                     "note": "adapter i shares A/B with weight set i % weight_sets, own scales; "
+                             "only requested adapters are registered"},
+        "engine": dataclasses.asdict(engine_config),
+        "settings": {k: v for k, v in vars(args).items()},
+        "setup_s": setup_s, "compile": compile_info, "results": [],
+    }
+    report["settings"]["lora_backend"] = backend
+    print(HEADER, flush=True)
+    base_runs: dict = {}
+    last_run_s = 0.0
+    for case in cases:
+        trace = make_trace(case, args.seed, args.min_len, args.max_len, args.max_adapters)
+        need_base = trace.base_key() not in base_runs
+        elapsed = time.perf_counter() - t0
+        estimate = last_run_s * (2 if need_base else 1)
+        if args.time_budget and elapsed + estimate > args.time_budget:
+            print(f"{case.name:48} skipped (time budget: {elapsed:.0f} s used, ~{estimate:.0f} s needed)", flush=True)
+            report["results"].append({"case": case.name, "spec": dataclasses.asdict(case), "skipped": "time budget"})
+            write_report(args.out, report)
+            continue
+        token_rng = np.random.default_rng([args.seed, 3])
+        prompts = [token_rng.integers(0, config.vocab_size, int(n)).tolist() for n in trace.prompt_lens]
+        run_start = time.perf_counter()
+        lora = run_trace(model, engine_config, trace, prompts, factory)
+        last_run_s = time.perf_counter() - run_start
+        print_row(case.name, "lora", lora)
+        if need_base:
+            base_runs[trace.base_key()] = (case.name, run_trace(model, engine_config, trace, prompts, None))
+        base_of, base = base_runs[trace.base_key()]
+        print_row("", "base", base)
+        report["results"].append({
+            "case": case.name, "spec": dataclasses.asdict(case),
+            "distinct_adapters": int(len(set(trace.adapters.tolist()))),
+            "lora": lora, "base": base, "base_run_of": base_of,
+            "throughput_vs_base": lora["tokens_per_s"] / base["tokens_per_s"]})
+        write_report(args.out, report)
+    report["total_s"] = time.perf_counter() - t0
+    write_report(args.out, report)
+    print(f"device: {device}, jax {jax.__version__}, {args.layers} layers, backend {backend}; "
+          f"{report['total_s']:.0f} s; wrote {args.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
