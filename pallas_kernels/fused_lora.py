@@ -28,9 +28,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import fused_lora_gpu, fused_lora_tpu
+from pallas_kernels.ops import IMPLS, resolve_impl  # noqa: F401 (IMPLS re-exported)
 from pallas_kernels.fused_lora_layout import (
     KERNELS,
     FusedLoRAConfig,
@@ -49,23 +49,11 @@ from pallas_kernels.fused_lora_reference import (
     fused_lora_linear_single_reference,
 )
 
-IMPLS = (None, "reference", "gpu", "tpu")
 _F32 = jnp.float32
 _I32 = jnp.int32
 
-
-def resolve_fused_impl(impl: str | None):
-    """(style, interpret) for an impl name; interpret is False, True or TPU InterpretParams."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    backend = jax.default_backend()
-    if impl is None:
-        impl = backend if backend in ("gpu", "tpu") else "reference"
-    if impl == "reference" or impl == backend:
-        return impl, False
-    if impl == "tpu" and hasattr(pltpu, "InterpretParams"):
-        return impl, pltpu.InterpretParams()
-    return impl, True
+# The same impl names and rules as the SGMV kernels.
+resolve_fused_impl = resolve_impl
 
 
 @dataclasses.dataclass(frozen=True)
