@@ -72,8 +72,9 @@ from flax import nnx
 from jaxlora.lora.adapter import LoraAdapter, ModuleLora, random_adapter
 from jaxlora.lora.config import LoraConfig
 from jaxlora.lora.plan import build_plan
-from jaxlora.models.config import PROJECTIONS, LlamaConfig, RopeScaling
+from jaxlora.models.config import PROJECTIONS, LlamaConfig
 from jaxlora.models.llama import Llama, LoraInputs
+from jaxlora.models.presets import llama8b_config
 from jaxlora.models.paged import PagedBatch
 from jaxlora.scheduler.serving import pages_for
 from serve import engine as engine_module
@@ -81,15 +82,6 @@ from serve.engine import Engine, EngineConfig, Event, SamplingOptions
 
 LORA = LoraConfig(r=16, lora_alpha=32, target_modules=PROJECTIONS)
 GREEDY = SamplingOptions()
-
-
-def llama8b_config(layers: int, tiny: bool) -> LlamaConfig:
-    if tiny:  # for a CPU smoke test of this script
-        return LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=layers,
-                           num_heads=4, num_kv_heads=2, head_dim=16)
-    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=layers,
-                       num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
-                       rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), max_position_embeddings=131072)
 
 
 # ---- workloads ----------------------------------------------------------------------------------

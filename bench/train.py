@@ -37,8 +37,9 @@ from flax import nnx
 from jaxlora.lora.adapter import random_adapter
 from jaxlora.lora.config import LoraConfig
 from jaxlora.lora.pool import AdapterPool
-from jaxlora.models.config import PROJECTIONS, LlamaConfig, RopeScaling
+from jaxlora.models.config import PROJECTIONS, LlamaConfig
 from jaxlora.models.llama import Llama
+from jaxlora.models.presets import llama8b_config
 from jaxlora.scheduler.training.greedy import per_adapter_first_fit
 from jaxlora.scheduler.training.schedule import SchedulerConfig, build_schedule
 from jaxlora.scheduler.training.workloads import synthetic_data
@@ -48,15 +49,6 @@ from train.optim import apply_adapter_update, make_optimizer, slot_params
 from train.step import add_trees, device_batch, make_grad_step, pack_microbatch, split_pool
 
 LORA = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.1, target_modules=PROJECTIONS)
-
-
-def llama8b_config(layers: int, tiny: bool) -> LlamaConfig:
-    if tiny:  # for a CPU smoke test of this script
-        return LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=layers,
-                           num_heads=4, num_kv_heads=2, head_dim=16)
-    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=layers,
-                       num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
-                       rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), max_position_embeddings=131072)
 
 
 def make_samples(data, vocab: int, seed: int) -> dict:
