@@ -1,8 +1,9 @@
 """A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) in Flax NNX.
 
 The decoder layers' weights are stacked along a leading layer axis and run with `jax.lax.scan`,
-so a 30- or 32-layer model compiles once per shape, and per-layer state (KV cache, and later the
-LoRA adapter pool) scans alongside the weights.
+so a 30- or 32-layer model compiles once per shape, and per-layer state (KV cache, the LoRA
+adapter pool) scans alongside the weights. Any call can take `lora=LoraInputs(...)`: each token
+then adds the delta of its own adapter slot (see `jaxlora.lora.project`).
 
 Two ways to call it:
   * packed training/scoring: `model(tokens, positions, segment_ids=...)`, where several samples
