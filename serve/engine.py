@@ -14,7 +14,10 @@ Compiled shapes are bucketed: tokens per step to a power of two (>= 8; rows per 
 same number), block-table width to a power of two of pages (>= 4), the plan's segment count
 fixed; so a server compiles a few steps (and a sampling variant of each) and then reuses them.
 
-All known adapters live in host memory (`LoraAdapter`); the device `AdapterPool` holds N of them.
+All known adapters live in host memory, validated and padded for the pool once at registration
+(`PreparedAdapter`); the device `AdapterPool` holds N of them and writes a slot in place (one
+donated jitted update serves every slot). A step whose rows all use the base model runs the model
+without LoRA inputs (its own compiled variant), so base-only traffic costs exactly the base model.
 `start()` runs steps in a background thread; `submit`/`abort`/`add_adapter`/`remove_adapter` are
 thread-safe.
 """
@@ -38,7 +41,7 @@ from flax import nnx
 from jaxlora.lora.adapter import LoraAdapter, check_finite
 from jaxlora.lora.config import AdapterError
 from jaxlora.lora.plan import build_plan, segment_bucket
-from jaxlora.lora.pool import AdapterPool
+from jaxlora.lora.pool import AdapterPool, PreparedAdapter
 from jaxlora.models.llama import Llama, LoraInputs, projection_shapes
 from jaxlora.models.paged import PagedBatch, PagedKVCache, paged_forward
 from jaxlora.scheduler.serving import SchedulerConfig, Sequence, ServingScheduler, StepPlan, pages_for
@@ -109,7 +112,7 @@ class _Request:
 class _Registered:
     uid: int
     name: str
-    adapter: LoraAdapter
+    adapter: PreparedAdapter
     removed: bool = False
 
 
@@ -152,7 +155,9 @@ class Engine:
         self._graphdef, self._state = nnx.split(model)
         self._dtype = model.dtype
         self.cache = PagedKVCache.zeros(model.config, config.num_pages, config.page_size, model.dtype)
-        self.pool = AdapterPool(model.config, config.max_adapters_on_device, config.max_lora_rank, dtype=model.dtype)
+        # donate: the pool's arrays are written in place; only `_dispatch` reads them, afresh each step
+        self.pool = AdapterPool(model.config, config.max_adapters_on_device, config.max_lora_rank,
+                                dtype=model.dtype, donate=True)
         self.scheduler = ServingScheduler(SchedulerConfig(
             num_pages=config.num_pages, page_size=config.page_size,
             num_adapter_slots=config.max_adapters_on_device, max_num_seqs=config.max_num_seqs,
@@ -176,12 +181,15 @@ class Engine:
     # ---- adapters (any thread) ---------------------------------------------------------
     def add_adapter(self, name: str, adapter: LoraAdapter) -> None:
         """Registers `adapter` under `name` (host memory); AdapterError if the pool cannot hold it,
-        ValueError if the name is taken."""
-        self.check_adapter(adapter)
+        ValueError if the name is taken. The adapter is validated and padded for the pool here, once."""
         with self._lock:
             if name in self._registry:
                 raise ValueError(f"an adapter named {name!r} is already loaded")
-            entry = _Registered(next(self._uids), name, adapter)
+        prepared = self.prepare_adapter(adapter)
+        with self._lock:
+            if name in self._registry:
+                raise ValueError(f"an adapter named {name!r} is already loaded")
+            entry = _Registered(next(self._uids), name, prepared)
             self._registry[name] = entry
             self._by_uid[entry.uid] = entry
 
@@ -213,6 +221,11 @@ class Engine:
             if weights.a.shape[:2] != (layers, fan_in) or weights.b.shape[::2] != (layers, fan_out):
                 raise AdapterError(f"{module} weights {weights.a.shape}/{weights.b.shape} do not fit the base model")
         check_finite(adapter, "adapter")
+
+    def prepare_adapter(self, adapter: LoraAdapter) -> PreparedAdapter:
+        """`check_adapter`, then the adapter padded into the pool's slot layout (host arrays)."""
+        self.check_adapter(adapter)
+        return self.pool.prepare(adapter, check=False)  # check_adapter covers the pool's checks
 
     # ---- requests (any thread) ---------------------------------------------------------
     def validate(self, prompt_len: int, max_tokens: int) -> None:
@@ -296,7 +309,11 @@ class Engine:
     def _dispatch(self, plan: StepPlan):
         """Builds the step's padded arrays and launches the jitted step (asynchronously)."""
         batch, token_slot, rows = self._batch_arrays(plan)
-        lora = LoraInputs(self.pool.arrays, build_plan(token_slot, self._num_segments))
+        if (token_slot >= 0).any():
+            lora = LoraInputs(self.pool.arrays, build_plan(token_slot, self._num_segments))
+        else:  # base rows only: the base model's own compiled step, no pool or plan
+            lora = None
+            self.stats.base_only_steps += 1
         temperature, top_p, seeds, counters = self._sampling_arrays(plan, rows)
         next_tokens, self.cache = _engine_step(
             self._graphdef, self._state, self.cache, batch, lora, temperature, top_p, seeds, counters,
@@ -448,6 +465,7 @@ class EngineStats:
         self.step_tokens = 0
         self.generated = 0
         self.adapter_loads = 0
+        self.base_only_steps = 0
         self.step_seconds = 0.0
         self._recent: collections.deque = collections.deque()
 

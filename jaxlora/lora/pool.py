@@ -2,10 +2,21 @@
 
 Arrays (per module): a [L, slots, k, r_max], b [L, slots, r_max, n], scale [L, slots] float32,
 rank [L, slots] int32 (0 = slot empty or layer not targeted). The layer axis leads so the pool
-scans with the model's stacked layer weights."""
+scans with the model's stacked layer weights.
+
+Loading a slot is one jitted update of every module's arrays with the slot as a traced argument,
+so one compile serves every slot (and eviction). With `donate=True` the pool's arrays are donated
+to that update and written in place: arrays taken from `pool.arrays` before a load or eviction
+are then invalid (read `pool.arrays` again after each). `prepare` validates an adapter and pads
+it into host arrays of the pool's dtype once; loading a `PreparedAdapter` skips that host work
+(a server prepares every adapter at registration and loads it many times)."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -29,11 +40,40 @@ def empty_pool_arrays(base: LlamaConfig, num_slots: int, max_rank: int, modules,
     }
 
 
+def _write_slot_impl(arrays: dict, slot, values: dict) -> dict:
+    """`arrays` with slot `slot` (axis 1) of every array replaced by `values` (same tree, no slot axis)."""
+    return jax.tree.map(
+        lambda pool, value: jax.lax.dynamic_update_index_in_dim(pool, value.astype(pool.dtype), slot, axis=1),
+        arrays, values)
+
+
+# One compile per pool layout (shapes, dtypes), whatever the slot. The donated variant writes in place.
+write_slot = jax.jit(_write_slot_impl)
+write_slot_donated = jax.jit(_write_slot_impl, donate_argnums=(0,))
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedAdapter:
+    """An adapter validated for one pool layout and padded to its slot arrays (host, pool dtype):
+    values {module: {a [L, k, r_max], b [L, r_max, n], scale [L], rank [L]}} for every pool module."""
+
+    name: str
+    values: dict
+    layout: tuple
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for parts in self.values.values() for v in parts.values())
+
+
 class AdapterPool:
-    """Fixed slots of adapter weights on the device, and which adapter holds which slot."""
+    """Fixed slots of adapter weights on the device, and which adapter holds which slot.
+
+    donate: write loads and evictions in place (see the module doc); only for owners that read
+    `pool.arrays` afresh after every load (the serving engine), not for holders of old arrays."""
 
     def __init__(self, base: LlamaConfig, num_slots: int, max_rank: int,
-                 target_modules=PROJECTIONS, dtype=jnp.float32):
+                 target_modules=PROJECTIONS, dtype=jnp.float32, donate: bool = False):
         if num_slots < 1 or max_rank < 1:
             raise ValueError(f"num_slots and max_rank must be >= 1, got {num_slots}, {max_rank}")
         self.base = base
@@ -41,8 +81,15 @@ class AdapterPool:
         self.max_rank = max_rank
         self.target_modules = tuple(target_modules)
         self.dtype = dtype
+        self.donate = donate
         self.arrays = empty_pool_arrays(base, num_slots, max_rank, self.target_modules, dtype)
         self.slot_names: list[str | None] = [None] * num_slots
+        self._empty: dict | None = None
+
+    @property
+    def layout(self) -> tuple:
+        """What a PreparedAdapter must match to be loaded here without checks."""
+        return (self.base, self.max_rank, self.target_modules, np.dtype(self.dtype).name)
 
     def slot_of(self, name: str) -> int | None:
         return self.slot_names.index(name) if name in self.slot_names else None
@@ -50,33 +97,45 @@ class AdapterPool:
     def free_slot(self) -> int | None:
         return self.slot_of(None) if None in self.slot_names else None
 
-    def load(self, adapter: LoraAdapter, slot: int | None = None) -> int:
-        """Puts `adapter` in `slot` (default: a free one) and returns the slot.
+    def prepare(self, adapter: LoraAdapter, check: bool = True) -> PreparedAdapter:
+        """Validates `adapter` for this pool (AdapterError naming the problem) and pads it into host
+        arrays of the pool's dtype, ready for any number of `load`s. check=False skips the
+        validation, for callers that ran equivalent checks themselves."""
+        if check:
+            self._validate(adapter)
+        values = {module: self._slot_values(adapter, module) for module in self.target_modules}
+        return PreparedAdapter(adapter.name, values, self.layout)
+
+    def load(self, adapter: LoraAdapter | PreparedAdapter, slot: int | None = None) -> int:
+        """Puts `adapter` (or one `prepare`d for this pool) in `slot` (default: a free one) and
+        returns the slot.
 
         Everything is checked before anything is written: on error the pool is unchanged."""
         slot = self._choose_slot(adapter, slot)
-        self._validate(adapter)
-        new_arrays = {}
-        for module in self.target_modules:
-            a, b, scale, rank = self._slot_values(adapter, module)
-            current = self.arrays[module]
-            new_arrays[module] = {
-                "a": current["a"].at[:, slot].set(a),
-                "b": current["b"].at[:, slot].set(b),
-                "scale": current["scale"].at[:, slot].set(scale),
-                "rank": current["rank"].at[:, slot].set(rank),
-            }
-        self.arrays = new_arrays
-        self.slot_names[slot] = adapter.name
+        if isinstance(adapter, PreparedAdapter):
+            if adapter.layout != self.layout:
+                raise AdapterError(f"adapter {adapter.name!r} was prepared for another pool layout")
+            prepared = adapter
+        else:
+            prepared = self.prepare(adapter)
+        self._write(slot, prepared.values)
+        self.slot_names[slot] = prepared.name
         return slot
 
     def evict(self, slot: int) -> None:
         """Empties `slot` (rank 0, zero weights)."""
-        for module, arrays in self.arrays.items():
-            self.arrays[module] = {key: value.at[:, slot].set(0) for key, value in arrays.items()}
+        if not 0 <= slot < self.num_slots:
+            raise AdapterError(f"slot {slot} is outside the pool (0..{self.num_slots - 1})")
+        if self._empty is None:
+            self._empty = {module: self._slot_values(None, module) for module in self.target_modules}
+        self._write(slot, self._empty)
         self.slot_names[slot] = None
 
-    def _choose_slot(self, adapter: LoraAdapter, slot: int | None) -> int:
+    def _write(self, slot: int, values: dict) -> None:
+        update = write_slot_donated if self.donate else write_slot
+        self.arrays = update(self.arrays, np.int32(slot), values)
+
+    def _choose_slot(self, adapter, slot: int | None) -> int:
         if slot is None:
             slot = self.slot_of(adapter.name)
             slot = self.free_slot() if slot is None else slot
@@ -102,17 +161,17 @@ class AdapterPool:
                                    f"{weights.b.shape}, which do not fit the base model")
         check_finite(adapter, f"adapter {adapter.name!r}")
 
-    def _slot_values(self, adapter: LoraAdapter, module: str):
+    def _slot_values(self, adapter: LoraAdapter | None, module: str) -> dict:
+        """One slot's host arrays for `module` (zeros where `adapter` is None or does not target it)."""
         layers, shapes = self.base.num_layers, projection_shapes(self.base)[module]
-        a = np.zeros((layers, shapes[0], self.max_rank), np.float32)
-        b = np.zeros((layers, self.max_rank, shapes[1]), np.float32)
+        dtype = np.dtype(self.dtype)
+        a = np.zeros((layers, shapes[0], self.max_rank), dtype)
+        b = np.zeros((layers, self.max_rank, shapes[1]), dtype)
         scale = np.zeros(layers, np.float32)
         rank = np.zeros(layers, np.int32)
-        if module in adapter.modules:
+        if adapter is not None and module in adapter.modules:
             weights = adapter.modules[module]
             width = weights.a.shape[2]
             a[:, :, :width], b[:, :width] = weights.a, weights.b
-            scale, rank = weights.scale, weights.rank
-        return (jnp.asarray(a, self.dtype), jnp.asarray(b, self.dtype),
-                jnp.asarray(scale), jnp.asarray(rank))
-
+            scale, rank = np.asarray(weights.scale, np.float32), np.asarray(weights.rank, np.int32)
+        return {"a": a, "b": b, "scale": scale, "rank": rank}

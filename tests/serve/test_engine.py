@@ -134,3 +134,30 @@ def test_full_queue_and_bad_requests_are_refused(smollm2, adapters8):
     engine.abort(1)
     engine.run_until_idle()
     assert engine.free_pages == SMALL_ENGINE["num_pages"]
+
+
+def test_base_only_steps_run_without_the_pool(smollm2, adapters8, expected, monkeypatch):
+    """Steps whose rows all use the base model call the model with lora=None (the base model's own
+    compiled step) and give the base outputs; steps with an adapter row still get the pool."""
+    import serve.engine as engine_module
+
+    model, tokenizer = smollm2
+    requests, outputs = expected
+    engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(max_adapters_on_device=2, **SMALL_ENGINE),
+                    adapters8)
+    assert _serve_all(engine, requests[:1]) == outputs[:1]  # ad0 now resident in the pool
+    real_step, used_pool = engine_module._engine_step, []
+
+    def recording(graphdef, state, cache, batch, lora, *rest):
+        used_pool.append(lora is not None)
+        return real_step(graphdef, state, cache, batch, lora, *rest)
+
+    monkeypatch.setattr(engine_module, "_engine_step", recording)
+    base = [i for i, (_, name) in enumerate(requests) if name is None]
+    steps_before = engine.stats.steps
+    assert _serve_all(engine, [requests[i] for i in base]) == [outputs[i] for i in base]
+    assert used_pool and not any(used_pool)
+    assert engine.stats.base_only_steps == len(used_pool) == engine.stats.steps - steps_before
+    used_pool.clear()
+    assert _serve_all(engine, requests[:2]) == outputs[:2]  # ad0 and ad1: the pool again
+    assert all(used_pool)

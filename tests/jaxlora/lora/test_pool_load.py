@@ -1,0 +1,89 @@
+"""Loading a slot is one jitted update (the slot traced, so one compile serves every slot and
+eviction); a prepared adapter loads the same values as a raw one; a donating pool writes in place."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlora.lora.adapter import random_adapter
+from jaxlora.lora.config import AdapterError, LoraConfig
+from jaxlora.lora.pool import AdapterPool, write_slot, write_slot_donated
+from tests.jaxlora.lora.test_merge import CONFIG
+
+SLOTS, RANK = 5, 8  # a layout no other test uses, so the compile count below is this test's own
+MODULES = ("q_proj", "v_proj", "down_proj")
+
+
+def _adapters(count):
+    return [random_adapter(f"a{i}", CONFIG, LoraConfig(r=(4, 8)[i % 2], lora_alpha=16,
+                                                       target_modules=MODULES[: 1 + i % 3]), seed=i)
+            for i in range(count)]
+
+
+def _expected_slot(adapter, module):
+    """The slot's a, b, scale, rank as the pool should hold them (zero-padded to RANK)."""
+    layers = CONFIG.num_layers
+    if module not in adapter.modules:
+        return None
+    weights = adapter.modules[module]
+    width = weights.a.shape[2]
+    a = np.zeros(weights.a.shape[:2] + (RANK,), np.float32)
+    b = np.zeros((layers, RANK, weights.b.shape[2]), np.float32)
+    a[:, :, :width], b[:, :width] = weights.a, weights.b
+    return a, b, weights.scale, weights.rank
+
+
+def _check_slot(pool, slot, adapter):
+    for module, arrays in pool.arrays.items():
+        expected = _expected_slot(adapter, module)
+        got = [np.asarray(arrays[key][:, slot]) for key in ("a", "b", "scale", "rank")]
+        if expected is None:
+            assert not any(part.any() for part in got)
+        else:
+            for part, want in zip(got, expected):
+                np.testing.assert_array_equal(part, want)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_every_slot_reuses_one_compiled_update(donate):
+    update = write_slot_donated if donate else write_slot
+    pool = AdapterPool(CONFIG, SLOTS, RANK, MODULES, donate=donate)
+    adapters = _adapters(SLOTS)
+    before = update._cache_size()
+    for slot, adapter in enumerate(adapters):
+        held = pool.arrays["q_proj"]["a"]
+        assert pool.load(pool.prepare(adapter) if slot % 2 else adapter, slot=slot) == slot
+        assert held.is_deleted() == donate  # donated: written in place; otherwise the old array stays valid
+    pool.evict(2)
+    pool.load(adapters[2], slot=2)
+    pool.evict(4)
+    assert update._cache_size() - before == 1
+    for slot, adapter in enumerate(adapters[:4]):
+        _check_slot(pool, slot, adapter)
+    assert pool.slot_names == ["a0", "a1", "a2", "a3", None]
+    assert not any(np.asarray(arrays[key][:, 4]).any() for arrays in pool.arrays.values() for key in arrays)
+
+
+def test_prepared_adapter_is_checked_against_the_pool_layout():
+    pool = AdapterPool(CONFIG, SLOTS, RANK, MODULES, donate=True)
+    pool.load(_adapters(1)[0])
+    other = AdapterPool(CONFIG, SLOTS, 16, MODULES)
+    prepared = other.prepare(_adapters(2)[1])
+    snapshot = {m: {k: np.asarray(v).copy() for k, v in a.items()} for m, a in pool.arrays.items()}
+    with pytest.raises(AdapterError, match="another pool layout"):
+        pool.load(prepared, slot=1)
+    assert pool.slot_names[1] is None
+    for module, parts in snapshot.items():
+        for key, value in parts.items():
+            np.testing.assert_array_equal(np.asarray(pool.arrays[module][key]), value)
+
+
+def test_bfloat16_pool_prepares_in_its_dtype():
+    pool = AdapterPool(CONFIG, 2, RANK, MODULES, dtype=jnp.bfloat16, donate=True)
+    adapter = _adapters(1)[0]
+    prepared = pool.prepare(adapter)
+    assert prepared.values["q_proj"]["a"].dtype == jnp.bfloat16
+    pool.load(prepared, slot=1)
+    assert pool.arrays["q_proj"]["a"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(pool.arrays["q_proj"]["a"][:, 1, :, :4]),
+                                  np.asarray(jnp.asarray(adapter.modules["q_proj"].a, jnp.bfloat16)))
