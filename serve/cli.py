@@ -9,6 +9,9 @@ import sys
 
 from serve.protocol import Limits
 
+# The LoRA op backends that serve (the fused ones are training kernels: x @ W fused with LoRA).
+SERVING_BACKENDS = ("gather", "onehot", "ragged_dot", "loop", "pallas")
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxlora-serve", description="OpenAI-compatible multi-LoRA server (jaxlora).")
@@ -32,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens-limit", type=int, default=1024, help="largest max_tokens a request may ask")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--max-waiting", type=int, default=1024, help="queued sequences before 429")
+    p.add_argument("--lora-backend", default="gather", choices=SERVING_BACKENDS,
+                   help="how LoRA rows are computed: XLA references or the Pallas SGMV/BGMV kernels")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -74,7 +79,8 @@ def build_app(args):
     config = EngineConfig(
         max_adapters_on_device=args.max_adapters_on_device, max_lora_rank=max_rank, page_size=args.page_size,
         num_pages=pages, max_model_len=context, max_num_seqs=args.max_num_seqs,
-        token_budget=args.max_num_batched_tokens, prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting)
+        token_budget=args.max_num_batched_tokens, prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting,
+        lora_backend=args.lora_backend)
     try:
         engine = Engine(model, tokenizer.eos_token_ids, config, adapters)
     except (AdapterError, ValueError) as err:

@@ -161,3 +161,12 @@ def test_base_only_steps_run_without_the_pool(smollm2, adapters8, expected, monk
     used_pool.clear()
     assert _serve_all(engine, requests[:2]) == outputs[:2]  # ad0 and ad1: the pool again
     assert all(used_pool)
+
+
+def test_pallas_backend_serves_the_same_tokens(smollm2, adapters8, expected):
+    """The engine with the SGMV kernels (interpret mode on a CPU) decodes like the XLA path."""
+    model, tokenizer = smollm2
+    requests, outputs = expected
+    engine = Engine(model, tokenizer.eos_token_ids,
+                    EngineConfig(max_adapters_on_device=8, lora_backend="pallas", **SMALL_ENGINE), adapters8)
+    assert _serve_all(engine, requests[:6]) == outputs[:6]
