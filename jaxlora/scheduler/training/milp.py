@@ -226,6 +226,12 @@ def _solve(
     return MilpOutcome(bins, status, time.perf_counter() - began)
 
 
+def _stage(samples, capacity, multiple, start, time_limit_s, *, stage1: bool) -> MilpOutcome:
+    inst = _Instance.build(samples, capacity, multiple)
+    layout = _Layout(len(inst.samples), inst.num_adapters, len(start), with_used=stage1)
+    return _solve(inst, layout, start, time_limit_s)
+
+
 def min_bins(
     samples: Sequence[Sample],
     capacity: int,
@@ -234,9 +240,7 @@ def min_bins(
     time_limit_s: float,
 ) -> MilpOutcome:
     """Stage 1: fewest microbatches, at most len(start) of them, starting from `start`."""
-    inst = _Instance.build(samples, capacity, multiple)
-    layout = _Layout(len(inst.samples), inst.num_adapters, len(start), with_used=True)
-    return _solve(inst, layout, start, time_limit_s)
+    return _stage(samples, capacity, multiple, start, time_limit_s, stage1=True)
 
 
 def min_smallest(
@@ -247,6 +251,4 @@ def min_smallest(
     time_limit_s: float,
 ) -> MilpOutcome:
     """Stage 2: len(start) microbatches; make the smallest one's padded tokens minimal."""
-    inst = _Instance.build(samples, capacity, multiple)
-    layout = _Layout(len(inst.samples), inst.num_adapters, len(start), with_used=False)
-    return _solve(inst, layout, start, time_limit_s)
+    return _stage(samples, capacity, multiple, start, time_limit_s, stage1=False)
