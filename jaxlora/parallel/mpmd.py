@@ -1,0 +1,351 @@
+"""An MPMD pipeline for multi-adapter LoRA training: each stage's layers are jitted programs on
+that stage's own device, and a Python driver issues their forward, backward and optimizer ops in
+1F1B order (LoRAFusion's multi-adapter stream, or one adapter drained per global batch).
+
+Unlike the SPMD GPipe loop of `layer_stack.pipeline_stack`, where every stage runs every step in
+lockstep, each device here runs only its own ops, queued in program order on its stream. An op
+whose input comes from a neighbour waits for that transfer (`jax.device_put` between devices is
+asynchronous), so a device really idles in the bubbles and the wall clock shows them.
+
+Ops of one stage (`stage_orders`): ("F", m) forward of microbatch m, ("B", m) its backward (which
+adds the adapter gradients into the stage's accumulator), ("U", a) the optimizer step of adapter
+slot a on this stage's layers, placed right after the backward that completes a's global batch.
+Empty microbatches (the bubble lemma's no-ops) keep their place in the 1F1B order but run nothing.
+
+Memory: a forward keeps only each layer's input ([L_stage, B, T, d]); the backward recomputes one
+layer at a time under `jax.vjp` (activation recomputation, as Megatron and MaxText do at this
+size), so a backward costs about three forwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlora.lora.plan import LoraPlan
+from jaxlora.models.config import LlamaConfig
+from jaxlora.models.layers import rms_norm, rope_inverse_frequencies
+from jaxlora.models.llama import Llama, LoraInputs, _packed_mask, decoder_layer
+from jaxlora.parallel.bubble import stage_order
+from jaxlora.scheduler.training.data import Microbatch
+from jaxlora.scheduler.training.lemma import batches_in
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    kind: str  # "F" forward, "B" backward, "U" optimizer step
+    index: int  # microbatch index (F, B) or adapter slot (U)
+
+
+# ----------------------------------------------------------------------------------------------
+# Op orders
+
+
+def stage_orders(segments: Sequence[Sequence[int]], num_stages: int, completions: Mapping[int, Sequence[int]],
+                 empty: frozenset[int] = frozenset()) -> list[list[Op]]:
+    """Per stage, the ops of a run made of `segments` (lists of microbatch indices), each segment
+    one 1F1B pass (one segment: a continuous stream; one per global batch: a drained pipeline).
+
+    completions[m]: adapter slots whose global batch completes with microbatch m (their "U" ops
+    follow ("B", m)); `empty`: no-op microbatches (no F/B, place kept)."""
+    orders: list[list[Op]] = []
+    for stage in range(num_stages):
+        ops: list[Op] = []
+        for segment in segments:
+            for kind, position in stage_order(stage, num_stages, len(segment)):
+                micro = segment[position]
+                if micro not in empty:
+                    ops.append(Op(kind, micro))
+                if kind == "B":
+                    ops.extend(Op("U", slot) for slot in completions.get(micro, ()))
+        orders.append(ops)
+    return orders
+
+
+def check_update_order(orders: Sequence[Sequence[Op]], microbatches: Sequence[Microbatch],
+                       global_batch_size: Mapping[int, int], slot_of: Mapping[int, int]) -> None:
+    """Raises ValueError if on some stage a forward uses an adapter whose previous global batch
+    has not had its optimizer step there yet (the bubble lemma, checked on the real op order)."""
+    for stage, ops in enumerate(orders):
+        updates = {slot: 0 for slot in slot_of.values()}
+        for op in ops:
+            if op.kind == "U":
+                updates[op.index] += 1
+            elif op.kind == "F":
+                for adapter, batch in batches_in(microbatches[op.index], global_batch_size).items():
+                    if updates[slot_of[adapter]] != batch:
+                        raise ValueError(f"stage {stage}: microbatch {op.index} runs adapter {adapter}'s global "
+                                         f"batch {batch} after {updates[slot_of[adapter]]} optimizer steps")
+
+
+def completions_of(microbatches: Sequence[Microbatch], global_batch_size: Mapping[int, int],
+                   slot_of: Mapping[int, int]) -> dict[int, list[int]]:
+    """microbatch index -> slots whose global batch's last sample is in it."""
+    seen: dict[int, int] = {}
+    out: dict[int, list[int]] = {}
+    for index, microbatch in enumerate(microbatches):
+        for sample in microbatch:
+            seen[sample.adapter_id] = seen.get(sample.adapter_id, 0) + 1
+        for adapter in sorted({s.adapter_id for s in microbatch}):
+            if seen[adapter] % global_batch_size[adapter] == 0:
+                out.setdefault(index, []).append(slot_of[adapter])
+    return out
+
+
+def _ready(op: Op, stage: int, num_stages: int, activations: Mapping, cotangents: Mapping) -> bool:
+    if op.kind == "F":
+        return stage == 0 or (op.index, stage) in activations
+    if op.kind == "B":
+        return stage == num_stages - 1 or (op.index, stage) in cotangents
+    return True
+
+
+def dispatch_order(orders: Sequence[Sequence[Op]]) -> list[tuple[int, Op]]:
+    """(stage, op) in an order that issues every op after the ops it depends on and keeps each
+    stage's own order: round robin over stages, each as far as its dependencies allow."""
+    num_stages = len(orders)
+    position = [0] * num_stages
+    activations: set = set()
+    cotangents: set = set()
+    out: list[tuple[int, Op]] = []
+    while any(position[s] < len(orders[s]) for s in range(num_stages)):
+        progressed = False
+        for stage in range(num_stages):
+            while position[stage] < len(orders[stage]):
+                op = orders[stage][position[stage]]
+                if not _ready(op, stage, num_stages, activations, cotangents):
+                    break
+                if op.kind == "F" and stage + 1 < num_stages:
+                    activations.add((op.index, stage + 1))
+                if op.kind == "B" and stage > 0:
+                    cotangents.add((op.index, stage - 1))
+                out.append((stage, op))
+                position[stage] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("pipeline op orders deadlock")
+    return out
+
+
+def simulate(orders: Sequence[Sequence[Op]], durations: Mapping[str, Sequence[float]],
+             transfer: float = 0.0) -> tuple[float, list[float]]:
+    """(makespan, busy time per stage) of the orders with op times durations[kind][stage]."""
+    num_stages = len(orders)
+    free = [0.0] * num_stages
+    busy = [0.0] * num_stages
+    finished: dict = {}
+    for stage, op in dispatch_order(orders):
+        ready = 0.0
+        if op.kind == "F" and stage > 0:
+            ready = finished[("F", op.index, stage - 1)] + transfer
+        elif op.kind == "B" and stage < num_stages - 1:
+            ready = finished[("B", op.index, stage + 1)] + transfer
+        start = max(free[stage], ready)
+        free[stage] = start + durations[op.kind][stage]
+        busy[stage] += durations[op.kind][stage]
+        finished[(op.kind, op.index, stage)] = free[stage]
+    return max(free, default=0.0), busy
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage programs
+
+
+def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Contiguous [start, stop) layer ranges, sizes differing by at most one."""
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(f"{num_stages} stages for {num_layers} layers")
+    bounds = np.linspace(0, num_layers, num_stages + 1).round().astype(int)
+    return [(int(bounds[s]), int(bounds[s + 1])) for s in range(num_stages)]
+
+
+def _layer_call(config, backend, inv_freq, weights, trainable, frozen, hidden, batch, plan, mask, index):
+    pool = {m: {**trainable[m], **frozen[m]} for m in trainable}
+    hidden, _ = decoder_layer(config, weights, hidden, batch["positions"], inv_freq, mask, None,
+                              (pool, LoraInputs(pool, plan), backend, index))
+    return hidden
+
+
+def _head_loss(config: LlamaConfig, head: dict, hidden, batch, token_slot, num_slots: int):
+    """(weighted nll sum, per-slot sums [num_slots]) of the last stage's output."""
+    hidden = rms_norm(hidden, head["norm"], config.rms_norm_eps)
+    matrix = head["embed_tokens"].T if config.tie_word_embeddings else head["lm_head"]
+    logits = jnp.dot(hidden, matrix, preferred_element_type=jnp.float32)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(log_probs, batch["targets"][..., None], axis=-1)[..., 0]
+    weighted = (nll * batch["weights"]).reshape(-1)
+    slot = jnp.where(token_slot < 0, num_slots, token_slot)
+    return weighted.sum(), jnp.zeros(num_slots + 1, jnp.float32).at[slot].add(weighted)[:num_slots]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageProgram:
+    """The jitted forward and backward of one stage. `first`/`last`: holds the embedding / head."""
+
+    config: LlamaConfig
+    first: bool
+    last: bool
+    first_layer: int
+    num_slots: int
+    backend: str
+
+    def _layers(self):
+        return functools.partial(_layer_call, self.config, self.backend, rope_inverse_frequencies(self.config))
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def forward(self, weights, trainable, frozen, x, batch, plan):
+        """x: tokens [B, T] (first stage) or hidden [B, T, d]. Returns (output, saved): output is
+        the hidden [B, T, d] for the next stage, or on the last stage the per-slot loss sums."""
+        hidden = jnp.take(weights["head"]["embed_tokens"], x, axis=0) if self.first else x
+        mask = _packed_mask(batch["segment_ids"].shape, batch["segment_ids"])
+        layer = self._layers()
+
+        def step(hidden, per_layer):
+            w, t, f, index = per_layer
+            return layer(w, t, f, hidden, batch, plan, mask, index), hidden
+
+        indices = self.first_layer + jnp.arange(next(iter(weights["layers"].values())).shape[0])
+        out, inputs = jax.lax.scan(step, hidden, (weights["layers"], trainable, frozen, indices))
+        if self.last:
+            _, per_slot = _head_loss(self.config, weights["head"], out, batch, plan.token_slot, self.num_slots)
+            return per_slot, (inputs, out)
+        return out, (inputs, None)
+
+    @functools.partial(jax.jit, static_argnums=0, donate_argnums=(5,))
+    def backward(self, weights, trainable, frozen, saved, grads_acc, cotangent, batch, plan):
+        """saved from `forward`; cotangent: d loss / d output (None on the last stage). Returns
+        (grads_acc + this microbatch's adapter gradients, d loss / d input hidden or None)."""
+        inputs, out = saved
+        if self.last:
+            cotangent = jax.grad(lambda h: _head_loss(self.config, weights["head"], h, batch, plan.token_slot,
+                                                      self.num_slots)[0])(out)
+        mask = _packed_mask(batch["segment_ids"].shape, batch["segment_ids"])
+        layer = self._layers()
+
+        def step(cotangent, per_layer):
+            w, t, f, x, index = per_layer
+            _, vjp = jax.vjp(lambda t, x: layer(w, t, f, x, batch, plan, mask, index), t, x)
+            grad_t, grad_x = vjp(cotangent.astype(x.dtype))
+            return grad_x, grad_t
+
+        indices = self.first_layer + jnp.arange(inputs.shape[0])
+        grad_in, grads = jax.lax.scan(step, cotangent, (weights["layers"], trainable, frozen, inputs, indices),
+                                      reverse=True)
+        grads_acc = jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype), grads_acc, grads)
+        return grads_acc, (None if self.first else grad_in)
+
+
+def _slice_layers(tree, start: int, stop: int):
+    return jax.tree.map(lambda leaf: leaf[start:stop], tree)
+
+
+def stage_weights(model: Llama, start: int, stop: int, first: bool, last: bool) -> dict:
+    """{"layers": layer weights [start:stop], "head": embedding (first stage, or tied head) and
+    final norm / lm_head (last stage)}."""
+    head = {}
+    if first or (last and model.config.tie_word_embeddings):
+        head["embed_tokens"] = model.weights["embed_tokens"][...]
+    if last:
+        head["norm"] = model.weights["norm"][...]
+        if not model.config.tie_word_embeddings:
+            head["lm_head"] = model.weights["lm_head"][...]
+    return {"layers": _slice_layers(model.layer_weights(), start, stop), "head": head}
+
+
+# ----------------------------------------------------------------------------------------------
+# The driver
+
+
+@dataclasses.dataclass
+class Stage:
+    device: jax.Device
+    program: StageProgram
+    weights: dict
+    trainable: dict
+    frozen: dict
+    grads_acc: dict
+    opt_states: dict  # slot -> optax state
+
+
+class MpmdPipeline:
+    """A model's layers split over `devices` (one stage each), with the adapters of a pool.
+
+    trainable {module: {a [L, slots, k, r], b [L, slots, r, n]}}, frozen {module: {scale, rank}}
+    (see `train.step.split_pool`); optimizer: an optax transformation applied per slot with
+    `train.optim.apply_adapter_update` (its state per stage and slot)."""
+
+    def __init__(self, model: Llama, trainable: dict, frozen: dict, devices: Sequence[jax.Device], optimizer,
+                 rank: int, backend: str = "onehot"):
+        from train.optim import slot_params
+
+        self.devices = list(devices)
+        self.optimizer, self.rank = optimizer, rank
+        num_slots = next(iter(trainable.values()))["a"].shape[1]
+        ranges = split_layers(model.config.num_layers, len(self.devices))
+        self.stages: list[Stage] = []
+        for index, (device, (start, stop)) in enumerate(zip(self.devices, ranges)):
+            first, last = index == 0, index == len(self.devices) - 1
+            program = StageProgram(model.config, first, last, start, num_slots, backend)
+            put = functools.partial(jax.device_put, device=device)
+            weights = put(stage_weights(model, start, stop, first, last))
+            own = put(_slice_layers(trainable, start, stop))
+            opt_states = {slot: self.optimizer.init(slot_params(own, slot, rank)) for slot in range(num_slots)}
+            self.stages.append(Stage(device, program, weights, own, put(_slice_layers(frozen, start, stop)),
+                                     jax.tree.map(jnp.zeros_like, own), opt_states))
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def place(self, batch: dict, plan: LoraPlan) -> list[tuple]:
+        """A microbatch's (tokens, batch, plan) on every stage's device."""
+        return [jax.device_put((batch["tokens"], batch, plan), stage.device) for stage in self.stages]
+
+    def run(self, orders: Sequence[Sequence[Op]], inputs: Sequence[Sequence[tuple]]) -> dict[int, jax.Array]:
+        """Issues every op (asynchronously); inputs[m] from `place`. Returns the per-slot loss sums
+        of each microbatch (on the last device; block on them, or call `wait`, to time the run)."""
+        from train.optim import apply_adapter_update
+
+        last = self.num_stages - 1
+        activations, cotangents, saved, losses = {}, {}, {}, {}
+        for stage_index, op in dispatch_order(orders):
+            stage = self.stages[stage_index]
+            if op.kind == "U":
+                stage.trainable, stage.grads_acc, stage.opt_states[op.index] = apply_adapter_update(
+                    self.optimizer, stage.trainable, stage.grads_acc, op.index, self.rank,
+                    stage.opt_states[op.index])
+                continue
+            tokens, batch, plan = inputs[op.index][stage_index]
+            if op.kind == "F":
+                x = tokens if stage_index == 0 else activations.pop((op.index, stage_index))
+                out, saved[(op.index, stage_index)] = stage.program.forward(
+                    stage.weights, stage.trainable, stage.frozen, x, batch, plan)
+                if stage_index == last:
+                    losses[op.index] = out
+                else:
+                    activations[(op.index, stage_index + 1)] = jax.device_put(out, self.stages[stage_index + 1].device)
+            else:
+                cotangent = None if stage_index == last else cotangents.pop((op.index, stage_index))
+                stage.grads_acc, grad_in = stage.program.backward(
+                    stage.weights, stage.trainable, stage.frozen, saved.pop((op.index, stage_index)),
+                    stage.grads_acc, cotangent, batch, plan)
+                if stage_index > 0:
+                    cotangents[(op.index, stage_index - 1)] = jax.device_put(grad_in, self.stages[stage_index - 1].device)
+        return losses
+
+    def wait(self) -> None:
+        jax.block_until_ready([(s.trainable, s.grads_acc, s.opt_states) for s in self.stages])
+
+    def trainable(self) -> dict:
+        """The adapters' current A/B, all layers (gathered on the host)."""
+        parts = [jax.device_get(s.trainable) for s in self.stages]
+        return jax.tree.map(lambda *leaves: np.concatenate(leaves), *parts)
+
+    def grads(self) -> dict:
+        parts = [jax.device_get(s.grads_acc) for s in self.stages]
+        return jax.tree.map(lambda *leaves: np.concatenate(leaves), *parts)
