@@ -19,8 +19,10 @@ size), so a backward costs about three forwards.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import threading
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -241,7 +243,7 @@ class StageProgram:
 
 
 def _slice_layers(tree, start: int, stop: int):
-    return jax.tree.map(lambda leaf: leaf[start:stop], tree)
+    return jax.tree.map(lambda leaf: jnp.copy(leaf[start:stop]), tree)  # never the caller's buffer (donated later)
 
 
 def stage_weights(model: Llama, start: int, stop: int, first: bool, last: bool) -> dict:
@@ -259,6 +261,26 @@ def stage_weights(model: Llama, start: int, stop: int, first: bool, last: bool) 
 
 # ----------------------------------------------------------------------------------------------
 # The driver
+
+
+class _RunState:
+    """Values in flight between stages: activations / cotangents keyed (microbatch, stage that
+    consumes them), each stage's saved forward residuals, and the last stage's losses."""
+
+    def __init__(self):
+        self.activations, self.cotangents, self.saved, self.losses = {}, {}, {}, {}
+        self._changed = threading.Condition()
+
+    def put(self, table: dict, key, value) -> None:
+        with self._changed:
+            table[key] = value
+            self._changed.notify_all()
+
+    def take(self, table: dict, key, wait: bool):
+        with self._changed:
+            if wait:
+                self._changed.wait_for(lambda: key in table)
+            return table.pop(key)
 
 
 @dataclasses.dataclass
@@ -306,37 +328,57 @@ class MpmdPipeline:
         """A microbatch's (tokens, batch, plan) on every stage's device."""
         return [jax.device_put((batch["tokens"], batch, plan), stage.device) for stage in self.stages]
 
-    def run(self, orders: Sequence[Sequence[Op]], inputs: Sequence[Sequence[tuple]]) -> dict[int, jax.Array]:
-        """Issues every op (asynchronously); inputs[m] from `place`. Returns the per-slot loss sums
-        of each microbatch (on the last device; block on them, or call `wait`, to time the run)."""
+    def run(self, orders: Sequence[Sequence[Op]], inputs: Sequence[Sequence[tuple]],
+            threaded: bool = False) -> dict[int, jax.Array]:
+        """Issues every op; inputs[m] from `place`. Returns the per-slot loss sums of each
+        microbatch (on the last device; block on them, or call `wait`, to time the run).
+
+        threaded=False: one thread issues all ops in `dispatch_order` (asynchronously, so the
+        GPUs run ahead of it). threaded=True: one thread per stage issues that stage's ops, each
+        waiting only for its own inputs (for runtimes where a cross-device copy blocks its caller)."""
+        state = _RunState()
+        if not threaded:
+            for stage_index, op in dispatch_order(orders):
+                self._issue(stage_index, op, inputs, state)
+            return state.losses
+
+        def stage_loop(stage_index):
+            for op in orders[stage_index]:
+                self._issue(stage_index, op, inputs, state, wait=True)
+
+        with concurrent.futures.ThreadPoolExecutor(self.num_stages) as pool:
+            for future in [pool.submit(stage_loop, s) for s in range(self.num_stages)]:
+                future.result()
+        return state.losses
+
+    def _issue(self, stage_index: int, op: Op, inputs, state: "_RunState", wait: bool = False) -> None:
+        """Issues one op of one stage; its input comes from `state` (wait=True: blocks until a
+        neighbour's thread has put it there)."""
         from train.optim import apply_adapter_update
 
-        last = self.num_stages - 1
-        activations, cotangents, saved, losses = {}, {}, {}, {}
-        for stage_index, op in dispatch_order(orders):
-            stage = self.stages[stage_index]
-            if op.kind == "U":
-                stage.trainable, stage.grads_acc, stage.opt_states[op.index] = apply_adapter_update(
-                    self.optimizer, stage.trainable, stage.grads_acc, op.index, self.rank,
-                    stage.opt_states[op.index])
-                continue
-            tokens, batch, plan = inputs[op.index][stage_index]
-            if op.kind == "F":
-                x = tokens if stage_index == 0 else activations.pop((op.index, stage_index))
-                out, saved[(op.index, stage_index)] = stage.program.forward(
-                    stage.weights, stage.trainable, stage.frozen, x, batch, plan)
-                if stage_index == last:
-                    losses[op.index] = out
-                else:
-                    activations[(op.index, stage_index + 1)] = jax.device_put(out, self.stages[stage_index + 1].device)
+        stage, last = self.stages[stage_index], self.num_stages - 1
+        if op.kind == "U":
+            stage.trainable, stage.grads_acc, stage.opt_states[op.index] = apply_adapter_update(
+                self.optimizer, stage.trainable, stage.grads_acc, op.index, self.rank, stage.opt_states[op.index])
+            return
+        tokens, batch, plan = inputs[op.index][stage_index]
+        key = (op.index, stage_index)
+        if op.kind == "F":
+            x = tokens if stage_index == 0 else state.take(state.activations, key, wait)
+            out, state.saved[key] = stage.program.forward(stage.weights, stage.trainable, stage.frozen, x, batch, plan)
+            if stage_index == last:
+                state.losses[op.index] = out
             else:
-                cotangent = None if stage_index == last else cotangents.pop((op.index, stage_index))
-                stage.grads_acc, grad_in = stage.program.backward(
-                    stage.weights, stage.trainable, stage.frozen, saved.pop((op.index, stage_index)),
-                    stage.grads_acc, cotangent, batch, plan)
-                if stage_index > 0:
-                    cotangents[(op.index, stage_index - 1)] = jax.device_put(grad_in, self.stages[stage_index - 1].device)
-        return losses
+                state.put(state.activations, (op.index, stage_index + 1),
+                          jax.device_put(out, self.stages[stage_index + 1].device))
+        else:
+            cotangent = None if stage_index == last else state.take(state.cotangents, key, wait)
+            stage.grads_acc, grad_in = stage.program.backward(
+                stage.weights, stage.trainable, stage.frozen, state.saved.pop(key), stage.grads_acc, cotangent,
+                batch, plan)
+            if stage_index > 0:
+                state.put(state.cotangents, (op.index, stage_index - 1),
+                          jax.device_put(grad_in, self.stages[stage_index - 1].device))
 
     def wait(self) -> None:
         jax.block_until_ready([(s.trainable, s.grads_acc, s.opt_states) for s in self.stages])

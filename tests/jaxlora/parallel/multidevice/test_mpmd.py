@@ -79,8 +79,8 @@ def _pipeline(model, trainable, frozen, num_stages):
     return mpmd.MpmdPipeline(model, trainable, frozen, jax.devices()[:num_stages], OPTIMIZER, RANK)
 
 
-@pytest.mark.parametrize("num_stages", [2, 4])
-def test_multi_adapter_stream_matches_one_device(num_stages):
+@pytest.mark.parametrize("num_stages,threaded", [(2, False), (4, False), (4, True)])
+def test_multi_adapter_stream_matches_one_device(num_stages, threaded):
     config = dataclasses.replace(CONFIG, num_layers=4)
     model = tiny_model(config)
     trainable, frozen = split_pool(random_pool(config))
@@ -100,7 +100,7 @@ def test_multi_adapter_stream_matches_one_device(num_stages):
 
     pipeline = _pipeline(model, trainable, frozen, num_stages)
     inputs = [None if item is None else pipeline.place(*item) for item in arrays]
-    losses = pipeline.run(orders, inputs)
+    losses = pipeline.run(orders, inputs, threaded=threaded)
     pipeline.wait()
     assert sum(len(c) for c in completions.values()) == sum(data.num_batches(a) for a in data.adapters)
     for index, loss in losses.items():
