@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU runs behind bench/results/*h200*, on a 4 x H200 machine, from the repository root:
+#   OUT=/some/dir bash bench/device_runs.sh pipeline   # PP=4; then PP=2 vs 1 GPU || TP=2 vs 1 GPU serving
+#   OUT=/some/dir bash bench/device_runs.sh singles    # one job per GPU, side by side
+# Jobs that share the machine run on separate GPUs (CUDA_VISIBLE_DEVICES); each JSON names its GPU.
+# Needs highspy (the MILP) importable; logs go to $OUT/log_<name>.txt.
+set -u
+OUT=${OUT:-bench/results}
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+LIMIT=${LIMIT:-560}
+
+job() {  # job NAME GPUS SECONDS COMMAND...: one background job, its output in $OUT/log_NAME.txt
+  local name=$1 gpus=$2 seconds=$3
+  shift 3
+  (CUDA_VISIBLE_DEVICES=$gpus timeout "$seconds" "$@" >"$OUT/log_$name.txt" 2>&1
+   echo "[$name exit $?]" >>"$OUT/log_$name.txt") &
+}
+
+collect_logs() {  # the logs as one file (what comes back from the machine is limited in files)
+  for f in "$OUT"/log_*.txt; do echo "=== $f"; cat "$f"; done >"$OUT/logs_$1.txt"
+  rm -f "$OUT"/log_*.txt
+  tail -n 60 "$OUT/logs_$1.txt"
+}
+
+pipeline() {
+  nvidia-smi -L
+  python3 bench/pipeline.py --stages 4 --out "$OUT/pipeline_4xh200.json" 2>&1 | tee "$OUT/log_pp4.txt"
+  job pp2 0,1 $((LIMIT - SECONDS)) python3 bench/pipeline.py --stages 2 1 --variants ours --workloads xsum wikisum \
+      --out "$OUT/pipeline_2xh200.json"
+  job tp2 2,3 $((LIMIT - SECONDS)) python3 bench/tp_serve.py --out "$OUT/tp_serve_2xh200.json"
+  wait
+  collect_logs pipeline
+}
+
+singles() {
+  nvidia-smi -L
+  job kernels 0 $((LIMIT - 10)) bash -c "python3 -m pytest -q -m gpu_only tests/pallas_kernels \
+      tests/jaxlora/lora/test_multi_adapter_batch_gpu.py -p no:cacheprovider; \
+      python3 -m pallas_kernels.tune --plan quick --time-budget 240 && cp pallas_kernels/tile_table.json $OUT/"
+  job train 1 $((LIMIT - 10)) bash -c "python3 bench/train.py --layers 8 --capacity 4096 \
+      --variants jaxlora jaxlora-xla sequential --out $OUT/train_h200_jax.json; \
+      python3 bench/train.py --layers 8 --capacity 4096 --variants peft-best peft-padded --out $OUT/train_h200_peft.json"
+  job serve 2 $((LIMIT - 10)) python3 bench/serve.py --time-budget $((LIMIT - 90)) --out "$OUT/serve_h200.json"
+  job fused 3 $((LIMIT - 10)) python3 bench/fused_lora.py --name fused_lora_h200 --out "$OUT" --budget-s 420
+  wait
+  collect_logs singles
+}
+
+"$@"
