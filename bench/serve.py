@@ -215,10 +215,12 @@ def _cache_size() -> int:
     return size() if callable(size) else -1
 
 
-def run_trace(model, engine_config: EngineConfig, trace: Trace, prompts: list, factory: AdapterFactory | None) -> dict:
-    """Serves `trace` on a fresh engine (with its adapters if `factory`, else all on the base model)."""
+def run_trace(model, engine_config: EngineConfig, trace: Trace, prompts: list, factory: AdapterFactory | None,
+              mesh=None) -> dict:
+    """Serves `trace` on a fresh engine (with its adapters if `factory`, else all on the base model;
+    tensor parallel over `mesh` if given)."""
     setup_start = time.perf_counter()
-    engine = Engine(model, eos_ids=(), config=engine_config)
+    engine = Engine(model, eos_ids=(), config=engine_config, mesh=mesh)
     if factory is not None:
         for index in sorted(set(int(a) for a in trace.adapters)):
             engine.add_adapter(f"adapter{index}", factory(index))
@@ -304,21 +306,25 @@ def step_shapes(config: EngineConfig) -> list[tuple[int, int]]:
     return [(t, w) for t in tokens for w in widths]
 
 
-def _noop_args(engine: Engine, num_tokens: int, width: int):
-    """Arguments of the engine's jitted step for an all-padding batch (writes no key/value)."""
+def _noop_args(engine: Engine, num_tokens: int, width: int, lora: bool = True):
+    """Arguments of the engine's jitted step for an all-padding batch (writes no key/value); lora=False:
+    the base-only variant (no LoRA inputs)."""
     zeros = np.zeros(num_tokens, np.int32)
     batch = PagedBatch(zeros, zeros, np.full(num_tokens, -1, np.int32), np.zeros((num_tokens, width), np.int32), zeros)
-    lora = LoraInputs(engine.pool.arrays, build_plan(np.full(num_tokens, -1, np.int32), engine._num_segments))
+    lora = LoraInputs(engine.pool.arrays, build_plan(np.full(num_tokens, -1, np.int32), engine._num_segments)) \
+        if lora else None
     return (engine._graphdef, engine._state, engine.cache, batch, lora, np.zeros(num_tokens, np.float32),
             np.ones(num_tokens, np.float32), np.zeros(num_tokens, np.uint32), zeros, False,
             engine.config.lora_backend)
 
 
-def compile_all(model, config: EngineConfig, threads: int) -> dict:
+def compile_all(model, config: EngineConfig, threads: int, mesh=None, shapes=None) -> dict:
     """Compiles every step bucket: in parallel into the persistent cache (lower/compile), then
-    through the jitted function itself (each call loads its executable into the in-memory cache)."""
-    engine = Engine(model, eos_ids=(), config=config)
-    shapes = step_shapes(config)
+    through the jitted function itself (each call loads its executable into the in-memory cache).
+    shapes: (tokens, width) or (tokens, width, lora) tuples (default: every bucket, with LoRA);
+    mesh: compile the engine's tensor-parallel steps over it."""
+    engine = Engine(model, eos_ids=(), config=config, mesh=mesh)
+    shapes = step_shapes(config) if shapes is None else shapes
     start = time.perf_counter()
     parallel_error = None
     if threads > 1:
@@ -336,7 +342,7 @@ def compile_all(model, config: EngineConfig, threads: int) -> dict:
         t = time.perf_counter()
         tokens, engine.cache = engine_module._engine_step(*_noop_args(engine, *shape))
         np.asarray(tokens)
-        per_shape[f"{shape[0]}x{shape[1]}"] = time.perf_counter() - t
+        per_shape[f"{shape[0]}x{shape[1]}" + ("" if len(shape) < 3 or shape[2] else " base")] = time.perf_counter() - t
     del engine
     gc.collect()
     return {"shapes": len(shapes), "jit_cache_entries": _cache_size(), "threads": threads, "parallel_s": parallel_s,

@@ -103,11 +103,21 @@ def weight_axes(name: str) -> tuple[str, ...]:
     return ("layers", fan_in, fan_out) if kind == "kernel" else ("layers", fan_out)
 
 
+# The paged KV cache k, v [layers, pages, page_size, kv_heads, head_dim]: split by KV heads, so
+# each tensor shard keeps the keys/values of the heads its column-parallel k/v projections compute.
+KV_CACHE_AXES = ("layers", None, None, "kv_heads", None)
+
+
 def pool_axes(module: str, key: str) -> tuple[str, ...]:
     """Logical axes of a pool array (S-LoRA: A shares the kernel's input axis, B its output axis)."""
     fan_in, fan_out = PROJECTION_AXES[module]
     return {"a": ("layers", "slots", fan_in, "rank"), "b": ("layers", "slots", "rank", fan_out),
             "scale": ("layers", "slots"), "rank": ("layers", "slots")}[key]
+
+
+def slot_axes(module: str, key: str) -> tuple[str, ...]:
+    """Logical axes of one slot's values (a pool array's axes without the slot axis)."""
+    return tuple(axis for axis in pool_axes(module, key) if axis != "slots")
 
 
 def weight_specs(model: Llama, rules: ShardingRules) -> dict[str, P]:
@@ -121,6 +131,8 @@ def pool_specs(pool_arrays: dict, rules: ShardingRules) -> dict:
 def put(value, mesh: Mesh, spec: P) -> jax.Array:
     """`value` as a global array with `spec` on `mesh`; every process passes the same value."""
     sharding = NamedSharding(mesh, spec)
+    if isinstance(value, jax.Array) and value.is_fully_addressable and jax.process_count() == 1:
+        return jax.device_put(value, sharding)  # device to device, no host round trip
     host = np.asarray(value)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 

@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, default=1024, help="queued sequences before 429")
     p.add_argument("--lora-backend", default="gather", choices=SERVING_BACKENDS,
                    help="how LoRA rows are computed: XLA references or the Pallas SGMV/BGMV kernels")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="shard the model over the first N devices (Megatron weights, S-LoRA adapters, KV heads); "
+                        "needs an XLA LoRA backend (gather, onehot, ...) when N > 1")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -49,6 +52,28 @@ def parse_adapters(specs: list[str]) -> list[tuple[str, str]]:
             raise SystemExit(f"--adapter expects NAME=PATH, got {spec!r}")
         pairs.append((name, path))
     return pairs
+
+
+def tensor_parallel_mesh(n: int, lora_backend: str):
+    """The (tensor=n) mesh over the first n devices, None for n == 1; SystemExit with the reason when
+    it cannot be built (the model's shapes are checked by the engine)."""
+    if n < 1:
+        raise SystemExit(f"jaxlora-serve: --tensor-parallel must be >= 1, got {n}")
+    if n == 1:
+        return None
+    import jax
+
+    from jaxlora.sharding import make_mesh
+    from serve.engine import TENSOR_PARALLEL_BACKENDS
+
+    if lora_backend not in TENSOR_PARALLEL_BACKENDS:
+        raise SystemExit(f"jaxlora-serve: --lora-backend {lora_backend} cannot run tensor parallel (a pallas_call "
+                         f"has no GSPMD partitioning rule); use one of {', '.join(TENSOR_PARALLEL_BACKENDS)}")
+    devices = jax.devices()
+    if len(devices) < n:
+        raise SystemExit(f"jaxlora-serve: --tensor-parallel {n} needs {n} devices; {jax.default_backend()} has "
+                         f"{len(devices)}")
+    return make_mesh(tensor=n, devices=devices[:n])
 
 
 def default_model_name(model: str) -> str:
@@ -68,6 +93,7 @@ def build_app(args):
     from serve.app import ServerSettings, create_app
     from serve.engine import Engine, EngineConfig
 
+    mesh = tensor_parallel_mesh(args.tensor_parallel, args.lora_backend)
     try:
         model, tokenizer = load_model(args.model, jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
         adapters = {name: load_peft_adapter(path, model.config, name) for name, path in parse_adapters(args.adapter)}
@@ -82,8 +108,8 @@ def build_app(args):
         token_budget=args.max_num_batched_tokens, prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting,
         lora_backend=args.lora_backend)
     try:
-        engine = Engine(model, tokenizer.eos_token_ids, config, adapters)
-    except (AdapterError, ValueError) as err:
+        engine = Engine(model, tokenizer.eos_token_ids, config, adapters, mesh=mesh)
+    except (AdapterError, ValueError) as err:  # incl. shapes that do not split over --tensor-parallel
         raise SystemExit(f"jaxlora-serve: {err}")
     limits = Limits(max_tokens=args.max_tokens_limit, max_body_bytes=args.max_body_bytes)
     settings = ServerSettings(args.served_model_name or default_model_name(args.model),

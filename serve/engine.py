@@ -20,6 +20,14 @@ donated jitted update serves every slot). A step whose rows all use the base mod
 without LoRA inputs (its own compiled variant), so base-only traffic costs exactly the base model.
 `start()` runs steps in a background thread; `submit`/`abort`/`add_adapter`/`remove_adapter` are
 thread-safe.
+
+Tensor parallel: `Engine(..., mesh=jaxlora.sharding.make_mesh(tensor=N, devices=...))` places a
+copy of the weights Megatron-style (`jaxlora.sharding.shard_model`; the caller's model is not
+moved), the adapter pool S-LoRA-style (`AdapterPool(mesh=...)`: slot loads keep the placement),
+and the KV pages split by KV heads; the step's token, plan and sampling arrays are host arrays
+that jit replicates. The same jitted step then runs under GSPMD, XLA inserting the all-reduces of
+o_proj/down_proj and the gathers over the vocabulary. A `pallas_call` has no SPMD partitioning
+rule, so with tensor > 1 only the XLA LoRA backends (`TENSOR_PARALLEL_BACKENDS`) are accepted.
 """
 
 from __future__ import annotations
@@ -37,7 +45,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 
+from jaxlora import sharding
 from jaxlora.lora.adapter import LoraAdapter, check_finite
 from jaxlora.lora.config import AdapterError
 from jaxlora.lora.plan import build_plan, segment_bucket
@@ -116,6 +126,24 @@ class _Registered:
     removed: bool = False
 
 
+# LoRA backends that run under GSPMD (plain XLA ops); the Pallas ones cannot be partitioned.
+TENSOR_PARALLEL_BACKENDS = ("gather", "onehot", "ragged_dot", "loop")
+
+
+def check_mesh(mesh: Mesh, model_config, lora_backend: str) -> None:
+    """ValueError unless the engine can serve on `mesh`: a `tensor` axis and no other axis > 1, a
+    LoRA backend GSPMD can partition when tensor > 1, and heads, KV heads, FFN width and vocabulary
+    that split evenly over `tensor`."""
+    shape = dict(mesh.shape)
+    if "tensor" not in shape or any(size > 1 for axis, size in shape.items() if axis != "tensor"):
+        raise ValueError(f"the engine shards over a mesh's `tensor` axis only (jaxlora.sharding.make_mesh("
+                         f"tensor=N)); got mesh axes {shape}")
+    if shape["tensor"] > 1 and lora_backend not in TENSOR_PARALLEL_BACKENDS:
+        raise ValueError(f"lora_backend {lora_backend!r} cannot run tensor parallel (a pallas_call has no "
+                         f"GSPMD partitioning rule); use one of {', '.join(TENSOR_PARALLEL_BACKENDS)}")
+    sharding.check_divisible(model_config, mesh)
+
+
 def _bucket(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(0, (n - 1).bit_length()))
 
@@ -144,20 +172,31 @@ def _engine_step(graphdef, state, cache, batch, lora, temperature, top_p, seeds,
     return sample_rows(logits, temperature, top_p, seeds, counters, any_sampling), cache
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _placed_zeros_cache(config, num_pages, page_size, dtype, placement):
+    return jax.lax.with_sharding_constraint(PagedKVCache.zeros(config, num_pages, page_size, dtype), placement)
+
+
 class Engine:
     """Continuous-batching multi-adapter generation over one model (see the module doc)."""
 
     def __init__(self, model: Llama, eos_ids=(), config: EngineConfig = EngineConfig(),
-                 adapters: dict[str, LoraAdapter] | None = None):
+                 adapters: dict[str, LoraAdapter] | None = None, mesh: Mesh | None = None):
+        """mesh: serve tensor parallel over `mesh`'s `tensor` axis (see the module doc)."""
         self.config = config
         self.model_config = model.config
         self.eos_ids = frozenset(int(i) for i in eos_ids)
+        self.mesh = mesh
+        if mesh is not None:
+            check_mesh(mesh, model.config, config.lora_backend)
+            # New Variables over the same arrays, then placed: the caller's model keeps its weights.
+            model = sharding.shard_model(nnx.clone(model), mesh)
         self._graphdef, self._state = nnx.split(model)
         self._dtype = model.dtype
-        self.cache = PagedKVCache.zeros(model.config, config.num_pages, config.page_size, model.dtype)
+        self.cache = self._new_cache()
         # donate: the pool's arrays are written in place; only `_dispatch` reads them, afresh each step
         self.pool = AdapterPool(model.config, config.max_adapters_on_device, config.max_lora_rank,
-                                dtype=model.dtype, donate=True)
+                                dtype=model.dtype, donate=True, mesh=mesh)
         self.scheduler = ServingScheduler(SchedulerConfig(
             num_pages=config.num_pages, page_size=config.page_size,
             num_adapter_slots=config.max_adapters_on_device, max_num_seqs=config.max_num_seqs,
@@ -177,6 +216,18 @@ class Engine:
         self.stats = EngineStats()
         for name, adapter in (adapters or {}).items():
             self.add_adapter(name, adapter)
+
+    @property
+    def tensor_parallel(self) -> int:
+        return 1 if self.mesh is None else self.mesh.shape["tensor"]
+
+    def _new_cache(self) -> PagedKVCache:
+        """Zeroed KV pages; with a mesh, made in place split by KV heads."""
+        sizes = (self.model_config, self.config.num_pages, self.config.page_size, self._dtype)
+        if self.mesh is None:
+            return PagedKVCache.zeros(*sizes)
+        return _placed_zeros_cache(*sizes, NamedSharding(self.mesh, sharding.ShardingRules().spec(
+            sharding.KV_CACHE_AXES)))
 
     # ---- adapters (any thread) ---------------------------------------------------------
     def add_adapter(self, name: str, adapter: LoraAdapter) -> None:
@@ -377,8 +428,7 @@ class Engine:
             if request is not None:
                 self._deliver(request, Event(None, "error", message))
         if self.cache.k.is_deleted():
-            self.cache = PagedKVCache.zeros(self.model_config, self.config.num_pages, self.config.page_size,
-                                            self._dtype)
+            self.cache = self._new_cache()
 
     def _load(self, loads) -> None:
         for slot, uid in loads:

@@ -9,12 +9,18 @@ so one compile serves every slot (and eviction). With `donate=True` the pool's a
 to that update and written in place: arrays taken from `pool.arrays` before a load or eviction
 are then invalid (read `pool.arrays` again after each). `prepare` validates an adapter and pads
 it into host arrays of the pool's dtype once; loading a `PreparedAdapter` skips that host work
-(a server prepares every adapter at registration and loads it many times)."""
+(a server prepares every adapter at registration and loads it many times).
+
+With a `mesh` the arrays are placed by `jaxlora.sharding.pool_specs` (S-LoRA: A of row-parallel
+layers split by input rows, B of column-parallel layers by output columns) and the slot update
+keeps that placement (its outputs are pinned to it, so donation still writes in place); each
+device receives only its part of a loaded slot."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +30,11 @@ from jaxlora.lora.adapter import LoraAdapter, check_finite
 from jaxlora.lora.config import AdapterError
 from jaxlora.models.config import LlamaConfig
 from jaxlora.models.llama import PROJECTIONS, projection_shapes
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+    from jaxlora.sharding import ShardingRules
 
 
 def empty_pool_arrays(base: LlamaConfig, num_slots: int, max_rank: int, modules, dtype) -> dict:
@@ -51,6 +62,27 @@ def _write_slot_impl(arrays: dict, slot, values: dict) -> dict:
 write_slot = jax.jit(_write_slot_impl)
 write_slot_donated = jax.jit(_write_slot_impl, donate_argnums=(0,))
 
+POOL_KEYS = ("a", "b", "scale", "rank")
+
+
+@functools.lru_cache(maxsize=None)
+def _placed_pool_fns(base: LlamaConfig, num_slots: int, max_rank: int, modules: tuple, dtype_name: str,
+                     mesh: "Mesh", rules: "ShardingRules", donate: bool):
+    """(make the empty pool on `mesh`, the slot update that keeps its placement), jitted once per layout."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxlora.sharding import pool_axes, slot_axes
+
+    def shardings(axes):
+        return {m: {k: NamedSharding(mesh, rules.spec(axes(m, k))) for k in POOL_KEYS} for m in modules}
+
+    pool = shardings(pool_axes)
+    empty = jax.jit(lambda: empty_pool_arrays(base, num_slots, max_rank, modules, jnp.dtype(dtype_name)),
+                    out_shardings=pool)
+    write = jax.jit(_write_slot_impl, in_shardings=(pool, NamedSharding(mesh, P()), shardings(slot_axes)),
+                    out_shardings=pool, donate_argnums=(0,) if donate else ())
+    return empty, write
+
 
 @dataclasses.dataclass(frozen=True)
 class PreparedAdapter:
@@ -70,10 +102,12 @@ class AdapterPool:
     """Fixed slots of adapter weights on the device, and which adapter holds which slot.
 
     donate: write loads and evictions in place (see the module doc); only for owners that read
-    `pool.arrays` afresh after every load (the serving engine), not for holders of old arrays."""
+    `pool.arrays` afresh after every load (the serving engine), not for holders of old arrays.
+    mesh, rules: place the arrays on `mesh` by `rules` (default `ShardingRules()`; see the module doc)."""
 
     def __init__(self, base: LlamaConfig, num_slots: int, max_rank: int,
-                 target_modules=PROJECTIONS, dtype=jnp.float32, donate: bool = False):
+                 target_modules=PROJECTIONS, dtype=jnp.float32, donate: bool = False,
+                 mesh: "Mesh | None" = None, rules: "ShardingRules | None" = None):
         if num_slots < 1 or max_rank < 1:
             raise ValueError(f"num_slots and max_rank must be >= 1, got {num_slots}, {max_rank}")
         self.base = base
@@ -82,7 +116,16 @@ class AdapterPool:
         self.target_modules = tuple(target_modules)
         self.dtype = dtype
         self.donate = donate
-        self.arrays = empty_pool_arrays(base, num_slots, max_rank, self.target_modules, dtype)
+        self.mesh = mesh
+        if mesh is None:
+            self.arrays = empty_pool_arrays(base, num_slots, max_rank, self.target_modules, dtype)
+            self._update = write_slot_donated if donate else write_slot
+        else:
+            from jaxlora.sharding import ShardingRules
+
+            empty, self._update = _placed_pool_fns(base, num_slots, max_rank, self.target_modules,
+                                                   np.dtype(dtype).name, mesh, rules or ShardingRules(), donate)
+            self.arrays = empty()
         self.slot_names: list[str | None] = [None] * num_slots
         self._empty: dict | None = None
 
@@ -132,8 +175,7 @@ class AdapterPool:
         self.slot_names[slot] = None
 
     def _write(self, slot: int, values: dict) -> None:
-        update = write_slot_donated if self.donate else write_slot
-        self.arrays = update(self.arrays, np.int32(slot), values)
+        self.arrays = self._update(self.arrays, np.int32(slot), values)
 
     def _choose_slot(self, adapter, slot: int | None) -> int:
         if slot is None:

@@ -11,3 +11,20 @@ def test_lora_backend_option():
     assert build_parser().parse_args([]).lora_backend == "gather"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--lora-backend", "fused"])
+
+
+def test_tensor_parallel_option_errors():
+    import jax
+
+    from serve.cli import tensor_parallel_mesh
+
+    assert build_parser().parse_args([]).tensor_parallel == 1
+    assert build_parser().parse_args(["--tensor-parallel", "2"]).tensor_parallel == 2
+    assert tensor_parallel_mesh(1, "pallas") is None  # one device: nothing changes
+    too_many = jax.device_count() + 1
+    with pytest.raises(SystemExit, match=f"--tensor-parallel {too_many} needs {too_many} devices"):
+        tensor_parallel_mesh(too_many, "gather")
+    with pytest.raises(SystemExit, match="use one of gather, onehot"):
+        tensor_parallel_mesh(2, "pallas")
+    with pytest.raises(SystemExit, match=">= 1"):
+        tensor_parallel_mesh(0, "gather")
