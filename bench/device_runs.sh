@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU runs behind bench/results/*h200*, on a 4 x H200 machine, from the repository root:
+# The GPU runs behind bench/results/*h200*, from the repository root. On a 4 x H200 machine:
 #   OUT=/some/dir bash bench/device_runs.sh pipeline   # PP=4; then PP=2 vs 1 GPU || TP=2 vs 1 GPU serving
 #   OUT=/some/dir bash bench/device_runs.sh singles    # one job per GPU, side by side
+# On one H200, one call each (10-minute calls): kernels, train, serve; on 2 x H200: two_gpus.
 # Jobs that share the machine run on separate GPUs (CUDA_VISIBLE_DEVICES); each JSON names its GPU.
 # Needs highspy (the MILP) importable; logs go to $OUT/log_<name>.txt.
 set -u
@@ -44,6 +45,37 @@ singles() {
   job fused 3 $((LIMIT - 10)) python3 bench/fused_lora.py --name fused_lora_h200 --out "$OUT" --budget-s 420
   wait
   collect_logs singles
+}
+
+kernels() {  # one GPU: the GPU tests, then the tile profiler for this device; 4-stage replay last
+  nvidia-smi -L
+  timeout 240 python3 -m pytest -q -m gpu_only tests/pallas_kernels tests/jaxlora/lora/test_multi_adapter_batch_gpu.py \
+      tests/jaxlora/test_gpu_forward.py -p no:cacheprovider 2>&1 | tee "$OUT/log_gpu_tests.txt" | tail -n 25
+  timeout $((LIMIT - SECONDS - 150)) python3 -m pallas_kernels.tune --time-budget $((LIMIT - SECONDS - 200)) \
+      --out "$OUT/tile_table.json" --log "$OUT/tune_log.json" 2>&1 | tail -n 20
+  timeout $((LIMIT - SECONDS - 5)) python3 bench/pipeline.py --stages --simulate-stages 4 --workloads xsum mixed \
+      --out "$OUT/pipeline_sim4_h200.json" 2>&1 | tail -n 12
+}
+
+train() {  # one GPU: jaxlora vs sequential jobs (JAX), then HF+PEFT in its own process
+  nvidia-smi -L
+  timeout 330 python3 bench/train.py --layers 8 --capacity 4096 --variants jaxlora jaxlora-xla sequential \
+      --out "$OUT/train_h200_jax.json" 2>&1 | tail -n 20
+  timeout $((LIMIT - SECONDS - 5)) python3 bench/train.py --layers 8 --capacity 4096 --variants peft-best peft-padded \
+      --out "$OUT/train_h200_peft.json" 2>&1 | tail -n 20
+}
+
+serve() {  # one GPU: the serving benchmark
+  nvidia-smi -L
+  timeout $((LIMIT - 5)) python3 bench/serve.py --time-budget $((LIMIT - 60)) --out "$OUT/serve_h200.json" 2>&1 \
+      | tail -n 40
+}
+
+two_gpus() {  # 2 GPUs: TP=2 serving vs one GPU, then PP=2 training vs one GPU
+  nvidia-smi -L
+  timeout 270 python3 bench/tp_serve.py --out "$OUT/tp_serve_2xh200.json" 2>&1 | tail -n 15
+  timeout $((LIMIT - SECONDS - 5)) python3 bench/pipeline.py --stages 2 1 --workloads xsum mixed \
+      --out "$OUT/pipeline_2xh200.json" 2>&1 | tail -n 15
 }
 
 "$@"

@@ -4,6 +4,7 @@ weights): measured bubble ratio and tokens/s of our schedule against 1F1B with o
     PYTHONPATH=. python bench/pipeline.py --stages 4 [--layers 32] [--capacity 4096] \
         [--workloads xsum cnndm wikisum mixed] [--variants ours 1f1b-single] [--out FILE]
     PYTHONPATH=. python bench/pipeline.py --stages 2 1 --variants ours   # PP=2 against one GPU
+    PYTHONPATH=. python bench/pipeline.py --stages --simulate-stages 4   # 4 stages replayed, any GPU count
     XLA_FLAGS=--xla_force_host_platform_device_count=4 PYTHONPATH=. python bench/pipeline.py --tiny
 
 Runs `jaxlora.parallel.mpmd.MpmdPipeline`: one stage of contiguous layers per GPU, each stage's
@@ -25,7 +26,10 @@ Measured: wall time of the whole run (first op issued to last result ready), tok
 stage's busy time is its op counts times its op times, each op time measured alone on that GPU in
 the same process (median of back-to-back repeats; shapes are fixed, so an op's time does not
 depend on the microbatch). `predicted_wall_s` replays the op orders with those times (no transfer
-cost) as a check. Writes JSON (device, jax version, date) to --out after every run, and a PNG.
+cost) as a check. `--simulate-stages S` (for machines with fewer GPUs than S) builds S stages
+over the GPUs there are, times each stage's ops alone the same way, and reports the replayed
+wall time and bubble ratio (`"simulated": true` in the JSON); it runs no pipeline. Writes JSON
+(device, jax version, date) to --out after every run, and a PNG.
 """
 
 from __future__ import annotations
@@ -225,21 +229,64 @@ def run_variant(model, trainable, frozen, devices, data, microbatches, segments,
 OP_TIMES: dict[int, dict] = {}
 
 
-def measure(args, model, trainable, frozen, stages: int, workload: str, variant: str) -> dict:
-    devices = jax.devices()[:stages]
-    if len(devices) < stages:
-        raise SystemExit(f"--stages {stages} needs {stages} devices; this machine has {len(jax.devices())}")
+def variant_plan(args, stages: int, workload: str, variant: str):
+    """(data, microbatches, segments) of a variant: our schedule for `stages` stages, or one
+    adapter's global batch at a time."""
     data = workload_data(workload, args.capacity, args.batches, args.microbatches_per_batch)
-    rng = np.random.default_rng(2)
-    tokens = {(a, i): rng.integers(0, model.config.vocab_size, n).astype(np.int32)
-              for a in data.adapters for i, n in enumerate(data.lengths[a])}
-    slot_of = {a: a for a in data.adapters}
     if variant == "ours":
         schedule = build_schedule(data, SchedulerConfig(capacity=args.capacity, num_stages=stages,
                                                         padding_multiple=1, time_limit_s=args.milp_time))
-        microbatches, segments = list(schedule.microbatches), [list(range(len(schedule.microbatches)))]
-    else:
-        microbatches, segments = single_adapter_plan(data, args.capacity)
+        return data, list(schedule.microbatches), [list(range(len(schedule.microbatches)))]
+    return (data, *single_adapter_plan(data, args.capacity))
+
+
+def sample_tokens(model, data) -> dict:
+    rng = np.random.default_rng(2)
+    return {(a, i): rng.integers(0, model.config.vocab_size, n).astype(np.int32)
+            for a in data.adapters for i, n in enumerate(data.lengths[a])}
+
+
+def simulate_stages(args, model, trainable, frozen, stages: int, workload: str, variant: str) -> dict:
+    """The bubble ratio and tokens/s of `stages` stages from measured op times, where the machine
+    has fewer GPUs than stages: stage i is built on device i mod (devices), each stage's F/B/U op
+    is timed alone on its device (as in `measure`), and the op orders are replayed with those
+    times (`mpmd.simulate`, transfers free). Nothing here runs the pipeline itself."""
+    devices = [jax.devices()[i % len(jax.devices())] for i in range(stages)]
+    data, microbatches, segments = variant_plan(args, stages, workload, variant)
+    slot_of = {a: a for a in data.adapters}
+    completions = mpmd.completions_of(microbatches, data.global_batch_size, slot_of)
+    empty = frozenset(i for i, mb in enumerate(microbatches) if not mb)
+    orders = mpmd.stage_orders(segments, stages, completions, empty)
+    mpmd.check_update_order(orders, microbatches, data.global_batch_size, slot_of)
+    key = ("simulated", stages)
+    if key not in OP_TIMES:
+        pipeline = mpmd.MpmdPipeline(model, trainable, frozen, devices, optax.adamw(1e-4), LORA.r)
+        first_mb = next(mb for mb in microbatches if mb)
+        arrays = microbatch_arrays(data, [first_mb], sample_tokens(model, data), args.capacity)[0]
+        first = pipeline.place(*arrays)
+        warm_up(pipeline, first)
+        OP_TIMES[key] = op_times(pipeline, first, args.repeats)
+        del pipeline
+    times = OP_TIMES[key]
+    wall, busy = mpmd.simulate(orders, times)
+    real = sum(s.num_tokens for mb in microbatches for s in mb)
+    return {"stages": stages, "simulated": True, "devices_used": len(set(devices)), "workload": workload,
+            "variant": variant, "wall_s": wall, "tokens": real, "tokens_per_s": real / wall,
+            "bubble_ratio": 1.0 - sum(busy) / (stages * wall), "idle_s_per_stage": [wall - b for b in busy],
+            "busy_s_per_stage": busy, "op_seconds": times, "microbatches": sum(1 for mb in microbatches if mb),
+            "noops": sum(1 for mb in microbatches if not mb), "passes": len(segments),
+            "global_batch_size": data.global_batch_size[0],
+            "padding_waste": 1 - real / (sum(1 for mb in microbatches if mb) * args.capacity)}
+
+
+def measure(args, model, trainable, frozen, stages: int, workload: str, variant: str) -> dict:
+    devices = jax.devices()[:stages]
+    if len(devices) < stages:
+        raise SystemExit(f"--stages {stages} needs {stages} devices; this machine has {len(jax.devices())} "
+                         "(--simulate-stages replays S stages from measured op times)")
+    data, microbatches, segments = variant_plan(args, stages, workload, variant)
+    tokens = sample_tokens(model, data)
+    slot_of = {a: a for a in data.adapters}
     pipeline, orders, first, wall, loss = run_variant(model, trainable, frozen, devices, data, microbatches,
                                                       segments, tokens, args.capacity, slot_of, args.threaded)
     if stages not in OP_TIMES:  # fixed shapes: one measurement per pipeline size
@@ -263,7 +310,7 @@ def measure(args, model, trainable, frozen, stages: int, workload: str, variant:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--stages", type=int, nargs="+", default=[4], help="pipeline sizes to run (1 = one GPU)")
+    parser.add_argument("--stages", type=int, nargs="*", default=[4], help="pipeline sizes to run (1 = one GPU)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 32; --tiny: 4)")
     parser.add_argument("--capacity", type=int, default=None, help="tokens per microbatch (default 4096; --tiny: "
                         "256; longer samples are clipped to it)")
@@ -275,6 +322,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="back-to-back calls per op timing round")
     parser.add_argument("--driver", choices=["auto", "single", "threaded"], default="auto",
                         help="who issues the ops (auto: threaded if a cross-device copy blocks its caller)")
+    parser.add_argument("--simulate-stages", type=int, nargs="*", default=[],
+                        help="pipeline sizes to replay from measured op times (more stages than GPUs allowed), "
+                             "after the measured --stages runs")
     parser.add_argument("--tiny", action="store_true", help="tiny model, capacity 256 (CPU smoke test)")
     parser.add_argument("--out", default="bench/results/pipeline.json")
     args = parser.parse_args()
@@ -303,6 +353,14 @@ def main() -> None:
                       f"{r['bubble_ratio']:7.3f} {r['predicted_bubble_ratio']:6.3f} {r['microbatches']:4} "
                       f"{r['noops']:4}", flush=True)
                 write_report(args, device, results)
+    for stages in args.simulate_stages:
+        for workload in args.workloads:
+            for variant in args.variants:
+                r = simulate_stages(args, model, trainable, frozen, stages, workload, variant)
+                results.append(r)
+                print(f"{stages:2} {workload:8} {variant:12} {r['tokens_per_s']:9.0f} {r['wall_s']:7.2f} "
+                      f"{r['bubble_ratio']:7.3f} {'sim.':>6} {r['microbatches']:4} {r['noops']:4}", flush=True)
+                write_report(args, device, results)
     print(f"device: {device} x {len(jax.devices())}, jax {jax.__version__}, {args.layers} layers, "
           f"capacity {args.capacity}; wrote {args.out}")
 
@@ -326,7 +384,8 @@ def plot(path: str, results: list) -> None:
     except ImportError:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    labels = [f"S={r['stages']} {r['workload']}\n{r['variant']}" for r in results]
+    labels = [f"S={r['stages']}{' (sim.)' if r.get('simulated') else ''} {r['workload']}\n{r['variant']}"
+              for r in results]
     colors = ["tab:blue" if r["variant"] == "ours" else "tab:gray" for r in results]
     axes[0].bar(range(len(results)), [r["bubble_ratio"] for r in results], color=colors)
     axes[0].set_ylabel("measured bubble ratio")
