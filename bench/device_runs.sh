@@ -71,6 +71,17 @@ serve() {  # one GPU: the serving benchmark
       | tail -n 40
 }
 
+train_and_serve() {  # one GPU, one call: the training benchmark (JAX, then PEFT), then serving cases
+  nvidia-smi -L
+  timeout 200 python3 bench/train.py --layers 8 --capacity 4096 --variants jaxlora jaxlora-xla sequential \
+      --out "$OUT/train_h200_jax.json" 2>&1 | grep -v cuda_timer | tail -n 14
+  timeout 120 python3 bench/train.py --layers 8 --capacity 4096 --variants peft-best peft-padded \
+      --out "$OUT/train_h200_peft.json" 2>&1 | tail -n 10
+  timeout $((LIMIT - SECONDS - 5)) python3 bench/serve.py --requests 64 --time-budget $((LIMIT - SECONDS - 40)) \
+      --cases punica:distinct punica:uniform punica:skewed punica:identical "slora:n=1000,alpha=1,cv=1,mode=throughput" \
+      --out "$OUT/serve_h200.json" 2>&1 | grep -v cuda_timer | tail -n 16
+}
+
 two_gpus() {  # 2 GPUs: TP=2 serving vs one GPU, then PP=2 training vs one GPU
   nvidia-smi -L
   timeout 270 python3 bench/tp_serve.py --out "$OUT/tp_serve_2xh200.json" 2>&1 | tail -n 15

@@ -297,13 +297,15 @@ def summarize(records: list, start: float, end: float) -> dict:
 
 # ---- compilation ----------------------------------------------------------------------------------
 
-def step_shapes(config: EngineConfig) -> list[tuple[int, int]]:
-    """Every (tokens, block-table width) bucket the engine can dispatch (see `serve.engine`)."""
+def step_shapes(config: EngineConfig) -> list[tuple[int, int, bool]]:
+    """Every (tokens, block-table width, with LoRA) step the engine can dispatch (see
+    `serve.engine`): each bucket with LoRA inputs, and without (a step whose rows all use the base
+    model runs its own compiled variant)."""
     bucket = engine_module._bucket
     max_pages = bucket(pages_for(config.max_model_len, config.page_size), 1)
     tokens = sorted({bucket(t, 8) for t in range(1, config.token_budget + 1)})
     widths = sorted({min(bucket(p, 4), max_pages) for p in range(1, max_pages + 1)})
-    return [(t, w) for t in tokens for w in widths]
+    return [(t, w, lora) for lora in (True, False) for t in tokens for w in widths]
 
 
 def _noop_args(engine: Engine, num_tokens: int, width: int, lora: bool = True):
@@ -321,7 +323,8 @@ def _noop_args(engine: Engine, num_tokens: int, width: int, lora: bool = True):
 def compile_all(model, config: EngineConfig, threads: int, mesh=None, shapes=None) -> dict:
     """Compiles every step bucket: in parallel into the persistent cache (lower/compile), then
     through the jitted function itself (each call loads its executable into the in-memory cache).
-    shapes: (tokens, width) or (tokens, width, lora) tuples (default: every bucket, with LoRA);
+    shapes: (tokens, width) or (tokens, width, lora) tuples (default: every bucket, with and
+    without LoRA);
     mesh: compile the engine's tensor-parallel steps over it."""
     engine = Engine(model, eos_ids=(), config=config, mesh=mesh)
     shapes = step_shapes(config) if shapes is None else shapes
@@ -408,7 +411,8 @@ def main() -> None:
     parser.add_argument("--max-adapters", type=int, default=1000, help="Punica distinct/skewed adapter cap")
     parser.add_argument("--weight-sets", type=int, default=4, help="distinct random A/B sets the adapters share")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--adapter-slots", type=int, default=None, help="device adapter pool (default 16; --tiny: 4)")
+    parser.add_argument("--adapter-slots", type=int, default=None, help="device adapter pool (default 64: one slot per running "
+                        "request, as S-LoRA sizes it; --tiny: 4)")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="rows per step (default 64; --tiny: 8)")
     parser.add_argument("--token-budget", type=int, default=None, help="tokens per step (default 256; --tiny: 32)")
     parser.add_argument("--prefill-chunk", type=int, default=None, help="(default 128; --tiny: 16)")
@@ -429,7 +433,7 @@ def main() -> None:
     args.rate = pick(args.rate, 4.0, 20.0)
     args.min_len = pick(args.min_len, 8, 4)
     args.max_len = pick(args.max_len, 512, 24)
-    slots = pick(args.adapter_slots, 16, 4)
+    slots = pick(args.adapter_slots, 64, 4)
     max_num_seqs = pick(args.max_num_seqs, 64, 8)
     max_model_len = 2 * (args.max_len - 1)
     if args.compile_cache:

@@ -62,10 +62,13 @@ def split_pool(pool_arrays: dict) -> tuple[dict, dict]:
 
 
 def make_grad_step(model: Llama, num_slots: int, lora_backend: str):
-    """A jitted (trainable, frozen, batch arrays, plan, dropout rate, key) -> (per-slot loss, grads)."""
+    """A (trainable, frozen, batch arrays, plan, dropout rate, key) -> (per-slot loss, grads) step.
+
+    The frozen base weights enter the jitted function as an argument, not as captured constants:
+    constants would be embedded in the compiled program (gigabytes for an 8B model, a slow compile)."""
     graphdef, state = nnx.split(model)
 
-    def loss_fn(trainable, frozen, batch, plan: LoraPlan, dropout_rate, dropout_key):
+    def loss_fn(trainable, frozen, state, batch, plan: LoraPlan, dropout_rate, dropout_key):
         pool = {m: {**trainable[m], **frozen[m]} for m in trainable}
         lora = LoraInputs(pool, plan, dropout_rate, dropout_key)
         logits, _ = nnx.merge(graphdef, state)(
@@ -79,12 +82,15 @@ def make_grad_step(model: Llama, num_slots: int, lora_backend: str):
         per_slot = jnp.zeros(num_slots + 1, jnp.float32).at[slot].add(weighted)[:num_slots]
         return weighted.sum(), per_slot
 
-    grad_fn = jax.grad(loss_fn, has_aux=True)
+    grad_fn = jax.grad(loss_fn, has_aux=True)  # d/d trainable only
 
     @jax.jit
-    def grad_step(trainable, frozen, batch, plan, dropout_rate, dropout_key):
-        grads, per_slot = grad_fn(trainable, frozen, batch, plan, dropout_rate, dropout_key)
+    def jitted_step(state, trainable, frozen, batch, plan, dropout_rate, dropout_key):
+        grads, per_slot = grad_fn(trainable, frozen, state, batch, plan, dropout_rate, dropout_key)
         return per_slot, grads
+
+    def grad_step(trainable, frozen, batch, plan, dropout_rate, dropout_key):
+        return jitted_step(state, trainable, frozen, batch, plan, dropout_rate, dropout_key)
 
     return grad_step
 
