@@ -215,7 +215,13 @@ def main() -> None:
                         default=["jaxlora", "jaxlora-xla", "sequential", "peft-best", "peft-padded"])
     parser.add_argument("--tiny", action="store_true", help="tiny model (CPU smoke test)")
     parser.add_argument("--out", default="bench/results/train.json")
+    parser.add_argument("--plot-from", nargs="+", default=None,
+                        help="result JSONs (e.g. the JAX and the PyTorch process of one device call): write "
+                             "their bar chart to --out's .png and exit")
     args = parser.parse_args()
+    if args.plot_from:
+        plot(args.plot_from, os.path.splitext(args.out)[0] + ".png")
+        return
     config = llama8b_config(args.layers, args.tiny)
     model = pool = None
     if any(v.startswith(("jaxlora", "sequential")) for v in args.variants):
@@ -250,6 +256,33 @@ def _write_report(args, device: str, results: list) -> None:
               "global_batch": args.global_batch, "batches": args.batches, "results": results}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
+
+
+def plot(paths: list, png: str) -> None:
+    """Tokens/s per workload and variant, from result JSONs measured on one device."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    reports = [json.load(open(p)) for p in paths]
+    results = [r for report in reports for r in report["results"]]
+    workloads = list(dict.fromkeys(r["workload"] for r in results))
+    variants = list(dict.fromkeys(r["variant"] for r in results))
+    width = 0.8 / len(variants)
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for i, variant in enumerate(variants):
+        values = [next((r["tokens_per_s"] for r in results if r["workload"] == w and r["variant"] == variant), 0)
+                  for w in workloads]
+        ax.bar([x + i * width for x in range(len(workloads))], values, width, label=variant)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(workloads))], workloads)
+    ax.set_ylabel("tokens/s (real tokens)")
+    first = reports[0]
+    ax.set_title(f"4 adapters, {first['layers']}-layer Llama-3.1-8B shape, {first['device']}, jax {first['jax']}, "
+                 f"{first['date']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
