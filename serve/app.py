@@ -93,8 +93,8 @@ class Generation:
                 index, event = await self.queue.get()
                 if self.done[index]:
                     continue
-                if event.error is not None:
-                    raise ApiError(500, event.error)
+                if event.error is not None:  # "overloaded": dropped by early abort, retry later
+                    raise ApiError(503 if event.finish_reason == "overloaded" else 500, event.error)
                 if event.token is not None and self.first_token_at is None:
                     self.first_token_at = time.monotonic()
                 delta, reason = self.trackers[index].add(event.token, event.finish_reason)

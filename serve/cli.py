@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="shard the model over the first N devices (Megatron weights, S-LoRA adapters, KV heads); "
                         "needs an XLA LoRA backend (gather, onehot, ...) when N > 1")
+    p.add_argument("--ttft-slo-ms", type=float, default=None, metavar="MS",
+                   help="time-to-first-token objective: a queued request that can no longer start within it is "
+                        "dropped with 503 (S-LoRA early abort); default off")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -93,6 +96,8 @@ def build_app(args):
     from serve.app import ServerSettings, create_app
     from serve.engine import Engine, EngineConfig
 
+    if args.ttft_slo_ms is not None and not args.ttft_slo_ms > 0:
+        raise SystemExit(f"jaxlora-serve: --ttft-slo-ms must be > 0, got {args.ttft_slo_ms}")
     mesh = tensor_parallel_mesh(args.tensor_parallel, args.lora_backend)
     try:
         model, tokenizer = load_model(args.model, jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
@@ -102,14 +107,14 @@ def build_app(args):
     max_rank = args.max_lora_rank or max([16] + [a.max_rank for a in adapters.values()])
     context = min(args.max_model_len, model.config.max_position_embeddings)
     pages = args.num_kv_pages or 8 * -(-context // args.page_size)
-    config = EngineConfig(
-        max_adapters_on_device=args.max_adapters_on_device, max_lora_rank=max_rank, page_size=args.page_size,
-        num_pages=pages, max_model_len=context, max_num_seqs=args.max_num_seqs,
-        token_budget=args.max_num_batched_tokens, prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting,
-        lora_backend=args.lora_backend)
     try:
+        config = EngineConfig(
+            max_adapters_on_device=args.max_adapters_on_device, max_lora_rank=max_rank, page_size=args.page_size,
+            num_pages=pages, max_model_len=context, max_num_seqs=args.max_num_seqs,
+            token_budget=args.max_num_batched_tokens, prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting,
+            lora_backend=args.lora_backend, ttft_slo_s=None if args.ttft_slo_ms is None else args.ttft_slo_ms / 1e3)
         engine = Engine(model, tokenizer.eos_token_ids, config, adapters, mesh=mesh)
-    except (AdapterError, ValueError) as err:  # incl. shapes that do not split over --tensor-parallel
+    except (AdapterError, ValueError) as err:  # incl. bad sizes, shapes that do not split over --tensor-parallel
         raise SystemExit(f"jaxlora-serve: {err}")
     limits = Limits(max_tokens=args.max_tokens_limit, max_body_bytes=args.max_body_bytes)
     settings = ServerSettings(args.served_model_name or default_model_name(args.model),

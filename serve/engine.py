@@ -85,8 +85,11 @@ class EngineConfig:
     prefill_chunk: int = 64
     max_waiting: int = 1024
     lora_backend: str = "gather"
+    ttft_slo_s: float | None = None  # S-LoRA early abort: drop waiting requests that cannot meet it
 
     def __post_init__(self):
+        if self.ttft_slo_s is not None and not self.ttft_slo_s > 0:
+            raise ValueError(f"ttft_slo_s must be > 0 (or None: off), got {self.ttft_slo_s}")
         if self.max_model_len > self.num_pages * self.page_size:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the KV cache "
                              f"({self.num_pages} pages x {self.page_size} tokens)")
@@ -106,7 +109,8 @@ class Event(NamedTuple):
     """What a request's callback receives: a new token and/or a finish reason, or an error."""
 
     token: int | None
-    finish_reason: str | None  # "stop" (EOS), "length" (max_tokens), "abort", "error"
+    finish_reason: str | None  # "stop" (EOS), "length" (max_tokens), "abort", "error",
+    # "overloaded" (dropped before its first token: it could not meet the TTFT objective)
     error: str | None = None
 
 
@@ -325,6 +329,7 @@ class Engine:
             self._deliver(request, Event(None, "error", "the adapter was unloaded"))
             return
         self._requests[request.seq.seq_id] = request
+        request.seq.arrival = request.submitted
         self.scheduler.add(request.seq)
 
     def _abort(self, request_id) -> None:
@@ -339,6 +344,7 @@ class Engine:
         while self._commands:
             self._commands.popleft()()
         self._drop_removed_adapters()
+        self._drop_late_requests()
         if not self.scheduler.has_work():
             return False
         plan = self.scheduler.schedule()
@@ -420,6 +426,21 @@ class Engine:
             request.callback(event)
         except Exception:
             log.exception("request callback failed")
+
+    def _drop_late_requests(self) -> None:
+        """S-LoRA early abort: waiting requests that can no longer get a first token within
+        `ttft_slo_s` end now with an "overloaded" error (the soonest a first token can come is one
+        step away: the last step's time)."""
+        slo = self.config.ttft_slo_s
+        if slo is None:
+            return
+        for seq in self.scheduler.expire(time.monotonic(), slo, self.stats.last_step_s):
+            request = self._requests.pop(seq.seq_id, None)
+            self.stats.dropped += 1
+            if request is not None:
+                self._deliver(request, Event(None, "overloaded", f"the server is overloaded: the request could "
+                                                                 f"not start within its {slo * 1e3:.0f} ms "
+                                                                 "time-to-first-token objective; retry later"))
 
     def _fail_running(self, message: str) -> None:
         for seq in list(self.scheduler.running):
@@ -503,6 +524,7 @@ class Engine:
             "free_pages": scheduler.pages.num_free,
             "total_pages": self.config.num_pages,
             "tokens_per_second": self.stats.tokens_per_second(),
+            "dropped_overloaded": self.stats.dropped,
         }
 
 
@@ -517,6 +539,8 @@ class EngineStats:
         self.adapter_loads = 0
         self.base_only_steps = 0
         self.step_seconds = 0.0
+        self.last_step_s = 0.0
+        self.dropped = 0  # requests ended by early abort (see EngineConfig.ttft_slo_s)
         self._recent: collections.deque = collections.deque()
 
     def record_step(self, tokens: int, generated: int, seconds: float) -> None:
@@ -524,6 +548,7 @@ class EngineStats:
         self.step_tokens += tokens
         self.generated += generated
         self.step_seconds += seconds
+        self.last_step_s = seconds
         now = time.monotonic()
         self._recent.append((now, generated))
         while self._recent and self._recent[0][0] < now - self.window_s:

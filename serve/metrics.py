@@ -27,6 +27,9 @@ class Metrics:
         self.generation_tokens = Counter("jaxlora_generation_tokens", "Tokens generated", registry=registry)
         self.adapter_loads = Gauge("jaxlora_adapter_device_loads", "Adapter copies into device slots so far",
                                    registry=registry)
+        self.dropped = Gauge("jaxlora_requests_dropped_overloaded",
+                             "Requests dropped before their first token by early abort (TTFT objective)",
+                             registry=registry)
         self.ttft = Histogram("jaxlora_time_to_first_token_seconds", "Time to first token",
                               buckets=LATENCY_BUCKETS, registry=registry)
         self.e2e = Histogram("jaxlora_request_latency_seconds", "End-to-end request latency",
@@ -44,4 +47,5 @@ class Metrics:
         self.total_pages.set(snap["total_pages"])
         self.tokens_per_second.set(snap["tokens_per_second"])
         self.adapter_loads.set(self.engine.stats.adapter_loads)
+        self.dropped.set(snap["dropped_overloaded"])
         return generate_latest(self.registry)

@@ -1,7 +1,8 @@
 """Bad input answered with the right status and a message, and the server keeps serving:
 unknown model 404, malformed JSON/fields 400, prompt over the context 400, out-of-range
 max_tokens/temperature/n 400, adapter path outside the allowed directories 403, corrupt adapter
-400, body too large 413, and a client that disconnects mid-stream frees its KV pages."""
+400, body too large 413, a request dropped by early abort (TTFT objective) 503, and a client that
+disconnects mid-stream frees its KV pages."""
 
 import json
 import time
@@ -115,6 +116,22 @@ def test_corrupt_adapter_is_400_and_the_server_keeps_serving(client, live_server
                  {"lora_name": "missing", "lora_path": str(allowed_dir / "missing")}), 400)
     assert "corrupt" not in [m.id for m in client.models.list().data]
     assert client.completions.create(model="ad0", prompt="Hi", max_tokens=2, temperature=0).choices[0].text
+
+
+def test_request_that_cannot_meet_the_ttft_objective_is_503_and_the_server_keeps_serving(client, live_server):
+    import dataclasses
+
+    engine = live_server.engine
+    config = engine.config
+    engine.config = dataclasses.replace(config, ttft_slo_s=1e-6)  # no queued request can meet it
+    try:
+        response = _post(live_server, "/v1/completions", {"model": BASE, "prompt": "Hello", "max_tokens": 4})
+        assert "time-to-first-token" in _error(response, 503)
+        assert response.json()["error"]["type"] == "server_error"
+    finally:
+        engine.config = config
+    assert b"jaxlora_requests_dropped_overloaded 1.0" in httpx.get(live_server.url + "/metrics").content
+    assert client.completions.create(model=BASE, prompt="Hi", max_tokens=2, temperature=0).choices[0].text
 
 
 def test_disconnect_mid_stream_frees_kv_pages(live_server):

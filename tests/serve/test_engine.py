@@ -1,11 +1,13 @@
 """The engine: continuous batching over 8 adapters + base equals merged-weight generation, also
 with fewer device slots than adapters (eviction and reload), and seeded sampling is batch-independent."""
 
+import dataclasses
+
 import pytest
 
 from jaxlora.generate import SamplingParams, generate
 from jaxlora.lora.merge import merge_adapter
-from serve.engine import Engine, EngineConfig, SamplingOptions
+from serve.engine import Engine, EngineConfig, Event, SamplingOptions
 from tests.serve.conftest import SMALL_ENGINE, exact_weights
 
 MAX_TOKENS = 8
@@ -88,6 +90,22 @@ def test_aborted_request_frees_its_pages(smollm2):
     engine.step()
     assert engine.free_pages == SMALL_ENGINE["num_pages"] and events[-1].finish_reason == "abort"
     assert not engine.scheduler.has_work()
+
+
+def test_early_abort_drops_late_waiting_requests_and_keeps_running_ones(smollm2):
+    model, tokenizer = smollm2
+    config = EngineConfig(**{**SMALL_ENGINE, "max_num_seqs": 1}, ttft_slo_s=3600.0)
+    engine = Engine(model, tokenizer.eos_token_ids, config)
+    events = {name: [] for name in ("first", "second")}
+    for name in events:
+        engine.submit(name, tokenizer.encode("Count: 1, 2, 3,"), 6, None, SamplingOptions(), events[name].append)
+    engine.step()  # "first" runs; "second" waits (one row per step)
+    engine.config = dataclasses.replace(config, ttft_slo_s=1e-6)  # now nothing waiting can meet it
+    engine.run_until_idle()
+    assert events["second"] == [Event(None, "overloaded", events["second"][0].error)]
+    assert "time-to-first-token" in events["second"][0].error
+    assert events["first"][-1].finish_reason in ("stop", "length") and len(events["first"]) > 1
+    assert engine.stats.dropped == 1 and engine.free_pages == SMALL_ENGINE["num_pages"]
 
 
 def test_failed_step_fails_its_requests_and_the_engine_keeps_serving(smollm2, monkeypatch):

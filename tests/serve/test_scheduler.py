@@ -116,3 +116,19 @@ def test_requests_that_can_never_fit_are_refused():
     s.add(seq)
     s.finish(seq, "abort")
     assert seq.status is Status.FINISHED and not s.has_work()
+
+
+def test_early_abort_drops_only_waiting_requests_that_cannot_meet_the_slo():
+    s = _scheduler(num_pages=4, page_size=4)
+    for seq_id, arrival in (("a", 0.0), ("b", 0.0), ("c", 0.9)):
+        s.add(Sequence(seq_id, [1] * 8, max_tokens=4, arrival=arrival))  # 3 pages each: one runs at a time
+    _run_step(s)
+    assert [q.seq_id for q in s.running] == ["a"]
+    assert s.expire(now=0.5, ttft_slo_s=1.0, next_step_s=0.1) == []  # b could still start in time
+    late = s.expire(now=0.95, ttft_slo_s=1.0, next_step_s=0.1)  # b: 0.95 + 0.1 > 1.0; c: 0.05 + 0.1 is fine
+    assert [q.seq_id for q in late] == ["b"] and late[0].status is Status.FINISHED
+    assert late[0].finish_reason == "overloaded"
+    assert [q.seq_id for q in s.running] == ["a"] and [q.seq_id for q in s.waiting] == ["c"]
+    c = s.waiting[0]
+    assert s.expire(now=100.0, ttft_slo_s=1.0) == [c] and s.running  # running: never dropped
+    assert s.pages.num_free == 1  # only a's pages are held

@@ -17,6 +17,11 @@ If the head of the queue cannot get a slot (all pinned), later requests whose ad
 already on the device may go first (adapter-aware skipping); if it lacks pages, admission stops,
 so long requests are not starved.
 
+Early abort (S-LoRA): with a time-to-first-token objective, `expire(now, ttft_slo_s, next_step_s)`
+drops every waiting request that can no longer meet it (waited so far + at least one more step >
+the objective) instead of serving it late at the cost of the requests behind it; running
+requests are never dropped.
+
 Pure host-side Python: no JAX here; `serve.engine` turns a `StepPlan` into device arrays.
 """
 
@@ -52,6 +57,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     order: int = 0
+    arrival: float = 0.0  # when the request arrived (seconds, the caller's clock; see `expire`)
 
     @property
     def tokens(self) -> list[int]:
@@ -158,6 +164,15 @@ class ServingScheduler:
         else:
             self.waiting.remove(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
+
+    def expire(self, now: float, ttft_slo_s: float, next_step_s: float = 0.0) -> list[Sequence]:
+        """Finishes ("overloaded") and returns the waiting sequences whose first token cannot come
+        within `ttft_slo_s` of their arrival any more: `now - arrival + next_step_s > ttft_slo_s`
+        (`next_step_s`: the soonest a first token can come, e.g. the recent step time)."""
+        late = [seq for seq in self.waiting if now - seq.arrival + next_step_s > ttft_slo_s]
+        for seq in late:
+            self.finish(seq, "overloaded")
+        return late
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
