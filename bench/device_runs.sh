@@ -67,7 +67,9 @@ train() {  # one GPU: jaxlora vs sequential jobs (JAX), then HF+PEFT in its own 
 
 serve() {  # one GPU: the serving benchmark
   nvidia-smi -L
-  timeout $((LIMIT - 5)) python3 bench/serve.py --time-budget $((LIMIT - 60)) --out "$OUT/serve_h200.json" 2>&1 \
+  timeout $((LIMIT - 5)) python3 bench/serve.py --requests 64 --lora-backend pallas onehot \
+      --cases punica:distinct "slora:n=1000,alpha=1,cv=1,mode=throughput" punica:identical punica:uniform punica:skewed \
+      --time-budget $((LIMIT - 60)) --out "$OUT/serve_h200.json" 2>&1 \
       | tail -n 40
 }
 

@@ -20,7 +20,8 @@ cases, then the sweeps). `--cases` gives specs explicitly. `--time-budget` skips
 would not finish in time (for a device call with a wall-clock limit).
 
 Each case runs the trace twice on fresh engines (same config, same compiled steps): with its
-adapters, and with every request on the base model (`adapter=None`; the arrivals and lengths do
+adapters (once per `--lora-backend` given, e.g. `--lora-backend pallas onehot`), and with every
+request on the base model (`adapter=None`; the arrivals and lengths do
 not depend on the adapter column, so one base run serves every case with the same trace). The
 driver calls `Engine.step()` in this thread (no HTTP, no engine thread); TTFT counts from the
 scheduled arrival time, so time a request waits for a running step counts as queueing.
@@ -354,12 +355,12 @@ def compile_all(model, config: EngineConfig, threads: int, mesh=None, shapes=Non
 
 # ---- report ---------------------------------------------------------------------------------------
 
-HEADER = (f"{'case':48} {'run':4} {'tok/s':>8} {'req/s':>6} {'TTFT p50':>9} {'p90':>8} {'TPOT p50':>9} "
+HEADER = (f"{'case':48} {'run':12} {'tok/s':>8} {'req/s':>6} {'TTFT p50':>9} {'p90':>8} {'TPOT p50':>9} "
           f"{'p90':>7} {'loads':>5}")
 
 
 def print_row(name: str, label: str, r: dict) -> None:
-    print(f"{name:48} {label:4} {r['tokens_per_s']:8.0f} {r['requests_per_s']:6.2f} {r['ttft_p50_ms']:7.0f}ms "
+    print(f"{name:48} {label:12} {r['tokens_per_s']:8.0f} {r['requests_per_s']:6.2f} {r['ttft_p50_ms']:7.0f}ms "
           f"{r['ttft_p90_ms']:6.0f}ms {r['tpot_p50_ms']:7.1f}ms {r['tpot_p90_ms']:5.1f}ms {r['adapter_loads']:5d}"
           + (f"  errors {r['errors']}" if r["errors"] else "")
           + (f"  compiled {r['compiles_in_run']}x" if r["compiles_in_run"] else ""), flush=True)
@@ -418,8 +419,10 @@ def main() -> None:
     parser.add_argument("--prefill-chunk", type=int, default=None, help="(default 128; --tiny: 16)")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--num-pages", type=int, default=None, help="KV pages (default: max-num-seqs full contexts)")
-    parser.add_argument("--lora-backend", default=None, help="jaxlora.lora.ops backend (default: pallas on a GPU, "
-                        "gather elsewhere; onehot if pallas fails to compile)")
+    parser.add_argument("--lora-backend", nargs="+", default=None,
+                        help="jaxlora.lora.ops backend(s) (default: pallas on a GPU, gather elsewhere; onehot if "
+                             "pallas fails to compile); several: each serves every case's LoRA trace, the first "
+                             "is the reported `lora` run, all are under `lora_by_backend`")
     parser.add_argument("--compile-threads", type=int, default=min(8, os.cpu_count() or 1))
     parser.add_argument("--compile-cache", default="/tmp/jaxlora_serve_jit_cache",
                         help="JAX persistent compilation cache dir ('' to disable)")
@@ -440,7 +443,8 @@ def main() -> None:
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    backend = args.lora_backend or ("pallas" if jax.default_backend() == "gpu" else "gather")
+    backends = args.lora_backend or ["pallas" if jax.default_backend() == "gpu" else "gather"]
+    backend = backends[0]
     engine_config = EngineConfig(
         max_adapters_on_device=slots, max_lora_rank=LORA.r, page_size=args.page_size,
         num_pages=args.num_pages or max_num_seqs * pages_for(max_model_len, args.page_size),
@@ -476,6 +480,13 @@ def main() -> None:
     print(f"compiled {compile_info['shapes']} step shapes: {compile_info['parallel_s']:.1f} s in "
           f"{compile_info['threads']} threads, then {compile_info['serial_s']:.1f} s loading/compiling serially",
           flush=True)
+    backends = [backend] + [b for b in backends[1:] if b != backend]
+    other_configs = {b: dataclasses.replace(engine_config, lora_backend=b) for b in backends[1:]}
+    for other, other_config in other_configs.items():  # their LoRA steps (base runs use the first backend's)
+        info = compile_all(model, other_config, args.compile_threads,
+                           shapes=[shape for shape in step_shapes(other_config) if shape[2]])
+        compile_info.setdefault("other_backends", {})[other] = info
+        print(f"compiled the {other} LoRA steps: {info['parallel_s'] + info['serial_s']:.1f} s", flush=True)
 
     # Warm-up (untimed): a few requests with adapters and on the base model exercise adapter loads,
     # prefetch and the host-side step path once.
@@ -498,7 +509,7 @@ def main() -> None:
         "settings": {k: v for k, v in vars(args).items()},
         "setup_s": setup_s, "compile": compile_info, "results": [],
     }
-    report["settings"]["lora_backend"] = backend
+    report["settings"]["lora_backend"] = backends
     print(HEADER, flush=True)
     base_runs: dict = {}
     last_run_s = 0.0
@@ -506,7 +517,7 @@ def main() -> None:
         trace = make_trace(case, args.seed, args.min_len, args.max_len, args.max_adapters)
         need_base = trace.base_key() not in base_runs
         elapsed = time.perf_counter() - t0
-        estimate = last_run_s * (2 if need_base else 1)
+        estimate = last_run_s * (len(backends) + need_base)
         if args.time_budget and elapsed + estimate > args.time_budget:
             print(f"{case.name:48} skipped (time budget: {elapsed:.0f} s used, ~{estimate:.0f} s needed)", flush=True)
             report["results"].append({"case": case.name, "spec": dataclasses.asdict(case), "skipped": "time budget"})
@@ -517,7 +528,11 @@ def main() -> None:
         run_start = time.perf_counter()
         lora = run_trace(model, engine_config, trace, prompts, factory)
         last_run_s = time.perf_counter() - run_start
-        print_row(case.name, "lora", lora)
+        print_row(case.name, "lora" if len(backends) == 1 else f"lora {backend}", lora)
+        by_backend = {backend: lora}
+        for other, other_config in other_configs.items():
+            by_backend[other] = run_trace(model, other_config, trace, prompts, factory)
+            print_row("", f"lora {other}", by_backend[other])
         if need_base:
             base_runs[trace.base_key()] = (case.name, run_trace(model, engine_config, trace, prompts, None))
         base_of, base = base_runs[trace.base_key()]
@@ -525,12 +540,12 @@ def main() -> None:
         report["results"].append({
             "case": case.name, "spec": dataclasses.asdict(case),
             "distinct_adapters": int(len(set(trace.adapters.tolist()))),
-            "lora": lora, "base": base, "base_run_of": base_of,
+            "lora": lora, "lora_by_backend": by_backend, "base": base, "base_run_of": base_of,
             "throughput_vs_base": lora["tokens_per_s"] / base["tokens_per_s"]})
         write_report(args.out, report)
     report["total_s"] = time.perf_counter() - t0
     write_report(args.out, report)
-    print(f"device: {device}, jax {jax.__version__}, {args.layers} layers, backend {backend}; "
+    print(f"device: {device}, jax {jax.__version__}, {args.layers} layers, backends {', '.join(backends)}; "
           f"{report['total_s']:.0f} s; wrote {args.out}", flush=True)
 
 
