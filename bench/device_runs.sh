@@ -59,7 +59,7 @@ kernels() {  # one GPU: the GPU tests, then the tile profiler for this device; 4
 
 train() {  # one GPU: jaxlora vs sequential jobs (JAX), then HF+PEFT in its own process
   nvidia-smi -L
-  timeout 330 python3 bench/train.py --layers 8 --capacity 4096 --variants jaxlora jaxlora-xla sequential \
+  timeout 330 python3 bench/train.py --layers 8 --capacity 4096 --breakdown --variants jaxlora jaxlora-xla sequential \
       --out "$OUT/train_h200_jax.json" 2>&1 | tail -n 20
   timeout $((LIMIT - SECONDS - 5)) python3 bench/train.py --layers 8 --capacity 4096 --variants peft-best peft-padded \
       --out "$OUT/train_h200_peft.json" 2>&1 | tail -n 20

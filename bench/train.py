@@ -11,6 +11,9 @@ ARCHITECTURE §8, measured in one run, tokens/s counting real (unpadded) tokens:
   peft-padded    (b) HF transformers + peft, one job at a time, batches of 4 samples padded to
                  the longest.
 Compilation and the (ahead-of-time) scheduling are outside the timed region. Writes JSON to --out.
+`--breakdown` first times one grad step on the fullest microbatch three ways (the model's
+attention; attention left out; `jax.nn.dot_product_attention` in its place) to show what the
+step's time goes to.
 Run the JAX variants and the PyTorch variants in separate processes (JAX holds most of the GPU
 memory while it lives): `--variants jaxlora-xla sequential` then `--variants peft-best peft-padded`.
 """
@@ -138,6 +141,62 @@ def time_jaxlora(model, pool, data, samples, microbatches, capacity, backend) ->
             "microbatches": len(microbatches)}
 
 
+def _stand_in_attention(q, k, v, mask):
+    """Leave-one-out: attention replaced by its query (same shape, gradients still flow)."""
+    return q
+
+
+def _library_attention(q, k, v, mask):
+    """`jax.nn.dot_product_attention` (cuDNN's fused kernel where it applies, else XLA): q [B,T,H,D],
+    k/v [B,S,Hkv,D] (GQA), mask [B,T,S]."""
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None]).astype(q.dtype)
+
+
+ATTENTION_VARIANTS = {"model": None, "no attention (leave-one-out)": _stand_in_attention,
+                      "jax.nn.dot_product_attention": _library_attention}
+
+
+def _median_step_seconds(step, args, repeats: int) -> float:
+    """Median over 3 rounds of (time of `repeats` back-to-back steps) / repeats."""
+    jax.block_until_ready(step(*args))  # compile
+    rounds = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(repeats - 1):
+            step(*args)
+        jax.block_until_ready(step(*args))
+        rounds.append((time.perf_counter() - start) / repeats)
+    return sorted(rounds)[1]
+
+
+def breakdown(model, pool, microbatch, samples, capacity: int, repeats: int) -> list[dict]:
+    """Seconds of one compiled grad step (one-hot XLA LoRA backend) on one full microbatch, for the
+    model's attention, attention left out, and `jax.nn.dot_product_attention` in its place."""
+    import jaxlora.models.llama as llama_module
+
+    entries = [(s.adapter_id, samples[(s.adapter_id, s.sample_index)], 1.0) for s in microbatch]
+    batch, plan = device_batch(pack_microbatch(entries, capacity, 4), 4)
+    trainable, frozen = split_pool(pool.arrays)
+    dropout = jnp.full(4, LORA.lora_dropout, jnp.float32)
+    original = llama_module.attention
+    out = []
+    for name, attention in ATTENTION_VARIANTS.items():
+        llama_module.attention = attention or original
+        try:
+            step = make_grad_step(model, 4, "onehot")  # traced on its first call: sees the patched attention
+            seconds = _median_step_seconds(step, (trainable, frozen, batch, plan, dropout, jax.random.key(0)),
+                                           repeats)
+            real = sum(s.num_tokens for s in microbatch)
+            out.append({"variant": name, "step_s": seconds, "tokens_per_s": real / seconds})
+        except Exception as err:  # e.g. no fused kernel for this mask: record it, keep going
+            out.append({"variant": name, "error": f"{type(err).__name__}: {str(err)[:300]}"})
+        finally:
+            llama_module.attention = original
+        print(f"breakdown  {name:32} " + (f"{out[-1]['step_s'] * 1e3:8.1f} ms/step "
+              f"{out[-1]['tokens_per_s']:9.0f} tokens/s" if "step_s" in out[-1] else out[-1]["error"]), flush=True)
+    return out
+
+
 def time_peft(config: LlamaConfig, data, samples, mode: str) -> dict:
     """HF transformers + peft, one job at a time (all jobs timed; model built once per job)."""
     import torch
@@ -215,6 +274,9 @@ def main() -> None:
                         default=["jaxlora", "jaxlora-xla", "sequential", "peft-best", "peft-padded"])
     parser.add_argument("--tiny", action="store_true", help="tiny model (CPU smoke test)")
     parser.add_argument("--out", default="bench/results/train.json")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="first: time one grad step on a full microbatch with the model's attention, with "
+                             "attention left out, and with jax.nn.dot_product_attention")
     parser.add_argument("--plot-from", nargs="+", default=None,
                         help="result JSONs (e.g. the JAX and the PyTorch process of one device call): write "
                              "their bar chart to --out's .png and exit")
@@ -231,6 +293,14 @@ def main() -> None:
             pool.load(random_adapter(f"adapter{index}", config, LORA, seed=index))
     results = []
     device = jax.devices()[0].device_kind
+    if args.breakdown and model is not None:
+        data = synthetic_data(args.workloads[0], 4, args.batches * args.global_batch, args.global_batch, seed=1)
+        ours = build_schedule(data, SchedulerConfig(capacity=args.capacity, padding_multiple=1, time_limit_s=1.0))
+        fullest = max(ours.microbatches, key=lambda mb: sum(s.num_tokens for s in mb))
+        results.append({"workload": args.workloads[0], "variant": "breakdown", "tokens_in_microbatch":
+                        sum(s.num_tokens for s in fullest), "steps": breakdown(
+                            model, pool, fullest, make_samples(data, config.vocab_size, seed=2), args.capacity, 5)})
+        _write_report(args, device, results)
     for workload in args.workloads:
         data = synthetic_data(workload, 4, args.batches * args.global_batch, args.global_batch, seed=1)
         samples = make_samples(data, config.vocab_size, seed=2)
