@@ -79,13 +79,14 @@ def _pipeline(model, trainable, frozen, num_stages):
     return mpmd.MpmdPipeline(model, trainable, frozen, jax.devices()[:num_stages], OPTIMIZER, RANK)
 
 
-@pytest.mark.parametrize("num_stages,threaded", [(2, False), (4, False), (4, True)])
-def test_multi_adapter_stream_matches_one_device(num_stages, threaded):
+@pytest.mark.parametrize("num_stages,threaded,num_adapters", [(2, False, 3), (4, False, 3), (4, True, 3),
+                                                               (4, False, 1)])
+def test_multi_adapter_stream_matches_one_device(num_stages, threaded, num_adapters):
     config = dataclasses.replace(CONFIG, num_layers=4)
     model = tiny_model(config)
     trainable, frozen = split_pool(random_pool(config))
     num_slots = next(iter(trainable.values()))["a"].shape[1]
-    data = _data(num_adapters=3, samples=8, batch_size=2)
+    data = _data(num_adapters=num_adapters, samples=8, batch_size=2)
     schedule = build_schedule(data, SchedulerConfig(capacity=CAPACITY, num_stages=num_stages, padding_multiple=1,
                                                     use_milp=False))
     microbatches = list(schedule.microbatches)
