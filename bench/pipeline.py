@@ -203,15 +203,21 @@ def copy_blocks(devices) -> float:
     return held
 
 
+def op_orders(data, microbatches, segments, num_stages: int, slot_of) -> list:
+    """Each stage's 1F1B op order (optimizer steps after each global batch; lemma checked)."""
+    completions = mpmd.completions_of(microbatches, data.global_batch_size, slot_of)
+    empty = frozenset(i for i, mb in enumerate(microbatches) if not mb)
+    orders = mpmd.stage_orders(segments, num_stages, completions, empty)
+    mpmd.check_update_order(orders, microbatches, data.global_batch_size, slot_of)
+    return orders
+
+
 def run_variant(model, trainable, frozen, devices, data, microbatches, segments, tokens, capacity, slot_of,
                 threaded: bool):
     """One timed run; returns its measurements and the op orders."""
     optimizer = optax.adamw(1e-4)
     pipeline = mpmd.MpmdPipeline(model, trainable, frozen, devices, optimizer, LORA.r)
-    completions = mpmd.completions_of(microbatches, data.global_batch_size, slot_of)
-    empty = frozenset(i for i, mb in enumerate(microbatches) if not mb)
-    orders = mpmd.stage_orders(segments, len(devices), completions, empty)
-    mpmd.check_update_order(orders, microbatches, data.global_batch_size, slot_of)
+    orders = op_orders(data, microbatches, segments, len(devices), slot_of)
     arrays = microbatch_arrays(data, microbatches, tokens, capacity)
     placed = [None if item is None else pipeline.place(*item) for item in arrays]
     first = next(p for p in placed if p is not None)
@@ -253,11 +259,7 @@ def simulate_stages(args, model, trainable, frozen, stages: int, workload: str, 
     times (`mpmd.simulate`, transfers free). Nothing here runs the pipeline itself."""
     devices = [jax.devices()[i % len(jax.devices())] for i in range(stages)]
     data, microbatches, segments = variant_plan(args, stages, workload, variant)
-    slot_of = {a: a for a in data.adapters}
-    completions = mpmd.completions_of(microbatches, data.global_batch_size, slot_of)
-    empty = frozenset(i for i, mb in enumerate(microbatches) if not mb)
-    orders = mpmd.stage_orders(segments, stages, completions, empty)
-    mpmd.check_update_order(orders, microbatches, data.global_batch_size, slot_of)
+    orders = op_orders(data, microbatches, segments, stages, {a: a for a in data.adapters})
     key = ("simulated", stages)
     if key not in OP_TIMES:
         pipeline = mpmd.MpmdPipeline(model, trainable, frozen, devices, optax.adamw(1e-4), LORA.r)
@@ -344,22 +346,16 @@ def main() -> None:
     results = []
     print(f"{'S':>2} {'workload':8} {'variant':12} {'tokens/s':>9} {'wall s':>7} {'bubble':>7} {'pred.':>6} "
           f"{'mb':>4} {'noop':>4}", flush=True)
-    for stages in args.stages:
+    runs = [(stages, measure) for stages in args.stages] + \
+        [(stages, simulate_stages) for stages in args.simulate_stages]
+    for stages, run in runs:
         for workload in args.workloads:
             for variant in args.variants:
-                r = measure(args, model, trainable, frozen, stages, workload, variant)
+                r = run(args, model, trainable, frozen, stages, workload, variant)
                 results.append(r)
+                predicted = f"{r['predicted_bubble_ratio']:6.3f}" if "predicted_bubble_ratio" in r else f"{'sim.':>6}"
                 print(f"{stages:2} {workload:8} {variant:12} {r['tokens_per_s']:9.0f} {r['wall_s']:7.2f} "
-                      f"{r['bubble_ratio']:7.3f} {r['predicted_bubble_ratio']:6.3f} {r['microbatches']:4} "
-                      f"{r['noops']:4}", flush=True)
-                write_report(args, device, results)
-    for stages in args.simulate_stages:
-        for workload in args.workloads:
-            for variant in args.variants:
-                r = simulate_stages(args, model, trainable, frozen, stages, workload, variant)
-                results.append(r)
-                print(f"{stages:2} {workload:8} {variant:12} {r['tokens_per_s']:9.0f} {r['wall_s']:7.2f} "
-                      f"{r['bubble_ratio']:7.3f} {'sim.':>6} {r['microbatches']:4} {r['noops']:4}", flush=True)
+                      f"{r['bubble_ratio']:7.3f} {predicted} {r['microbatches']:4} {r['noops']:4}", flush=True)
                 write_report(args, device, results)
     print(f"device: {device} x {len(jax.devices())}, jax {jax.__version__}, {args.layers} layers, "
           f"capacity {args.capacity}; wrote {args.out}")
