@@ -40,7 +40,6 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
@@ -52,6 +51,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from bench.timing import median_call_seconds
 from jaxlora.lora.adapter import random_adapter
 from jaxlora.lora.config import LoraConfig
 from jaxlora.lora.pool import AdapterPool
@@ -143,18 +143,6 @@ def pipeline_model_dim(pipeline) -> int:
     return pipeline.stages[0].program.config.hidden_size
 
 
-def _timed(fn, repeats: int) -> float:
-    """Median over 3 rounds of (time of `repeats` back-to-back calls) / repeats."""
-    rounds = []
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(repeats - 1):
-            fn()
-        jax.block_until_ready(fn())  # ops on one device run in issue order
-        rounds.append((time.perf_counter() - start) / repeats)
-    return statistics.median(rounds)
-
-
 def op_times(pipeline: mpmd.MpmdPipeline, placed, repeats: int) -> dict[str, list[float]]:
     """Seconds of one F, B and U op on each stage, each measured alone on its GPU."""
     from train.optim import apply_adapter_update
@@ -167,22 +155,22 @@ def op_times(pipeline: mpmd.MpmdPipeline, placed, repeats: int) -> dict[str, lis
         program = stage.program
         out, saved = program.forward(stage.weights, stage.trainable, stage.frozen, x, batch, plan)
         cotangent = None if program.last else 1e-3 * jnp.ones_like(out)
-        times["F"].append(_timed(lambda: program.forward(stage.weights, stage.trainable, stage.frozen, x, batch,
-                                                         plan)[0], repeats))
+        forward = lambda: program.forward(stage.weights, stage.trainable, stage.frozen, x, batch, plan)[0]
+        times["F"].append(median_call_seconds(forward, repeats))
 
         def backward():
             stage.grads_acc, grad_in = program.backward(stage.weights, stage.trainable, stage.frozen, saved,
                                                         stage.grads_acc, cotangent, batch, plan)
             return stage.grads_acc
 
-        times["B"].append(_timed(backward, repeats))
+        times["B"].append(median_call_seconds(backward, repeats))
 
         def update():
             stage.trainable, stage.grads_acc, stage.opt_states[0] = apply_adapter_update(
                 pipeline.optimizer, stage.trainable, stage.grads_acc, 0, pipeline.rank, stage.opt_states[0])
             return stage.trainable
 
-        times["U"].append(_timed(update, repeats))
+        times["U"].append(median_call_seconds(update, repeats))
     return times
 
 

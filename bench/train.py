@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bench.timing import median_call_seconds
 from jaxlora.lora.adapter import random_adapter
 from jaxlora.lora.config import LoraConfig
 from jaxlora.lora.pool import AdapterPool
@@ -156,19 +157,6 @@ ATTENTION_VARIANTS = {"model": None, "no attention (leave-one-out)": _stand_in_a
                       "jax.nn.dot_product_attention": _library_attention}
 
 
-def _median_step_seconds(step, args, repeats: int) -> float:
-    """Median over 3 rounds of (time of `repeats` back-to-back steps) / repeats."""
-    jax.block_until_ready(step(*args))  # compile
-    rounds = []
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(repeats - 1):
-            step(*args)
-        jax.block_until_ready(step(*args))
-        rounds.append((time.perf_counter() - start) / repeats)
-    return sorted(rounds)[1]
-
-
 def breakdown(model, pool, microbatch, samples, capacity: int, repeats: int) -> list[dict]:
     """Seconds of one compiled grad step (one-hot XLA LoRA backend) on one full microbatch, for the
     model's attention, attention left out, and `jax.nn.dot_product_attention` in its place."""
@@ -184,8 +172,9 @@ def breakdown(model, pool, microbatch, samples, capacity: int, repeats: int) -> 
         llama_module.attention = attention or original
         try:
             step = make_grad_step(model, 4, "onehot")  # traced on its first call: sees the patched attention
-            seconds = _median_step_seconds(step, (trainable, frozen, batch, plan, dropout, jax.random.key(0)),
-                                           repeats)
+            step_args = (trainable, frozen, batch, plan, dropout, jax.random.key(0))
+            jax.block_until_ready(step(*step_args))  # compile
+            seconds = median_call_seconds(lambda: step(*step_args), repeats)
             real = sum(s.num_tokens for s in microbatch)
             out.append({"variant": name, "step_s": seconds, "tokens_per_s": real / seconds})
         except Exception as err:  # e.g. no fused kernel for this mask: record it, keep going
