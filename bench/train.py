@@ -11,9 +11,9 @@ ARCHITECTURE §8, measured in one run, tokens/s counting real (unpadded) tokens:
   peft-padded    (b) HF transformers + peft, one job at a time, batches of 4 samples padded to
                  the longest.
 Compilation and the (ahead-of-time) scheduling are outside the timed region. Writes JSON to --out.
-`--breakdown` first times one grad step on the fullest microbatch three ways (the model's
-attention; attention left out; `jax.nn.dot_product_attention` in its place) to show what the
-step's time goes to.
+`--breakdown` first times one grad step on the fullest microbatch with each attention variant
+(masked XLA softmax; attention left out; `jax.nn.dot_product_attention`; the flash kernel with
+several tiles) to show what the step's time goes to, and keeps the fastest flash tiles for the run.
 Run the JAX variants and the PyTorch variants in separate processes (JAX holds most of the GPU
 memory while it lives): `--variants jaxlora-xla sequential` then `--variants peft-best peft-padded`.
 """
@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from bench.timing import median_call_seconds
+from pallas_kernels.attention import FlashBlocks
 from jaxlora.lora.adapter import random_adapter
 from jaxlora.lora.config import LoraConfig
 from jaxlora.lora.pool import AdapterPool
@@ -153,37 +154,59 @@ def _library_attention(q, k, v, mask):
     return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None]).astype(q.dtype)
 
 
-ATTENTION_VARIANTS = {"model": None, "no attention (leave-one-out)": _stand_in_attention,
-                      "jax.nn.dot_product_attention": _library_attention}
+# name -> (the model's packed attention, a replacement of `attend` or None, flash tiles or None)
+ATTENTION_VARIANTS = {
+    "masked (XLA softmax over [H,T,T])": ("masked", None, None),
+    "no attention (leave-one-out)": ("masked", _stand_in_attention, None),
+    "jax.nn.dot_product_attention": ("masked", _library_attention, None),
+    "flash q64 k64 bwd64": ("flash", None, FlashBlocks(64, 64, 64)),
+    "flash q128 k64 bwd64": ("flash", None, FlashBlocks(128, 64, 64)),
+    "flash q128 k128 bwd64 w8": ("flash", None, FlashBlocks(128, 128, 64, num_warps=8)),
+    "flash q64 k64 bwd32": ("flash", None, FlashBlocks(64, 64, 32)),
+}
 
 
 def breakdown(model, pool, microbatch, samples, capacity: int, repeats: int) -> list[dict]:
-    """Seconds of one compiled grad step (one-hot XLA LoRA backend) on one full microbatch, for the
-    model's attention, attention left out, and `jax.nn.dot_product_attention` in its place."""
+    """Seconds of one compiled grad step (one-hot XLA LoRA backend) on one full microbatch with each
+    of ATTENTION_VARIANTS: what attention costs and which flash tiles to use."""
     import jaxlora.models.llama as llama_module
+    import pallas_kernels.attention as attention_module
 
     entries = [(s.adapter_id, samples[(s.adapter_id, s.sample_index)], 1.0) for s in microbatch]
     batch, plan = device_batch(pack_microbatch(entries, capacity, 4), 4)
     trainable, frozen = split_pool(pool.arrays)
     dropout = jnp.full(4, LORA.lora_dropout, jnp.float32)
-    original = llama_module.attention
+    original_attend, original_blocks = llama_module.attend, attention_module.DEFAULT_BLOCKS
     out = []
-    for name, attention in ATTENTION_VARIANTS.items():
-        llama_module.attention = attention or original
+    for name, (impl, replacement, blocks) in ATTENTION_VARIANTS.items():
+        llama_module.attend = replacement or original_attend
+        attention_module.DEFAULT_BLOCKS = blocks or original_blocks
         try:
-            step = make_grad_step(model, 4, "onehot")  # traced on its first call: sees the patched attention
+            step = make_grad_step(model, 4, "onehot", attention=impl)  # traced on its first call
             step_args = (trainable, frozen, batch, plan, dropout, jax.random.key(0))
             jax.block_until_ready(step(*step_args))  # compile
             seconds = median_call_seconds(lambda: step(*step_args), repeats)
             real = sum(s.num_tokens for s in microbatch)
             out.append({"variant": name, "step_s": seconds, "tokens_per_s": real / seconds})
-        except Exception as err:  # e.g. no fused kernel for this mask: record it, keep going
+        except Exception as err:  # e.g. tiles over the shared memory: record it, keep going
             out.append({"variant": name, "error": f"{type(err).__name__}: {str(err)[:300]}"})
         finally:
-            llama_module.attention = original
-        print(f"breakdown  {name:32} " + (f"{out[-1]['step_s'] * 1e3:8.1f} ms/step "
+            llama_module.attend, attention_module.DEFAULT_BLOCKS = original_attend, original_blocks
+        print(f"breakdown  {name:36} " + (f"{out[-1]['step_s'] * 1e3:8.1f} ms/step "
               f"{out[-1]['tokens_per_s']:9.0f} tokens/s" if "step_s" in out[-1] else out[-1]["error"]), flush=True)
     return out
+
+
+def use_fastest_flash_blocks(steps: list[dict]) -> str | None:
+    """Makes the fastest flash variant of a breakdown the default tiles for the rest of the run."""
+    import pallas_kernels.attention as attention_module
+
+    timed = [s for s in steps if "step_s" in s and ATTENTION_VARIANTS[s["variant"]][0] == "flash"]
+    if not timed:
+        return None
+    best = min(timed, key=lambda s: s["step_s"])["variant"]
+    attention_module.DEFAULT_BLOCKS = ATTENTION_VARIANTS[best][2]
+    return best
 
 
 def time_peft(config: LlamaConfig, data, samples, mode: str) -> dict:
@@ -286,9 +309,10 @@ def main() -> None:
         data = synthetic_data(args.workloads[0], 4, args.batches * args.global_batch, args.global_batch, seed=1)
         ours = build_schedule(data, SchedulerConfig(capacity=args.capacity, padding_multiple=1, time_limit_s=1.0))
         fullest = max(ours.microbatches, key=lambda mb: sum(s.num_tokens for s in mb))
+        steps = breakdown(model, pool, fullest, make_samples(data, config.vocab_size, seed=2), args.capacity, 5)
         results.append({"workload": args.workloads[0], "variant": "breakdown", "tokens_in_microbatch":
-                        sum(s.num_tokens for s in fullest), "steps": breakdown(
-                            model, pool, fullest, make_samples(data, config.vocab_size, seed=2), args.capacity, 5)})
+                        sum(s.num_tokens for s in fullest), "steps": steps,
+                        "flash_blocks_used": use_fastest_flash_blocks(steps)})
         _write_report(args, device, results)
     for workload in args.workloads:
         data = synthetic_data(workload, 4, args.batches * args.global_batch, args.global_batch, seed=1)

@@ -28,6 +28,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jaxlora.lora.plan import LoraPlan
 from jaxlora.models.config import LlamaConfig
 from jaxlora.models.llama import Llama, LoraInputs
+from jaxlora.models.loss import per_slot_loss
 
 MESH_AXES = ("data", "stage", "tensor")
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -164,16 +165,6 @@ def shard_plan(plan: LoraPlan, mesh: Mesh, rules: ShardingRules = ShardingRules(
 
 def replicate(value, mesh: Mesh) -> jax.Array:
     return put(value, mesh, P())
-
-
-def per_slot_loss(logits, batch, token_slot, num_slots: int):
-    """(sum of weighted token losses, the same per adapter slot [num_slots])."""
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(log_probs, batch["targets"][..., None], axis=-1)[..., 0]
-    weighted = (nll * batch["weights"]).reshape(-1)
-    slot = jnp.where(token_slot.reshape(-1) < 0, num_slots, token_slot.reshape(-1))
-    per_slot = jnp.zeros(num_slots + 1, jnp.float32).at[slot].add(weighted)[:num_slots]
-    return weighted.sum(), per_slot
 
 
 def make_grad_step(model: Llama, num_slots: int, lora_backend: str = "gather"):

@@ -17,6 +17,7 @@ from flax import nnx
 
 from jaxlora.lora.plan import LoraPlan, build_plan, segment_bucket
 from jaxlora.models.llama import Llama, LoraInputs
+from jaxlora.models.loss import per_slot_loss
 
 
 @dataclasses.dataclass
@@ -61,8 +62,9 @@ def split_pool(pool_arrays: dict) -> tuple[dict, dict]:
     return trainable, frozen
 
 
-def make_grad_step(model: Llama, num_slots: int, lora_backend: str):
+def make_grad_step(model: Llama, num_slots: int, lora_backend: str, attention: str = "auto"):
     """A (trainable, frozen, batch arrays, plan, dropout rate, key) -> (per-slot loss, grads) step.
+    `attention`: the model's packed attention ("auto": the flash kernel on GPU/TPU, masked on CPU).
 
     The frozen base weights enter the jitted function as an argument, not as captured constants:
     constants would be embedded in the compiled program (gigabytes for an 8B model, a slow compile)."""
@@ -73,14 +75,9 @@ def make_grad_step(model: Llama, num_slots: int, lora_backend: str):
         lora = LoraInputs(pool, plan, dropout_rate, dropout_key)
         logits, _ = nnx.merge(graphdef, state)(
             batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"], lora=lora,
-            lora_backend=lora_backend,
+            lora_backend=lora_backend, attention=attention,
         )
-        log_probs = jax.nn.log_softmax(logits, axis=-1)
-        nll = -jnp.take_along_axis(log_probs, batch["targets"][..., None], axis=-1)[..., 0]
-        weighted = (nll * batch["weights"]).reshape(-1)
-        slot = jnp.where(plan.token_slot < 0, num_slots, plan.token_slot)
-        per_slot = jnp.zeros(num_slots + 1, jnp.float32).at[slot].add(weighted)[:num_slots]
-        return weighted.sum(), per_slot
+        return per_slot_loss(logits, batch, plan.token_slot, num_slots)
 
     grad_fn = jax.grad(loss_fn, has_aux=True)  # d/d trainable only
 

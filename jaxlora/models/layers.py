@@ -1,7 +1,9 @@
-"""Stateless building blocks of the Llama family: RMSNorm, RoPE (with Llama-3 scaling), GQA attention."""
+"""Stateless building blocks of the Llama family: RMSNorm, RoPE (with Llama-3 scaling), GQA attention
+(masked, or flash inside packed segments)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -9,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlora.models.config import LlamaConfig
+from pallas_kernels.attention import flash_supported, segment_attention
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -68,3 +71,42 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(batch, length, heads, head_dim).astype(q.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedSegments:
+    """Attention of packed rows given by segment ids instead of a [B, T, S] mask: query t attends to
+    key s iff s <= t within the same segment. `attend` runs it with a flash kernel.
+
+    segment_ids: [B, T] int32; impl: the kernel dispatch (`pallas_kernels.attention`)."""
+
+    segment_ids: jax.Array
+    impl: str | None = dataclasses.field(default=None, metadata={"static": True})
+
+
+ATTENTION_IMPLS = ("auto", "masked", "flash")
+
+
+def packed_attention(segment_ids: jax.Array, head_dim: int, impl: str = "auto") -> jax.Array | PackedSegments:
+    """What `attend` needs for packed rows (segment_ids [B, T]): a flash `PackedSegments` or the
+    [B, T, T] bool mask. impl "auto": flash on GPU/TPU where the kernel takes the shape, else masked;
+    "flash" forces the kernel (interpret mode on CPU); "masked" the XLA softmax over a full mask."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    length = segment_ids.shape[1]
+    if impl == "auto":
+        on_accelerator = jax.default_backend() in ("gpu", "tpu")
+        impl = "flash" if on_accelerator and flash_supported(length, head_dim) else "masked"
+    if impl == "flash":
+        kernel = None if jax.default_backend() in ("gpu", "tpu") else "gpu"
+        return PackedSegments(segment_ids.astype(jnp.int32), kernel)
+    causal = jnp.tril(jnp.ones((length, length), bool))[None]
+    return causal & (segment_ids[:, :, None] == segment_ids[:, None, :])
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | PackedSegments) -> jax.Array:
+    """`attention` with a bool mask [B, T, S], or the flash kernel for `PackedSegments`."""
+    if isinstance(mask, PackedSegments):
+        return segment_attention(q, k, v, mask.segment_ids, impl=mask.impl)
+    return attention(q, k, v, mask)

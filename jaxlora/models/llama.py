@@ -22,7 +22,7 @@ from flax import nnx
 
 from jaxlora.lora.project import LoraInputs, project as _project
 from jaxlora.models.config import PROJECTIONS, LlamaConfig
-from jaxlora.models.layers import attention, apply_rope, rms_norm, rope_inverse_frequencies
+from jaxlora.models.layers import apply_rope, attend, packed_attention, rms_norm, rope_inverse_frequencies
 
 # Stacked per-layer weights are `layers.<name>`; kernels are [num_layers, in, out].
 __all__ = ["KVCache", "Llama", "LoraInputs", "PROJECTIONS", "decoder_layer", "projection_shapes", "weight_shapes"]
@@ -134,6 +134,7 @@ class Llama(nnx.Module):
         logit_indices: jax.Array | None = None,
         lora: LoraInputs | None = None,
         lora_backend: str = "gather",
+        attention: str = "auto",
     ) -> tuple[jax.Array, KVCache | None]:
         """Runs the decoder.
 
@@ -146,6 +147,8 @@ class Llama(nnx.Module):
           logit_indices: [B] index along T whose logits to return; None: all positions.
           lora: adapters and the plan over the B*T tokens (each token its own slot, or -1).
           lora_backend: how the LoRA op is computed (see `jaxlora.lora.ops.BACKENDS`).
+          attention: packed mode's attention, "auto" | "masked" | "flash"
+            (see `jaxlora.models.layers.packed_attention`); the cache path always masks.
 
         Returns:
           (logits [B, T, vocab] or [B, vocab] float32, the updated cache or None).
@@ -154,7 +157,7 @@ class Llama(nnx.Module):
         inv_freq = rope_inverse_frequencies(config)
         hidden = self.embed(tokens)
         if cache is None:
-            mask = _packed_mask(tokens.shape, segment_ids)
+            mask = _packed_mask(tokens.shape, segment_ids, config.head_dim, attention)
         else:
             mask = jnp.arange(cache.k.shape[2])[None, None, :] <= positions[:, :, None]
 
@@ -177,14 +180,13 @@ class Llama(nnx.Module):
         return logits, (None if cache is None else KVCache(*new_cache))
 
 
-def _packed_mask(shape: tuple[int, int], segment_ids: jax.Array | None) -> jax.Array:
-    """[B, T, T] bool: causal by index, and only within the same segment."""
-    batch, length = shape
-    causal = jnp.tril(jnp.ones((length, length), bool))[None]
+def _packed_mask(shape: tuple[int, int], segment_ids: jax.Array | None, head_dim: int,
+                 impl: str = "auto"):
+    """Causal by index, only within the same segment (one segment a row when segment_ids is None):
+    a [B, T, T] bool mask or the flash kernel's `PackedSegments` (`packed_attention`)."""
     if segment_ids is None:
-        return jnp.broadcast_to(causal, (batch, length, length))
-    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return causal & same_segment
+        segment_ids = jnp.zeros(shape, jnp.int32)
+    return packed_attention(segment_ids, head_dim, impl)
 
 
 def decoder_layer(config, weights, hidden, positions, inv_freq, mask, layer_cache, layer_lora=None,
@@ -206,7 +208,7 @@ def decoder_layer(config, weights, hidden, positions, inv_freq, mask, layer_cach
         v_all = layer_cache[1].at[rows, positions].set(v.astype(layer_cache[1].dtype), mode="drop")
         layer_cache = (k_all, v_all)
         k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
-    attn = attention(q, k, v, mask).reshape(batch, length, heads * head_dim)
+    attn = attend(q, k, v, mask).reshape(batch, length, heads * head_dim)
     hidden = hidden + reduce_partial(_project(attn, weights, "o_proj", layer_lora))
     x = rms_norm(hidden, weights["post_attention_layernorm"], config.rms_norm_eps)
     gate = _project(x, weights, "gate_proj", layer_lora)

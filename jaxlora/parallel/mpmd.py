@@ -33,6 +33,7 @@ from jaxlora.lora.plan import LoraPlan
 from jaxlora.models.config import LlamaConfig
 from jaxlora.models.layers import rms_norm, rope_inverse_frequencies
 from jaxlora.models.llama import Llama, LoraInputs, _packed_mask, decoder_layer
+from jaxlora.models.loss import per_slot_loss
 from jaxlora.parallel.bubble import stage_order
 from jaxlora.scheduler.training.data import Microbatch
 from jaxlora.scheduler.training.lemma import batches_in
@@ -178,11 +179,7 @@ def _head_loss(config: LlamaConfig, head: dict, hidden, batch, token_slot, num_s
     hidden = rms_norm(hidden, head["norm"], config.rms_norm_eps)
     matrix = head["embed_tokens"].T if config.tie_word_embeddings else head["lm_head"]
     logits = jnp.dot(hidden, matrix, preferred_element_type=jnp.float32)
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(log_probs, batch["targets"][..., None], axis=-1)[..., 0]
-    weighted = (nll * batch["weights"]).reshape(-1)
-    slot = jnp.where(token_slot < 0, num_slots, token_slot)
-    return weighted.sum(), jnp.zeros(num_slots + 1, jnp.float32).at[slot].add(weighted)[:num_slots]
+    return per_slot_loss(logits, batch, token_slot, num_slots)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +201,7 @@ class StageProgram:
         """x: tokens [B, T] (first stage) or hidden [B, T, d]. Returns (output, saved): output is
         the hidden [B, T, d] for the next stage, or on the last stage the per-slot loss sums."""
         hidden = jnp.take(weights["head"]["embed_tokens"], x, axis=0) if self.first else x
-        mask = _packed_mask(batch["segment_ids"].shape, batch["segment_ids"])
+        mask = _packed_mask(batch["segment_ids"].shape, batch["segment_ids"], self.config.head_dim)
         layer = self._layers()
 
         def step(hidden, per_layer):
@@ -226,7 +223,7 @@ class StageProgram:
         if self.last:
             cotangent = jax.grad(lambda h: _head_loss(self.config, weights["head"], h, batch, plan.token_slot,
                                                       self.num_slots)[0])(out)
-        mask = _packed_mask(batch["segment_ids"].shape, batch["segment_ids"])
+        mask = _packed_mask(batch["segment_ids"].shape, batch["segment_ids"], self.config.head_dim)
         layer = self._layers()
 
         def step(cotangent, per_layer):

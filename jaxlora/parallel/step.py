@@ -10,7 +10,8 @@ from jax.sharding import Mesh
 
 from jaxlora.models.llama import Llama, _packed_mask
 from jaxlora.parallel.layer_stack import pipeline_stack, tensor_parallel_stack
-from jaxlora.sharding import ShardingRules, per_slot_loss
+from jaxlora.models.loss import per_slot_loss
+from jaxlora.sharding import ShardingRules
 
 
 def make_grad_step(model: Llama, mesh: Mesh, num_slots: int, lora_backend: str = "gather",
@@ -29,8 +30,8 @@ def make_grad_step(model: Llama, mesh: Mesh, num_slots: int, lora_backend: str =
         model = nnx.merge(graphdef, state)
         pool = {m: {**trainable[m], **frozen[m]} for m in trainable}
         tokens = batch["tokens"]
-        mask = _packed_mask(tokens.reshape(-1, tokens.shape[-1]).shape,
-                            batch["segment_ids"].reshape(-1, tokens.shape[-1]))
+        mask = _packed_mask(tokens.reshape(-1, tokens.shape[-1]).shape,  # GSPMD: no custom-call kernels
+                            batch["segment_ids"].reshape(-1, tokens.shape[-1]), model.config.head_dim, "masked")
         mask = mask.reshape(*tokens.shape, tokens.shape[-1])
         hidden = stack(model.embed(tokens), batch["positions"], mask, model.layer_weights(), pool, plans)
         return per_slot_loss(model.unembed(hidden), batch, batch["token_slot"], num_slots)
