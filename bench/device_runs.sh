@@ -66,6 +66,14 @@ train() {  # one GPU: the flash attention tests, jaxlora vs sequential jobs (JAX
       --out "$OUT/train_h200_peft.json" 2>&1 | tail -n 20
 }
 
+fused_and_profile() {  # one GPU: the fused LoRA kernel benchmark (all shapes), then a profile of the train step
+  nvidia-smi -L
+  timeout 330 python3 bench/fused_lora.py --name fused_lora_h200 --out "$OUT" --budget-s 300 2>&1 \
+      | grep -v "cuda_timer\|Warning" | tail -n 30
+  timeout $((LIMIT - SECONDS - 5)) python3 bench/train.py --layers 8 --capacity 4096 --profile onehot fused \
+      --variants --out "$OUT/train_profile_h200.json" 2>&1 | grep -v "cuda_timer\|Warning" | tail -n 30
+}
+
 serve() {  # one GPU: the serving benchmark
   nvidia-smi -L
   timeout $((LIMIT - 5)) python3 bench/serve.py --requests 64 --lora-backend pallas onehot \
@@ -74,7 +82,15 @@ serve() {  # one GPU: the serving benchmark
       | tail -n 40
 }
 
-train_and_serve() {  # one GPU, one call: the training benchmark (JAX, then PEFT), then serving cases
+train_and_fused_and_profile() {  # one GPU: the fused LoRA kernel benchmark (all shapes), then a profile of the train step
+  nvidia-smi -L
+  timeout 330 python3 bench/fused_lora.py --name fused_lora_h200 --out "$OUT" --budget-s 300 2>&1 \
+      | grep -v "cuda_timer\|Warning" | tail -n 30
+  timeout $((LIMIT - SECONDS - 5)) python3 bench/train.py --layers 8 --capacity 4096 --profile onehot fused \
+      --variants --out "$OUT/train_profile_h200.json" 2>&1 | grep -v "cuda_timer\|Warning" | tail -n 30
+}
+
+serve() {  # one GPU, one call: the training benchmark (JAX, then PEFT), then serving cases
   nvidia-smi -L
   timeout 200 python3 bench/train.py --layers 8 --capacity 4096 --variants jaxlora jaxlora-xla sequential \
       --out "$OUT/train_h200_jax.json" 2>&1 | grep -v cuda_timer | tail -n 14

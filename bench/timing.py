@@ -19,3 +19,52 @@ def median_call_seconds(fn, repeats: int, rounds: int = 3) -> float:
         jax.block_until_ready(fn())
         times.append((time.perf_counter() - start) / repeats)
     return statistics.median(times)
+
+
+def kernel_times(fn, calls: int, log_dir: str) -> dict:
+    """Device kernel time of `calls` calls of `fn` (already compiled) from a JAX profiler trace:
+    {"kernels": [{"name", "calls", "total_ms"}] sorted by time, "categories": {category: ms},
+    "device_ms", "wall_ms"}, per call of `fn`. Empty kernel lists mean the trace held no device
+    events (no CUPTI)."""
+    import glob
+    import gzip
+    import json
+
+    jax.block_until_ready(fn())
+    start = time.perf_counter()
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        for _ in range(calls):
+            out = fn()
+        jax.block_until_ready(out)
+    wall_ms = (time.perf_counter() - start) * 1e3 / calls
+    paths = sorted(glob.glob(f"{log_dir}/**/*.trace.json.gz", recursive=True))
+    events = json.load(gzip.open(paths[-1]))["traceEvents"] if paths else []
+    device_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                   and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
+    totals: dict[str, list] = {}
+    for event in events:
+        if event.get("ph") == "X" and event.get("pid") in device_pids and "dur" in event:
+            entry = totals.setdefault(event["name"], [0, 0.0])
+            entry[0] += 1
+            entry[1] += event["dur"] / 1e3
+    kernels = sorted(({"name": name, "calls": n / calls, "total_ms": ms / calls} for name, (n, ms) in totals.items()),
+                     key=lambda k: -k["total_ms"])
+    categories: dict[str, float] = {}
+    for kernel in kernels:
+        category = kernel_category(kernel["name"])
+        categories[category] = categories.get(category, 0.0) + kernel["total_ms"]
+    return {"kernels": kernels, "categories": categories, "device_ms": sum(categories.values()), "wall_ms": wall_ms}
+
+
+def kernel_category(name: str) -> str:
+    """A coarse class of a GPU kernel name: cuBLAS/cuDNN matmul, Pallas/Triton, XLA fusion, other."""
+    lowered = name.lower()
+    if any(tag in lowered for tag in ("gemm", "xmma", "cutlass", "nvjet", "sm90", "cublas", "matmul")):
+        return "matmul (cuBLAS/XLA)"
+    if any(tag in lowered for tag in ("mha", "sgmv", "bgmv", "fused_lora", "pallas", "triton")):
+        return "pallas/triton kernels"
+    if "fusion" in lowered or "loop_" in lowered or "input_" in lowered:
+        return "XLA fusions (elementwise/reduce)"
+    if "memcpy" in lowered or "memset" in lowered:
+        return "copies"
+    return "other"

@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 
 # Run as a script, this file's folder comes first on sys.path and its name would hide the
@@ -37,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bench.timing import median_call_seconds
+from bench.timing import kernel_times, median_call_seconds
 from pallas_kernels.attention import FlashBlocks
 from jaxlora.lora.adapter import random_adapter
 from jaxlora.lora.config import LoraConfig
@@ -166,16 +167,23 @@ ATTENTION_VARIANTS = {
 }
 
 
+def step_args(pool, microbatch, samples, capacity: int) -> tuple:
+    """The grad step's arguments for one scheduled microbatch (4 adapter slots)."""
+    entries = [(s.adapter_id, samples[(s.adapter_id, s.sample_index)], 1.0) for s in microbatch]
+    batch, plan = device_batch(pack_microbatch(entries, capacity, 4), 4)
+    trainable, frozen = split_pool(pool.arrays)
+    dropout = jnp.full(4, LORA.lora_dropout, jnp.float32)
+    return trainable, frozen, batch, plan, dropout, jax.random.key(0)
+
+
 def breakdown(model, pool, microbatch, samples, capacity: int, repeats: int) -> list[dict]:
     """Seconds of one compiled grad step (one-hot XLA LoRA backend) on one full microbatch with each
     of ATTENTION_VARIANTS: what attention costs and which flash tiles to use."""
     import jaxlora.models.llama as llama_module
     import pallas_kernels.attention as attention_module
 
-    entries = [(s.adapter_id, samples[(s.adapter_id, s.sample_index)], 1.0) for s in microbatch]
-    batch, plan = device_batch(pack_microbatch(entries, capacity, 4), 4)
-    trainable, frozen = split_pool(pool.arrays)
-    dropout = jnp.full(4, LORA.lora_dropout, jnp.float32)
+    args = step_args(pool, microbatch, samples, capacity)
+    real = sum(s.num_tokens for s in microbatch)
     original_attend, original_blocks = llama_module.attend, attention_module.DEFAULT_BLOCKS
     out = []
     for name, (impl, replacement, blocks) in ATTENTION_VARIANTS.items():
@@ -183,10 +191,8 @@ def breakdown(model, pool, microbatch, samples, capacity: int, repeats: int) -> 
         attention_module.DEFAULT_BLOCKS = blocks or original_blocks
         try:
             step = make_grad_step(model, 4, "onehot", attention=impl)  # traced on its first call
-            step_args = (trainable, frozen, batch, plan, dropout, jax.random.key(0))
-            jax.block_until_ready(step(*step_args))  # compile
-            seconds = median_call_seconds(lambda: step(*step_args), repeats)
-            real = sum(s.num_tokens for s in microbatch)
+            jax.block_until_ready(step(*args))  # compile
+            seconds = median_call_seconds(lambda: step(*args), repeats)
             out.append({"variant": name, "step_s": seconds, "tokens_per_s": real / seconds})
         except Exception as err:  # e.g. tiles over the shared memory: record it, keep going
             out.append({"variant": name, "error": f"{type(err).__name__}: {str(err)[:300]}"})
@@ -194,6 +200,23 @@ def breakdown(model, pool, microbatch, samples, capacity: int, repeats: int) -> 
             llama_module.attend, attention_module.DEFAULT_BLOCKS = original_attend, original_blocks
         print(f"breakdown  {name:36} " + (f"{out[-1]['step_s'] * 1e3:8.1f} ms/step "
               f"{out[-1]['tokens_per_s']:9.0f} tokens/s" if "step_s" in out[-1] else out[-1]["error"]), flush=True)
+    return out
+
+
+def profile_steps(model, pool, microbatch, samples, capacity: int, backends, log_dir: str) -> list[dict]:
+    """Per-kernel device time of the grad step (flash attention) for each LoRA backend, from a
+    profiler trace: where the step's time goes."""
+    args = step_args(pool, microbatch, samples, capacity)
+    out = []
+    for backend in backends:
+        step = cached_grad_step(model, 4, backend)
+        times = kernel_times(lambda: step(*args), 3, os.path.join(log_dir, backend))
+        out.append({"backend": backend, **{k: v for k, v in times.items() if k != "kernels"},
+                    "top_kernels": times["kernels"][:25]})
+        print(f"profile {backend}: device {times['device_ms']:.1f} ms, wall {times['wall_ms']:.1f} ms per step; "
+              + ", ".join(f"{c} {ms:.1f}" for c, ms in sorted(times["categories"].items(), key=lambda c: -c[1])))
+        for kernel in times["kernels"][:12]:
+            print(f"   {kernel['total_ms']:7.2f} ms  x{kernel['calls']:<5.0f} {kernel['name'][:110]}")
     return out
 
 
@@ -282,13 +305,16 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--batches", type=int, default=2, help="global batches per adapter")
     parser.add_argument("--workloads", nargs="+", default=["xsum", "cnndm", "wikisum", "mixed"])
-    parser.add_argument("--variants", nargs="+",
+    parser.add_argument("--variants", nargs="*",
                         default=["jaxlora", "jaxlora-xla", "sequential", "peft-best", "peft-padded"])
     parser.add_argument("--tiny", action="store_true", help="tiny model (CPU smoke test)")
     parser.add_argument("--out", default="bench/results/train.json")
     parser.add_argument("--breakdown", action="store_true",
                         help="first: time one grad step on a full microbatch with the model's attention, with "
                              "attention left out, and with jax.nn.dot_product_attention")
+    parser.add_argument("--profile", nargs="*", default=None, metavar="BACKEND",
+                        help="time each kernel of the grad step (profiler trace) for these LoRA backends "
+                             "(default: onehot fused) on the fullest microbatch, after --breakdown")
     parser.add_argument("--plot-from", nargs="+", default=None,
                         help="result JSONs (e.g. the JAX and the PyTorch process of one device call): write "
                              "their bar chart to --out's .png and exit")
@@ -298,23 +324,30 @@ def main() -> None:
         return
     config = llama8b_config(args.layers, args.tiny)
     model = pool = None
-    if any(v.startswith(("jaxlora", "sequential")) for v in args.variants):
+    if any(v.startswith(("jaxlora", "sequential")) for v in args.variants) or args.breakdown or args.profile is not None:
         model = Llama(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
         pool = AdapterPool(config, num_slots=4, max_rank=LORA.r, dtype=jnp.bfloat16)
         for index in range(4):
             pool.load(random_adapter(f"adapter{index}", config, LORA, seed=index))
     results = []
     device = jax.devices()[0].device_kind
-    if args.breakdown and model is not None:
+    if (args.breakdown or args.profile is not None) and model is not None:
         data = synthetic_data(args.workloads[0], 4, args.batches * args.global_batch, args.global_batch, seed=1)
         ours = build_schedule(data, SchedulerConfig(capacity=args.capacity, padding_multiple=1, time_limit_s=1.0))
         fullest = max(ours.microbatches, key=lambda mb: sum(s.num_tokens for s in mb))
-        steps = breakdown(model, pool, fullest, make_samples(data, config.vocab_size, seed=2), args.capacity, 5)
+        fullest_samples = make_samples(data, config.vocab_size, seed=2)
+    if args.breakdown and model is not None:
+        steps = breakdown(model, pool, fullest, fullest_samples, args.capacity, 5)
         results.append({"workload": args.workloads[0], "variant": "breakdown", "tokens_in_microbatch":
                         sum(s.num_tokens for s in fullest), "steps": steps,
                         "flash_blocks_used": use_fastest_flash_blocks(steps)})
         _write_report(args, device, results)
-    for workload in args.workloads:
+    if args.profile is not None and model is not None:
+        results.append({"workload": args.workloads[0], "variant": "profile", "steps": profile_steps(
+            model, pool, fullest, fullest_samples, args.capacity, args.profile or ["onehot", "fused"],
+            tempfile.mkdtemp(prefix="jaxlora_trace_"))})
+        _write_report(args, device, results)
+    for workload in (args.workloads if args.variants else []):
         data = synthetic_data(workload, 4, args.batches * args.global_batch, args.global_batch, seed=1)
         samples = make_samples(data, config.vocab_size, seed=2)
         ours = build_schedule(data, SchedulerConfig(capacity=args.capacity, padding_multiple=1, time_limit_s=1.0))
