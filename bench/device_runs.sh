@@ -60,7 +60,8 @@ kernels() {  # one GPU: the GPU tests, then the tile profiler for this device; 4
 train() {  # one GPU: the flash attention tests, jaxlora vs sequential jobs (JAX), then HF+PEFT
   nvidia-smi -L
   timeout 120 python3 -m pytest -q tests/pallas_kernels/test_attention.py -p no:cacheprovider 2>&1 | tail -n 3
-  timeout $((LIMIT - SECONDS - 130)) python3 bench/train.py --layers 8 --capacity 4096 --breakdown --variants jaxlora jaxlora-xla sequential \
+  timeout $((LIMIT - SECONDS - 130)) python3 bench/train.py --layers 8 --capacity 4096 --breakdown --profile onehot \
+      --variants jaxlora jaxlora-xla sequential \
       --out "$OUT/train_h200_jax.json" 2>&1 | tail -n 20
   timeout $((LIMIT - SECONDS - 5)) python3 bench/train.py --layers 8 --capacity 4096 --variants peft-best peft-padded \
       --out "$OUT/train_h200_peft.json" 2>&1 | tail -n 20

@@ -8,10 +8,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxlora.lora.ops import FUSED_BACKENDS, lora_delta
 from jaxlora.lora.plan import LoraPlan
 from jaxlora.models.config import PROJECTIONS
+from jaxlora.models.layers import dense
 from pallas_kernels.fused_lora import fused_lora_linear
 from pallas_kernels.fused_lora_layout import dropout_inv_keep, dropout_mask
 
@@ -37,7 +39,7 @@ def project(x: jax.Array, weights: dict[str, jax.Array], name: str, layer_lora=N
     if has_lora and layer_lora[2] in FUSED_BACKENDS:
         y = _fused_project(x, weights[f"{name}.kernel"], name, layer_lora)
     else:
-        y = jnp.dot(x, weights[f"{name}.kernel"], preferred_element_type=jnp.float32)
+        y = dense(x, weights[f"{name}.kernel"])
     if f"{name}.bias" in weights:
         y = y + weights[f"{name}.bias"]
     if has_lora and layer_lora[2] not in FUSED_BACKENDS:
@@ -75,7 +77,7 @@ def _fused_project(x: jax.Array, kernel: jax.Array, name: str, layer_lora) -> ja
     """x @ W + LoRA in one fused kernel (training backend) on rows grouped by adapter; float32."""
     pool, lora, backend, layer_index = layer_lora
     module_pool, plan = pool[name], lora.plan
-    rows = x.reshape(-1, x.shape[-1])[plan.perm]
+    rows = permute_rows(x.reshape(-1, x.shape[-1]), plan.perm, plan.inv_perm)
     num_slots = module_pool["a"].shape[0]
     rates = jnp.zeros(num_slots, jnp.float32) if lora.dropout_rate is None else lora.dropout_rate
     seed = jnp.int32(0) if lora.dropout_key is None else _dropout_seed(lora, layer_index, name)
@@ -83,4 +85,25 @@ def _fused_project(x: jax.Array, kernel: jax.Array, name: str, layer_lora) -> ja
         jax.default_backend() if jax.default_backend() in ("gpu", "tpu") else "gpu")
     y = fused_lora_linear(rows, kernel, module_pool["a"], module_pool["b"], plan.seg_starts, plan.seg_slot,
                           module_pool["rank"], module_pool["scale"], rates, seed, impl=impl)
-    return y[plan.inv_perm].astype(jnp.float32).reshape(*x.shape[:-1], kernel.shape[-1])
+    y = permute_rows(y, plan.inv_perm, plan.perm)
+    return y.astype(jnp.float32).reshape(*x.shape[:-1], kernel.shape[-1])
+
+
+@jax.custom_vjp
+def permute_rows(rows: jax.Array, perm: jax.Array, inverse: jax.Array) -> jax.Array:
+    """rows [N, d] -> rows[perm], for a permutation `perm` [N] with `inverse` [N] = its inverse.
+    The gradient is a gather by `inverse` (plain indexing would differentiate to a scatter-add)."""
+    return rows[perm]
+
+
+def _permute_forward(rows, perm, inverse):
+    return rows[perm], (perm, inverse)
+
+
+def _permute_backward(saved, grad):
+    perm, inverse = saved
+    no_grad = lambda index: np.zeros(index.shape, jax.dtypes.float0)
+    return grad[inverse], no_grad(perm), no_grad(inverse)
+
+
+permute_rows.defvjp(_permute_forward, _permute_backward)

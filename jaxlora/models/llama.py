@@ -22,7 +22,7 @@ from flax import nnx
 
 from jaxlora.lora.project import LoraInputs, project as _project
 from jaxlora.models.config import PROJECTIONS, LlamaConfig
-from jaxlora.models.layers import apply_rope, attend, packed_attention, rms_norm, rope_inverse_frequencies
+from jaxlora.models.layers import apply_rope, attend, dense, packed_attention, rms_norm, rope_inverse_frequencies
 
 # Stacked per-layer weights are `layers.<name>`; kernels are [num_layers, in, out].
 __all__ = ["KVCache", "Llama", "LoraInputs", "PROJECTIONS", "decoder_layer", "projection_shapes", "weight_shapes"]
@@ -122,7 +122,7 @@ class Llama(nnx.Module):
         """hidden [..., d] -> logits [..., vocab] (float32)."""
         hidden = rms_norm(hidden, self._w("norm"), self.config.rms_norm_eps)
         head = self._w("embed_tokens").T if self.config.tie_word_embeddings else self._w("lm_head")
-        return jnp.dot(hidden, head, preferred_element_type=jnp.float32)
+        return dense(hidden, head)
 
     def __call__(
         self,

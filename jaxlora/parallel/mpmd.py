@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxlora.lora.plan import LoraPlan
 from jaxlora.models.config import LlamaConfig
-from jaxlora.models.layers import rms_norm, rope_inverse_frequencies
+from jaxlora.models.layers import dense, rms_norm, rope_inverse_frequencies
 from jaxlora.models.llama import Llama, LoraInputs, _packed_mask, decoder_layer
 from jaxlora.models.loss import per_slot_loss
 from jaxlora.parallel.bubble import stage_order
@@ -178,7 +178,7 @@ def _head_loss(config: LlamaConfig, head: dict, hidden, batch, token_slot, num_s
     """(weighted nll sum, per-slot sums [num_slots]) of the last stage's output."""
     hidden = rms_norm(hidden, head["norm"], config.rms_norm_eps)
     matrix = head["embed_tokens"].T if config.tie_word_embeddings else head["lm_head"]
-    logits = jnp.dot(hidden, matrix, preferred_element_type=jnp.float32)
+    logits = dense(hidden, matrix)
     return per_slot_loss(logits, batch, token_slot, num_slots)
 
 
