@@ -38,10 +38,10 @@ once) and multiplies its scale by a per-adapter factor in [1, 1.01), so adapters
 different functions. Each device load copies the full A/B of the adapter, as for any adapter.
 Only the adapters a trace requests are registered (unrequested ones would only sit in a dict).
 
-Compilation: the engine buckets each step's shape (tokens, block-table width); before the cases
-every bucket is compiled (in parallel threads into JAX's persistent compilation cache, then once
-through the real jitted step with an all-padding batch, which writes nothing), so no timed run
-compiles. `compiles_in_run` in the JSON says if one did anyway.
+Compilation: the engine buckets each step's shape (tokens, block-table width; with a Pallas
+backend also decode-only or not, see `serve.engine`); before the cases every bucket is compiled
+(in parallel threads into JAX's persistent compilation cache, then once through the real jitted
+step with an all-padding batch, which writes nothing), so no timed run compiles. `compiles_in_run` in the JSON says if one did anyway.
 
 Writes JSON (device, jax version, date, settings, results) to --out after every case, and a PNG
 next to it when matplotlib is importable.
@@ -72,7 +72,6 @@ from flax import nnx
 
 from jaxlora.lora.adapter import LoraAdapter, ModuleLora, random_adapter
 from jaxlora.lora.config import LoraConfig
-from jaxlora.lora.plan import build_plan
 from jaxlora.models.config import PROJECTIONS, LlamaConfig
 from jaxlora.models.llama import Llama, LoraInputs
 from jaxlora.models.presets import llama8b_config
@@ -298,27 +297,39 @@ def summarize(records: list, start: float, end: float) -> dict:
 
 # ---- compilation ----------------------------------------------------------------------------------
 
-def step_shapes(config: EngineConfig) -> list[tuple[int, int, bool]]:
-    """Every (tokens, block-table width, with LoRA) step the engine can dispatch (see
+def step_shapes(config: EngineConfig) -> list[tuple]:
+    """Every (tokens, block-table width, with LoRA[, decode only]) step the engine can dispatch (see
     `serve.engine`): each bucket with LoRA inputs, and without (a step whose rows all use the base
-    model runs its own compiled variant)."""
+    model runs its own compiled variant); with a Pallas backend also the decode-only (BGMV-only)
+    variant of each bucket that a step of one-token rows can fill (<= max_num_seqs tokens)."""
     bucket = engine_module._bucket
     max_pages = bucket(pages_for(config.max_model_len, config.page_size), 1)
     tokens = sorted({bucket(t, 8) for t in range(1, config.token_budget + 1)})
     widths = sorted({min(bucket(p, 4), max_pages) for p in range(1, max_pages + 1)})
-    return [(t, w, lora) for lora in (True, False) for t in tokens for w in widths]
+    shapes = [(t, w, lora) for lora in (True, False) for t in tokens for w in widths]
+    if config.lora_backend in engine_module.SERVING_PLAN_BACKENDS:
+        most_rows = bucket(min(config.max_num_seqs, config.token_budget), 8)
+        shapes += [(t, w, True, True) for t in tokens if t <= most_rows for w in widths]
+    return shapes
 
 
-def _noop_args(engine: Engine, num_tokens: int, width: int, lora: bool = True):
+def _noop_args(engine: Engine, num_tokens: int, width: int, lora: bool = True, decode_only: bool = False):
     """Arguments of the engine's jitted step for an all-padding batch (writes no key/value); lora=False:
-    the base-only variant (no LoRA inputs)."""
+    the base-only variant (no LoRA inputs); decode_only: the LoRA variant of steps without
+    multi-token rows (a Pallas backend's BGMV-only step)."""
     zeros = np.zeros(num_tokens, np.int32)
     batch = PagedBatch(zeros, zeros, np.full(num_tokens, -1, np.int32), np.zeros((num_tokens, width), np.int32), zeros)
-    lora = LoraInputs(engine.pool.arrays, build_plan(np.full(num_tokens, -1, np.int32), engine._num_segments)) \
-        if lora else None
+    no_rows = np.full(num_tokens, -1, np.int32), np.zeros(num_tokens, bool)
+    lora = LoraInputs(engine.pool.arrays, engine._lora_plan(*no_rows, decode_only)) if lora else None
     return (engine._graphdef, engine._state, engine.cache, batch, lora, np.zeros(num_tokens, np.float32),
             np.ones(num_tokens, np.float32), np.zeros(num_tokens, np.uint32), zeros, False,
             engine.config.lora_backend)
+
+
+def _shape_label(shape: tuple) -> str:
+    """"TxW", "TxW base" or "TxW decode" for a `step_shapes` entry."""
+    variant = " decode" if shape[3:] and shape[3] else ("" if len(shape) < 3 or shape[2] else " base")
+    return f"{shape[0]}x{shape[1]}{variant}"
 
 
 def compile_all(model, config: EngineConfig, threads: int, mesh=None, shapes=None) -> dict:
@@ -346,7 +357,7 @@ def compile_all(model, config: EngineConfig, threads: int, mesh=None, shapes=Non
         t = time.perf_counter()
         tokens, engine.cache = engine_module._engine_step(*_noop_args(engine, *shape))
         np.asarray(tokens)
-        per_shape[f"{shape[0]}x{shape[1]}" + ("" if len(shape) < 3 or shape[2] else " base")] = time.perf_counter() - t
+        per_shape[_shape_label(shape)] = time.perf_counter() - t
     del engine
     gc.collect()
     return {"shapes": len(shapes), "jit_cache_entries": _cache_size(), "threads": threads, "parallel_s": parallel_s,

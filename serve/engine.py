@@ -14,6 +14,14 @@ Compiled shapes are bucketed: tokens per step to a power of two (>= 8; rows per 
 same number), block-table width to a power of two of pages (>= 4), the plan's segment count
 fixed; so a server compiles a few steps (and a sampling variant of each) and then reuses them.
 
+LoRA kernels (the Pallas backends): the engine orders each step's rows once, on the host
+(`jaxlora.lora.plan.serving_order`: prefill chunks grouped by adapter, then one-token rows), and
+hands the model a `ServingPlan` over that order, so no projection gathers rows into adapter order
+or scatters them back; one-token (decode) rows go through BGMV, prefill chunks through SGMV. A
+step without multi-token rows (decode only, so at most `max_num_seqs` tokens) runs BGMV alone:
+its own compiled variant of the buckets up to that size. Sampled tokens map back to requests by
+row on the host. The XLA backends get the usual `LoraPlan`.
+
 All known adapters live in host memory, validated and padded for the pool once at registration
 (`PreparedAdapter`); the device `AdapterPool` holds N of them and writes a slot in place (one
 donated jitted update serves every slot). A step whose rows all use the base model runs the model
@@ -50,7 +58,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxlora import sharding
 from jaxlora.lora.adapter import LoraAdapter, check_finite
 from jaxlora.lora.config import AdapterError
-from jaxlora.lora.plan import build_plan, segment_bucket
+from jaxlora.lora.plan import build_plan, build_serving_plan, segment_bucket, serving_order
 from jaxlora.lora.pool import AdapterPool, PreparedAdapter
 from jaxlora.models.llama import Llama, LoraInputs, projection_shapes
 from jaxlora.models.paged import PagedBatch, PagedKVCache, paged_forward
@@ -132,6 +140,8 @@ class _Registered:
 
 # LoRA backends that run under GSPMD (plain XLA ops); the Pallas ones cannot be partitioned.
 TENSOR_PARALLEL_BACKENDS = ("gather", "onehot", "ragged_dot", "loop")
+# LoRA backends that take a `ServingPlan` (rows ordered once per step; SGMV + BGMV, no gathers).
+SERVING_PLAN_BACKENDS = ("pallas", "pallas_gpu", "pallas_tpu")
 
 
 def check_mesh(mesh: Mesh, model_config, lora_backend: str) -> None:
@@ -351,6 +361,8 @@ class Engine:
         self._load(plan.loads)
         if not plan.rows:
             return True
+        order = serving_order([row.slot for row in plan.rows], [row.count for row in plan.rows])
+        plan = dataclasses.replace(plan, rows=[plan.rows[i] for i in order])
         started = time.monotonic()
         try:
             next_tokens = self._dispatch(plan)
@@ -365,9 +377,10 @@ class Engine:
 
     def _dispatch(self, plan: StepPlan):
         """Builds the step's padded arrays and launches the jitted step (asynchronously)."""
-        batch, token_slot, rows = self._batch_arrays(plan)
+        batch, token_slot, one_token, rows = self._batch_arrays(plan)
         if (token_slot >= 0).any():
-            lora = LoraInputs(self.pool.arrays, build_plan(token_slot, self._num_segments))
+            decode_only = all(row.count == 1 for row in plan.rows)
+            lora = LoraInputs(self.pool.arrays, self._lora_plan(token_slot, one_token, decode_only))
         else:  # base rows only: the base model's own compiled step, no pool or plan
             lora = None
             self.stats.base_only_steps += 1
@@ -377,7 +390,16 @@ class Engine:
             bool((temperature > 0).any()), self.config.lora_backend)
         return next_tokens
 
+    def _lora_plan(self, token_slot: np.ndarray, one_token: np.ndarray, decode_only: bool):
+        """The step's LoRA plan over its tokens [T] (in `serving_order` of the rows): a `ServingPlan`
+        for the Pallas backends (without segments when `decode_only`: the BGMV-only variant),
+        else a `LoraPlan`. one_token [T]: the token is its row's only one."""
+        if self.config.lora_backend not in SERVING_PLAN_BACKENDS:
+            return build_plan(token_slot, self._num_segments)
+        return build_serving_plan(token_slot, one_token, 0 if decode_only else self._num_segments)
+
     def _batch_arrays(self, plan: StepPlan):
+        """(PagedBatch, token_slot [T], one_token [T], rows) of the step's rows in their order."""
         num_tokens = _bucket(plan.num_tokens, 8)
         rows = num_tokens  # rows <= tokens; one bucket for both halves the compiled variants
         widest = max(pages_for(row.start + row.count, self.config.page_size) for row in plan.rows)
@@ -386,6 +408,7 @@ class Engine:
         positions = np.zeros(num_tokens, np.int32)
         token_row = np.full(num_tokens, -1, np.int32)
         token_slot = np.full(num_tokens, -1, np.int32)
+        one_token = np.zeros(num_tokens, bool)
         tables = np.zeros((rows, width), np.int32)
         logit_indices = np.zeros(rows, np.int32)
         offset = 0
@@ -393,12 +416,12 @@ class Engine:
             span = slice(offset, offset + row.count)
             tokens[span] = row.seq.tokens[row.start: row.start + row.count]
             positions[span] = np.arange(row.start, row.start + row.count)
-            token_row[span], token_slot[span] = r, row.slot
+            token_row[span], token_slot[span], one_token[span] = r, row.slot, row.count == 1
             pages = row.seq.pages[:width]
             tables[r, : len(pages)] = pages
             offset += row.count
             logit_indices[r] = offset - 1
-        return PagedBatch(tokens, positions, token_row, tables, logit_indices), token_slot, rows
+        return PagedBatch(tokens, positions, token_row, tables, logit_indices), token_slot, one_token, rows
 
     def _sampling_arrays(self, plan: StepPlan, rows: int):
         temperature = np.zeros(rows, np.float32)

@@ -6,7 +6,10 @@ Backends (all compute the same function; the plan says which slot each row uses)
   "ragged_dot" rows grouped by slot, `jax.lax.ragged_dot` (base rows use an extra zero adapter);
   "onehot"     x against every slot, then a one-hot selection;
   "pallas"     the SGMV kernels of `pallas_kernels` on the grouped rows: compiled on a GPU/TPU,
-               the GPU-style kernel in interpret mode on a CPU;
+               the GPU-style kernel in interpret mode on a CPU. With a `LoraPlan` the rows are
+               gathered into adapter order and back around the (differentiable) kernels; with
+               the serving engine's `ServingPlan` they are already in order: SGMV on the prefill
+               segments and BGMV on the one-token rows, accumulating into one delta (forward only);
   "pallas_gpu", "pallas_tpu"  one kernel style explicitly (interpret mode off its own backend);
   "fused", "fused_tpu"  training backend: the model computes x @ W + LoRA in one fused kernel
                (`pallas_kernels.fused_lora_linear`), so `lora_delta` itself is not called.
@@ -19,7 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxlora.lora.plan import LoraPlan
+from jaxlora.lora.plan import LoraPlan, ServingPlan
 
 FUSED_BACKENDS = ("fused", "fused_tpu")
 BACKENDS = ("loop", "gather", "ragged_dot", "onehot", "pallas", "pallas_gpu", "pallas_tpu") + FUSED_BACKENDS
@@ -32,8 +35,8 @@ def lora_delta(x: jax.Array, module_pool: dict, plan: LoraPlan, backend: str = "
     Args:
       x: [..., k] activations in batch order (N rows once flattened).
       module_pool: {"a": [slots, k, r], "b": [slots, r, n], "scale": [slots], "rank": [slots]}.
-      plan: the batch's `LoraPlan` over the same N rows.
-      backend: one of BACKENDS.
+      plan: the batch's `LoraPlan` (or the serving engine's `ServingPlan`) over the same N rows.
+      backend: one of BACKENDS ("ragged_dot" needs a `LoraPlan`).
 
     Returns:
       [..., n] in x's dtype; zero for rows whose slot is -1.
@@ -69,6 +72,8 @@ def _gather(rows, module_pool, plan):
 
 
 def _ragged_dot(rows, module_pool, plan):
+    if not isinstance(plan, LoraPlan):
+        raise ValueError("the ragged_dot backend needs a LoraPlan (build_plan), not a ServingPlan")
     a, b = module_pool["a"], module_pool["b"]
     num_slots = a.shape[0]
     group = jnp.where(plan.token_slot < 0, num_slots, plan.token_slot)
@@ -90,21 +95,43 @@ def _onehot(rows, module_pool, plan):
     return jnp.einsum("nsr,ns,srm->nm", shrunk_all, selector, b.astype(_F32), preferred_element_type=_F32)
 
 
-def _pallas(rows, module_pool, plan, impl=None):
-    import pallas_kernels
+def _slot_rank_scale(module_pool: dict, slot: jax.Array):
+    """(rank int32, scale float32) of each entry of `slot` (segments or rows); 0 where slot < 0."""
+    valid, clamped = slot >= 0, jnp.maximum(slot, 0)
+    rank = jnp.where(valid, module_pool["rank"][clamped], 0).astype(jnp.int32)
+    return rank, jnp.where(valid, module_pool["scale"][clamped], 0.0).astype(_F32)
 
+
+def _pallas(rows, module_pool, plan, impl=None):
     if impl is None:
         impl = jax.default_backend() if jax.default_backend() in ("gpu", "tpu") else "gpu"
-    seg_valid = plan.seg_slot >= 0
-    seg_slot_clamped = jnp.maximum(plan.seg_slot, 0)
-    seg_rank = jnp.where(seg_valid, module_pool["rank"][seg_slot_clamped], 0).astype(jnp.int32)
-    seg_scale = jnp.where(seg_valid, module_pool["scale"][seg_slot_clamped], 0.0).astype(_F32)
+    if isinstance(plan, ServingPlan):
+        return _pallas_serving(rows, module_pool, plan, impl)
+    import pallas_kernels
+
+    seg_rank, seg_scale = _slot_rank_scale(module_pool, plan.seg_slot)
     grouped = rows[plan.perm]
     delta = pallas_kernels.sgmv_lora_delta(
         grouped, module_pool["a"], module_pool["b"], plan.seg_starts, plan.seg_slot, seg_rank, seg_scale,
         impl=impl,
     )
     return delta.astype(_F32)[plan.inv_perm]
+
+
+def _pallas_serving(rows, module_pool, plan: ServingPlan, impl: str):
+    """[N, n] float32 delta of rows already in the plan's order: SGMV over the prefill segments
+    (none in a decode-only step), then BGMV over the one-token rows, both accumulating in place
+    into one f32 buffer (2 or 4 kernel launches, no gathers; forward only: no VJP)."""
+    import pallas_kernels
+
+    a, b = module_pool["a"], module_pool["b"]
+    delta = jnp.zeros((rows.shape[0], b.shape[-1]), _F32)
+    if plan.seg_starts is not None:
+        seg_rank, seg_scale = _slot_rank_scale(module_pool, plan.seg_slot)
+        delta = pallas_kernels.sgmv_lora(delta, rows, a, b, plan.seg_starts, plan.seg_slot, seg_rank, seg_scale,
+                                         impl=impl)
+    row_rank, row_scale = _slot_rank_scale(module_pool, plan.decode_slot)
+    return pallas_kernels.bgmv_lora(delta, rows, a, b, plan.decode_slot, row_rank, row_scale, impl=impl)
 
 
 _BACKEND_FNS = {

@@ -1,7 +1,12 @@
 """The LoRA batch plan (ARCHITECTURE §3): which rows use which adapter slot, grouped by adapter.
 
 Built once per step on the host with numpy, with static padded shapes (the number of segments is
-padded to a bucket), so a new mix of adapters in the same bucket reuses the compiled step."""
+padded to a bucket), so a new mix of adapters in the same bucket reuses the compiled step.
+
+`LoraPlan` (training, generation, any caller): rows in the caller's order plus the permutation that
+groups them, which the kernel backends apply around every projection. `ServingPlan` (the serving
+engine): the engine orders each step's rows once on the host (`serving_order`), so the kernels take
+the rows as they are, one-token rows through BGMV and prefill chunks through SGMV."""
 
 from __future__ import annotations
 
@@ -31,6 +36,19 @@ def segment_bucket(count: int, minimum: int = 4) -> int:
     return max(minimum, 1 << max(0, (count - 1).bit_length()))
 
 
+def _segments(slots: np.ndarray, counts: np.ndarray, num_segments: int):
+    """(seg_starts [S+1], seg_slot [S]) of consecutive groups of `counts` rows using `slots`;
+    padding segments are empty (at the end of the last group) with slot -1."""
+    if len(slots) > num_segments:
+        raise ValueError(f"{len(slots)} distinct adapters do not fit in {num_segments} segments")
+    seg_starts = np.full(num_segments + 1, counts.sum(), np.int32)
+    seg_starts[0] = 0
+    seg_starts[1: len(slots) + 1] = np.cumsum(counts)
+    seg_slot = np.full(num_segments, -1, np.int32)
+    seg_slot[: len(slots)] = slots
+    return seg_starts, seg_slot
+
+
 def build_plan(token_slot, num_segments: int | None = None) -> LoraPlan:
     """Plan for per-token slots (any shape; flattened in C order).
 
@@ -45,13 +63,60 @@ def build_plan(token_slot, num_segments: int | None = None) -> LoraPlan:
     inv_perm[perm] = np.arange(perm.size, dtype=np.int32)
     slots, counts = np.unique(token_slot[perm], return_counts=True)
     order = np.argsort(np.where(slots < 0, np.iinfo(np.int32).max, slots), kind="stable")
-    slots, counts = slots[order], counts[order]
     num_segments = segment_bucket(len(slots)) if num_segments is None else num_segments
-    if len(slots) > num_segments:
-        raise ValueError(f"{len(slots)} distinct adapters do not fit in {num_segments} segments")
-    seg_starts = np.full(num_segments + 1, token_slot.size, np.int32)
-    seg_starts[0] = 0
-    seg_starts[1: len(slots) + 1] = np.cumsum(counts)
-    seg_slot = np.full(num_segments, -1, np.int32)
-    seg_slot[: len(slots)] = slots
+    seg_starts, seg_slot = _segments(slots[order], counts[order], num_segments)
     return LoraPlan(token_slot, perm, inv_perm, seg_starts, seg_slot)
+
+
+class ServingPlan(NamedTuple):
+    """A serving step's plan over rows the engine has already ordered (`serving_order`): the
+    kernels use the rows as they are (no permutation, no gathers) and each row goes to one kernel.
+
+    Row order: the tokens of multi-token adapter rows (prefill chunks) first, grouped by slot in
+    ascending order; then every other token (one-token rows, base-model rows, padding).
+
+    token_slot [N]: adapter slot of each token in that order, -1 = base model or padding.
+    decode_slot [N]: slot of each token of a one-token row (BGMV), -1 for every other token.
+    seg_starts [S+1], seg_slot [S]: segments over the multi-token prefix (SGMV); the tail from
+      seg_starts[S] on is no segment's. Both None when the step has no multi-token row (S = 0:
+      a decode-only step), which makes it its own compiled variant.
+    """
+
+    token_slot: np.ndarray
+    decode_slot: np.ndarray
+    seg_starts: np.ndarray | None
+    seg_slot: np.ndarray | None
+
+
+def serving_order(row_slot, row_tokens) -> np.ndarray:
+    """The order of a step's rows that `build_serving_plan` expects: [R] row indices.
+
+    row_slot [R]: adapter slot of each row (-1: base model); row_tokens [R]: its token count.
+    Multi-token adapter rows come first, by slot ascending; then the others, in their given order.
+    """
+    row_slot, row_tokens = np.asarray(row_slot), np.asarray(row_tokens)
+    segmented = (row_slot >= 0) & (row_tokens > 1)
+    key = np.where(segmented, row_slot, np.iinfo(np.int32).max)
+    return np.argsort(key, kind="stable")
+
+
+def build_serving_plan(token_slot, one_token, num_segments: int) -> ServingPlan:
+    """Plan for tokens in `serving_order` (ValueError otherwise).
+
+    Args:
+      token_slot: [N] int, the adapter slot of every token, -1 for the base model and padding.
+      one_token: [N] bool, the token is its row's only token (served by BGMV).
+      num_segments: S, the padded number of segments; 0 for a step without multi-token rows.
+    """
+    token_slot = np.asarray(token_slot, np.int32).reshape(-1)
+    one_token = np.asarray(one_token, bool).reshape(-1)
+    decode_slot = np.where(one_token, token_slot, -1).astype(np.int32)
+    segmented = (token_slot >= 0) & ~one_token
+    prefix = int(segmented.sum())
+    if not segmented[:prefix].all() or np.any(np.diff(token_slot[:prefix]) < 0):
+        raise ValueError("multi-token adapter rows must come first, grouped by slot (see serving_order)")
+    if num_segments == 0 and prefix == 0:
+        return ServingPlan(token_slot, decode_slot, None, None)
+    slots, counts = np.unique(token_slot[:prefix], return_counts=True)
+    seg_starts, seg_slot = _segments(slots, counts, num_segments)
+    return ServingPlan(token_slot, decode_slot, seg_starts, seg_slot)

@@ -188,3 +188,33 @@ def test_pallas_backend_serves_the_same_tokens(smollm2, adapters8, expected):
     engine = Engine(model, tokenizer.eos_token_ids,
                     EngineConfig(max_adapters_on_device=8, lora_backend="pallas", **SMALL_ENGINE), adapters8)
     assert _serve_all(engine, requests[:6]) == outputs[:6]
+
+
+def test_pallas_steps_use_the_serving_plan_without_recompiling(smollm2, adapters8, expected, monkeypatch):
+    """With a Pallas backend every LoRA step gets a `ServingPlan` (rows ordered once on the host):
+    mixed prefill + decode steps with SGMV segments and decode-only steps without; base-model
+    requests in the same batch; greedy tokens as with the merged weights; and no step compiles
+    beyond one variant per (tokens, block-table width, decode-only) bucket."""
+    import serve.engine as engine_module
+    from jaxlora.lora.plan import ServingPlan
+
+    model, tokenizer = smollm2
+    requests, outputs = expected
+    picked = [0, 8, 3, 12, 17, 5, 26]  # ad0, base, ad3, ad3, base, ad5, base
+    engine = Engine(model, tokenizer.eos_token_ids,
+                    EngineConfig(max_adapters_on_device=4, lora_backend="pallas", **SMALL_ENGINE), adapters8)
+    real_step, seen = engine_module._engine_step, []
+
+    def recording(graphdef, state, cache, batch, lora, *rest):
+        if lora is not None:
+            plan = lora.plan
+            assert isinstance(plan, ServingPlan)
+            seen.append((batch.tokens.shape, batch.block_tables.shape, plan.seg_starts is None, rest[-2]))
+        return real_step(graphdef, state, cache, batch, lora, *rest)
+
+    monkeypatch.setattr(engine_module, "_engine_step", recording)
+    compiled_before = real_step._cache_size()
+    assert _serve_all(engine, [requests[i] for i in picked]) == [outputs[i] for i in picked]
+    decode_only = [key[2] for key in seen]
+    assert any(decode_only) and not all(decode_only)
+    assert real_step._cache_size() - compiled_before <= len(set(seen)) < len(seen)

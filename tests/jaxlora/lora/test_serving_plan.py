@@ -1,0 +1,131 @@
+"""The serving plan: rows ordered once on the host (prefill chunks grouped by adapter, then
+one-token rows), and the `pallas` backend on it (SGMV + BGMV, no gathers) gives the delta of the
+old path (`LoraPlan`: gather into adapter order, SGMV, scatter back) and of the XLA reference."""
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlora.lora.ops import lora_delta
+from jaxlora.lora.plan import build_plan, build_serving_plan, serving_order
+from tests.jaxlora.hf_checkpoints import relative_error
+
+IN_DIM, OUT_DIM, MAX_RANK = 64, 48, 16
+
+# Steps as (slot, tokens) rows in the scheduler's order; -1: base model.
+STEPS = {
+    "mixed": [(2, 5), (0, 3), (-1, 4), (1, 1), (2, 1), (-1, 1), (0, 1), (5, 7)],
+    "decode_only": [(s, 1) for s in (3, 0, 7, 7, -1, 9, 1, 4, 6, 2, 8, 5)],
+    "single_decode": [(4, 1)],
+    "single_prefill": [(4, 9)],
+    "base_only": [(-1, 6), (-1, 1)],
+    # 3 prefill adapters fit 4 segments; 8 distinct adapters in all do not, and need not
+    "more_adapters_than_segments": [(0, 2), (1, 3), (2, 2)] + [(s, 1) for s in range(3, 11)],
+}
+
+
+def random_pool(rng, num_slots=12):
+    """A module pool {a, b, scale, rank} with mixed ranks, zero beyond each slot's rank."""
+    rank = rng.choice([4, 8, 16], num_slots).astype(np.int32)
+    a = rng.normal(0, IN_DIM**-0.5, (num_slots, IN_DIM, MAX_RANK)).astype(np.float32)
+    b = rng.normal(0, 0.5, (num_slots, MAX_RANK, OUT_DIM)).astype(np.float32)
+    beyond = np.arange(MAX_RANK)[None, :] >= rank[:, None]
+    a[beyond[:, None, :].repeat(IN_DIM, 1)] = 0.0
+    b[beyond[:, :, None].repeat(OUT_DIM, 2)] = 0.0
+    scale = rng.uniform(0.5, 2.0, num_slots).astype(np.float32)
+    return {"a": jnp.asarray(a), "b": jnp.asarray(b), "scale": jnp.asarray(scale), "rank": jnp.asarray(rank)}
+
+
+def ordered_tokens(rows, num_tokens):
+    """(token_slot [num_tokens], one_token [num_tokens]) of `rows` in `serving_order`, padded."""
+    order = serving_order([s for s, _ in rows], [c for _, c in rows])
+    token_slot = np.full(num_tokens, -1, np.int32)
+    one_token = np.zeros(num_tokens, bool)
+    offset = 0
+    for slot, count in (rows[i] for i in order):
+        token_slot[offset: offset + count] = slot
+        one_token[offset: offset + count] = count == 1
+        offset += count
+    return token_slot, one_token
+
+
+def step_plan(rows, num_tokens=32, num_segments=4):
+    token_slot, one_token = ordered_tokens(rows, num_tokens)
+    segments = num_segments if any(count > 1 for _, count in rows) else 0
+    return token_slot, build_serving_plan(token_slot, one_token, segments)
+
+
+def test_serving_order_puts_prefill_chunks_first_grouped_by_slot():
+    rows = STEPS["mixed"]
+    order = serving_order([s for s, _ in rows], [c for _, c in rows])
+    assert [rows[i] for i in order] == [(0, 3), (2, 5), (5, 7), (-1, 4), (1, 1), (2, 1), (-1, 1), (0, 1)]
+
+
+def test_serving_plan_segments_cover_the_prefill_prefix_only():
+    token_slot, plan = step_plan(STEPS["mixed"], num_segments=8)
+    assert list(plan.seg_slot) == [0, 2, 5, -1, -1, -1, -1, -1]
+    assert list(plan.seg_starts) == [0, 3, 8, 15, 15, 15, 15, 15, 15]
+    assert list(plan.decode_slot[15:21]) == [-1, -1, -1, -1, 1, 2] and list(plan.decode_slot[21:24]) == [-1, 0, -1]
+    assert np.all(plan.decode_slot[:15] == -1) and np.array_equal(plan.token_slot, token_slot)
+
+
+def test_decode_only_step_has_no_segments_and_any_number_of_adapters():
+    _, plan = step_plan(STEPS["decode_only"])
+    assert plan.seg_starts is None and plan.seg_slot is None
+    assert sorted(set(plan.decode_slot[plan.decode_slot >= 0])) == list(range(10))
+
+
+def test_serving_plan_refuses_rows_out_of_order_and_too_many_segments():
+    token_slot, one_token = ordered_tokens(STEPS["mixed"], 32)
+    with pytest.raises(ValueError, match="come first"):
+        build_serving_plan(token_slot[::-1], one_token[::-1], 4)
+    with pytest.raises(ValueError, match="do not fit"):
+        build_serving_plan(token_slot, one_token, 2)
+    with pytest.raises(ValueError, match="do not fit"):
+        build_serving_plan(token_slot, one_token, 0)
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+@pytest.mark.parametrize("step", sorted(STEPS))
+def test_serving_plan_delta_equals_the_gathering_path(step, impl):
+    rng = np.random.default_rng(zlib.crc32(f"{step} {impl}".encode()))
+    pool = random_pool(rng)
+    token_slot, plan = step_plan(STEPS[step])
+    x = rng.normal(size=(token_slot.size, IN_DIM)).astype(np.float32)
+    new = np.asarray(lora_delta(x, pool, plan, impl))
+    old = np.asarray(lora_delta(x, pool, build_plan(token_slot, num_segments=16), impl))
+    reference = np.asarray(lora_delta(x, pool, build_plan(token_slot), "gather"))
+    assert np.all(new[token_slot < 0] == 0.0)
+    if step == "base_only":
+        assert np.all(new == 0.0)
+        return
+    assert np.abs(reference).max() > 0.1  # the adapters contribute
+    assert relative_error(new, old) <= 1e-5
+    assert relative_error(new, reference) <= 1e-5
+
+
+def _row_gathers(fn, x):
+    """The gather/scatter equations of fn's jaxpr (top level) that move whole rows of x or of the delta."""
+    row_shapes = {(x.shape[0], IN_DIM), (x.shape[0], OUT_DIM)}
+    eqns = jax.make_jaxpr(fn)(x).eqns
+    return [e for e in eqns if e.primitive.name in ("gather", "scatter", "scatter-add")
+            and any(getattr(v.aval, "shape", None) in row_shapes for v in list(e.invars) + list(e.outvars))]
+
+
+def test_serving_plan_moves_no_rows():
+    """The old path gathers x into adapter order and the delta back; the serving plan does neither."""
+    pool = random_pool(np.random.default_rng(1))
+    token_slot, plan = step_plan(STEPS["mixed"])
+    x = np.zeros((token_slot.size, IN_DIM), np.float32)
+    assert len(_row_gathers(lambda x: lora_delta(x, pool, build_plan(token_slot, 8), "pallas_gpu"), x)) == 2
+    assert _row_gathers(lambda x: lora_delta(x, pool, plan, "pallas_gpu"), x) == []
+
+
+def test_ragged_dot_refuses_a_serving_plan():
+    pool = random_pool(np.random.default_rng(0))
+    token_slot, plan = step_plan(STEPS["mixed"])
+    with pytest.raises(ValueError, match="LoraPlan"):
+        lora_delta(np.zeros((token_slot.size, IN_DIM), np.float32), pool, plan, "ragged_dot")
