@@ -381,7 +381,7 @@ def plot(paths: list, png: str) -> None:
     import matplotlib.pyplot as plt
 
     reports = [json.load(open(p)) for p in paths]
-    results = [r for report in reports for r in report["results"]]
+    results = [r for report in reports for r in report["results"] if "tokens_per_s" in r]  # not breakdown/profile
     workloads = list(dict.fromkeys(r["workload"] for r in results))
     variants = list(dict.fromkeys(r["variant"] for r in results))
     width = 0.8 / len(variants)
