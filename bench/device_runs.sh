@@ -62,7 +62,7 @@ train() {  # one GPU: the flash attention tests, jaxlora vs sequential jobs (JAX
   timeout 120 python3 -m pytest -q tests/pallas_kernels/test_attention.py -p no:cacheprovider 2>&1 | tail -n 3
   timeout $((LIMIT - SECONDS - 130)) python3 bench/train.py --layers 8 --capacity 4096 --breakdown --profile onehot \
       --variants jaxlora jaxlora-xla sequential \
-      --out "$OUT/train_h200_jax.json" 2>&1 | tail -n 20
+      --out "$OUT/train_h200_jax.json" 2>&1 | grep -v "cuda_timer\\|Warning" | tail -n 45
   timeout $((LIMIT - SECONDS - 5)) python3 bench/train.py --layers 8 --capacity 4096 --variants peft-best peft-padded \
       --out "$OUT/train_h200_peft.json" 2>&1 | tail -n 20
 }
@@ -73,6 +73,16 @@ fused_and_profile() {  # one GPU: the fused LoRA kernel benchmark (all shapes), 
       | grep -v "cuda_timer\|Warning" | tail -n 30
   timeout $((LIMIT - SECONDS - 5)) python3 bench/train.py --layers 8 --capacity 4096 --profile onehot fused \
       --variants --out "$OUT/train_profile_h200.json" 2>&1 | grep -v "cuda_timer\|Warning" | tail -n 30
+}
+
+train_xla_flags() {  # one GPU: the grad step's profile and one workload, without and with XLA's dynamic-slice fusion
+  nvidia-smi -L
+  for flags in "" "--xla_gpu_enable_dynamic_slice_fusion=true"; do
+    echo "=== XLA_FLAGS=$flags"
+    XLA_FLAGS="$flags" timeout 200 python3 bench/train.py --layers 8 --capacity 4096 --profile onehot \
+        --variants jaxlora-xla --workloads mixed --out "$OUT/train_flags${flags:+_dsf}_h200.json" 2>&1 \
+        | grep -v "cuda_timer\\|Warning" | tail -n 16
+  done
 }
 
 serve() {  # one GPU: the serving benchmark
@@ -89,6 +99,16 @@ train_and_fused_and_profile() {  # one GPU: the fused LoRA kernel benchmark (all
       | grep -v "cuda_timer\|Warning" | tail -n 30
   timeout $((LIMIT - SECONDS - 5)) python3 bench/train.py --layers 8 --capacity 4096 --profile onehot fused \
       --variants --out "$OUT/train_profile_h200.json" 2>&1 | grep -v "cuda_timer\|Warning" | tail -n 30
+}
+
+train_xla_flags() {  # one GPU: the grad step's profile and one workload, without and with XLA's dynamic-slice fusion
+  nvidia-smi -L
+  for flags in "" "--xla_gpu_enable_dynamic_slice_fusion=true"; do
+    echo "=== XLA_FLAGS=$flags"
+    XLA_FLAGS="$flags" timeout 200 python3 bench/train.py --layers 8 --capacity 4096 --profile onehot \
+        --variants jaxlora-xla --workloads mixed --out "$OUT/train_flags${flags:+_dsf}_h200.json" 2>&1 \
+        | grep -v "cuda_timer\\|Warning" | tail -n 16
+  done
 }
 
 serve() {  # one GPU, one call: the training benchmark (JAX, then PEFT), then serving cases

@@ -212,7 +212,7 @@ def profile_steps(model, pool, microbatch, samples, capacity: int, backends, log
         step = cached_grad_step(model, 4, backend)
         times = kernel_times(lambda: step(*args), 3, os.path.join(log_dir, backend))
         out.append({"backend": backend, **{k: v for k, v in times.items() if k != "kernels"},
-                    "top_kernels": times["kernels"][:25]})
+                    "top_kernels": times["kernels"][:60]})
         print(f"profile {backend}: device {times['device_ms']:.1f} ms, wall {times['wall_ms']:.1f} ms per step; "
               + ", ".join(f"{c} {ms:.1f}" for c, ms in sorted(times["categories"].items(), key=lambda c: -c[1])))
         for kernel in times["kernels"][:12]:
