@@ -93,25 +93,7 @@ serve() {  # one GPU: the serving benchmark
       | tail -n 40
 }
 
-train_and_fused_and_profile() {  # one GPU: the fused LoRA kernel benchmark (all shapes), then a profile of the train step
-  nvidia-smi -L
-  timeout 330 python3 bench/fused_lora.py --name fused_lora_h200 --out "$OUT" --budget-s 300 2>&1 \
-      | grep -v "cuda_timer\|Warning" | tail -n 30
-  timeout $((LIMIT - SECONDS - 5)) python3 bench/train.py --layers 8 --capacity 4096 --profile onehot fused \
-      --variants --out "$OUT/train_profile_h200.json" 2>&1 | grep -v "cuda_timer\|Warning" | tail -n 30
-}
-
-train_xla_flags() {  # one GPU: the grad step's profile and one workload, without and with XLA's dynamic-slice fusion
-  nvidia-smi -L
-  for flags in "" "--xla_gpu_enable_dynamic_slice_fusion=true"; do
-    echo "=== XLA_FLAGS=$flags"
-    XLA_FLAGS="$flags" timeout 200 python3 bench/train.py --layers 8 --capacity 4096 --profile onehot \
-        --variants jaxlora-xla --workloads mixed --out "$OUT/train_flags${flags:+_dsf}_h200.json" 2>&1 \
-        | grep -v "cuda_timer\\|Warning" | tail -n 16
-  done
-}
-
-serve() {  # one GPU, one call: the training benchmark (JAX, then PEFT), then serving cases
+train_and_serve() {  # one GPU, one call: the training benchmark (JAX, then PEFT), then serving cases
   nvidia-smi -L
   timeout 200 python3 bench/train.py --layers 8 --capacity 4096 --variants jaxlora jaxlora-xla sequential \
       --out "$OUT/train_h200_jax.json" 2>&1 | grep -v cuda_timer | tail -n 14
