@@ -77,10 +77,13 @@ def batch_weights(data) -> dict:
 _GRAD_STEPS: dict = {}
 
 
+UNROLL_LAYERS = True  # --no-unroll turns it off
+
+
 def cached_grad_step(model, num_adapters, backend):
     """One jitted step per backend for the whole run (compiled once, reused by every workload)."""
     if backend not in _GRAD_STEPS:
-        _GRAD_STEPS[backend] = make_grad_step(model, num_adapters, backend)
+        _GRAD_STEPS[backend] = make_grad_step(model, num_adapters, backend, unroll_layers=UNROLL_LAYERS)
     return _GRAD_STEPS[backend]
 
 
@@ -165,6 +168,7 @@ ATTENTION_VARIANTS = {
     "flash q128 k128 bwd64 w8": ("flash", None, FlashBlocks(128, 128, 64, num_warps=8)),
     "flash q64 k64 bwd32": ("flash", None, FlashBlocks(64, 64, 32)),
 }
+UNROLLED = "flash q128 k64 bwd64, layer scan unrolled"  # one more breakdown row: weight slices not copied?
 
 
 def step_args(pool, microbatch, samples, capacity: int) -> tuple:
@@ -200,6 +204,11 @@ def breakdown(model, pool, microbatch, samples, capacity: int, repeats: int) -> 
             llama_module.attend, attention_module.DEFAULT_BLOCKS = original_attend, original_blocks
         print(f"breakdown  {name:36} " + (f"{out[-1]['step_s'] * 1e3:8.1f} ms/step "
               f"{out[-1]['tokens_per_s']:9.0f} tokens/s" if "step_s" in out[-1] else out[-1]["error"]), flush=True)
+    step = make_grad_step(model, 4, "onehot", attention="flash", unroll_layers=True)
+    jax.block_until_ready(step(*args))
+    seconds = median_call_seconds(lambda: step(*args), repeats)
+    out.append({"variant": UNROLLED, "step_s": seconds, "tokens_per_s": real / seconds})
+    print(f"breakdown  {UNROLLED:36} {seconds * 1e3:8.1f} ms/step {real / seconds:9.0f} tokens/s", flush=True)
     return out
 
 
@@ -224,7 +233,8 @@ def use_fastest_flash_blocks(steps: list[dict]) -> str | None:
     """Makes the fastest flash variant of a breakdown the default tiles for the rest of the run."""
     import pallas_kernels.attention as attention_module
 
-    timed = [s for s in steps if "step_s" in s and ATTENTION_VARIANTS[s["variant"]][0] == "flash"]
+    timed = [s for s in steps if "step_s" in s and s["variant"] in ATTENTION_VARIANTS
+             and ATTENTION_VARIANTS[s["variant"]][0] == "flash"]
     if not timed:
         return None
     best = min(timed, key=lambda s: s["step_s"])["variant"]
@@ -315,10 +325,14 @@ def main() -> None:
     parser.add_argument("--profile", nargs="*", default=None, metavar="BACKEND",
                         help="time each kernel of the grad step (profiler trace) for these LoRA backends "
                              "(default: onehot fused) on the fullest microbatch, after --breakdown")
+    parser.add_argument("--no-unroll", action="store_true",
+                        help="keep the layer scan rolled in the jaxlora/sequential runs (default: unrolled)")
     parser.add_argument("--plot-from", nargs="+", default=None,
                         help="result JSONs (e.g. the JAX and the PyTorch process of one device call): write "
                              "their bar chart to --out's .png and exit")
     args = parser.parse_args()
+    global UNROLL_LAYERS
+    UNROLL_LAYERS = not args.no_unroll
     if args.plot_from:
         plot(args.plot_from, os.path.splitext(args.out)[0] + ".png")
         return
@@ -366,10 +380,16 @@ def main() -> None:
     print(f"device: {device}, jax {jax.__version__}, {args.layers} layers; wrote {args.out}")
 
 
+def attention_defaults():
+    import pallas_kernels.attention as attention_module
+    return attention_module.DEFAULT_BLOCKS
+
+
 def _write_report(args, device: str, results: list) -> None:
     report = {"device": device, "jax": jax.__version__, "date": datetime.date.today().isoformat(),
               "host": platform.node(), "layers": args.layers, "capacity": args.capacity,
-              "global_batch": args.global_batch, "batches": args.batches, "results": results}
+              "global_batch": args.global_batch, "batches": args.batches, "unroll_layers": UNROLL_LAYERS,
+              "flash_blocks": str(attention_defaults()), "results": results}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
 

@@ -50,6 +50,7 @@ class TrainConfig:
     solver_time_limit: float = 1.0
     checkpoint_every: int = 50  # microbatches
     lora_backend: str = "onehot"  # the fastest XLA path for a few adapters (bench/results/sgmv_h100.json)
+    unroll_layers: bool = False  # unrolled layer scan: ~12% faster GPU steps, longer compile (README)
     seed: int = 0
     progress: bool = True
 

@@ -62,9 +62,11 @@ def split_pool(pool_arrays: dict) -> tuple[dict, dict]:
     return trainable, frozen
 
 
-def make_grad_step(model: Llama, num_slots: int, lora_backend: str, attention: str = "auto"):
+def make_grad_step(model: Llama, num_slots: int, lora_backend: str, attention: str = "auto",
+                   unroll_layers: bool = False):
     """A (trainable, frozen, batch arrays, plan, dropout rate, key) -> (per-slot loss, grads) step.
-    `attention`: the model's packed attention ("auto": the flash kernel on GPU/TPU, masked on CPU).
+    `attention`: the model's packed attention ("auto": the flash kernel on GPU/TPU, masked on CPU);
+    `unroll_layers`: unroll the layer scan (faster steps on GPU, longer compile; see `Llama`).
 
     The frozen base weights enter the jitted function as an argument, not as captured constants:
     constants would be embedded in the compiled program (gigabytes for an 8B model, a slow compile)."""
@@ -75,7 +77,7 @@ def make_grad_step(model: Llama, num_slots: int, lora_backend: str, attention: s
         lora = LoraInputs(pool, plan, dropout_rate, dropout_key)
         logits, _ = nnx.merge(graphdef, state)(
             batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"], lora=lora,
-            lora_backend=lora_backend, attention=attention,
+            lora_backend=lora_backend, attention=attention, unroll_layers=unroll_layers,
         )
         return per_slot_loss(logits, batch, plan.token_slot, num_slots)
 

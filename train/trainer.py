@@ -59,7 +59,8 @@ class Trainer:
         self.grads_acc = jax.tree.map(jnp.zeros_like, self.trainable)
         self.loss_acc = jnp.zeros(len(self.jobs), jnp.float32)
         self.opt_states = [job.optimizer.init(self._slot_params(i)) for i, job in enumerate(self.jobs)]
-        self.grad_step = make_grad_step(model, len(self.jobs), config.lora_backend)
+        self.grad_step = make_grad_step(model, len(self.jobs), config.lora_backend,
+                                         unroll_layers=config.unroll_layers)
         self.dropout_rate = jnp.asarray([job.lora.lora_dropout for job in config.jobs], jnp.float32)
         os.makedirs(config.output_dir, exist_ok=True)
         self.checkpointer = Checkpointer(os.path.join(config.output_dir, "checkpoints"))

@@ -135,6 +135,7 @@ class Llama(nnx.Module):
         lora: LoraInputs | None = None,
         lora_backend: str = "gather",
         attention: str = "auto",
+        unroll_layers: bool | int = 1,
     ) -> tuple[jax.Array, KVCache | None]:
         """Runs the decoder.
 
@@ -149,6 +150,9 @@ class Llama(nnx.Module):
           lora_backend: how the LoRA op is computed (see `jaxlora.lora.ops.BACKENDS`).
           attention: packed mode's attention, "auto" | "masked" | "flash"
             (see `jaxlora.models.layers.packed_attention`); the cache path always masks.
+          unroll_layers: layers per iteration of the layer scan (True: all). Unrolled, XLA slices
+            each layer's weights statically instead of copying them out of the stack every
+            iteration (12% of an 8-layer 8B-shape training step on an H200); compiles slower.
 
         Returns:
           (logits [B, T, vocab] or [B, vocab] float32, the updated cache or None).
@@ -172,7 +176,8 @@ class Llama(nnx.Module):
         per_layer_cache = None if cache is None else (cache.k, cache.v)
         per_layer_pool = None if lora is None else lora.pool
         hidden, new_cache = jax.lax.scan(
-            layer, hidden, (self.layer_weights(), per_layer_cache, per_layer_pool, jnp.arange(config.num_layers))
+            layer, hidden, (self.layer_weights(), per_layer_cache, per_layer_pool, jnp.arange(config.num_layers)),
+            unroll=unroll_layers,
         )
         if logit_indices is not None:
             hidden = jnp.take_along_axis(hidden, logit_indices[:, None, None], axis=1)[:, 0]
