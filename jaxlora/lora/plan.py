@@ -78,8 +78,8 @@ class ServingPlan(NamedTuple):
     token_slot [N]: adapter slot of each token in that order, -1 = base model or padding.
     decode_slot [N]: slot of each token of a one-token row (BGMV), -1 for every other token.
     seg_starts [S+1], seg_slot [S]: segments over the multi-token prefix (SGMV); the tail from
-      seg_starts[S] on is no segment's. Both None when the step has no multi-token row (S = 0:
-      a decode-only step), which makes it its own compiled variant.
+      seg_starts[S] on is no segment's. Both None when built with S = 0 (the engine does so for
+      steps without multi-token rows: decode only), which makes it its own compiled variant.
     """
 
     token_slot: np.ndarray
