@@ -43,7 +43,21 @@ def _dense_backward(saved, grad):
     grad_x = jnp.dot(grad, w.T, preferred_element_type=jnp.float32).astype(x.dtype)
     rows, grad_rows = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
     grad_w = jnp.dot(rows.T, grad_rows, preferred_element_type=jnp.float32).astype(w.dtype)
-    return grad_x, grad_w
+    return _sum_over_extra_axes(grad_x, x), _sum_over_extra_axes(grad_w, w)
+
+
+def _sum_over_extra_axes(grad: jax.Array, primal: jax.Array) -> jax.Array:
+    """Inside shard_map: a cotangent varying over mesh axes its primal does not vary over is summed
+    over them (what the automatic transpose of the implicit broadcast does)."""
+    extra = tuple(sorted(_varying_axes(grad) - _varying_axes(primal)))
+    return jax.lax.psum(grad, extra) if extra else grad
+
+
+def _varying_axes(x: jax.Array) -> frozenset:
+    """The shard_map mesh axes x varies over (`aval.mat.varying` in jax >= 0.12, `aval.vma` before)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "mat", None)
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
 
 
 dense.defvjp(_dense_forward, _dense_backward)
