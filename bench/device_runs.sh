@@ -59,6 +59,7 @@ kernels() {  # one GPU: the GPU tests, then the tile profiler for this device; 4
 
 train() {  # one GPU: the flash attention tests, jaxlora vs sequential jobs (JAX), then HF+PEFT
   nvidia-smi -L
+  python3 -c "import jax; a = jax.typeof(jax.numpy.ones(2)); print('jax', jax.__version__, 'aval.mat', hasattr(a, 'mat'), 'aval.vma', hasattr(a, 'vma'))"
   timeout 120 python3 -m pytest -q tests/pallas_kernels/test_attention.py -p no:cacheprovider 2>&1 | tail -n 3
   timeout $((LIMIT - SECONDS - 130)) python3 bench/train.py --layers 8 --capacity 4096 --breakdown --profile onehot \
       --variants jaxlora jaxlora-xla sequential \
