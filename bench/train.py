@@ -39,6 +39,8 @@ import numpy as np
 from flax import nnx
 
 from bench.timing import kernel_times, median_call_seconds
+import jaxlora.models.llama as llama_module
+import pallas_kernels.attention as attention_module
 from pallas_kernels.attention import FlashBlocks
 from jaxlora.lora.adapter import random_adapter
 from jaxlora.lora.config import LoraConfig
@@ -158,17 +160,18 @@ def _library_attention(q, k, v, mask):
     return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None]).astype(q.dtype)
 
 
-# name -> (the model's packed attention, a replacement of `attend` or None, flash tiles or None)
+# name -> (the model's packed attention, a replacement of `attend` or None, flash tiles or None,
+# the layer scan unrolled)
 ATTENTION_VARIANTS = {
-    "masked (XLA softmax over [H,T,T])": ("masked", None, None),
-    "no attention (leave-one-out)": ("masked", _stand_in_attention, None),
-    "jax.nn.dot_product_attention": ("masked", _library_attention, None),
-    "flash q64 k64 bwd64": ("flash", None, FlashBlocks(64, 64, 64)),
-    "flash q128 k64 bwd64": ("flash", None, FlashBlocks(128, 64, 64)),
-    "flash q128 k128 bwd64 w8": ("flash", None, FlashBlocks(128, 128, 64, num_warps=8)),
-    "flash q64 k64 bwd32": ("flash", None, FlashBlocks(64, 64, 32)),
+    "masked (XLA softmax over [H,T,T])": ("masked", None, None, False),
+    "no attention (leave-one-out)": ("masked", _stand_in_attention, None, False),
+    "jax.nn.dot_product_attention": ("masked", _library_attention, None, False),
+    "flash q64 k64 bwd64": ("flash", None, FlashBlocks(64, 64, 64), False),
+    "flash q128 k64 bwd64": ("flash", None, FlashBlocks(128, 64, 64), False),
+    "flash q128 k128 bwd64 w8": ("flash", None, FlashBlocks(128, 128, 64, num_warps=8), False),
+    "flash q64 k64 bwd32": ("flash", None, FlashBlocks(64, 64, 32), False),
+    "flash q128 k64 bwd64, layer scan unrolled": ("flash", None, FlashBlocks(128, 64, 64), True),
 }
-UNROLLED = "flash q128 k64 bwd64, layer scan unrolled"  # one more breakdown row: weight slices not copied?
 
 
 def step_args(pool, microbatch, samples, capacity: int) -> tuple:
@@ -183,18 +186,15 @@ def step_args(pool, microbatch, samples, capacity: int) -> tuple:
 def breakdown(model, pool, microbatch, samples, capacity: int, repeats: int) -> list[dict]:
     """Seconds of one compiled grad step (one-hot XLA LoRA backend) on one full microbatch with each
     of ATTENTION_VARIANTS: what attention costs and which flash tiles to use."""
-    import jaxlora.models.llama as llama_module
-    import pallas_kernels.attention as attention_module
-
     args = step_args(pool, microbatch, samples, capacity)
     real = sum(s.num_tokens for s in microbatch)
     original_attend, original_blocks = llama_module.attend, attention_module.DEFAULT_BLOCKS
     out = []
-    for name, (impl, replacement, blocks) in ATTENTION_VARIANTS.items():
+    for name, (impl, replacement, blocks, unroll) in ATTENTION_VARIANTS.items():
         llama_module.attend = replacement or original_attend
         attention_module.DEFAULT_BLOCKS = blocks or original_blocks
         try:
-            step = make_grad_step(model, 4, "onehot", attention=impl)  # traced on its first call
+            step = make_grad_step(model, 4, "onehot", attention=impl, unroll_layers=unroll)  # traced at 1st call
             jax.block_until_ready(step(*args))  # compile
             seconds = median_call_seconds(lambda: step(*args), repeats)
             out.append({"variant": name, "step_s": seconds, "tokens_per_s": real / seconds})
@@ -204,11 +204,6 @@ def breakdown(model, pool, microbatch, samples, capacity: int, repeats: int) -> 
             llama_module.attend, attention_module.DEFAULT_BLOCKS = original_attend, original_blocks
         print(f"breakdown  {name:36} " + (f"{out[-1]['step_s'] * 1e3:8.1f} ms/step "
               f"{out[-1]['tokens_per_s']:9.0f} tokens/s" if "step_s" in out[-1] else out[-1]["error"]), flush=True)
-    step = make_grad_step(model, 4, "onehot", attention="flash", unroll_layers=True)
-    jax.block_until_ready(step(*args))
-    seconds = median_call_seconds(lambda: step(*args), repeats)
-    out.append({"variant": UNROLLED, "step_s": seconds, "tokens_per_s": real / seconds})
-    print(f"breakdown  {UNROLLED:36} {seconds * 1e3:8.1f} ms/step {real / seconds:9.0f} tokens/s", flush=True)
     return out
 
 
@@ -231,10 +226,7 @@ def profile_steps(model, pool, microbatch, samples, capacity: int, backends, log
 
 def use_fastest_flash_blocks(steps: list[dict]) -> str | None:
     """Makes the fastest flash variant of a breakdown the default tiles for the rest of the run."""
-    import pallas_kernels.attention as attention_module
-
-    timed = [s for s in steps if "step_s" in s and s["variant"] in ATTENTION_VARIANTS
-             and ATTENTION_VARIANTS[s["variant"]][0] == "flash"]
+    timed = [s for s in steps if "step_s" in s and ATTENTION_VARIANTS[s["variant"]][0] == "flash"]
     if not timed:
         return None
     best = min(timed, key=lambda s: s["step_s"])["variant"]
@@ -380,16 +372,11 @@ def main() -> None:
     print(f"device: {device}, jax {jax.__version__}, {args.layers} layers; wrote {args.out}")
 
 
-def attention_defaults():
-    import pallas_kernels.attention as attention_module
-    return attention_module.DEFAULT_BLOCKS
-
-
 def _write_report(args, device: str, results: list) -> None:
     report = {"device": device, "jax": jax.__version__, "date": datetime.date.today().isoformat(),
               "host": platform.node(), "layers": args.layers, "capacity": args.capacity,
               "global_batch": args.global_batch, "batches": args.batches, "unroll_layers": UNROLL_LAYERS,
-              "flash_blocks": str(attention_defaults()), "results": results}
+              "flash_blocks": str(attention_module.DEFAULT_BLOCKS), "results": results}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
 
