@@ -94,6 +94,13 @@ serve() {  # one GPU: the serving benchmark
       | tail -n 40
 }
 
+serve_profile() {  # one GPU: per-kernel time of one engine step (decode, mixed), base vs the LoRA backends
+  nvidia-smi -L
+  timeout $((LIMIT - 5)) python3 bench/serve.py --profile --lora-backend pallas onehot \
+      --out "$OUT/serve_profile_h200.json" 2>&1 | grep -v "cuda_timer\\|Warning" | tail -n 80
+  rm -rf "$OUT/serve_profile_traces"
+}
+
 train_and_serve() {  # one GPU, one call: the training benchmark (JAX, then PEFT), then serving cases
   nvidia-smi -L
   timeout 200 python3 bench/train.py --layers 8 --capacity 4096 --variants jaxlora jaxlora-xla sequential \

@@ -364,6 +364,110 @@ def compile_all(model, config: EngineConfig, threads: int, mesh=None, shapes=Non
             "serial_s": sum(per_shape.values()), "per_shape_s": per_shape, "parallel_error": parallel_error}
 
 
+# ---- profile --------------------------------------------------------------------------------------
+
+PROFILE_STEPS = {  # rows as (adapter rows first as prefill chunks, tokens per chunk, decode rows)
+    "decode": (0, 0, 64),  # 64 one-token rows: the engine's usual step on this trace
+    "mixed": (2, 96, 64),  # two 96-token prefill chunks + 64 one-token rows (256 tokens)
+}
+
+
+def profile_batch(engine: Engine, chunks: int, chunk_tokens: int, decode_rows: int, context: int = 384):
+    """(PagedBatch, token_slot [T], one_token [T]) of one step in `serving_order`: `chunks` prefill
+    chunks of `chunk_tokens` (slots 0, 1, ...), then `decode_rows` one-token rows at position
+    `context` (slots chunks, chunks+1, ... modulo the pool: distinct adapters); each row its own pages."""
+    counts = [chunk_tokens] * chunks + [1] * decode_rows
+    num_tokens = engine_module._bucket(sum(counts), 8)
+    page_size, num_slots = engine.config.page_size, engine.config.max_adapters_on_device
+    width = engine_module._bucket(pages_for(context + chunk_tokens + 1, page_size), 4)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, engine.model_config.vocab_size, num_tokens).astype(np.int32)
+    positions, token_row = np.zeros(num_tokens, np.int32), np.full(num_tokens, -1, np.int32)
+    token_slot, one_token = np.full(num_tokens, -1, np.int32), np.zeros(num_tokens, bool)
+    tables, logit_indices = np.zeros((num_tokens, width), np.int32), np.zeros(num_tokens, np.int32)
+    offset = 0
+    for row, count in enumerate(counts):
+        span = slice(offset, offset + count)
+        start = 0 if count > 1 else context
+        positions[span], token_row[span] = np.arange(start, start + count), row
+        token_slot[span], one_token[span] = row % num_slots, count == 1
+        tables[row] = (row * width + np.arange(width)) % engine.config.num_pages
+        offset += count
+        logit_indices[row] = offset - 1
+    return PagedBatch(tokens, positions, token_row, tables, logit_indices), token_slot, one_token
+
+
+def profile_steps(model, engine_config: EngineConfig, factory: AdapterFactory, backends, log_dir: str,
+                  calls: int = 5, context: int = 384) -> list[dict]:
+    """Per-kernel device time (profiler trace, `bench.timing.kernel_times`) of one jitted engine step
+    for each PROFILE_STEPS batch: the base model (no LoRA inputs) and each LoRA backend, with every
+    pool slot holding an adapter. Returns one entry per (step, variant)."""
+    from bench.timing import kernel_times
+
+    engine = Engine(model, eos_ids=(), config=engine_config)
+    prepared = [engine.prepare_adapter(factory(i)) for i in range(len(factory.sets))]
+    for slot in range(engine_config.max_adapters_on_device):
+        engine.pool.load(prepared[slot % len(prepared)], slot=slot)
+    out = []
+    for step_name, (chunks, chunk_tokens, decode_rows) in PROFILE_STEPS.items():
+        batch, token_slot, one_token = profile_batch(engine, chunks, chunk_tokens, decode_rows, context)
+        num_tokens = len(token_slot)
+        sampling = (np.zeros(num_tokens, np.float32), np.ones(num_tokens, np.float32),
+                    np.zeros(num_tokens, np.uint32), np.zeros(num_tokens, np.int32), False)
+        for variant in ["base"] + list(backends):
+            engine.config = dataclasses.replace(engine_config, lora_backend=backends[0] if variant == "base" else variant)
+            lora = None if variant == "base" else LoraInputs(
+                engine.pool.arrays, engine._lora_plan(token_slot, one_token, chunks == 0))
+
+            def step():
+                tokens, engine.cache = engine_module._engine_step(
+                    engine._graphdef, engine._state, engine.cache, batch, lora, *sampling, engine.config.lora_backend)
+                return tokens
+
+            times = kernel_times(step, calls, os.path.join(log_dir, f"{step_name}_{variant}"))
+            counts = {}
+            for kernel in times["kernels"]:
+                category = kernel_category(kernel["name"])
+                counts[category] = counts.get(category, 0) + kernel["calls"]
+            out.append({"step": step_name, "variant": variant, "tokens": num_tokens, "kernel_counts": counts,
+                        **{k: v for k, v in times.items() if k != "kernels"}, "top_kernels": times["kernels"][:40]})
+    engine.config = engine_config
+    return out
+
+
+def kernel_category(name: str) -> str:
+    """LoRA kernels (the Pallas SGMV/BGMV calls), matmuls (cuBLAS/XLA GEMMs: base projections,
+    attention, the onehot backend's LoRA), XLA fusions, copies, other."""
+    from bench.timing import kernel_category as coarse
+
+    lowered = name.lower()
+    if any(tag in lowered for tag in ("sgmv", "bgmv", "shrink", "expand")):
+        return "lora kernels"
+    return {"matmul (cuBLAS/XLA)": "matmul", "XLA fusions (elementwise/reduce)": "fusions"}.get(coarse(name), coarse(name))
+
+
+def print_profile(entries: list[dict]) -> None:
+    """Per step and variant: device and wall ms, and ms / kernel count by category, with the
+    difference to the same step's base model; then the top kernels of each LoRA variant."""
+    base = {e["step"]: e for e in entries if e["variant"] == "base"}
+    categories = sorted({c for e in entries for c in e["categories"]})
+    print(f"{'step':8} {'variant':8} {'device ms':>9} {'(+base)':>8} {'wall ms':>8} {'kernels':>8}  "
+          + "  ".join(f"{c[:14]:>14}" for c in categories), flush=True)
+    for e in entries:
+        b = base[e["step"]]
+        cells = "  ".join(f"{e['categories'].get(c, 0):6.2f}/{e['kernel_counts'].get(c, 0):<7.0f}" for c in categories)
+        print(f"{e['step']:8} {e['variant']:8} {e['device_ms']:9.2f} {e['device_ms'] - b['device_ms']:+8.2f} "
+              f"{e['wall_ms']:8.2f} {sum(e['kernel_counts'].values()):8.0f}  {cells}", flush=True)
+    for e in entries:
+        if e["variant"] == "base":
+            continue
+        base_names = {k["name"] for k in base[e["step"]]["top_kernels"]}
+        print(f"-- {e['step']} {e['variant']}: top kernels (* = not in the base step)")
+        for kernel in e["top_kernels"][:14]:
+            mark = " " if kernel["name"] in base_names else "*"
+            print(f"  {mark}{kernel['total_ms']:7.3f} ms x{kernel['calls']:<5.0f} {kernel['name'][:100]}")
+
+
 # ---- report ---------------------------------------------------------------------------------------
 
 HEADER = (f"{'case':48} {'run':12} {'tok/s':>8} {'req/s':>6} {'TTFT p50':>9} {'p90':>8} {'TPOT p50':>9} "
@@ -406,6 +510,22 @@ def write_report(path: str, report: dict) -> None:
     plt.close(fig)
 
 
+def run_profile(args, model, engine_config: EngineConfig, factory: AdapterFactory, backends, device: str) -> None:
+    """`--profile`: the step profile (`profile_steps`) printed and written to --out."""
+    log_dir = os.path.join(os.path.dirname(os.path.abspath(args.out)), "serve_profile_traces")
+    context = min(384, engine_config.max_model_len // 2)
+    entries = profile_steps(model, engine_config, factory, backends, log_dir, context=context)
+    print_profile(entries)
+    report = {"device": device, "jax": jax.__version__,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "model": {"layers": args.layers, "shape": "tiny" if args.tiny else "Llama-3.1-8B"},
+              "engine": dataclasses.asdict(engine_config), "profile_steps": PROFILE_STEPS, "profile": entries}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"device: {device}, jax {jax.__version__}; wrote {args.out}", flush=True)
+
+
 # ---- main -----------------------------------------------------------------------------------------
 
 def main() -> None:
@@ -439,6 +559,9 @@ def main() -> None:
                         help="JAX persistent compilation cache dir ('' to disable)")
     parser.add_argument("--time-budget", type=float, default=0, help="seconds; skip cases that would not fit (0: off)")
     parser.add_argument("--out", default="bench/results/serve.json")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of the cases: per-kernel device time of one engine step (decode and mixed "
+                             "batches) for the base model and each --lora-backend, from a profiler trace")
     args = parser.parse_args()
     tiny = args.tiny
     pick = lambda value, default, tiny_default: value if value is not None else (tiny_default if tiny else default)
@@ -478,6 +601,9 @@ def main() -> None:
     print(f"model and {args.weight_sets} adapter weight sets ready in {setup_s:.1f} s "
           f"({factory.bytes_per_set / 2**20:.1f} MiB float32 per adapter)", flush=True)
 
+    if args.profile:
+        run_profile(args, model, engine_config, factory, backends, device)
+        return
     try:
         compile_info = compile_all(model, engine_config, args.compile_threads)
     except Exception as err:

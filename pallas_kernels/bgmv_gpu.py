@@ -83,6 +83,7 @@ def bgmv_shrink_gpu(x, lora_a, row_slot, row_rank, cfg: TileConfig, interpret: b
                                num_k_blocks=k // cfg.block_k)
     return pl.pallas_call(
         kernel,
+        name="bgmv_shrink",
         out_shape=jax.ShapeDtypeStruct((cfg.k_splits, batch, r_max), _F32),
         grid=(batch, cfg.k_splits),
         compiler_params=_params(cfg),
@@ -132,6 +133,7 @@ def bgmv_expand_gpu(y, v, lora_b, row_slot, row_rank, row_scale, cfg: TileConfig
                                num_chunks=lora_b.shape[1] // cfg.rank_chunk)
     return pl.pallas_call(
         kernel,
+        name="bgmv_expand",
         out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
         grid=(batch, n // cfg.block_n),
         input_output_aliases={3: 0},

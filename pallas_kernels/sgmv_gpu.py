@@ -119,6 +119,7 @@ def sgmv_shrink_gpu(x, lora_a, seg_starts, seg_slot, seg_rank, routing: TileRout
                                num_k_blocks=k // cfg.block_k)
     return pl.pallas_call(
         kernel,
+        name="sgmv_shrink",
         out_shape=jax.ShapeDtypeStruct((cfg.k_splits, num_rows, r_max), _F32),
         grid=(num_rows // cfg.block_rows, cfg.k_splits),
         compiler_params=_params(cfg),
@@ -186,6 +187,7 @@ def sgmv_expand_gpu(y, v, lora_b, seg_starts, seg_slot, seg_rank, seg_scale,
                                num_chunks=lora_b.shape[1] // cfg.rank_chunk)
     return pl.pallas_call(
         kernel,
+        name="sgmv_expand",
         out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
         grid=(num_rows // cfg.block_rows, n // (cfg.block_n * cfg.col_blocks)),
         input_output_aliases={6: 0},
@@ -235,6 +237,7 @@ def segment_outer_gpu(lhs, rhs, seg_starts, seg_slot, seg_rank, rank_axis: int,
     kernel = functools.partial(_outer_kernel, cfg=cfg, rank_axis=rank_axis)
     return pl.pallas_call(
         kernel,
+        name="sgmv_segment_outer",
         out_shape=jax.ShapeDtypeStruct((num_segments, p, q), _F32),
         grid=(num_segments, p // cfg.block_k, q // cfg.block_n),
         compiler_params=_params(cfg),
