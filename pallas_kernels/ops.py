@@ -6,6 +6,10 @@ runs with `interpret=True` (the TPU style with the TPU interpreter when availabl
 `tiles`: an explicit TileConfig; default: `tiles.get_tile_config` for this device.
 `routing`: a TileRouting from `make_routing(seg_starts, round_up(T, block_rows), block_rows)`
 to share across calls; default: built here (under jit, XLA merges the identical builds).
+
+Stacked pools (`sgmv_lora_stacked`, `bgmv_lora_stacked`): A/B hold P = layers x slots entries
+and a call uses entries slot + slot_offset with per-entry rank/scale tables, so a layer scan
+passes the whole stack (no per-layer slice copied for the kernels) and no per-call lookups run.
 """
 
 import jax
@@ -61,7 +65,7 @@ def _routing(routing: TileRouting | None, starts, padded_rows: int, block_rows: 
 
 
 def _gpu_sgmv_shrink_partials(x, lora_a, seg_starts, seg_slot, seg_rank, cfg, interpret,
-                              routing):
+                              routing, slot_offset=None):
     """[k_splits, T_pad, r_pad] f32 partial sums of the GPU shrink (metadata clipped in-kernel)."""
     itemsize = max(x.dtype.itemsize, lora_a.dtype.itemsize)
     rank_pad = round_up(lora_a.shape[-1], cfg.rank_chunk)
@@ -71,11 +75,11 @@ def _gpu_sgmv_shrink_partials(x, lora_a, seg_starts, seg_slot, seg_rank, cfg, in
     route = _routing(routing, seg_starts, x_p.shape[0], cfg.block_rows)
     return sgmv_gpu.sgmv_shrink_gpu(x_p, a_p, seg_starts.astype(jnp.int32),
                                     seg_slot.astype(jnp.int32), seg_rank.astype(jnp.int32),
-                                    route, cfg, interpret)
+                                    route, cfg, interpret, slot_offset)
 
 
 def _gpu_sgmv_expand(y, v, lora_b, seg_starts, seg_slot, seg_rank, seg_scale, cfg, interpret,
-                     routing):
+                     routing, slot_offset=None):
     """GPU expand; v is [T, r] or split-K partials [parts, T', r'] (rows/ranks padded or cut)."""
     (num_rows, n), r_max = y.shape, lora_b.shape[1]
     y_p = pad_to(y, (cfg.block_rows, cfg.block_n))
@@ -86,7 +90,8 @@ def _gpu_sgmv_expand(y, v, lora_b, seg_starts, seg_slot, seg_rank, seg_scale, cf
     route = _routing(routing, seg_starts, y_p.shape[0], cfg.block_rows)
     out = sgmv_gpu.sgmv_expand_gpu(y_p, v, b_p, seg_starts.astype(jnp.int32),
                                    seg_slot.astype(jnp.int32), seg_rank.astype(jnp.int32),
-                                   seg_scale.astype(jnp.float32), route, cfg, interpret)
+                                   seg_scale.astype(jnp.float32), route, cfg, interpret,
+                                   slot_offset)
     return out[:num_rows, :n]
 
 
@@ -187,27 +192,60 @@ def sgmv_lora(y, x, lora_a, lora_b, seg_starts, seg_slot, seg_rank, seg_scale, *
                         tiles=shrink_tiles, routing=route_s)
         return sgmv_expand(y, v, lora_b, seg_starts, seg_slot, seg_rank, seg_scale, impl=impl,
                            tiles=expand_tiles, routing=route_e)
+    return _gpu_sgmv_lora(y, x, lora_a, lora_b, seg_starts, seg_slot, seg_rank, seg_scale,
+                          impl, tiles, routing, interpret)
+
+
+def _gpu_sgmv_lora(y, x, lora_a, lora_b, seg_starts, seg_slot, seg_rank, seg_scale, impl, tiles,
+                   routing, interpret, slot_offset=None):
+    """The GPU shrink -> expand pair (split-K partials straight into the expand)."""
     (num_rows, k), (n, r_max) = x.shape, (y.shape[1], lora_a.shape[-1])
     shrink_cfg, expand_cfg = sgmv_lora_tiles(num_rows, k, n, r_max, impl=impl, tiles=tiles)
     route_s, route_e = routing if routing is not None else (None, None)
     partials = _gpu_sgmv_shrink_partials(x, lora_a, seg_starts, seg_slot, seg_rank, shrink_cfg,
-                                         interpret, route_s)
+                                         interpret, route_s, slot_offset)
     return _gpu_sgmv_expand(y, partials, lora_b, seg_starts, seg_slot, seg_rank, seg_scale,
-                            expand_cfg, interpret, route_e)
+                            expand_cfg, interpret, route_e, slot_offset)
+
+
+def _entry_metadata(slot, slot_rank, slot_scale, slot_offset):
+    """(entry [n], rank [n], scale [n]) of stacked-pool rows/segments `slot` [n] (-1: none):
+    what the non-GPU paths pass to the plain kernels."""
+    valid = slot >= 0
+    entry = jnp.where(valid, slot + jnp.reshape(slot_offset, ()), -1).astype(jnp.int32)
+    clamped = jnp.maximum(entry, 0)
+    return (entry, jnp.where(valid, slot_rank[clamped], 0).astype(jnp.int32),
+            jnp.where(valid, slot_scale[clamped], 0.0).astype(jnp.float32))
+
+
+def sgmv_lora_stacked(y, x, lora_a, lora_b, seg_starts, seg_slot, slot_rank, slot_scale,
+                      slot_offset, *, impl=None, tiles=None, routing=None):
+    """`sgmv_lora` over a stacked pool: segment s uses entry seg_slot[s] + slot_offset of
+    lora_a [P, k, r_max] / lora_b [P, r_max, n] with that entry's rank and scale from
+    slot_rank int32 [P] / slot_scale float32 [P]; slot_offset: int32 scalar or [1].
+    y [T, n] is updated in place on GPU -> [T, n] (y.dtype)."""
+    style, interpret = resolve_impl(impl)
+    if style != "gpu":
+        entry, rank, scale = _entry_metadata(seg_slot, slot_rank, slot_scale, slot_offset)
+        return sgmv_lora(y, x, lora_a, lora_b, seg_starts, entry, rank, scale, impl=impl,
+                         tiles=tiles, routing=routing)
+    return _gpu_sgmv_lora(y, x, lora_a, lora_b, seg_starts, seg_slot, slot_rank, slot_scale,
+                          impl, tiles, routing, interpret, slot_offset)
 
 
 def _unit_segments(row_slot):
     return jnp.arange(row_slot.shape[0] + 1, dtype=jnp.int32)
 
 
-def _gpu_bgmv_shrink_partials(x, lora_a, row_slot, row_rank, cfg, interpret):
+def _gpu_bgmv_shrink_partials(x, lora_a, row_slot, row_rank, cfg, interpret, slot_offset=None):
     x_p = pad_to(x, (None, cfg.block_k))
     a_p = pad_to(lora_a, (None, cfg.block_k, cfg.rank_chunk))
     return bgmv_gpu.bgmv_shrink_gpu(x_p, a_p, row_slot.astype(jnp.int32),
-                                    row_rank.astype(jnp.int32), cfg, interpret)
+                                    row_rank.astype(jnp.int32), cfg, interpret, slot_offset)
 
 
-def _gpu_bgmv_expand(y, v, lora_b, row_slot, row_rank, row_scale, cfg, interpret):
+def _gpu_bgmv_expand(y, v, lora_b, row_slot, row_rank, row_scale, cfg, interpret,
+                     slot_offset=None):
     n = y.shape[1]
     y_p = pad_to(y, (None, cfg.block_n))
     b_p = pad_to(lora_b, (None, cfg.rank_chunk, cfg.block_n))
@@ -216,7 +254,7 @@ def _gpu_bgmv_expand(y, v, lora_b, row_slot, row_rank, row_scale, cfg, interpret
     v = _fit_axis(v, 2, b_p.shape[1])
     out = bgmv_gpu.bgmv_expand_gpu(y_p, v, b_p, row_slot.astype(jnp.int32),
                                    row_rank.astype(jnp.int32), row_scale.astype(jnp.float32),
-                                   cfg, interpret)
+                                   cfg, interpret, slot_offset)
     return out[:, :n]
 
 
@@ -269,12 +307,35 @@ def bgmv_lora(y, x, lora_a, lora_b, row_slot, row_rank, row_scale, *, impl=None,
         v = bgmv_shrink(x, lora_a, row_slot, row_rank, impl=impl, tiles=shrink_tiles)
         return bgmv_expand(y, v, lora_b, row_slot, row_rank, row_scale, impl=impl,
                            tiles=expand_tiles)
+    return _gpu_bgmv_lora(y, x, lora_a, lora_b, row_slot, row_rank, row_scale, tiles,
+                          interpret)
+
+
+def _gpu_bgmv_lora(y, x, lora_a, lora_b, row_slot, row_rank, row_scale, tiles, interpret,
+                   slot_offset=None):
+    """The GPU BGMV shrink -> expand pair (split-K partials straight into the expand)."""
+    shrink_tiles, expand_tiles = tiles if tiles is not None else (None, None)
     (batch, k), (n, r_max) = x.shape, (y.shape[1], lora_a.shape[-1])
-    shrink_cfg = choose_tiles("bgmv_shrink", style, batch, k, r_max, r_max, shrink_tiles)
-    expand_cfg = choose_tiles("bgmv_expand", style, batch, r_max, n, r_max, expand_tiles)
-    partials = _gpu_bgmv_shrink_partials(x, lora_a, row_slot, row_rank, shrink_cfg, interpret)
+    shrink_cfg = choose_tiles("bgmv_shrink", "gpu", batch, k, r_max, r_max, shrink_tiles)
+    expand_cfg = choose_tiles("bgmv_expand", "gpu", batch, r_max, n, r_max, expand_tiles)
+    partials = _gpu_bgmv_shrink_partials(x, lora_a, row_slot, row_rank, shrink_cfg, interpret,
+                                         slot_offset)
     return _gpu_bgmv_expand(y, partials, lora_b, row_slot, row_rank, row_scale, expand_cfg,
-                            interpret)
+                            interpret, slot_offset)
+
+
+def bgmv_lora_stacked(y, x, lora_a, lora_b, row_slot, slot_rank, slot_scale, slot_offset, *,
+                      impl=None, tiles=None):
+    """`bgmv_lora` over a stacked pool: row b uses entry row_slot[b] + slot_offset of
+    lora_a [P, k, r_max] / lora_b [P, r_max, n] with that entry's rank and scale from
+    slot_rank int32 [P] / slot_scale float32 [P]; slot_offset: int32 scalar or [1].
+    y [B, n] is updated in place on GPU (rows with slot -1 untouched) -> [B, n] (y.dtype)."""
+    style, interpret = resolve_impl(impl)
+    if style != "gpu":
+        entry, rank, scale = _entry_metadata(row_slot, slot_rank, slot_scale, slot_offset)
+        return bgmv_lora(y, x, lora_a, lora_b, entry, rank, scale, impl=impl, tiles=tiles)
+    return _gpu_bgmv_lora(y, x, lora_a, lora_b, row_slot, slot_rank, slot_scale, tiles,
+                          interpret, slot_offset)
 
 
 def _bgmv_tpu_tiles(op: str, batch: int, in_dim: int, out_dim: int) -> TileConfig:

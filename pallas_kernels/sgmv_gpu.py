@@ -21,6 +21,11 @@ rank-8 segment in an r_max=64 pool reads and multiplies one 16-wide chunk of A/B
 Expand writes y in place (input/output aliasing): under jit with y produced in the same
 computation (the base projection) or donated, no copy of y is made.
 
+Stacked pools (the serving engine's layer scan): with `slot_offset` (int32 [1]) given, segment
+s uses entry `seg_slot[s] + slot_offset` of A/B [P, ., .] (P = layers x slots, the pool's stack
+reshaped, so no layer slice is copied) and reads its rank and scale from per-entry tables
+[P] at that entry instead of per-segment arrays.
+
 Inputs arrive padded by the dispatcher: rows to a multiple of block_rows, k/n to multiples of
 block_k/block_n, r_max to a multiple of rank_chunk.
 """
@@ -43,12 +48,22 @@ def _params(cfg: TileConfig):
     return plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _segment(seg, starts_ref, slot_ref, rank_ref, num_rows: int, r_max: int):
-    """(start, end, slot clamped to >= 0, rank clipped to [0, r_max], active) of `seg`."""
+def _segment(seg, starts_ref, slot_ref, rank_ref, num_rows: int, r_max: int, offset_ref=None):
+    """(start, end, A/B entry, rank clipped to [0, r_max], active) of `seg`: entry = slot clamped
+    to >= 0 (+ offset_ref[0] for a stacked pool, whose rank table is indexed by entry)."""
     start = jnp.clip(starts_ref[seg], 0, num_rows)
     end = jnp.clip(starts_ref[seg + 1], 0, num_rows)
-    slot, rank = slot_ref[seg], jnp.clip(rank_ref[seg], 0, r_max)
-    return start, end, jnp.maximum(slot, 0), rank, (slot >= 0) & (end > start) & (rank > 0)
+    slot = slot_ref[seg]
+    entry = jnp.maximum(slot, 0) + (0 if offset_ref is None else offset_ref[0])
+    rank = jnp.clip(rank_ref[seg if offset_ref is None else entry], 0, r_max)
+    return start, end, entry, rank, (slot >= 0) & (end > start) & (rank > 0)
+
+
+def _offset_args(slot_offset):
+    """(extra kernel inputs, by_entry): the int32 [1] entry offset of a stacked pool, or none."""
+    if slot_offset is None:
+        return (), False
+    return (jnp.reshape(slot_offset, (1,)).astype(jnp.int32),), True
 
 
 def _row_mask(row0, block_rows, start, end):
@@ -66,8 +81,9 @@ def _split_range(split, num_k_blocks: int, k_splits: int):
     return kb_lo, jnp.minimum(kb_lo + per_split, num_k_blocks)
 
 
-def _shrink_kernel(starts_ref, slot_ref, rank_ref, lo_ref, hi_ref, x_ref, a_ref, out_ref, *,
-                   cfg: TileConfig, num_chunks: int, num_k_blocks: int):
+def _shrink_kernel(*refs, cfg: TileConfig, num_chunks: int, num_k_blocks: int, by_entry: bool):
+    starts_ref, slot_ref, rank_ref, lo_ref, hi_ref, x_ref, a_ref, *offset_ref, out_ref = refs
+    offset_ref = offset_ref[0] if by_entry else None
     tile, split = pl.program_id(0), pl.program_id(1)
     bm, bk, rc = cfg.block_rows, cfg.block_k, cfg.rank_chunk
     num_rows, r_max = x_ref.shape[0], a_ref.shape[-1]
@@ -76,7 +92,7 @@ def _shrink_kernel(starts_ref, slot_ref, rank_ref, lo_ref, hi_ref, x_ref, a_ref,
 
     def seg_body(seg, accs):
         start, end, slot, rank, active = _segment(seg, starts_ref, slot_ref, rank_ref,
-                                                  num_rows, r_max)
+                                                  num_rows, r_max, offset_ref)
 
         def k_body(kb, chunk_accs):
             k0 = pl.multiple_of(kb * bk, bk)
@@ -107,16 +123,18 @@ def _shrink_kernel(starts_ref, slot_ref, rank_ref, lo_ref, hi_ref, x_ref, a_ref,
 
 
 def sgmv_shrink_gpu(x, lora_a, seg_starts, seg_slot, seg_rank, routing: TileRouting,
-                    cfg: TileConfig, interpret: bool):
+                    cfg: TileConfig, interpret: bool, slot_offset=None):
     """Split-K partial sums of v = x @ A[slot] per segment (rank-masked; 0 for rows of no
     active segment).
 
     x [T, k], lora_a [slots, k, r] -> [k_splits, T, r] float32 (sum over axis 0 is v).
+    seg_rank [S]; with slot_offset (stacked pool, see the module doc): a rank table [P].
     """
     num_rows, k = x.shape
     r_max = lora_a.shape[-1]
+    offset, by_entry = _offset_args(slot_offset)
     kernel = functools.partial(_shrink_kernel, cfg=cfg, num_chunks=r_max // cfg.rank_chunk,
-                               num_k_blocks=k // cfg.block_k)
+                               num_k_blocks=k // cfg.block_k, by_entry=by_entry)
     return pl.pallas_call(
         kernel,
         name="sgmv_shrink",
@@ -124,11 +142,12 @@ def sgmv_shrink_gpu(x, lora_a, seg_starts, seg_slot, seg_rank, routing: TileRout
         grid=(num_rows // cfg.block_rows, cfg.k_splits),
         compiler_params=_params(cfg),
         interpret=interpret,
-    )(seg_starts, seg_slot, seg_rank, routing.tile_seg_lo, routing.tile_seg_hi, x, lora_a)
+    )(seg_starts, seg_slot, seg_rank, routing.tile_seg_lo, routing.tile_seg_hi, x, lora_a, *offset)
 
 
-def _expand_kernel(starts_ref, slot_ref, rank_ref, scale_ref, lo_ref, hi_ref, y_ref, v_ref,
-                   b_ref, out_ref, *, cfg: TileConfig, num_chunks: int):
+def _expand_kernel(*refs, cfg: TileConfig, num_chunks: int, by_entry: bool):
+    starts_ref, slot_ref, rank_ref, scale_ref, lo_ref, hi_ref, y_ref, v_ref, b_ref, *offset_ref, out_ref = refs
+    offset_ref = offset_ref[0] if by_entry else None
     tile, col_group = pl.program_id(0), pl.program_id(1)
     bm, bn, rc = cfg.block_rows, cfg.block_n, cfg.rank_chunk
     num_rows, r_max, num_parts = y_ref.shape[0], b_ref.shape[1], v_ref.shape[0]
@@ -145,7 +164,8 @@ def _expand_kernel(starts_ref, slot_ref, rank_ref, scale_ref, lo_ref, hi_ref, y_
 
         def seg_body(seg, acc):
             start, end, slot, rank, active = _segment(seg, starts_ref, slot_ref, rank_ref,
-                                                      num_rows, r_max)
+                                                      num_rows, r_max, offset_ref)
+            scale = scale_ref[slot if by_entry else seg]
 
             def add(d, c):
                 v_blk = jnp.where(_col_mask(c * rc, rc, rank), load_v(c), 0.0)
@@ -160,7 +180,7 @@ def _expand_kernel(starts_ref, slot_ref, rank_ref, scale_ref, lo_ref, hi_ref, y_
                 delta = lax.cond(c * rc < rank, functools.partial(add, c=c), lambda d: d,
                                  delta)
             rows = _row_mask(row0, bm, start, end) & active
-            return acc + jnp.where(rows, scale_ref[seg] * delta, 0.0)
+            return acc + jnp.where(rows, scale * delta, 0.0)
 
         y_blk = y_ref[pl.ds(row0, bm), pl.ds(col0, bn)]
         acc = lax.fori_loop(lo_ref[tile], hi_ref[tile], seg_body, y_blk.astype(_F32))
@@ -174,17 +194,19 @@ def _expand_kernel(starts_ref, slot_ref, rank_ref, scale_ref, lo_ref, hi_ref, y_
 
 
 def sgmv_expand_gpu(y, v, lora_b, seg_starts, seg_slot, seg_rank, seg_scale,
-                    routing: TileRouting, cfg: TileConfig, interpret: bool):
+                    routing: TileRouting, cfg: TileConfig, interpret: bool, slot_offset=None):
     """y += scale * v @ B[slot] per segment, in place (y aliased to the output).
 
     y [T, n], v [T, r] or split-K partials [parts, T, r] (summed here), lora_b [slots, r, n]
-    -> [T, n] (y.dtype).
+    -> [T, n] (y.dtype). seg_rank/seg_scale [S]; with slot_offset (stacked pool, see the module
+    doc): rank/scale tables [P].
     """
     num_rows, n = y.shape
     if v.ndim == 2:
         v = v[None]
+    offset, by_entry = _offset_args(slot_offset)
     kernel = functools.partial(_expand_kernel, cfg=cfg,
-                               num_chunks=lora_b.shape[1] // cfg.rank_chunk)
+                               num_chunks=lora_b.shape[1] // cfg.rank_chunk, by_entry=by_entry)
     return pl.pallas_call(
         kernel,
         name="sgmv_expand",
@@ -194,7 +216,7 @@ def sgmv_expand_gpu(y, v, lora_b, seg_starts, seg_slot, seg_rank, seg_scale,
         compiler_params=_params(cfg),
         interpret=interpret,
     )(seg_starts, seg_slot, seg_rank, seg_scale, routing.tile_seg_lo, routing.tile_seg_hi,
-      y, v, lora_b)
+      y, v, lora_b, *offset)
 
 
 def _outer_kernel(starts_ref, slot_ref, rank_ref, lhs_ref, rhs_ref, out_ref, *,

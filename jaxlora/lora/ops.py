@@ -9,15 +9,22 @@ Backends (all compute the same function; the plan says which slot each row uses)
                the GPU-style kernel in interpret mode on a CPU. With a `LoraPlan` the rows are
                gathered into adapter order and back around the (differentiable) kernels; with
                the serving engine's `ServingPlan` they are already in order: SGMV on the prefill
-               segments and BGMV on the one-token rows, accumulating into one delta (forward only);
+               segments and BGMV on the one-token rows, accumulating in place (forward only);
   "pallas_gpu", "pallas_tpu"  one kernel style explicitly (interpret mode off its own backend);
   "fused", "fused_tpu"  training backend: the model computes x @ W + LoRA in one fused kernel
                (`pallas_kernels.fused_lora_linear`), so `lora_delta` itself is not called.
+
+`lora_accumulate(y, x, ...)` adds the delta to a projection's float32 output: the Pallas backends
+with a `ServingPlan` accumulate straight into y (no zeroed delta buffer, no add); the others add
+`lora_delta` rounded to x's dtype. A module's pool is a per-layer dict or a `StackedModulePool`
+(every layer's arrays and the layer to use: the serving engine's layer scan passes the stack so
+the kernels index it in place and no per-layer slice of the pool is copied).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +36,57 @@ BACKENDS = ("loop", "gather", "ragged_dot", "onehot", "pallas", "pallas_gpu", "p
 _F32 = jnp.float32
 
 
+class StackedModulePool(NamedTuple):
+    """One projection's pool arrays for every layer and the layer a call uses: a [L, slots, k, r],
+    b [L, slots, r, n], scale [L, slots] float32, rank [L, slots] int32; layer: int32 scalar."""
+
+    a: jax.Array
+    b: jax.Array
+    scale: jax.Array
+    rank: jax.Array
+    layer: jax.Array
+
+    def layer_pool(self) -> dict:
+        """The layer's own {"a", "b", "scale", "rank"} (a slice of each stack)."""
+        return {key: getattr(self, key)[self.layer] for key in ("a", "b", "scale", "rank")}
+
+    def entries(self):
+        """(a [L*slots, k, r], b [L*slots, r, n], rank [L*slots], scale [L*slots], offset of the
+        layer's first entry): the stacks flattened (no copy) for the stacked-pool kernels."""
+        layers, slots = self.rank.shape
+        flat = lambda array: array.reshape(layers * slots, *array.shape[2:])
+        return flat(self.a), flat(self.b), flat(self.rank), flat(self.scale), self.layer * slots
+
+
+def stacked_pool(pool: dict, layer: jax.Array) -> dict:
+    """{module: StackedModulePool} of a whole pool ({module: {"a", "b", "scale", "rank"}}, each
+    with a leading layer axis) at `layer`."""
+    return {module: StackedModulePool(layer=layer, **arrays) for module, arrays in pool.items()}
+
+
+def _layer_pool(module_pool) -> dict:
+    return module_pool.layer_pool() if isinstance(module_pool, StackedModulePool) else module_pool
+
+
+def lora_accumulate(y: jax.Array, x: jax.Array, module_pool, plan, backend: str = "gather") -> jax.Array:
+    """y + the LoRA delta of each row (float32): y [..., n] float32 (the base projection's
+    output), x [..., k]; module_pool: a layer's dict (see `lora_delta`) or a `StackedModulePool`.
+    The Pallas backends with a `ServingPlan` run their kernels in place on y; the others add
+    `lora_delta` (rounded to x's dtype, as before)."""
+    if backend in _PALLAS_BACKENDS and isinstance(plan, ServingPlan):
+        rows, out = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1]).astype(_F32)
+        impl = _pallas_impl(_PALLAS_BACKENDS[backend])
+        return _pallas_serving(out, rows, module_pool, plan, impl).reshape(y.shape)
+    return y + lora_delta(x, _layer_pool(module_pool), plan, backend).astype(_F32)
+
+
 def lora_delta(x: jax.Array, module_pool: dict, plan: LoraPlan, backend: str = "gather") -> jax.Array:
     """LoRA output of one projection of one layer.
 
     Args:
       x: [..., k] activations in batch order (N rows once flattened).
-      module_pool: {"a": [slots, k, r], "b": [slots, r, n], "scale": [slots], "rank": [slots]}.
+      module_pool: {"a": [slots, k, r], "b": [slots, r, n], "scale": [slots], "rank": [slots]}
+        (or a `StackedModulePool`, sliced here to its layer).
       plan: the batch's `LoraPlan` (or the serving engine's `ServingPlan`) over the same N rows.
       backend: one of BACKENDS ("ragged_dot" needs a `LoraPlan`).
 
@@ -45,7 +97,7 @@ def lora_delta(x: jax.Array, module_pool: dict, plan: LoraPlan, backend: str = "
         raise ValueError(f"unknown LoRA backend {backend!r}; choose from {BACKENDS}")
     lead_shape = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
-    delta = _BACKEND_FNS[backend](rows, module_pool, plan)
+    delta = _BACKEND_FNS[backend](rows, _layer_pool(module_pool), plan)
     return delta.reshape(*lead_shape, delta.shape[-1]).astype(x.dtype)
 
 
@@ -102,11 +154,18 @@ def _slot_rank_scale(module_pool: dict, slot: jax.Array):
     return rank, jnp.where(valid, module_pool["scale"][clamped], 0.0).astype(_F32)
 
 
-def _pallas(rows, module_pool, plan, impl=None):
+def _pallas_impl(impl: str | None) -> str:
+    """The kernel style: `impl`, or the device's ("gpu"-style interpret mode on a CPU)."""
     if impl is None:
         impl = jax.default_backend() if jax.default_backend() in ("gpu", "tpu") else "gpu"
+    return impl
+
+
+def _pallas(rows, module_pool, plan, impl=None):
+    impl = _pallas_impl(impl)
     if isinstance(plan, ServingPlan):
-        return _pallas_serving(rows, module_pool, plan, impl)
+        delta = jnp.zeros((rows.shape[0], module_pool["b"].shape[-1]), _F32)
+        return _pallas_serving(delta, rows, module_pool, plan, impl)
     import pallas_kernels
 
     seg_rank, seg_scale = _slot_rank_scale(module_pool, plan.seg_slot)
@@ -118,22 +177,25 @@ def _pallas(rows, module_pool, plan, impl=None):
     return delta.astype(_F32)[plan.inv_perm]
 
 
-def _pallas_serving(rows, module_pool, plan: ServingPlan, impl: str):
-    """[N, n] float32 delta of rows already in the plan's order: SGMV over the prefill segments
-    (none in a decode-only step), then BGMV over the one-token rows, both accumulating in place
-    into one f32 buffer (2 or 4 kernel launches, no gathers; forward only: no VJP)."""
+def _pallas_serving(y, rows, module_pool, plan: ServingPlan, impl: str):
+    """y [N, n] float32 plus the LoRA of rows [N, k] already in the plan's order: SGMV over the
+    prefill segments (none in a decode-only step), then BGMV over the one-token rows, both in
+    place on y (2 or 4 kernel launches, no gathers, no per-call rank/scale lookups: the kernels
+    read them by slot; forward only: no VJP). module_pool: a layer's dict or a StackedModulePool."""
     import pallas_kernels
 
-    a, b = module_pool["a"], module_pool["b"]
-    delta = jnp.zeros((rows.shape[0], b.shape[-1]), _F32)
+    if isinstance(module_pool, StackedModulePool):
+        a, b, rank, scale, offset = module_pool.entries()
+    else:
+        a, b, rank, scale, offset = module_pool["a"], module_pool["b"], module_pool["rank"], module_pool["scale"], 0
+    offset = jnp.asarray(offset, jnp.int32)
     if plan.seg_starts is not None:
-        seg_rank, seg_scale = _slot_rank_scale(module_pool, plan.seg_slot)
-        delta = pallas_kernels.sgmv_lora(delta, rows, a, b, plan.seg_starts, plan.seg_slot, seg_rank, seg_scale,
-                                         impl=impl)
-    row_rank, row_scale = _slot_rank_scale(module_pool, plan.decode_slot)
-    return pallas_kernels.bgmv_lora(delta, rows, a, b, plan.decode_slot, row_rank, row_scale, impl=impl)
+        y = pallas_kernels.sgmv_lora_stacked(y, rows, a, b, plan.seg_starts, plan.seg_slot, rank, scale, offset,
+                                             impl=impl)
+    return pallas_kernels.bgmv_lora_stacked(y, rows, a, b, plan.decode_slot, rank, scale, offset, impl=impl)
 
 
+_PALLAS_BACKENDS = {"pallas": None, "pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 _BACKEND_FNS = {
     "loop": _loop, "gather": _gather, "ragged_dot": _ragged_dot, "onehot": _onehot, "pallas": _pallas,
     "pallas_gpu": functools.partial(_pallas, impl="gpu"), "pallas_tpu": functools.partial(_pallas, impl="tpu"),

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlora.lora.ops import FUSED_BACKENDS, lora_delta
+from jaxlora.lora.ops import FUSED_BACKENDS, lora_accumulate
 from jaxlora.lora.plan import LoraPlan
 from jaxlora.models.config import PROJECTIONS
 from jaxlora.models.layers import dense
@@ -34,7 +34,8 @@ def project(x: jax.Array, weights: dict[str, jax.Array], name: str, layer_lora=N
     """x @ W (+ bias) (+ the LoRA delta of each row's adapter, if this projection has adapters).
 
     x [..., k]; weights hold `<name>.kernel` [k, n] (and `<name>.bias` [n]); layer_lora is
-    (this layer's pool arrays, LoraInputs, backend, layer index) or None. Returns [..., n] in x's dtype."""
+    (this layer's pool arrays, LoraInputs, backend, layer index) or None; the pool arrays of a
+    module may be a `StackedModulePool` (the serving layer scan). Returns [..., n] in x's dtype."""
     has_lora = layer_lora is not None and name in layer_lora[0]
     if has_lora and layer_lora[2] in FUSED_BACKENDS:
         y = _fused_project(x, weights[f"{name}.kernel"], name, layer_lora)
@@ -47,7 +48,7 @@ def project(x: jax.Array, weights: dict[str, jax.Array], name: str, layer_lora=N
         lora_input = x
         if lora.dropout_rate is not None:
             lora_input = _lora_dropout(x, lora, _dropout_seed(lora, layer_index, name))
-        y = y + lora_delta(lora_input, pool[name], lora.plan, backend).astype(jnp.float32)
+        y = lora_accumulate(y, lora_input, pool[name], lora.plan, backend)
     return y.astype(x.dtype)
 
 

@@ -89,3 +89,26 @@ def test_serving_plan_step_equals_the_gathering_path(setup, step):
     assert np.array_equal(new.argmax(-1), old.argmax(-1))
     assert np.array_equal(new[~adapter_rows], base[~adapter_rows])  # base rows: no LoRA at all
     assert relative_error(new[adapter_rows], base[adapter_rows]) > 1e-2  # the adapters matter
+
+
+def _pool_arrays_in_layer_body(model, batch, cache, lora):
+    """(whole, sliced): how many of the layer scan body's inputs are shaped like a module's
+    stacked A/B [L, slots, ., .] (the pool passed whole) or like one layer's [slots, ., .]."""
+    shapes = [tuple(m[key].shape) for m in lora.pool.values() for key in ("a", "b")]
+    step = lambda pool, batch: paged_forward(model, batch, cache, LoraInputs(pool, lora.plan), "pallas_gpu")
+    (scan,) = [e for e in jax.make_jaxpr(step)(lora.pool, batch).eqns if e.primitive.name == "scan"]
+    body = [tuple(v.aval.shape) for v in scan.params["jaxpr"].jaxpr.invars]
+    return (sum(shape in shapes for shape in body),
+            sum(shape in {s[1:] for s in shapes} for shape in body))
+
+
+def test_serving_step_passes_the_whole_pool_stack_to_each_layer(setup):
+    """With a ServingPlan the layer scan takes the pool whole (the kernels index layer x slot in
+    place); with a LoraPlan it slices the pool per layer as before."""
+    model, pool, cache = setup
+    rows = STEPS["mixed"]
+    batch, token_slot, one_token, _ = step_batch(rows, 32, seed=3)
+    serving = LoraInputs(pool, build_serving_plan(token_slot, one_token, NUM_SEGMENTS))
+    assert _pool_arrays_in_layer_body(model, batch, cache, serving) == (2 * len(PROJECTIONS), 0)
+    gathering = LoraInputs(pool, build_plan(token_slot, 16))
+    assert _pool_arrays_in_layer_body(model, batch, cache, gathering) == (0, 2 * len(PROJECTIONS))
