@@ -402,7 +402,7 @@ def profile_steps(model, engine_config: EngineConfig, factory: AdapterFactory, b
     """Per-kernel device time (profiler trace, `bench.timing.kernel_times`) of one jitted engine step
     for each PROFILE_STEPS batch: the base model (no LoRA inputs) and each LoRA backend, with every
     pool slot holding an adapter. Returns one entry per (step, variant)."""
-    from bench.timing import kernel_times
+    from bench.timing import kernel_times, median_call_seconds
 
     engine = Engine(model, eos_ids=(), config=engine_config)
     prepared = [engine.prepare_adapter(factory(i)) for i in range(len(factory.sets))]
@@ -425,12 +425,15 @@ def profile_steps(model, engine_config: EngineConfig, factory: AdapterFactory, b
                 return tokens
 
             times = kernel_times(step, calls, os.path.join(log_dir, f"{step_name}_{variant}"))
-            counts = {}
+            sync_ms = 1e3 * median_call_seconds(step, 1, rounds=10)  # dispatch + device, one step at a time
+            categories, counts = {}, {}
             for kernel in times["kernels"]:
                 category = kernel_category(kernel["name"])
+                categories[category] = categories.get(category, 0.0) + kernel["total_ms"]
                 counts[category] = counts.get(category, 0) + kernel["calls"]
-            out.append({"step": step_name, "variant": variant, "tokens": num_tokens, "kernel_counts": counts,
-                        **{k: v for k, v in times.items() if k != "kernels"}, "top_kernels": times["kernels"][:40]})
+            out.append({"step": step_name, "variant": variant, "tokens": num_tokens, "sync_ms": sync_ms,
+                        "device_ms": times["device_ms"], "profiled_wall_ms": times["wall_ms"],
+                        "categories": categories, "kernel_counts": counts, "top_kernels": times["kernels"][:80]})
     engine.config = engine_config
     return out
 
@@ -447,23 +450,24 @@ def kernel_category(name: str) -> str:
 
 
 def print_profile(entries: list[dict]) -> None:
-    """Per step and variant: device and wall ms, and ms / kernel count by category, with the
-    difference to the same step's base model; then the top kernels of each LoRA variant."""
+    """Per step and variant: device ms (with the difference to the same step's base model), the
+    synchronous step time (dispatch + device), and ms / kernel count by category; then the top
+    kernels of each LoRA variant."""
     base = {e["step"]: e for e in entries if e["variant"] == "base"}
     categories = sorted({c for e in entries for c in e["categories"]})
-    print(f"{'step':8} {'variant':8} {'device ms':>9} {'(+base)':>8} {'wall ms':>8} {'kernels':>8}  "
+    print(f"{'step':8} {'variant':8} {'device ms':>9} {'(+base)':>8} {'sync ms':>8} {'kernels':>8}  "
           + "  ".join(f"{c[:14]:>14}" for c in categories), flush=True)
     for e in entries:
         b = base[e["step"]]
         cells = "  ".join(f"{e['categories'].get(c, 0):6.2f}/{e['kernel_counts'].get(c, 0):<7.0f}" for c in categories)
         print(f"{e['step']:8} {e['variant']:8} {e['device_ms']:9.2f} {e['device_ms'] - b['device_ms']:+8.2f} "
-              f"{e['wall_ms']:8.2f} {sum(e['kernel_counts'].values()):8.0f}  {cells}", flush=True)
+              f"{e['sync_ms']:8.2f} {sum(e['kernel_counts'].values()):8.0f}  {cells}", flush=True)
     for e in entries:
         if e["variant"] == "base":
             continue
         base_names = {k["name"] for k in base[e["step"]]["top_kernels"]}
         print(f"-- {e['step']} {e['variant']}: top kernels (* = not in the base step)")
-        for kernel in e["top_kernels"][:14]:
+        for kernel in e["top_kernels"][:10]:
             mark = " " if kernel["name"] in base_names else "*"
             print(f"  {mark}{kernel['total_ms']:7.3f} ms x{kernel['calls']:<5.0f} {kernel['name'][:100]}")
 

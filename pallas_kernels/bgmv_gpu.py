@@ -161,3 +161,139 @@ def bgmv_expand_gpu(y, v, lora_b, row_slot, row_rank, row_scale, cfg: TileConfig
         compiler_params=_params(cfg),
         interpret=interpret,
     )(row_slot, offset, row_rank, row_scale, y, v, lora_b)
+
+
+# ---- grouped: several projections of one input (q/k/v, gate/up) in one shrink + one expand ----
+
+def _grouped_shrink_kernel(*refs, cfg: TileConfig, groups: int, num_chunks: int,
+                           num_k_blocks: int):
+    slot_ref, offset_ref, *refs = refs
+    rank_refs, (x_ref,), a_refs, (out_ref,) = (refs[:groups], refs[groups:groups + 1],
+                                               refs[groups + 1:2 * groups + 1], refs[-1:])
+    row, split = pl.program_id(0), pl.program_id(1)
+    bk, rc, r_max = cfg.block_k, cfg.rank_chunk, a_refs[0].shape[-1]
+    entry, _, _ = _row(row, slot_ref, offset_ref, rank_refs[0], r_max, True)
+    ranks = [jnp.clip(rank_ref[entry], 0, r_max) for rank_ref in rank_refs]
+    active = (slot_ref[row] >= 0) & (functools.reduce(jnp.maximum, ranks) > 0)
+    per_split = -(-num_k_blocks // cfg.k_splits)
+    kb_lo = split * per_split
+    kb_hi = jnp.minimum(kb_lo + per_split, num_k_blocks)
+
+    def k_body(kb, accs):
+        k0 = pl.multiple_of(kb * bk, bk)
+        x_blk = x_ref[row, pl.ds(k0, bk)].astype(_F32)
+
+        def add(acc, g, c):
+            a_blk = a_refs[g][entry, pl.ds(k0, bk), pl.ds(c * rc, rc)].astype(_F32)
+            return acc + jnp.sum(x_blk[:, None] * a_blk, axis=0)
+
+        out = []
+        for g in range(groups):  # the first chunk of every projection unconditionally
+            out.append(add(accs[g * num_chunks], g, 0))
+            for c in range(1, num_chunks):
+                out.append(lax.cond(c * rc < ranks[g], functools.partial(add, g=g, c=c),
+                                    lambda acc: acc, accs[g * num_chunks + c]))
+        return tuple(out)
+
+    zeros = tuple(jnp.zeros((rc,), _F32) for _ in range(groups * num_chunks))
+    accs = lax.fori_loop(kb_lo, jnp.where(active, kb_hi, kb_lo), k_body, zeros)
+    for g in range(groups):
+        for c in range(num_chunks):
+            cols = c * rc + lax.broadcasted_iota(jnp.int32, (rc,), 0)
+            out_ref[split, row, pl.ds(g * r_max + c * rc, rc)] = jnp.where(
+                cols < ranks[g], accs[g * num_chunks + c], 0.0)
+
+
+def bgmv_shrink_grouped_gpu(x, lora_as, row_slot, slot_offset, slot_ranks, cfg: TileConfig,
+                            interpret: bool):
+    """Split-K partials of v_g[b] = x[b] @ A_g[entry b] for G projections sharing x, in one
+    launch (x read once): entry b = slot[b] + slot_offset (stacked pools), rank-masked per
+    projection by its table slot_ranks[g] [P]; 0 for slot -1.
+
+    x [B, k], lora_as: G arrays [P, k, r] -> [k_splits, B, G * r] float32 (projection g in
+    columns g*r:(g+1)*r; the sum over axis 0 is v).
+    """
+    batch, k = x.shape
+    groups, r_max = len(lora_as), lora_as[0].shape[-1]
+    offset, _ = _offset(slot_offset)
+    kernel = functools.partial(_grouped_shrink_kernel, cfg=cfg, groups=groups,
+                               num_chunks=r_max // cfg.rank_chunk, num_k_blocks=k // cfg.block_k)
+    return pl.pallas_call(
+        kernel,
+        name="bgmv_shrink_grouped",
+        out_shape=jax.ShapeDtypeStruct((cfg.k_splits, batch, groups * r_max), _F32),
+        grid=(batch, cfg.k_splits),
+        compiler_params=_params(cfg),
+        interpret=interpret,
+    )(row_slot, offset, *slot_ranks, x, *lora_as)
+
+
+def _grouped_expand_kernel(*refs, cfg: TileConfig, num_chunks: int, block_starts: tuple):
+    groups = len(block_starts) - 1
+    slot_ref, offset_ref, *refs = refs
+    rank_refs, scale_refs = refs[:groups], refs[groups:2 * groups]
+    y_refs, v_ref = refs[2 * groups:3 * groups], refs[3 * groups]
+    b_refs, out_refs = refs[3 * groups + 1:4 * groups + 1], refs[4 * groups + 1:]
+    row, col_block = pl.program_id(0), pl.program_id(1)
+    bn, rc, r_max = cfg.block_n, cfg.rank_chunk, b_refs[0].shape[1]
+    entry, _, _ = _row(row, slot_ref, offset_ref, rank_refs[0], r_max, True)
+
+    def expand(g):
+        rank = jnp.clip(rank_refs[g][entry], 0, r_max)
+        col0 = pl.multiple_of((col_block - block_starts[g]) * bn, bn)
+
+        def add(d, c):
+            ranks = c * rc + lax.broadcasted_iota(jnp.int32, (rc,), 0)
+            cols = pl.ds(g * r_max + c * rc, rc)
+            v = v_ref[0, row, cols].astype(_F32)
+            for part in range(1, v_ref.shape[0]):
+                v = v + v_ref[part, row, cols].astype(_F32)
+            v = jnp.where(ranks < rank, v, 0.0)
+            b_blk = b_refs[g][entry, pl.ds(c * rc, rc), pl.ds(col0, bn)].astype(_F32)
+            b_blk = jnp.where(ranks[:, None] < rank, b_blk, 0.0)
+            return d + jnp.sum(v[:, None] * b_blk, axis=0)
+
+        @pl.when((slot_ref[row] >= 0) & (rank > 0))
+        def _():
+            delta = add(jnp.zeros((bn,), _F32), 0)
+            for c in range(1, num_chunks):
+                delta = lax.cond(c * rc < rank, functools.partial(add, c=c), lambda d: d, delta)
+            y_blk = y_refs[g][row, pl.ds(col0, bn)]
+            out = y_blk.astype(_F32) + scale_refs[g][entry] * delta
+            out_refs[g][row, pl.ds(col0, bn)] = out.astype(out_refs[g].dtype)
+
+    for g in range(groups):  # the projection whose column blocks this program covers
+        pl.when((col_block >= block_starts[g]) & (col_block < block_starts[g + 1]))(
+            functools.partial(expand, g))
+
+
+def bgmv_expand_grouped_gpu(ys, v, lora_bs, row_slot, slot_offset, slot_ranks, slot_scales,
+                            cfg: TileConfig, interpret: bool):
+    """ys[g][b] += scale_g * v_g[b] @ B_g[entry b] for G projections in one launch, each y in
+    place (aliased to its output; rows with slot -1 or rank 0 untouched); entry b = slot[b] +
+    slot_offset, rank and scale of projection g from its tables [P].
+
+    ys: G arrays [B, n_g] (n_g multiples of block_n), v: [B, G*r] or split-K partials
+    [parts, B, G*r] from `bgmv_shrink_grouped_gpu`, lora_bs: G arrays [P, r, n_g]
+    -> tuple of G arrays [B, n_g].
+    """
+    groups, batch = len(ys), ys[0].shape[0]
+    if v.ndim == 2:
+        v = v[None]
+    block_starts = [0]
+    for y in ys:
+        block_starts.append(block_starts[-1] + y.shape[1] // cfg.block_n)
+    offset, _ = _offset(slot_offset)
+    kernel = functools.partial(_grouped_expand_kernel, cfg=cfg,
+                               num_chunks=lora_bs[0].shape[1] // cfg.rank_chunk,
+                               block_starts=tuple(block_starts))
+    first_y = 2 + 2 * groups
+    return pl.pallas_call(
+        kernel,
+        name="bgmv_expand_grouped",
+        out_shape=tuple(jax.ShapeDtypeStruct(y.shape, y.dtype) for y in ys),
+        grid=(batch, block_starts[-1]),
+        input_output_aliases={first_y + g: g for g in range(groups)},
+        compiler_params=_params(cfg),
+        interpret=interpret,
+    )(row_slot, offset, *slot_ranks, *slot_scales, *ys, v, *lora_bs)

@@ -366,3 +366,39 @@ def segment_outer(lhs, rhs, seg_starts, seg_slot, seg_rank, *, rank_axis: int, i
         out = sgmv_tpu.segment_outer_tpu(lhs_p, rhs_p, starts, slots, ranks, rank_axis, route,
                                          cfg, interpret)
     return out[:, :p, :q]
+
+
+def bgmv_lora_grouped(ys, x, lora_as, lora_bs, row_slot, slot_ranks, slot_scales, slot_offset,
+                      *, impl=None, tiles=None):
+    """`bgmv_lora_stacked` for G projections of one input (q/k/v, gate/up): on GPU one shrink
+    launch (x read once, partials [k_splits, B, G*r_max]) and one expand launch writing every
+    y_g in place, instead of 2*G launches.
+
+    ys: G arrays [B, n_g]; x [B, k]; lora_as: G stacked pools [P, k, r_max]; lora_bs: G
+    [P, r_max, n_g]; row_slot int32 [B] (-1: none); slot_ranks/slot_scales: G tables [P];
+    slot_offset int32 scalar or [1]; tiles: a (shrink, expand) pair. -> tuple of G [B, n_g].
+    """
+    style, interpret = resolve_impl(impl)
+    if style != "gpu":
+        return tuple(bgmv_lora_stacked(y, x, a, b, row_slot, rank, scale, slot_offset, impl=impl, tiles=tiles)
+                     for y, a, b, rank, scale in zip(ys, lora_as, lora_bs, slot_ranks, slot_scales))
+    shrink_tiles, expand_tiles = tiles if tiles is not None else (None, None)
+    (batch, k), r_max = x.shape, lora_as[0].shape[-1]
+    widths = [y.shape[1] for y in ys]
+    shrink_cfg = choose_tiles("bgmv_shrink", "gpu", batch, k, r_max, r_max, shrink_tiles)
+    expand_cfg = choose_tiles("bgmv_expand", "gpu", batch, r_max, min(widths), r_max, expand_tiles)
+    x_p = pad_to(x, (None, shrink_cfg.block_k))
+    a_p = [pad_to(a, (None, shrink_cfg.block_k, shrink_cfg.rank_chunk)) for a in lora_as]
+    ranks = [rank.astype(jnp.int32) for rank in slot_ranks]
+    partials = bgmv_gpu.bgmv_shrink_grouped_gpu(x_p, a_p, row_slot.astype(jnp.int32), slot_offset, ranks,
+                                                shrink_cfg, interpret)
+    r_pad = a_p[0].shape[-1]
+    ys_p = [pad_to(y, (None, expand_cfg.block_n)) for y in ys]
+    b_p = [pad_to(b, (None, expand_cfg.rank_chunk, expand_cfg.block_n)) for b in lora_bs]
+    if b_p[0].shape[1] != r_pad:  # rank padded differently for the expand: re-cut each group's columns
+        partials = jnp.concatenate([_fit_axis(partials[..., g * r_pad:(g + 1) * r_pad], 2, b_p[0].shape[1])
+                                    for g in range(len(ys))], axis=2)
+    outs = bgmv_gpu.bgmv_expand_grouped_gpu(ys_p, partials, b_p, row_slot.astype(jnp.int32), slot_offset, ranks,
+                                            [scale.astype(jnp.float32) for scale in slot_scales], expand_cfg,
+                                            interpret)
+    return tuple(out[:, :n] for out, n in zip(outs, widths))

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlora.lora.ops import FUSED_BACKENDS, lora_accumulate
+from jaxlora.lora.ops import FUSED_BACKENDS, lora_accumulate, lora_accumulate_group
 from jaxlora.lora.plan import LoraPlan
 from jaxlora.models.config import PROJECTIONS
 from jaxlora.models.layers import dense
@@ -50,6 +50,28 @@ def project(x: jax.Array, weights: dict[str, jax.Array], name: str, layer_lora=N
             lora_input = _lora_dropout(x, lora, _dropout_seed(lora, layer_index, name))
         y = lora_accumulate(y, lora_input, pool[name], lora.plan, backend)
     return y.astype(x.dtype)
+
+
+def project_group(x: jax.Array, weights: dict[str, jax.Array], names: tuple, layer_lora=None) -> list:
+    """`project` for several projections of the same x (q/k/v; gate/up): each base GEMM on its
+    own, the LoRA of the projections that have adapters together (`lora_accumulate_group`: one
+    grouped shrink and expand for the serving kernels). Training inputs (dropout, fused
+    backends) take `project` one by one. Returns [..., n] per name, in x's dtype."""
+    grouped = [name for name in names if layer_lora is not None and name in layer_lora[0]]
+    if (len(grouped) < 2 or layer_lora[2] in FUSED_BACKENDS or layer_lora[1].dropout_rate is not None):
+        return [project(x, weights, name, layer_lora) for name in names]
+    outputs = {name: project(x, weights, name) for name in names if name not in grouped}  # no adapters
+    pool, lora, backend, _ = layer_lora
+    ys = [_base_output(x, weights, name) for name in grouped]
+    for name, y in zip(grouped, lora_accumulate_group(ys, x, [pool[name] for name in grouped], lora.plan, backend)):
+        outputs[name] = y.astype(x.dtype)
+    return [outputs[name] for name in names]
+
+
+def _base_output(x: jax.Array, weights: dict[str, jax.Array], name: str) -> jax.Array:
+    """x @ W (+ bias) in float32."""
+    y = dense(x, weights[f"{name}.kernel"])
+    return y + weights[f"{name}.bias"] if f"{name}.bias" in weights else y
 
 
 def _dropout_seed(lora: LoraInputs, layer_index: jax.Array, name: str) -> jax.Array:

@@ -9,8 +9,9 @@ the pages of its own row at cache positions <= its own (so a prefill chunk is ca
 decode token sees the whole history).
 
 The layer math (projections with LoRA, RoPE, GQA attention, SwiGLU) is `jaxlora.models.llama`'s;
-only where keys/values live differs. Shapes are static per (T, rows, pages per row), so a caller
-that buckets those three compiles a handful of steps.
+only where keys/values live differs, and the projections of one input (q/k/v, gate/up) go through
+`project_group` (one grouped LoRA kernel pair for the serving backends). Shapes are static per
+(T, rows, pages per row), so a caller that buckets those three compiles a handful of steps.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 
 from jaxlora.lora.ops import stacked_pool
 from jaxlora.lora.plan import ServingPlan
+from jaxlora.lora.project import project_group
 from jaxlora.models.config import LlamaConfig
 from jaxlora.models.layers import apply_rope, attention, rms_norm, rope_inverse_frequencies
 from jaxlora.models.llama import Llama, LoraInputs, _project
@@ -97,9 +99,9 @@ def paged_decoder_layer(config, weights, hidden, positions, inv_freq, mask, page
     heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
     tables, write_page, write_offset = pages
     x = rms_norm(hidden, weights["input_layernorm"], config.rms_norm_eps)
-    q = _project(x, weights, "q_proj", layer_lora).reshape(tokens, 1, heads, head_dim)
-    k = _project(x, weights, "k_proj", layer_lora).reshape(tokens, 1, kv_heads, head_dim)
-    v = _project(x, weights, "v_proj", layer_lora).reshape(tokens, 1, kv_heads, head_dim)
+    q, k, v = project_group(x, weights, ("q_proj", "k_proj", "v_proj"), layer_lora)
+    q = q.reshape(tokens, 1, heads, head_dim)
+    k, v = k.reshape(tokens, 1, kv_heads, head_dim), v.reshape(tokens, 1, kv_heads, head_dim)
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     k_pages, v_pages = layer_pages
     k_pages = k_pages.at[write_page, write_offset].set(k[:, 0].astype(k_pages.dtype), mode="drop")
@@ -110,7 +112,8 @@ def paged_decoder_layer(config, weights, hidden, positions, inv_freq, mask, page
     attn = attention(q, keys, values, mask).reshape(tokens, 1, heads * head_dim)
     hidden = hidden + _project(attn, weights, "o_proj", layer_lora)
     x = rms_norm(hidden, weights["post_attention_layernorm"], config.rms_norm_eps)
-    gated = jax.nn.silu(_project(x, weights, "gate_proj", layer_lora)) * _project(x, weights, "up_proj", layer_lora)
+    gate, up = project_group(x, weights, ("gate_proj", "up_proj"), layer_lora)
+    gated = jax.nn.silu(gate) * up
     hidden = hidden + _project(gated, weights, "down_proj", layer_lora)
     return hidden, (k_pages, v_pages)
 

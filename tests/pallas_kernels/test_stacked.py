@@ -75,3 +75,29 @@ def test_sgmv_stacked(impl, dtype):
     assert rel_err(f32(out) - f32(y), expected - f32(y)) <= TOL[dtype]
     untouched = np.r_[19:30, 36:40]  # the slot -1 segment and the padding rows
     np.testing.assert_array_equal(np.asarray(out)[untouched], np.asarray(y)[untouched])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bgmv_grouped(impl, dtype):
+    """Three projections of one x (output widths 48, 16, 96) in one shrink + one expand equal
+    three `bgmv_lora_stacked` calls; per-projection ranks (0 where a module is not targeted)."""
+    x, _, _, _ = arrays(41, 12, K, N, R_MAX, 1, dtype)
+    widths = (48, 16, 96)
+    pools = [stacked(42 + g, dtype) for g in range(3)]
+    lora_bs = [arrays(50 + g, 1, 1, n, R_MAX, LAYERS * SLOTS, dtype)[2] for g, n in enumerate(widths)]
+    ys = [arrays(60 + g, 12, 1, n, 1, 1, dtype)[3] for g, n in enumerate(widths)]
+    row_slot = jnp.array([0, 4, -1, 3, 3, 2, -1, 1, 4, 0, 2, 2], jnp.int32)
+    offset = jnp.int32(1 * SLOTS)
+    tiles = (SMALL_TILES, SMALL_TILES) if impl == "gpu" else None
+    outs = pk.bgmv_lora_grouped(ys, x, [p[0] for p in pools], lora_bs, row_slot, [p[2] for p in pools],
+                                [p[3] for p in pools], offset, impl=impl, tiles=tiles)
+    for g, (y, out) in enumerate(zip(ys, outs)):
+        a, _, rank, scale = pools[g]
+        expected = pk.bgmv_lora_stacked(y.astype(jnp.float32), x.astype(jnp.float32), a.astype(jnp.float32),
+                                        lora_bs[g].astype(jnp.float32), row_slot, rank, scale, offset,
+                                        impl="reference")
+        assert float(jnp.abs(expected - y.astype(jnp.float32)).max()) > 0.1
+        assert rel_err(out.astype(jnp.float32) - y, expected - y) <= TOL[dtype], g
+        untouched = np.asarray(row_slot < 0)
+        np.testing.assert_array_equal(np.asarray(out)[untouched], np.asarray(y)[untouched])
