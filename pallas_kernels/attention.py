@@ -9,9 +9,10 @@ Shapes: q [B, T, H, D]; k, v [B, T, Hkv, D] with H a multiple of Hkv (grouped-qu
 query head h reads key/value head h // (H // Hkv)); segment_ids int32 [B, T]. Query t attends to
 key s iff s <= t and segment_ids[t] == segment_ids[s]. Returns [B, T, H, D] in q's dtype.
 
-Kernels: JAX's own Pallas flash attention with its custom VJP (GPU: Triton lowering,
-`jax.experimental.pallas.ops.gpu.attention.mha`; TPU: Mosaic,
-`jax.experimental.pallas.ops.tpu.flash_attention`). `impl` is dispatched as in
+Kernels: GPU: `pallas_kernels.attention_gpu` (Triton lowering; walks only the blocks each tile's
+segments can reach, GQA read in place), or JAX's own Pallas kernel
+(`jax.experimental.pallas.ops.gpu.attention.mha`, which skips only the blocks above the diagonal)
+with `FlashBlocks(kernel="jax")`; TPU: Mosaic, `jax.experimental.pallas.ops.tpu.flash_attention`. `impl` is dispatched as in
 `pallas_kernels.ops`: None (the local backend's kernel), "reference", "gpu", "tpu"; a kernel of
 another backend runs in interpret mode, which is how CPU tests check both.
 """
@@ -30,18 +31,21 @@ with warnings.catch_warnings():  # jax >= 0.12 points to tokamax; this module is
     warnings.simplefilter("ignore", DeprecationWarning)
     from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 
+from pallas_kernels.attention_gpu import segment_flash_gpu
 from pallas_kernels.ops import resolve_impl
 
 
 @dataclasses.dataclass(frozen=True)
 class FlashBlocks:
-    """GPU kernel tiles: forward (block_q x block_k) and backward (one size for dK/dV and dQ)."""
+    """GPU kernel and tiles: forward (block_q x block_k) and backward (one size for dK/dV and dQ).
+    kernel: "spans" (`attention_gpu`, skips blocks across samples) or "jax" (JAX's Pallas kernel)."""
 
     block_q: int = 128  # the fastest of bench/train.py --breakdown's tiles on an H200 (8B shape, T=4096)
     block_k: int = 64
     block_backward: int = 64
     num_warps: int | None = None
     num_stages: int = 2
+    kernel: str = "spans"
 
     def gpu_block_sizes(self) -> gpu_attention.BlockSizes:
         b = self.block_backward
@@ -88,12 +92,16 @@ def segment_attention(q, k, v, segment_ids, *, impl: str | None = None, blocks: 
         raise ValueError(f"flash attention needs T a multiple of the tiles and a power-of-two head_dim; "
                          f"got T={length}, head_dim={head_dim}")
     group = heads // k.shape[2]
-    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
     segment_ids = segment_ids.astype(jnp.int32)
+    if style == "gpu" and blocks.kernel == "spans":
+        return segment_flash_gpu(q, k, v, segment_ids, head_dim**-0.5, blocks.block_q, blocks.block_k,
+                                 blocks.block_backward, blocks.num_warps, blocks.num_stages, interpret or False)
     if style == "gpu":
+        k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
         return gpu_attention.mha(q, k, v, segment_ids, sm_scale=head_dim**-0.5, causal=True,
                                  block_sizes=blocks.gpu_block_sizes(), num_warps=blocks.num_warps,
                                  num_stages=blocks.num_stages, interpret=bool(interpret))
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
     return _tpu_attention(q, k, v, segment_ids, interpret)
 
 
