@@ -101,6 +101,12 @@ serve_profile() {  # one GPU: per-kernel time of one engine step (decode, mixed)
   rm -rf "$OUT/serve_profile_traces"
 }
 
+serve_tune() {  # one GPU: tile-table entries for the serving step's BGMV shapes (k = 14336; n = 1024, 14336)
+  nvidia-smi -L
+  timeout $((LIMIT - 5)) python3 -m pallas_kernels.tune --plan serve --time-budget 150 \
+      --out "$OUT/tile_table.json" --log "$OUT/tune_serve_log.json" 2>&1 | tail -n 20
+}
+
 train_and_serve() {  # one GPU, one call: the training benchmark (JAX, then PEFT), then serving cases
   nvidia-smi -L
   timeout 200 python3 bench/train.py --layers 8 --capacity 4096 --variants jaxlora jaxlora-xla sequential \

@@ -1,6 +1,6 @@
 """Offline tile profiler: time candidate tile configs on this device, write the winners.
 
-    python -m pallas_kernels.tune [--plan default|quick] [--hidden 4096] [--time-budget 120]
+    python -m pallas_kernels.tune [--plan default|quick|serve] [--hidden 4096] [--time-budget 120]
                                   [--table pallas_kernels/tile_table.json] [--log tune_log.json]
 
 For each (op, shape bucket) of the plan (sgmv_shrink / sgmv_expand at prefill sizes,
@@ -141,6 +141,13 @@ def default_plan(hidden: int = 4096, quick: bool = False) -> list[Bucket]:
         plan += [Bucket("bgmv_shrink", batch, hidden, 16), Bucket("bgmv_expand", batch, hidden,
                                                                   16)]
     return plan
+
+
+def serve_plan(rows: int = 64) -> list[Bucket]:
+    """The decode (BGMV) shapes of the Llama-3.1-8B serving step that the default plan lacks: the
+    down projection's shrink (k = 14336), the k/v (n = 1024) and gate/up (n = 14336) expands."""
+    return [Bucket("bgmv_expand", rows, 14336, 16), Bucket("bgmv_shrink", rows, 14336, 16),
+            Bucket("bgmv_expand", rows, 1024, 16)]
 
 
 def legal(bucket: Bucket, cfg: TileConfig) -> TileConfig:
@@ -571,7 +578,7 @@ def write_table(table: dict, path: pathlib.Path) -> None:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--plan", choices=("default", "quick"), default="default")
+    parser.add_argument("--plan", choices=("default", "quick", "serve"), default="default")
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
     parser.add_argument("--time-budget", type=float, default=600.0, help="seconds")
@@ -587,7 +594,8 @@ def main(argv=None):
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     text = args.table.read_text() if args.table.exists() else ""
     table = json.loads(text) if text.strip() else {}
-    plan = [b for b in default_plan(args.hidden, args.plan == "quick") if b.op in args.ops]
+    plan = serve_plan() if args.plan == "serve" else default_plan(args.hidden, args.plan == "quick")
+    plan = [b for b in plan if b.op in args.ops]
     log: list = []
 
     def save(table):  # after every bucket: a run cut short keeps what it measured
