@@ -154,23 +154,16 @@ def _stand_in_attention(q, k, v, mask):
     return q
 
 
-def _library_attention(q, k, v, mask):
-    """`jax.nn.dot_product_attention` (cuDNN's fused kernel where it applies, else XLA): q [B,T,H,D],
-    k/v [B,S,Hkv,D] (GQA), mask [B,T,S]."""
-    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None]).astype(q.dtype)
-
-
 # name -> (the model's packed attention, a replacement of `attend` or None, flash tiles or None,
 # the layer scan unrolled)
 ATTENTION_VARIANTS = {
-    "masked (XLA softmax over [H,T,T])": ("masked", None, None, False),
-    "no attention (leave-one-out)": ("masked", _stand_in_attention, None, False),
-    "jax.nn.dot_product_attention": ("masked", _library_attention, None, False),
-    "flash q64 k64 bwd64": ("flash", None, FlashBlocks(64, 64, 64), False),
-    "flash q128 k64 bwd64": ("flash", None, FlashBlocks(128, 64, 64), False),
-    "flash q128 k128 bwd64 w8": ("flash", None, FlashBlocks(128, 128, 64, num_warps=8), False),
-    "flash q64 k64 bwd32": ("flash", None, FlashBlocks(64, 64, 32), False),
-    "flash q128 k64 bwd64, layer scan unrolled": ("flash", None, FlashBlocks(128, 64, 64), True),
+    "masked (XLA softmax over [H,T,T])": ("masked", None, None, True),
+    "no attention (leave-one-out)": ("masked", _stand_in_attention, None, True),
+    "flash, JAX kernel (skips above the diagonal)": ("flash", None, FlashBlocks(128, 64, 64, kernel="jax"), True),
+    "flash spans q128 k64 bwd64": ("flash", None, FlashBlocks(128, 64, 64), True),
+    "flash spans q64 k64 bwd64": ("flash", None, FlashBlocks(64, 64, 64), True),
+    "flash spans q128 k128 bwd64 w8": ("flash", None, FlashBlocks(128, 128, 64, num_warps=8), True),
+    "flash spans q64 k32 bwd32": ("flash", None, FlashBlocks(64, 32, 32), True),
 }
 
 
