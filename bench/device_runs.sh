@@ -62,7 +62,7 @@ train() {  # one GPU: the flash attention tests, jaxlora vs sequential jobs (JAX
   python3 -c "import jax; a = jax.typeof(jax.numpy.ones(2)); print('jax', jax.__version__, 'aval.mat', hasattr(a, 'mat'), 'aval.vma', hasattr(a, 'vma'))"
   timeout 120 python3 -m pytest -q tests/pallas_kernels/test_attention.py -p no:cacheprovider 2>&1 | tail -n 3
   timeout $((LIMIT - SECONDS - 130)) python3 bench/train.py --layers 8 --capacity 4096 --breakdown --profile onehot \
-      --variants jaxlora jaxlora-xla sequential \
+      --variants jaxlora jaxlora-xla sequential --workloads wikisum xsum cnndm mixed \
       --out "$OUT/train_h200_jax.json" 2>&1 | grep -v "cuda_timer\\|Warning" | tail -n 45
   timeout $((LIMIT - SECONDS - 5)) python3 bench/train.py --layers 8 --capacity 4096 --variants peft-best peft-padded \
       --out "$OUT/train_h200_peft.json" 2>&1 | tail -n 20
