@@ -162,9 +162,7 @@ ATTENTION_VARIANTS = {
     "flash, JAX kernel (skips above the diagonal)": ("flash", None, FlashBlocks(128, 64, 64, kernel="jax"), True),
     "flash spans q128 k64 bwd64": ("flash", None, FlashBlocks(128, 64, 64), True),
     "flash spans q128 k64 bwd64 s3": ("flash", None, FlashBlocks(128, 64, 64, num_stages=3), True),
-    "flash spans q128 k128 bwd64 w8 s3": ("flash", None, FlashBlocks(128, 128, 64, num_warps=8, num_stages=3), True),
     "flash spans q64 k64 bwd64 w4": ("flash", None, FlashBlocks(64, 64, 64, num_warps=4), True),
-    "flash spans q128 k64 bwd32": ("flash", None, FlashBlocks(128, 64, 32), True),
     "flash spans q128 k64 bwd128 w8": ("flash", None, FlashBlocks(128, 64, 128, num_warps=8), True),
 }
 
