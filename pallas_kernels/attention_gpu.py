@@ -14,11 +14,6 @@ Here each program first reads the span its rows can reach and loops over those b
 `segment_spans` derives first/last from the ids by one stable sort, so any id layout is exact
 (segments need not be contiguous; they only skip more when they are).
 
-Inside that span only the tiles on the diagonal or across a sample boundary need the mask: where
-a tile's queries all lie in one contiguous run of equal ids (`segment_runs`) and its keys lie in
-that run strictly before them, the loop runs an unmasked body (FlashAttention-2's split of the
-causal loop, extended to segments).
-
 Grouped-query attention is read in place: query head h uses key/value head h // (H // Hkv) through
 the BlockSpec index maps (no repeated K/V copies); dK/dV come out per query head and are summed
 over the group.
@@ -49,20 +44,6 @@ def segment_spans(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jax.vmap(_spans_of_row)(segment_ids.astype(jnp.int32))
 
 
-def segment_runs(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """segment_ids [B, T] -> (run_start, run_end) int32 [B, T]: the first and the last position of
-    the contiguous run of equal ids that holds position t."""
-    ids = segment_ids.astype(jnp.int32)
-    length = ids.shape[1]
-    position = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), ids.shape)
-    change = ids[:, 1:] != ids[:, :-1]
-    starts = jnp.concatenate([jnp.ones_like(change[:, :1]), change], axis=1)
-    ends = jnp.concatenate([change, jnp.ones_like(change[:, :1])], axis=1)
-    run_start = lax.cummax(jnp.where(starts, position, 0), axis=1)
-    run_end = lax.cummin(jnp.where(ends, position, length - 1), axis=1, reverse=True)
-    return run_start, run_end
-
-
 def _spans_of_row(ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     length = ids.shape[0]
     order = jnp.argsort(ids, stable=True)  # positions grouped by id, ascending inside a group
@@ -79,17 +60,14 @@ def _spans_of_row(ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     return first.astype(jnp.int32), last.astype(jnp.int32)
 
 
-def _scores(q, k, q_ids, k_ids, q_span, k_span, sm_scale, masked: bool = True):
-    """Base-2 scaled scores [bq, bk] of one tile, with the causal + segment mask applied if `masked`."""
+def _scores(q, k, q_ids, k_ids, q_span, k_span, sm_scale):
+    """Base-2 scaled scores [bq, bk] of one tile with the causal + segment mask applied."""
     qk = plt.dot(q, k.T) * (sm_scale * _LOG2E)
-    if not masked:
-        return qk
     mask = (q_ids[:, None] == k_ids[None, :]) & (q_span[:, None] >= k_span[None, :])
     return jnp.where(mask, qk, MASK_VALUE)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, ids_ref, first_ref, run_start_ref, o_ref, lse_ref, *, sm_scale,
-                    block_q, block_k):
+def _forward_kernel(q_ref, k_ref, v_ref, ids_ref, first_ref, o_ref, lse_ref, *, sm_scale, block_q, block_k):
     """One (query block, batch, head) program: o [block_q, D], lse [block_q]."""
     start_q = pl.program_id(0)
     q_slice = pl.ds(start_q * block_q, block_q)
@@ -97,11 +75,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, ids_ref, first_ref, run_start_ref, o_re
     q_ids = ids_ref[q_slice]
     q_span = start_q * block_q + jnp.arange(block_q)
 
-    def body(start_k, carry, masked):
+    def body(start_k, carry):
         o, m, l = carry
         k_slice = pl.ds(start_k * block_k, block_k)
         qk = _scores(q, k_ref[k_slice, :], q_ids, ids_ref[k_slice], q_span,
-                     start_k * block_k + jnp.arange(block_k), sm_scale, masked)
+                     start_k * block_k + jnp.arange(block_k), sm_scale)
         m_next = jnp.maximum(m, jnp.max(qk, axis=-1))
         correction = jnp.exp2(m - m_next)
         p = jnp.exp2(qk - m_next[:, None])
@@ -109,25 +87,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, ids_ref, first_ref, run_start_ref, o_re
         return o, m_next, correction * l + p.sum(axis=-1)
 
     lower = lax.div(jnp.min(first_ref[q_slice]), block_k)
-    diagonal = lax.div(start_q * block_q, block_k)
     upper = lax.div(block_q * (start_q + 1) + block_k - 1, block_k)
-    unmasked = _unmasked_from(run_start_ref[q_slice], lower, diagonal, block_k)
-    carry = (jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32),
-             jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32))
-    carry = lax.fori_loop(lower, unmasked, functools.partial(body, masked=True), carry)
-    carry = lax.fori_loop(unmasked, diagonal, functools.partial(body, masked=False), carry)
-    o, m, l = lax.fori_loop(diagonal, upper, functools.partial(body, masked=True), carry)
+    init = (jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32),
+            jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32))
+    o, m, l = lax.fori_loop(lower, upper, body, init)
     o_ref[...] = (o / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log2(l)
-
-
-def _unmasked_from(query_run_starts, lower, diagonal, block_k):
-    """First key block of the unmasked stretch [it, diagonal) of a query tile: the keys from its
-    rows' run start on, when all its rows are in one run; else `diagonal` (nothing unmasked)."""
-    run_start = jnp.max(query_run_starts)
-    one_run = jnp.min(query_run_starts) == run_start
-    first_full = lax.div(run_start + block_k - 1, block_k)
-    return jnp.where(one_run, jnp.clip(first_full, lower, diagonal), diagonal)
 
 
 def _kv_head_map(group: int):
@@ -135,7 +100,7 @@ def _kv_head_map(group: int):
     return lambda _, b, h: (b, 0, lax.div(h, group), 0)
 
 
-def _forward(q, k, v, segment_ids, first, run_start, sm_scale, block_q, block_k, num_warps, num_stages, interpret):
+def _forward(q, k, v, segment_ids, first, sm_scale, block_q, block_k, num_warps, num_stages, interpret):
     batch, length, heads, head_dim = q.shape
     group = heads // k.shape[2]
     row = pl.BlockSpec((None, length, None, head_dim), _kv_head_map(group))
@@ -145,7 +110,7 @@ def _forward(q, k, v, segment_ids, first, run_start, sm_scale, block_q, block_k,
         kernel,
         grid=(length // block_q, batch, heads),
         in_specs=[pl.BlockSpec((None, block_q, None, head_dim), lambda i, b, h: (b, i, h, 0)),
-                  row, row, ids_spec, ids_spec, ids_spec],
+                  row, row, ids_spec, ids_spec],
         out_specs=[pl.BlockSpec((None, block_q, None, head_dim), lambda i, b, h: (b, i, h, 0)),
                    pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i))],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -154,11 +119,11 @@ def _forward(q, k, v, segment_ids, first, run_start, sm_scale, block_q, block_k,
                                            num_stages=num_stages),
         interpret=interpret,
         name="segment_flash_forward",
-    )(q, k, v, segment_ids, first, run_start)
+    )(q, k, v, segment_ids, first)
 
 
-def _backward_kernel(q_ref, k_ref, v_ref, ids_ref, first_ref, last_ref, run_start_ref, run_end_ref, do_ref,
-                     lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, *, sm_scale, block):
+def _backward_kernel(q_ref, k_ref, v_ref, ids_ref, first_ref, last_ref, do_ref, lse_ref, delta_ref,
+                     dq_ref, dk_ref, dv_ref, *, sm_scale, block):
     """One (batch, head, block) program: dK/dV of key block `block` (over the queries that can see
     it), then dQ of query block `block` (over the keys it can see)."""
     length = q_ref.shape[0]
@@ -168,11 +133,11 @@ def _backward_kernel(q_ref, k_ref, v_ref, ids_ref, first_ref, last_ref, run_star
 
     k, v, k_ids = k_ref[here, :], v_ref[here, :], ids_ref[here]
 
-    def dkdv_body(start_q, carry, masked):
+    def dkdv_body(start_q, carry):
         dk, dv = carry
         q_slice = pl.ds(start_q * block, block)
         q, do = q_ref[q_slice, :], do_ref[q_slice, :]
-        qk = _scores(q, k, ids_ref[q_slice], k_ids, start_q * block + jnp.arange(block), span, sm_scale, masked)
+        qk = _scores(q, k, ids_ref[q_slice], k_ids, start_q * block + jnp.arange(block), span, sm_scale)
         p = jnp.exp2(qk - lse_ref[q_slice][:, None])
         dv = dv + plt.dot(p.astype(do.dtype).T, do)
         ds = p * (plt.dot(do, v.T) - delta_ref[q_slice][:, None]) * sm_scale
@@ -180,42 +145,27 @@ def _backward_kernel(q_ref, k_ref, v_ref, ids_ref, first_ref, last_ref, run_star
 
     zeros = jnp.zeros((block, q_ref.shape[-1]), jnp.float32)
     q_upper = jnp.minimum(lax.div(jnp.max(last_ref[here]), block) + 1, length // block)
-    q_masked_from = _masked_from(run_end_ref[here], index + 1, q_upper, block)
-    carry = lax.fori_loop(index, index + 1, functools.partial(dkdv_body, masked=True), (zeros, zeros))
-    carry = lax.fori_loop(index + 1, q_masked_from, functools.partial(dkdv_body, masked=False), carry)
-    dk, dv = lax.fori_loop(q_masked_from, q_upper, functools.partial(dkdv_body, masked=True), carry)
+    dk, dv = lax.fori_loop(index, q_upper, dkdv_body, (zeros, zeros))
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
     q, do, q_ids = q_ref[here, :], do_ref[here, :], ids_ref[here]
     lse, delta = lse_ref[here], delta_ref[here]
 
-    def dq_body(start_k, dq, masked):
+    def dq_body(start_k, dq):
         k_slice = pl.ds(start_k * block, block)
         k = k_ref[k_slice, :]
-        qk = _scores(q, k, q_ids, ids_ref[k_slice], span, start_k * block + jnp.arange(block), sm_scale, masked)
+        qk = _scores(q, k, q_ids, ids_ref[k_slice], span, start_k * block + jnp.arange(block), sm_scale)
         p = jnp.exp2(qk - lse[:, None])
         ds = p * (plt.dot(do, v_ref[k_slice, :].T) - delta[:, None]) * sm_scale
         return dq + plt.dot(ds.astype(k.dtype), k)
 
     k_lower = lax.div(jnp.min(first_ref[here]), block)
-    k_unmasked = _unmasked_from(run_start_ref[here], k_lower, index, block)
-    dq = lax.fori_loop(k_lower, k_unmasked, functools.partial(dq_body, masked=True), zeros)
-    dq = lax.fori_loop(k_unmasked, index, functools.partial(dq_body, masked=False), dq)
-    dq = lax.fori_loop(index, index + 1, functools.partial(dq_body, masked=True), dq)
+    dq = lax.fori_loop(k_lower, index + 1, dq_body, zeros)
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _masked_from(key_run_ends, after_diagonal, upper, block):
-    """End of the unmasked stretch [after_diagonal, it) of a key tile's query blocks: the query
-    blocks up to its keys' run end, when all its keys are in one run; else `after_diagonal`."""
-    run_end = jnp.min(key_run_ends)
-    one_run = jnp.max(key_run_ends) == run_end
-    last_full = lax.div(run_end + 1, block)
-    return jnp.where(one_run, jnp.clip(last_full, after_diagonal, upper), after_diagonal)
-
-
-def _backward(q, k, v, segment_ids, first, last, run_start, run_end, out, lse, do, sm_scale, block, num_warps, interpret):
+def _backward(q, k, v, segment_ids, first, last, out, lse, do, sm_scale, block, num_warps, interpret):
     """dq [B, T, H, D]; dk, dv [B, T, Hkv, D] (per query head in the kernel, summed over the group)."""
     batch, length, heads, head_dim = q.shape
     kv_heads = k.shape[2]
@@ -231,15 +181,14 @@ def _backward(q, k, v, segment_ids, first, last, run_start, run_end, out, lse, d
     dq, dk, dv = pl.pallas_call(
         kernel,
         grid=(batch, heads, length // block),
-        in_specs=[full_row, kv_row, kv_row, ids_spec, ids_spec, ids_spec, ids_spec, ids_spec, full_row, per_head,
-                  per_head],
+        in_specs=[full_row, kv_row, kv_row, ids_spec, ids_spec, ids_spec, full_row, per_head, per_head],
         out_specs=[tile, tile, tile],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(q.shape, grad_dtype),
                    jax.ShapeDtypeStruct(q.shape, grad_dtype)],
         compiler_params=plt.CompilerParams(num_warps=num_warps or (4 if block < 128 else 8), num_stages=2),
         interpret=interpret,
         name="segment_flash_backward",
-    )(q, k, v, segment_ids, first, last, run_start, run_end, do, lse, delta)
+    )(q, k, v, segment_ids, first, last, do, lse, delta)
     if group > 1:
         fold = lambda g: g.reshape(batch, length, kv_heads, group, head_dim).sum(3).astype(k.dtype)
         dk, dv = fold(dk), fold(dv)
@@ -251,22 +200,22 @@ def segment_flash_gpu(q, k, v, segment_ids, sm_scale: float, block_q: int, block
                       num_warps: int | None, num_stages: int, interpret):
     """Causal flash attention inside packed segments; shapes in the module docstring. Returns
     [B, T, H, D] in q's dtype."""
-    return _vjp_forward(q, k, v, segment_ids, sm_scale, block_q, block_k, block_backward, num_warps, num_stages,
-                        interpret)[0]
+    first, _ = segment_spans(segment_ids)
+    out, _ = _forward(q, k, v, segment_ids, first, sm_scale, block_q, block_k, num_warps, num_stages, interpret)
+    return out
 
 
 def _vjp_forward(q, k, v, segment_ids, sm_scale, block_q, block_k, block_backward, num_warps, num_stages,
                  interpret):
-    bounds = segment_spans(segment_ids) + segment_runs(segment_ids)  # first, last, run_start, run_end
-    out, lse = _forward(q, k, v, segment_ids, bounds[0], bounds[2], sm_scale, block_q, block_k, num_warps,
-                        num_stages, interpret)
-    return out, (q, k, v, segment_ids, bounds, out, lse)
+    first, last = segment_spans(segment_ids)
+    out, lse = _forward(q, k, v, segment_ids, first, sm_scale, block_q, block_k, num_warps, num_stages, interpret)
+    return out, (q, k, v, segment_ids, first, last, out, lse)
 
 
 def _vjp_backward(sm_scale, block_q, block_k, block_backward, num_warps, num_stages, interpret, saved, do):
-    q, k, v, segment_ids, bounds, out, lse = saved
-    dq, dk, dv = _backward(q, k, v, segment_ids, *bounds, out, lse, do, sm_scale, block_backward, num_warps,
-                           interpret)
+    q, k, v, segment_ids, first, last, out, lse = saved
+    dq, dk, dv = _backward(q, k, v, segment_ids, first, last, out, lse, do, sm_scale, block_backward,
+                           num_warps, interpret)
     return dq, dk, dv, None
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.attention import FlashBlocks, flash_supported, segment_attention, segment_attention_reference
-from pallas_kernels.attention_gpu import segment_runs, segment_spans
+from pallas_kernels.attention_gpu import segment_spans
 from tests.pallas_kernels.cases import IMPLS, TOL, rel_err
 
 LENGTH, HEADS, KV_HEADS, HEAD_DIM = 256, 4, 2, 32
@@ -70,14 +70,11 @@ def assert_matches_reference(q, k, v, ids, impl, blocks):
         assert rel_err(got, want) <= TOL[dtype], f"d{name}"
 
 
-def test_segment_spans_and_runs():
+def test_segment_spans_are_first_and_last_position_of_each_id():
     ids = np.array([[5, 5, 2, 2, 2, 5, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]], np.int32)
     first, last = segment_spans(jnp.asarray(ids))
     np.testing.assert_array_equal(first, [[0, 0, 2, 2, 2, 0, 6, 6], [0] * 8])
     np.testing.assert_array_equal(last, [[5, 5, 4, 4, 4, 5, 7, 7], [7] * 8])
-    run_start, run_end = segment_runs(jnp.asarray(ids))
-    np.testing.assert_array_equal(run_start, [[0, 0, 2, 2, 2, 5, 6, 6], [0] * 8])
-    np.testing.assert_array_equal(run_end, [[1, 1, 4, 4, 4, 5, 7, 7], [7] * 8])
 
 
 def test_gpu_kernel_never_visits_blocks_of_other_segments():
