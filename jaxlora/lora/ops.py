@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlora.lora.plan import LoraPlan, ServingPlan
+from jaxlora.models.layers import dense
 
 FUSED_BACKENDS = ("fused", "fused_tpu")
 BACKENDS = ("loop", "gather", "ragged_dot", "onehot", "pallas", "pallas_gpu", "pallas_tpu") + FUSED_BACKENDS
@@ -175,11 +176,17 @@ def _ragged_dot(rows, module_pool, plan):
 
 
 def _onehot(rows, module_pool, plan):
+    """Two GEMMs over every slot at once: [N, k] @ [k, S*r] -> keep each row's own slot (scaled),
+    -> [N, S*r] @ [S*r, n]. Both through `dense` (inputs in the pool's dtype, float32 accumulation,
+    bf16 backward GEMMs): float32 operands here made XLA run them as float32 GEMMs without tensor
+    cores (11 ms of a 90 ms H200 training step, bench/NOTES_train.md)."""
     a, b = module_pool["a"], module_pool["b"]
-    selector = (plan.token_slot[:, None] == jnp.arange(a.shape[0])).astype(_F32)
+    slots, k, r = a.shape
+    selector = (plan.token_slot[:, None] == jnp.arange(slots)).astype(_F32)
     selector = selector * module_pool["scale"][None, :]
-    shrunk_all = jnp.einsum("nk,skr->nsr", rows, a, preferred_element_type=_F32)
-    return jnp.einsum("nsr,ns,srm->nm", shrunk_all, selector, b.astype(_F32), preferred_element_type=_F32)
+    shrunk_all = dense(rows, jnp.swapaxes(a, 0, 1).reshape(k, slots * r)).reshape(-1, slots, r)
+    picked = (shrunk_all * selector[:, :, None]).reshape(-1, slots * r).astype(b.dtype)
+    return dense(picked, b.reshape(slots * r, b.shape[-1]))
 
 
 def _slot_rank_scale(module_pool: dict, slot: jax.Array):
