@@ -26,7 +26,8 @@ not depend on the adapter column, so one base run serves every case with the sam
 driver calls `Engine.step()` in this thread (no HTTP, no engine thread); TTFT counts from the
 scheduled arrival time, so time a request waits for a running step counts as queueing.
 Reported: generated tokens/s and requests/s over the makespan (first arrival to last finish),
-TTFT and TPOT (per request: (finish - first token) / (tokens - 1)) p50/p90, adapter loads.
+TTFT and TPOT (per request: (finish - first token) / (tokens - 1)) p50/p90, adapter loads, and
+the engine's host time per step phase (`phase_ms_per_step`, see `serve.engine.EngineStats`).
 Requests ignore EOS (random weights), so each generates exactly its output length.
 
 Adapters (r=16, alpha=32, all seven projections): every adapter is its own host `LoraAdapter`
@@ -268,6 +269,7 @@ def run_trace(model, engine_config: EngineConfig, trace: Trace, prompts: list, f
         "mean_step_tokens": stats.step_tokens / max(1, stats.steps),
         "mean_step_ms": 1e3 * stats.step_seconds / max(1, stats.steps),
         "max_submit_lateness_s": lateness, "compiles_in_run": max(0, _cache_size() - compiles_before),
+        "phase_ms_per_step": stats.phase_ms_per_step(), "steps_by_kind": stats.steps_by_kind(),
     })
     del engine
     gc.collect()
@@ -293,6 +295,11 @@ def summarize(records: list, start: float, end: float) -> dict:
         "tpot_p50_ms": 1e3 * _pct(tpot, 50), "tpot_p90_ms": 1e3 * _pct(tpot, 90),
         "latency_mean_s": float(np.mean(e2e)) if e2e else float("nan"), "latency_p90_s": _pct(e2e, 90),
     }
+
+
+def host_only_step(graphdef, state, cache, batch, lora, *rest):
+    """`--host-only`: stands in for the engine's jitted step; token 0 for every row, cache unchanged."""
+    return np.zeros(len(batch.logit_indices), np.int32), cache
 
 
 # ---- compilation ----------------------------------------------------------------------------------
@@ -563,6 +570,9 @@ def main() -> None:
                         help="JAX persistent compilation cache dir ('' to disable)")
     parser.add_argument("--time-budget", type=float, default=0, help="seconds; skip cases that would not fit (0: off)")
     parser.add_argument("--out", default="bench/results/serve.json")
+    parser.add_argument("--host-only", action="store_true",
+                        help="replace the engine's jitted step by a stub (sampled tokens 0, nothing dispatched): "
+                             "the engine's host time per step phase alone (phase_ms_per_step), on any machine")
     parser.add_argument("--profile", action="store_true",
                         help="instead of the cases: per-kernel device time of one engine step (decode and mixed "
                              "batches) for the base model and each --lora-backend, from a profiler trace")
@@ -609,7 +619,11 @@ def main() -> None:
         run_profile(args, model, engine_config, factory, backends, device)
         return
     try:
-        compile_info = compile_all(model, engine_config, args.compile_threads)
+        if args.host_only:  # no device step: nothing to compile
+            engine_module._engine_step = host_only_step
+            compile_info = {"shapes": 0, "threads": 0, "parallel_s": 0.0, "serial_s": 0.0, "host_only": True}
+        else:
+            compile_info = compile_all(model, engine_config, args.compile_threads)
     except Exception as err:
         if backend != "pallas":
             raise
@@ -624,6 +638,8 @@ def main() -> None:
     backends = [backend] + [b for b in backends[1:] if b != backend]
     other_configs = {b: dataclasses.replace(engine_config, lora_backend=b) for b in backends[1:]}
     for other, other_config in other_configs.items():  # their LoRA steps (base runs use the first backend's)
+        if args.host_only:
+            break
         info = compile_all(model, other_config, args.compile_threads,
                            shapes=[shape for shape in step_shapes(other_config) if shape[2]])
         compile_info.setdefault("other_backends", {})[other] = info

@@ -6,8 +6,10 @@ One `Engine` owns the device state (model weights, the KV page pool, the adapter
   2. asks the scheduler for the next step (decode rows, prefill chunks, admissions; grouped by
      adapter) and copies in the adapters that admissions need;
   3. dispatches one jitted forward over the flat token list (`jaxlora.models.paged`) that also
-     samples the next token of every finished row, and, while the device runs it, copies in the
-     adapters of queued requests (prefetch);
+     samples the next token of every finished row, and, while the device runs it, starts copying
+     the adapters of queued requests to the device on a background thread (prefetch: the host ->
+     device transfers overlap this and the next steps; each copy goes into its pool slot before
+     the first step that uses the slot, or at any step boundary once it is done);
   4. hands new tokens and finish reasons to each request's callback.
 
 Compiled shapes are bucketed: tokens per step to a power of two (>= 8; rows per step use the
@@ -41,6 +43,7 @@ rule, so with tensor > 1 only the XLA LoRA backends (`TENSOR_PARALLEL_BACKENDS`)
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -162,6 +165,17 @@ def _bucket(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(0, (n - 1).bit_length()))
 
 
+def _row_tokens(seq: Sequence, start: int, count: int) -> list[int]:
+    """seq.tokens[start: start + count] without building prompt + output (a decode row's one token
+    is the newest output)."""
+    prompt_len = len(seq.prompt)
+    if start >= prompt_len:
+        return seq.output[start - prompt_len: start - prompt_len + count]
+    if start + count <= prompt_len:
+        return seq.prompt[start: start + count]
+    return seq.prompt[start:] + seq.output[: start + count - prompt_len]
+
+
 def sample_rows(logits, temperature, top_p, seeds, counters, any_sampling: bool):
     """Next token per row. logits [R, V]; temperature, top_p [R] float; seeds, counters [R] int.
     Rows with temperature 0 take the argmax; others sample from the top-p nucleus."""
@@ -222,6 +236,10 @@ class Engine:
         self._by_uid: dict[int, _Registered] = {}
         self._uids = itertools.count()
         self._commands: collections.deque = collections.deque()
+        self._staged: dict[int, tuple] = {}  # slot -> (uid, Future of the adapter's device copy)
+        # Background copies need a device apart from the host (on a CPU backend the copy is a memcpy
+        # on the cores that run the step) and a pool without a mesh (see `_stage`).
+        self.background_prefetch = mesh is None and jax.default_backend() != "cpu"
         self._requests: dict = {}
         self._num_waiting_submitted = 0
         self._wake = threading.Event()
@@ -350,7 +368,9 @@ class Engine:
 
     # ---- the step (engine thread) -------------------------------------------------------
     def step(self) -> bool:
-        """Runs one iteration; returns False when there was nothing to do."""
+        """Runs one iteration; returns False when there was nothing to do. Host time per phase
+        accumulates in `stats.phase_seconds` (see `EngineStats.PHASES`)."""
+        phases = self.stats.phases()
         while self._commands:
             self._commands.popleft()()
         self._drop_removed_adapters()
@@ -358,36 +378,49 @@ class Engine:
         if not self.scheduler.has_work():
             return False
         plan = self.scheduler.schedule()
+        phases.mark("schedule")
         self._load(plan.loads)
+        self._commit_staged({row.slot for row in plan.rows})
+        phases.mark("load")
         if not plan.rows:
             return True
         order = serving_order([row.slot for row in plan.rows], [row.count for row in plan.rows])
         plan = dataclasses.replace(plan, rows=[plan.rows[i] for i in order])
+        phases.mark("order")
         started = time.monotonic()
         try:
-            next_tokens = self._dispatch(plan)
-            self._load(self.scheduler.prefetch())  # overlaps the step running on the device
+            next_tokens = self._dispatch(plan, phases)
+            self._stage(self.scheduler.prefetch())  # overlaps the step running on the device
+            phases.mark("prefetch")
             next_tokens = np.asarray(next_tokens)
+            phases.mark("wait")
         except Exception as err:  # keep serving: fail this step's requests, rebuild the cache
             log.exception("engine step failed")
             self._fail_running(f"engine step failed: {err}")
             return True
         self._complete(plan, next_tokens, time.monotonic() - started)
+        phases.mark("complete")
         return True
 
-    def _dispatch(self, plan: StepPlan):
+    def _dispatch(self, plan: StepPlan, phases: "_PhaseClock | None" = None):
         """Builds the step's padded arrays and launches the jitted step (asynchronously)."""
+        phases = phases or _PhaseClock({})
         batch, token_slot, one_token, rows = self._batch_arrays(plan)
+        phases.mark("batch")
+        decode_only = bool(one_token[: plan.num_tokens].all())
         if (token_slot >= 0).any():
-            decode_only = all(row.count == 1 for row in plan.rows)
             lora = LoraInputs(self.pool.arrays, self._lora_plan(token_slot, one_token, decode_only))
         else:  # base rows only: the base model's own compiled step, no pool or plan
             lora = None
             self.stats.base_only_steps += 1
+        self.stats.step_kind = ("base " if lora is None else "lora ") + ("decode" if decode_only else "mixed")
+        phases.mark("lora_plan")
         temperature, top_p, seeds, counters = self._sampling_arrays(plan, rows)
+        phases.mark("sampling")
         next_tokens, self.cache = _engine_step(
             self._graphdef, self._state, self.cache, batch, lora, temperature, top_p, seeds, counters,
             bool((temperature > 0).any()), self.config.lora_backend)
+        phases.mark("dispatch")
         return next_tokens
 
     def _lora_plan(self, token_slot: np.ndarray, one_token: np.ndarray, decode_only: bool):
@@ -414,7 +447,7 @@ class Engine:
         offset = 0
         for r, row in enumerate(plan.rows):
             span = slice(offset, offset + row.count)
-            tokens[span] = row.seq.tokens[row.start: row.start + row.count]
+            tokens[span] = _row_tokens(row.seq, row.start, row.count)
             positions[span] = np.arange(row.start, row.start + row.count)
             token_row[span], token_slot[span], one_token[span] = r, row.slot, row.count == 1
             pages = row.seq.pages[:width]
@@ -475,9 +508,36 @@ class Engine:
             self.cache = self._new_cache()
 
     def _load(self, loads) -> None:
+        """Copies the adapters of `loads` [(slot, uid)] into their slots now (synchronously)."""
         for slot, uid in loads:
+            self._staged.pop(slot, None)
             self.pool.load(self._by_uid[uid].adapter, slot=slot)
             self.stats.adapter_loads += 1
+
+    def _stage(self, loads) -> None:
+        """Prefetch: starts the host -> device copies of the adapters of `loads` [(slot, uid)] on a
+        background thread; `_commit_staged` writes them into their slots. Without
+        `background_prefetch` (a CPU backend, or a mesh: the placed pool's slot update splits the
+        host arrays itself): `_load`."""
+        if not self.background_prefetch:
+            self._load(loads)
+            return
+        for slot, uid in loads:
+            self._staged[slot] = uid, _prefetch_thread().submit(_to_device, self._by_uid[uid].adapter)
+            self.stats.adapter_loads += 1
+
+    def _commit_staged(self, needed) -> None:
+        """Writes staged adapters into their slots: every copy that is done, and those of the slots
+        in `needed` (the step's rows use them: waits for their copies). A failed copy: the host
+        arrays are loaded instead."""
+        for slot in [slot for slot, (_, copy) in self._staged.items() if slot in needed or copy.done()]:
+            uid, copy = self._staged.pop(slot)
+            try:
+                adapter = copy.result()
+            except Exception:
+                log.exception("prefetch copy failed; loading from host memory")
+                adapter = self._by_uid[uid].adapter
+            self.pool.load(adapter, slot=slot)
 
     def _drop_removed_adapters(self) -> None:
         """Frees the slots and host copies of removed adapters that no request still uses."""
@@ -491,6 +551,7 @@ class Engine:
                 continue
             slot = self.scheduler.slots.drop(entry.uid)
             if slot is not None:
+                self._staged.pop(slot, None)
                 self.pool.evict(slot)
             with self._lock:
                 del self._by_uid[entry.uid]
@@ -551,8 +612,43 @@ class Engine:
         }
 
 
+@functools.lru_cache(maxsize=1)
+def _prefetch_thread() -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread (shared by engines, first come first served) that copies prefetched adapters."""
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxlora-prefetch")
+
+
+def _to_device(adapter: PreparedAdapter) -> PreparedAdapter:
+    """`adapter` with its host arrays copied to the default device (the transfer releases the GIL)."""
+    return dataclasses.replace(adapter, values=jax.block_until_ready(jax.device_put(adapter.values)))
+
+
+class _PhaseClock:
+    """Adds the time since the previous mark to `seconds[name]` at each `mark(name)`."""
+
+    __slots__ = ("seconds", "last")
+
+    def __init__(self, seconds: dict):
+        self.seconds = seconds
+        self.last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
+        self.last = now
+
+
 class EngineStats:
-    """Step counters and a sliding window of generated tokens for tokens/s."""
+    """Step counters, host time per step phase and a sliding window of generated tokens for tokens/s.
+
+    phase_seconds: cumulative seconds of each phase of `Engine.step` (PHASES, in step order):
+    schedule (commands, drops, the scheduler), load (admissions' adapter copies), order
+    (serving_order), batch (token/position/block-table arrays), lora_plan, sampling (arrays),
+    dispatch (the jitted call: argument transfer and launch), prefetch (queued adapters' copies),
+    wait (until the sampled tokens are on the host), complete (tokens to requests, callbacks)."""
+
+    PHASES = ("schedule", "load", "order", "batch", "lora_plan", "sampling", "dispatch", "prefetch", "wait",
+              "complete")
 
     def __init__(self, window_s: float = 10.0):
         self.window_s = window_s
@@ -564,10 +660,31 @@ class EngineStats:
         self.step_seconds = 0.0
         self.last_step_s = 0.0
         self.dropped = 0  # requests ended by early abort (see EngineConfig.ttft_slo_s)
+        self.phase_seconds: dict[str, float] = {}
+        self.step_kind = ""  # the kind of the step being run: "base|lora decode|mixed" (set by the engine)
+        self.kind_steps: dict[str, list] = {}  # kind -> [steps, seconds, tokens]
         self._recent: collections.deque = collections.deque()
+
+    def phases(self) -> _PhaseClock:
+        """A clock starting now that adds to `phase_seconds`."""
+        return _PhaseClock(self.phase_seconds)
+
+    def phase_ms_per_step(self) -> dict[str, float]:
+        """Mean host milliseconds per step of each phase (PHASES order; over `steps`)."""
+        steps = max(1, self.steps)
+        return {name: 1e3 * self.phase_seconds[name] / steps for name in self.PHASES if name in self.phase_seconds}
+
+    def steps_by_kind(self) -> dict[str, dict]:
+        """{kind: {"steps", "mean_ms" (dispatch to sampled tokens on the host), "mean_tokens"}} per
+        kind of step ("base decode", "base mixed", "lora decode", "lora mixed"; decode: one-token
+        rows only)."""
+        return {kind: {"steps": n, "mean_ms": 1e3 * seconds / n, "mean_tokens": tokens / n}
+                for kind, (n, seconds, tokens) in sorted(self.kind_steps.items())}
 
     def record_step(self, tokens: int, generated: int, seconds: float) -> None:
         self.steps += 1
+        kind = self.kind_steps.setdefault(self.step_kind, [0, 0.0, 0])
+        kind[0], kind[1], kind[2] = kind[0] + 1, kind[1] + seconds, kind[2] + tokens
         self.step_tokens += tokens
         self.generated += generated
         self.step_seconds += seconds

@@ -218,3 +218,41 @@ def test_pallas_steps_use_the_serving_plan_without_recompiling(smollm2, adapters
     decode_only = [key[2] for key in seen]
     assert any(decode_only) and not all(decode_only)
     assert real_step._cache_size() - compiled_before <= len(set(seen)) < len(seen)
+
+
+@pytest.mark.parametrize("slots, rows", [(8, 4), (3, 2)])
+def test_prefetched_adapters_copy_in_the_background(smollm2, adapters8, expected, monkeypatch, slots, rows):
+    """Adapters of queued requests (few rows per step: requests queue) are copied to the device on
+    the prefetch thread and written into their slots before the first step that uses them (here
+    the copies wait until a step needs one, so steps run while copies are on their way): the same
+    greedy tokens as with the merged weights."""
+    import threading
+
+    import serve.engine as engine_module
+
+    model, tokenizer = smollm2
+    requests, outputs = expected
+    real_copy, copies, waited, release = engine_module._to_device, [], [], threading.Event()
+
+    def held_copy(adapter):
+        release.wait(timeout=60)
+        copies.append(adapter.name)
+        return real_copy(adapter)
+
+    monkeypatch.setattr(engine_module, "_to_device", held_copy)
+    config = EngineConfig(**{**SMALL_ENGINE, "max_adapters_on_device": slots, "max_num_seqs": rows})
+    engine = Engine(model, tokenizer.eos_token_ids, config, adapters8)
+    engine.background_prefetch = True  # off by default on a CPU backend
+    real_commit = engine._commit_staged
+
+    def commit(needed):
+        pending = [slot for slot, (_, copy) in engine._staged.items() if slot in needed and not copy.done()]
+        waited.extend(pending)
+        if pending:
+            release.set()
+        real_commit(needed)
+
+    engine._commit_staged = commit
+    assert _serve_all(engine, requests) == outputs
+    assert copies and waited  # prefetched copies, and a step that had to wait for one
+    assert all(copy.done() for _, copy in engine._staged.values())
