@@ -619,7 +619,7 @@ def _prefetch_thread() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def _to_device(adapter: PreparedAdapter) -> PreparedAdapter:
-    """`adapter` with its host arrays copied to the default device (the transfer releases the GIL)."""
+    """`adapter` with its host arrays copied to the default device (on the prefetch thread)."""
     return dataclasses.replace(adapter, values=jax.block_until_ready(jax.device_put(adapter.values)))
 
 
