@@ -106,7 +106,7 @@ serve() {  # one GPU: the serving benchmark
       | tail -n 40
 }
 
-serve_profile() {  # one GPU: per-kernel time of one engine step (decode, mixed), base vs the LoRA backends
+serve_profile() {  # one GPU: per-kernel time of one engine step (decode of 64/32/8 rows, mixed), base vs the LoRA backends
   nvidia-smi -L
   timeout $((LIMIT - 5)) python3 bench/serve.py --profile --lora-backend pallas onehot \
       --out "$OUT/serve_profile_h200.json" 2>&1 | grep -v "cuda_timer\\|Warning" | tail -n 80
