@@ -10,7 +10,7 @@ import sys
 from serve.protocol import Limits
 
 # The LoRA op backends that serve (the fused ones are training kernels: x @ W fused with LoRA).
-SERVING_BACKENDS = ("gather", "onehot", "ragged_dot", "loop", "pallas")
+SERVING_BACKENDS = ("gather", "onehot", "ragged_dot", "loop", "pallas", "hybrid")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -144,7 +144,7 @@ class _Registered:
 # LoRA backends that run under GSPMD (plain XLA ops); the Pallas ones cannot be partitioned.
 TENSOR_PARALLEL_BACKENDS = ("gather", "onehot", "ragged_dot", "loop")
 # LoRA backends that take a `ServingPlan` (rows ordered once per step; SGMV + BGMV, no gathers).
-SERVING_PLAN_BACKENDS = ("pallas", "pallas_gpu", "pallas_tpu")
+SERVING_PLAN_BACKENDS = ("pallas", "pallas_gpu", "pallas_tpu", "hybrid")
 
 
 def check_mesh(mesh: Mesh, model_config, lora_backend: str) -> None:

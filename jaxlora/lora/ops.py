@@ -11,6 +11,10 @@ Backends (all compute the same function; the plan says which slot each row uses)
                the serving engine's `ServingPlan` they are already in order: SGMV on the prefill
                segments and BGMV on the one-token rows, accumulating in place (forward only);
   "pallas_gpu", "pallas_tpu"  one kernel style explicitly (interpret mode off its own backend);
+  "hybrid"     serving: with a decode-only `ServingPlan` the Pallas BGMV kernels, for every other
+               plan (steps with prefill chunks, training) the one-hot GEMMs. On the H200 trace
+               the kernels add 2.2 ms to a 36 ms decode step but 37 ms to a 57 ms mixed step, where
+               the one-hot GEMMs add 12 (bench/NOTES_serve.md);
   "fused", "fused_tpu"  training backend: the model computes x @ W + LoRA in one fused kernel
                (`pallas_kernels.fused_lora_linear`), so `lora_delta` itself is not called.
 
@@ -33,7 +37,7 @@ from jaxlora.lora.plan import LoraPlan, ServingPlan
 from jaxlora.models.layers import dense
 
 FUSED_BACKENDS = ("fused", "fused_tpu")
-BACKENDS = ("loop", "gather", "ragged_dot", "onehot", "pallas", "pallas_gpu", "pallas_tpu") + FUSED_BACKENDS
+BACKENDS = ("loop", "gather", "ragged_dot", "onehot", "pallas", "pallas_gpu", "pallas_tpu", "hybrid") + FUSED_BACKENDS
 _F32 = jnp.float32
 
 
@@ -74,6 +78,7 @@ def lora_accumulate(y: jax.Array, x: jax.Array, module_pool, plan, backend: str 
     output), x [..., k]; module_pool: a layer's dict (see `lora_delta`) or a `StackedModulePool`.
     The Pallas backends with a `ServingPlan` run their kernels in place on y; the others add
     `lora_delta` (rounded to x's dtype, as before)."""
+    backend = _route(backend, plan)
     if backend in _PALLAS_BACKENDS and isinstance(plan, ServingPlan):
         rows, out = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1]).astype(_F32)
         impl = _pallas_impl(_PALLAS_BACKENDS[backend])
@@ -87,6 +92,7 @@ def lora_accumulate_group(ys, x: jax.Array, module_pools, plan, backend: str = "
     `ServingPlan`, the one-token rows of all of them go through one grouped BGMV shrink and one
     expand (x read once, 2 launches instead of 2 per projection); prefill segments through SGMV
     per projection. Otherwise one `lora_accumulate` each."""
+    backend = _route(backend, plan)
     if not (backend in _PALLAS_BACKENDS and isinstance(plan, ServingPlan)):
         return tuple(lora_accumulate(y, x, pool, plan, backend) for y, pool in zip(ys, module_pools))
     import pallas_kernels
@@ -104,6 +110,13 @@ def lora_accumulate_group(ys, x: jax.Array, module_pools, plan, backend: str = "
     outs = pallas_kernels.bgmv_lora_grouped(outs, rows, lora_as, lora_bs, plan.decode_slot, ranks, scales,
                                             entries[0][4], impl=impl)
     return tuple(out.reshape(y.shape) for out, y in zip(outs, ys))
+
+
+def _route(backend: str, plan) -> str:
+    """The backend a "hybrid" call runs: "pallas" for a decode-only `ServingPlan`, else "onehot"."""
+    if backend != "hybrid":
+        return backend
+    return "pallas" if isinstance(plan, ServingPlan) and plan.seg_starts is None else "onehot"
 
 
 def _entries(module_pool):
@@ -235,6 +248,6 @@ def _pallas_serving(y, rows, module_pool, plan: ServingPlan, impl: str):
 
 _PALLAS_BACKENDS = {"pallas": None, "pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 _BACKEND_FNS = {
-    "loop": _loop, "gather": _gather, "ragged_dot": _ragged_dot, "onehot": _onehot, "pallas": _pallas,
+    "loop": _loop, "gather": _gather, "ragged_dot": _ragged_dot, "onehot": _onehot, "hybrid": _onehot, "pallas": _pallas,
     "pallas_gpu": functools.partial(_pallas, impl="gpu"), "pallas_tpu": functools.partial(_pallas, impl="tpu"),
 }

@@ -190,6 +190,32 @@ def test_pallas_backend_serves_the_same_tokens(smollm2, adapters8, expected):
     assert _serve_all(engine, requests[:6]) == outputs[:6]
 
 
+def test_hybrid_backend_runs_bgmv_on_decode_steps_and_onehot_on_mixed_steps(smollm2, adapters8, expected,
+                                                                              monkeypatch):
+    """"hybrid": decode-only steps through the BGMV kernels, steps with prefill chunks through the
+    one-hot GEMMs (no SGMV call at all); greedy tokens as with the merged weights."""
+    import pallas_kernels
+
+    model, tokenizer = smollm2
+    requests, outputs = expected
+    bgmv_calls = []
+    real_bgmv = pallas_kernels.bgmv_lora_grouped
+
+    def no_sgmv(*args, **kwargs):
+        raise AssertionError("hybrid ran an SGMV kernel")
+
+    def counting_bgmv(*args, **kwargs):
+        bgmv_calls.append(1)
+        return real_bgmv(*args, **kwargs)
+
+    monkeypatch.setattr(pallas_kernels, "sgmv_lora_stacked", no_sgmv)
+    monkeypatch.setattr(pallas_kernels, "bgmv_lora_grouped", counting_bgmv)
+    engine = Engine(model, tokenizer.eos_token_ids,
+                    EngineConfig(max_adapters_on_device=8, lora_backend="hybrid", **SMALL_ENGINE), adapters8)
+    assert _serve_all(engine, requests[:6]) == outputs[:6]
+    assert bgmv_calls, "no decode-only step went through BGMV"
+
+
 def test_pallas_steps_use_the_serving_plan_without_recompiling(smollm2, adapters8, expected, monkeypatch):
     """With a Pallas backend every LoRA step gets a `ServingPlan` (rows ordered once on the host):
     mixed prefill + decode steps with SGMV segments and decode-only steps without; base-model
