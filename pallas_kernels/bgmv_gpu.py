@@ -57,22 +57,47 @@ def _offset(slot_offset):
     return jnp.reshape(slot_offset, (1,)).astype(jnp.int32), True
 
 
+def _k_block_range(split, num_k_blocks: int, k_splits: int):
+    """[lo, hi) of the k blocks that split-K program `split` reduces."""
+    per_split = -(-num_k_blocks // k_splits)
+    lo = split * per_split
+    return lo, jnp.minimum(lo + per_split, num_k_blocks)
+
+
+def _shrink_chunk(x_blk, a_ref, entry, k0, c: int, bk: int, rc: int):
+    """[rc] partial of x_blk [bk] @ A[entry, k0:k0+bk, rank chunk c] (float32)."""
+    a_blk = a_ref[entry, pl.ds(k0, bk), pl.ds(c * rc, rc)].astype(_F32)
+    return jnp.sum(x_blk[:, None] * a_blk, axis=0)
+
+
+def _expand_chunk(v_ref, b_ref, row, entry, rank, v_col0, col0, c: int, bn: int, rc: int):
+    """[bn] of v[row, rank chunk c] @ B[entry, chunk c, col0:col0+bn] (float32): v summed over
+    its split-K parts (v_ref [parts, B, ...], the chunk's columns from v_col0 on) and both masked
+    to the row's rank."""
+    ranks = c * rc + lax.broadcasted_iota(jnp.int32, (rc,), 0)
+    cols = pl.ds(v_col0 + c * rc, rc)
+    v = v_ref[0, row, cols].astype(_F32)
+    for part in range(1, v_ref.shape[0]):
+        v = v + v_ref[part, row, cols].astype(_F32)
+    v = jnp.where(ranks < rank, v, 0.0)
+    b_blk = b_ref[entry, pl.ds(c * rc, rc), pl.ds(col0, bn)].astype(_F32)
+    b_blk = jnp.where(ranks[:, None] < rank, b_blk, 0.0)
+    return jnp.sum(v[:, None] * b_blk, axis=0)
+
+
 def _shrink_kernel(slot_ref, offset_ref, rank_ref, x_ref, a_ref, out_ref, *, cfg: TileConfig,
                    num_chunks: int, num_k_blocks: int, by_entry: bool):
     row, split = pl.program_id(0), pl.program_id(1)
     bk, rc = cfg.block_k, cfg.rank_chunk
     slot, rank, active = _row(row, slot_ref, offset_ref, rank_ref, a_ref.shape[-1], by_entry)
-    per_split = -(-num_k_blocks // cfg.k_splits)
-    kb_lo = split * per_split
-    kb_hi = jnp.minimum(kb_lo + per_split, num_k_blocks)
+    kb_lo, kb_hi = _k_block_range(split, num_k_blocks, cfg.k_splits)
 
     def k_body(kb, accs):
         k0 = pl.multiple_of(kb * bk, bk)
         x_blk = x_ref[row, pl.ds(k0, bk)].astype(_F32)
 
         def add(acc, c):
-            a_blk = a_ref[slot, pl.ds(k0, bk), pl.ds(c * rc, rc)].astype(_F32)
-            return acc + jnp.sum(x_blk[:, None] * a_blk, axis=0)
+            return acc + _shrink_chunk(x_blk, a_ref, slot, k0, c, bk, rc)
 
         out = [add(accs[0], 0)]
         for c in range(1, num_chunks):
@@ -118,14 +143,7 @@ def _expand_kernel(slot_ref, offset_ref, rank_ref, scale_ref, y_ref, v_ref, b_re
     scale = scale_ref[slot if by_entry else row]
 
     def add(d, c):
-        ranks = c * rc + lax.broadcasted_iota(jnp.int32, (rc,), 0)
-        v = v_ref[0, row, pl.ds(c * rc, rc)].astype(_F32)
-        for part in range(1, v_ref.shape[0]):
-            v = v + v_ref[part, row, pl.ds(c * rc, rc)].astype(_F32)
-        v = jnp.where(ranks < rank, v, 0.0)
-        b_blk = b_ref[slot, pl.ds(c * rc, rc), pl.ds(col0, bn)].astype(_F32)
-        b_blk = jnp.where(ranks[:, None] < rank, b_blk, 0.0)
-        return d + jnp.sum(v[:, None] * b_blk, axis=0)
+        return d + _expand_chunk(v_ref, b_ref, row, slot, rank, 0, col0, c, bn, rc)
 
     @pl.when(active)
     def _():
@@ -175,17 +193,14 @@ def _grouped_shrink_kernel(*refs, cfg: TileConfig, groups: int, num_chunks: int,
     entry, _, _ = _row(row, slot_ref, offset_ref, rank_refs[0], r_max, True)
     ranks = [jnp.clip(rank_ref[entry], 0, r_max) for rank_ref in rank_refs]
     active = (slot_ref[row] >= 0) & (functools.reduce(jnp.maximum, ranks) > 0)
-    per_split = -(-num_k_blocks // cfg.k_splits)
-    kb_lo = split * per_split
-    kb_hi = jnp.minimum(kb_lo + per_split, num_k_blocks)
+    kb_lo, kb_hi = _k_block_range(split, num_k_blocks, cfg.k_splits)
 
     def k_body(kb, accs):
         k0 = pl.multiple_of(kb * bk, bk)
         x_blk = x_ref[row, pl.ds(k0, bk)].astype(_F32)
 
         def add(acc, g, c):
-            a_blk = a_refs[g][entry, pl.ds(k0, bk), pl.ds(c * rc, rc)].astype(_F32)
-            return acc + jnp.sum(x_blk[:, None] * a_blk, axis=0)
+            return acc + _shrink_chunk(x_blk, a_refs[g], entry, k0, c, bk, rc)
 
         out = []
         for g in range(groups):  # the first chunk of every projection unconditionally
@@ -243,15 +258,7 @@ def _grouped_expand_kernel(*refs, cfg: TileConfig, num_chunks: int, block_starts
         col0 = pl.multiple_of((col_block - block_starts[g]) * bn, bn)
 
         def add(d, c):
-            ranks = c * rc + lax.broadcasted_iota(jnp.int32, (rc,), 0)
-            cols = pl.ds(g * r_max + c * rc, rc)
-            v = v_ref[0, row, cols].astype(_F32)
-            for part in range(1, v_ref.shape[0]):
-                v = v + v_ref[part, row, cols].astype(_F32)
-            v = jnp.where(ranks < rank, v, 0.0)
-            b_blk = b_refs[g][entry, pl.ds(c * rc, rc), pl.ds(col0, bn)].astype(_F32)
-            b_blk = jnp.where(ranks[:, None] < rank, b_blk, 0.0)
-            return d + jnp.sum(v[:, None] * b_blk, axis=0)
+            return d + _expand_chunk(v_ref, b_refs[g], row, entry, rank, g * r_max, col0, c, bn, rc)
 
         @pl.when((slot_ref[row] >= 0) & (rank > 0))
         def _():
