@@ -200,9 +200,8 @@ def segment_flash_gpu(q, k, v, segment_ids, sm_scale: float, block_q: int, block
                       num_warps: int | None, num_stages: int, interpret):
     """Causal flash attention inside packed segments; shapes in the module docstring. Returns
     [B, T, H, D] in q's dtype."""
-    first, _ = segment_spans(segment_ids)
-    out, _ = _forward(q, k, v, segment_ids, first, sm_scale, block_q, block_k, num_warps, num_stages, interpret)
-    return out
+    return _vjp_forward(q, k, v, segment_ids, sm_scale, block_q, block_k, block_backward, num_warps, num_stages,
+                        interpret)[0]
 
 
 def _vjp_forward(q, k, v, segment_ids, sm_scale, block_q, block_k, block_backward, num_warps, num_stages,
