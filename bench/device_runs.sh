@@ -100,7 +100,7 @@ train_gemm() {  # one GPU: where the backward GEMMs run: dense()'s grad cast fus
 
 serve() {  # one GPU: the serving benchmark
   nvidia-smi -L
-  timeout $((LIMIT - 5)) python3 bench/serve.py --requests 64 --lora-backend hybrid pallas \
+  timeout $((LIMIT - 5)) python3 bench/serve.py --requests 64 --lora-backend hybrid \
       --cases punica:distinct "slora:n=1000,alpha=1,cv=1,mode=throughput" punica:identical punica:uniform punica:skewed \
       --time-budget $((LIMIT - 60)) --out "$OUT/serve_h200.json" 2>&1 \
       | tail -n 40
