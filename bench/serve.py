@@ -514,11 +514,18 @@ def write_report(path: str, report: dict) -> None:
         ax.barh(y - 0.2, [r["lora"][key] for r in results], 0.4, label="adapters")
         ax.barh(y + 0.2, [r["base"][key] for r in results], 0.4, label="base model")
         ax.set_title(title)
+    for i, r in enumerate(results):  # LoRA / base throughput next to the adapters' bar
+        lora_tps = r["lora"]["tokens_per_s"]
+        axes[0].annotate(f"{lora_tps / r['base']['tokens_per_s']:.3f}x base", (lora_tps, i - 0.2),
+                         xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
     axes[0].set_yticks(y, [r["case"] for r in results], fontsize=8)
     axes[0].invert_yaxis()
-    axes[0].legend()
-    fig.suptitle(f"jaxlora serving, {report['device']}, {report['model']['layers']} layers, jax {report['jax']}")
-    fig.tight_layout()
+    axes[0].margins(x=0.2)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper right", ncol=2)
+    backends = ", ".join(report["settings"]["lora_backend"])
+    fig.suptitle(f"jaxlora serving ({backends} LoRA backend), {report['device']}, "
+                 f"{report['model']['layers']} layers, jax {report['jax']}")
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(os.path.splitext(path)[0] + ".png", dpi=110)
     plt.close(fig)
 

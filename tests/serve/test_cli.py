@@ -2,15 +2,23 @@
 
 import pytest
 
-from serve.cli import SERVING_BACKENDS, build_parser
+from serve.cli import SERVING_BACKENDS, build_parser, resolve_lora_backend
 
 
 def test_lora_backend_option():
     args = build_parser().parse_args(["--lora-backend", "pallas"])
     assert args.lora_backend == "pallas" and "pallas" in SERVING_BACKENDS
-    assert build_parser().parse_args([]).lora_backend == "gather"
+    assert build_parser().parse_args([]).lora_backend == "auto"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--lora-backend", "fused"])
+
+
+def test_auto_lora_backend_per_platform():
+    assert resolve_lora_backend("auto", "gpu") == "hybrid"
+    assert resolve_lora_backend("auto", "gpu", tensor_parallel=2) == "onehot"
+    assert resolve_lora_backend("auto", "tpu") == "onehot"
+    assert resolve_lora_backend("auto", "cpu") == "gather"
+    assert resolve_lora_backend("pallas", "cpu") == "pallas"  # an explicit choice is kept
 
 
 def test_tensor_parallel_option_errors():
