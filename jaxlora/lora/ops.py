@@ -144,6 +144,7 @@ def lora_delta(x: jax.Array, module_pool: dict, plan: LoraPlan, backend: str = "
     """
     if backend not in BACKENDS or backend in FUSED_BACKENDS:
         raise ValueError(f"unknown LoRA backend {backend!r}; choose from {BACKENDS}")
+    backend = _route(backend, plan)
     lead_shape = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     delta = _BACKEND_FNS[backend](rows, _layer_pool(module_pool), plan)
@@ -248,6 +249,6 @@ def _pallas_serving(y, rows, module_pool, plan: ServingPlan, impl: str):
 
 _PALLAS_BACKENDS = {"pallas": None, "pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 _BACKEND_FNS = {
-    "loop": _loop, "gather": _gather, "ragged_dot": _ragged_dot, "onehot": _onehot, "hybrid": _onehot, "pallas": _pallas,
+    "loop": _loop, "gather": _gather, "ragged_dot": _ragged_dot, "onehot": _onehot, "pallas": _pallas,
     "pallas_gpu": functools.partial(_pallas, impl="gpu"), "pallas_tpu": functools.partial(_pallas, impl="tpu"),
 }

@@ -129,3 +129,17 @@ def test_ragged_dot_refuses_a_serving_plan():
     token_slot, plan = step_plan(STEPS["mixed"])
     with pytest.raises(ValueError, match="LoraPlan"):
         lora_delta(np.zeros((token_slot.size, IN_DIM), np.float32), pool, plan, "ragged_dot")
+
+
+@pytest.mark.parametrize("step", ["mixed", "decode_only", "single_prefill"])
+def test_hybrid_delta_runs_kernels_only_on_decode_only_plans(step):
+    rng = np.random.default_rng(zlib.crc32(f"hybrid {step}".encode()))
+    pool = random_pool(rng)
+    token_slot, plan = step_plan(STEPS[step])
+    x = rng.normal(size=(token_slot.size, IN_DIM)).astype(np.float32)
+    hybrid = np.asarray(lora_delta(x, pool, plan, "hybrid"))
+    reference = np.asarray(lora_delta(x, pool, build_plan(token_slot), "gather"))
+    assert np.abs(reference).max() > 0.1
+    assert relative_error(hybrid, reference) <= 1e-5
+    primitives = {e.primitive.name for e in jax.make_jaxpr(lambda x: lora_delta(x, pool, plan, "hybrid"))(x).eqns}
+    assert ("pallas_call" in primitives) == (plan.seg_starts is None)
