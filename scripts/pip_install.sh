@@ -11,7 +11,7 @@ pause=15
 resume=()  # --resume-retries exists from pip 25.1 (the venv's first pip may be older)
 "$python" -m pip install --help 2>/dev/null | grep -q -- --resume-retries && resume=(--resume-retries 20)
 for attempt in $(seq 1 "$attempts"); do
-  "$python" -m pip install --disable-pip-version-check --retries 10 --timeout 60 \
+  "$python" -m pip install --disable-pip-version-check --retries 10 \
     "${resume[@]}" "$@" && exit 0
   [ "$attempt" -lt "$attempts" ] || break
   echo "pip install failed (attempt $attempt of $attempts); trying again in ${pause}s" >&2
