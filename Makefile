@@ -1,7 +1,6 @@
 # jaxlora: `make demo` (the main job) and `make test` (the CPU suite) set everything up themselves.
 VENV ?= .venv
 PYTHON ?= $(shell scripts/find_python.sh)
-PIP = $(VENV)/bin/python -m pip
 # Installs from the network retry on their own (scripts/pip_install.sh): a dropped connection
 # during a multi-GB torch download must not fail a fresh-machine `make test`.
 PIP_INSTALL = scripts/pip_install.sh $(VENV)/bin/python
