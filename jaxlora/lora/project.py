@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlora.lora.ops import FUSED_BACKENDS, lora_accumulate, lora_accumulate_group
+from jaxlora.lora.ops import FUSED_BACKENDS, lora_accumulate, lora_accumulate_group, stacked_pool
 from jaxlora.lora.plan import LoraPlan
 from jaxlora.models.config import PROJECTIONS
 from jaxlora.models.layers import dense
@@ -29,41 +29,65 @@ class LoraInputs(NamedTuple):
     dropout_key: jax.Array | None = None
 
 
+class LayerLora(NamedTuple):
+    """One decoder layer's LoRA context (built by `layer_lora`).
 
-def project(x: jax.Array, weights: dict[str, jax.Array], name: str, layer_lora=None) -> jax.Array:
+    pool: {module: this layer's arrays ({"a" [slots, k, r], "b" [slots, r, n], "scale", "rank"}
+      [slots]) or a `StackedModulePool` (every layer's stack and this layer's index)};
+    inputs: the batch's `LoraInputs` (plan, dropout); backend: the LoRA backend's name;
+    layer: this layer's index (int32 scalar; seeds dropout, indexes stacked pools)."""
+
+    pool: dict
+    inputs: LoraInputs
+    backend: str
+    layer: jax.Array
+
+
+def layer_lora(inputs: LoraInputs | None, layer_pool: dict | None, backend: str, layer) -> LayerLora | None:
+    """The LoRA context of one layer, or None without adapters. layer_pool: this layer's pool
+    arrays; None takes the whole stacked pool of `inputs` at `layer` (`StackedModulePool`s: the
+    kernels index the stack in place, no per-layer slice is copied)."""
+    if inputs is None:
+        return None
+    if layer_pool is None:
+        layer_pool = stacked_pool(inputs.pool, layer)
+    return LayerLora(layer_pool, inputs, backend, layer)
+
+
+def project(x: jax.Array, weights: dict[str, jax.Array], name: str, layer_lora: LayerLora | None = None) -> jax.Array:
     """x @ W (+ bias) (+ the LoRA delta of each row's adapter, if this projection has adapters).
 
-    x [..., k]; weights hold `<name>.kernel` [k, n] (and `<name>.bias` [n]); layer_lora is
-    (this layer's pool arrays, LoraInputs, backend, layer index) or None; the pool arrays of a
-    module may be a `StackedModulePool` (the serving layer scan). Returns [..., n] in x's dtype."""
-    has_lora = layer_lora is not None and name in layer_lora[0]
-    if has_lora and layer_lora[2] in FUSED_BACKENDS:
+    x [..., k]; weights hold `<name>.kernel` [k, n] (and `<name>.bias` [n]); layer_lora: this
+    layer's `LayerLora` or None. Returns [..., n] in x's dtype."""
+    has_lora = layer_lora is not None and name in layer_lora.pool
+    if has_lora and layer_lora.backend in FUSED_BACKENDS:
         y = _fused_project(x, weights[f"{name}.kernel"], name, layer_lora)
     else:
         y = dense(x, weights[f"{name}.kernel"])
     if f"{name}.bias" in weights:
         y = y + weights[f"{name}.bias"]
-    if has_lora and layer_lora[2] not in FUSED_BACKENDS:
-        pool, lora, backend, layer_index = layer_lora
+    if has_lora and layer_lora.backend not in FUSED_BACKENDS:
+        lora = layer_lora.inputs
         lora_input = x
         if lora.dropout_rate is not None:
-            lora_input = _lora_dropout(x, lora, _dropout_seed(lora, layer_index, name))
-        y = lora_accumulate(y, lora_input, pool[name], lora.plan, backend)
+            lora_input = _lora_dropout(x, lora, _dropout_seed(lora, layer_lora.layer, name))
+        y = lora_accumulate(y, lora_input, layer_lora.pool[name], lora.plan, layer_lora.backend)
     return y.astype(x.dtype)
 
 
-def project_group(x: jax.Array, weights: dict[str, jax.Array], names: tuple, layer_lora=None) -> list:
+def project_group(x: jax.Array, weights: dict[str, jax.Array], names: tuple,
+                  layer_lora: LayerLora | None = None) -> list:
     """`project` for several projections of the same x (q/k/v; gate/up): each base GEMM on its
     own, the LoRA of the projections that have adapters together (`lora_accumulate_group`: one
     grouped shrink and expand for the serving kernels). Training inputs (dropout, fused
     backends) take `project` one by one. Returns [..., n] per name, in x's dtype."""
-    grouped = [name for name in names if layer_lora is not None and name in layer_lora[0]]
-    if (len(grouped) < 2 or layer_lora[2] in FUSED_BACKENDS or layer_lora[1].dropout_rate is not None):
+    grouped = [name for name in names if layer_lora is not None and name in layer_lora.pool]
+    if (len(grouped) < 2 or layer_lora.backend in FUSED_BACKENDS or layer_lora.inputs.dropout_rate is not None):
         return [project(x, weights, name, layer_lora) for name in names]
     outputs = {name: project(x, weights, name) for name in names if name not in grouped}  # no adapters
-    pool, lora, backend, _ = layer_lora
     ys = [_base_output(x, weights, name) for name in grouped]
-    for name, y in zip(grouped, lora_accumulate_group(ys, x, [pool[name] for name in grouped], lora.plan, backend)):
+    pools = [layer_lora.pool[name] for name in grouped]
+    for name, y in zip(grouped, lora_accumulate_group(ys, x, pools, layer_lora.inputs.plan, layer_lora.backend)):
         outputs[name] = y.astype(x.dtype)
     return [outputs[name] for name in names]
 
@@ -96,7 +120,7 @@ def _lora_dropout(x: jax.Array, lora: LoraInputs, seed: jax.Array) -> jax.Array:
     return jnp.where(keep, rows * scale, 0).astype(x.dtype).reshape(x.shape)
 
 
-def _fused_project(x: jax.Array, kernel: jax.Array, name: str, layer_lora) -> jax.Array:
+def _fused_project(x: jax.Array, kernel: jax.Array, name: str, layer_lora: LayerLora) -> jax.Array:
     """x @ W + LoRA in one fused kernel (training backend) on rows grouped by adapter; float32."""
     pool, lora, backend, layer_index = layer_lora
     module_pool, plan = pool[name], lora.plan

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxlora.lora.project import LoraInputs, project as _project
+from jaxlora.lora.project import LayerLora, LoraInputs, layer_lora as make_layer_lora, project as _project
 from jaxlora.models.config import PROJECTIONS, LlamaConfig
 from jaxlora.models.layers import apply_rope, attend, dense, packed_attention, rms_norm, rope_inverse_frequencies
 
@@ -167,7 +167,7 @@ class Llama(nnx.Module):
 
         def layer(hidden, per_layer):
             weights, layer_cache, layer_pool, layer_index = per_layer
-            layer_lora = None if lora is None else (layer_pool, lora, lora_backend, layer_index)
+            layer_lora = make_layer_lora(lora, layer_pool, lora_backend, layer_index)
             hidden, layer_cache = decoder_layer(
                 config, weights, hidden, positions, inv_freq, mask, layer_cache, layer_lora
             )
@@ -194,10 +194,10 @@ def _packed_mask(shape: tuple[int, int], segment_ids: jax.Array | None, head_dim
     return packed_attention(segment_ids, head_dim, impl)
 
 
-def decoder_layer(config, weights, hidden, positions, inv_freq, mask, layer_cache, layer_lora=None,
-                  reduce_partial=None):
+def decoder_layer(config, weights, hidden, positions, inv_freq, mask, layer_cache,
+                  layer_lora: LayerLora | None = None, reduce_partial=None):
     """One pre-norm decoder layer. hidden [B, T, d]; layer_cache (k, v) [B, S, Hkv, Dh] or None;
-    layer_lora (this layer's pool arrays, plan, backend) or None; reduce_partial (tensor parallel
+    layer_lora: this layer's `LayerLora` or None; reduce_partial (tensor parallel
     inside shard_map) sums the row-parallel o_proj/down_proj partial outputs over the shards."""
     reduce_partial = reduce_partial or (lambda y: y)
     batch, length, _ = hidden.shape

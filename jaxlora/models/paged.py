@@ -21,9 +21,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxlora.lora.ops import stacked_pool
 from jaxlora.lora.plan import ServingPlan
-from jaxlora.lora.project import project_group
+from jaxlora.lora.project import layer_lora as make_layer_lora, project_group
 from jaxlora.models.config import LlamaConfig
 from jaxlora.models.layers import apply_rope, attention, rms_norm, rope_inverse_frequencies
 from jaxlora.models.llama import Llama, LoraInputs, _project
@@ -150,9 +149,7 @@ def paged_forward(
 
     def layer(hidden, per_layer):
         weights, layer_pages, layer_pool, layer_index = per_layer
-        if stacked:
-            layer_pool = stacked_pool(lora.pool, layer_index)
-        layer_lora = None if lora is None else (layer_pool, lora, lora_backend, layer_index)
+        layer_lora = make_layer_lora(lora, layer_pool, lora_backend, layer_index)
         return paged_decoder_layer(config, weights, hidden, positions, inv_freq, mask, pages, layer_pages, layer_lora)
 
     per_layer_pool = None if lora is None or stacked else lora.pool
