@@ -20,12 +20,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxlora.lora.project import LayerLora, LoraInputs, layer_lora as make_layer_lora, project as _project
+from jaxlora.lora.project import LayerLora, LoraInputs, layer_lora as make_layer_lora, project as _project, project_group
 from jaxlora.models.config import PROJECTIONS, LlamaConfig
-from jaxlora.models.layers import apply_rope, attend, dense, packed_attention, rms_norm, rope_inverse_frequencies
+from jaxlora.models.layers import (PackedSegments, apply_rope, attend, dense, packed_attention, rms_norm,
+                                  rope_inverse_frequencies)
 
 # Stacked per-layer weights are `layers.<name>`; kernels are [num_layers, in, out].
-__all__ = ["KVCache", "Llama", "LoraInputs", "PROJECTIONS", "decoder_layer", "projection_shapes", "weight_shapes"]
+__all__ = ["DenseCacheAttention", "KVCache", "Llama", "PackedAttention", "LoraInputs", "PROJECTIONS", "decoder_layer", "projection_shapes", "weight_shapes"]
 LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
@@ -161,17 +162,16 @@ class Llama(nnx.Module):
         inv_freq = rope_inverse_frequencies(config)
         hidden = self.embed(tokens)
         if cache is None:
-            mask = _packed_mask(tokens.shape, segment_ids, config.head_dim, attention)
+            packed = PackedAttention(_packed_mask(tokens.shape, segment_ids, config.head_dim, attention))
         else:
             mask = jnp.arange(cache.k.shape[2])[None, None, :] <= positions[:, :, None]
 
         def layer(hidden, per_layer):
             weights, layer_cache, layer_pool, layer_index = per_layer
+            kv = packed if cache is None else DenseCacheAttention(*layer_cache, positions, mask)
             layer_lora = make_layer_lora(lora, layer_pool, lora_backend, layer_index)
-            hidden, layer_cache = decoder_layer(
-                config, weights, hidden, positions, inv_freq, mask, layer_cache, layer_lora
-            )
-            return hidden, layer_cache
+            hidden, kv = decoder_layer(config, weights, hidden, positions, inv_freq, kv, layer_lora)
+            return hidden, (None if cache is None else (kv.k, kv.v))
 
         per_layer_cache = None if cache is None else (cache.k, cache.v)
         per_layer_pool = None if lora is None else lora.pool
@@ -194,29 +194,64 @@ def _packed_mask(shape: tuple[int, int], segment_ids: jax.Array | None, head_dim
     return packed_attention(segment_ids, head_dim, impl)
 
 
-def decoder_layer(config, weights, hidden, positions, inv_freq, mask, layer_cache,
-                  layer_lora: LayerLora | None = None, reduce_partial=None):
-    """One pre-norm decoder layer. hidden [B, T, d]; layer_cache (k, v) [B, S, Hkv, Dh] or None;
-    layer_lora: this layer's `LayerLora` or None; reduce_partial (tensor parallel
-    inside shard_map) sums the row-parallel o_proj/down_proj partial outputs over the shards."""
+class PackedAttention(NamedTuple):
+    """Keys/values of the step only (no cache): packed training/scoring rows. mask: [B, T, T] bool
+    or the flash kernel's `PackedSegments` (`jaxlora.models.layers.packed_attention`)."""
+
+    mask: jax.Array | PackedSegments
+
+    def attend(self, q, k, v):
+        """q [B, T, H, Dh], k/v [B, T, Hkv, Dh] -> ([B, T, H, Dh], self)."""
+        return attend(q, k, v, self.mask), self
+
+
+class DenseCacheAttention(NamedTuple):
+    """One layer's dense cache for incremental decoding: k, v [B, S, Hkv, Dh]; the step's keys and
+    values go to `positions` [B, T]; mask [B, T, S]: query t sees cache slots <= its position."""
+
+    k: jax.Array
+    v: jax.Array
+    positions: jax.Array
+    mask: jax.Array
+
+    def attend(self, q, k, v):
+        """Writes k/v [B, T, Hkv, Dh] at their positions, then attends over the whole cache."""
+        rows = jnp.arange(q.shape[0])[:, None]
+        k_all = self.k.at[rows, self.positions].set(k.astype(self.k.dtype), mode="drop")
+        v_all = self.v.at[rows, self.positions].set(v.astype(self.v.dtype), mode="drop")
+        out = attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), self.mask)
+        return out, self._replace(k=k_all, v=v_all)
+
+
+def decoder_layer(config, weights, hidden, positions, inv_freq, kv, layer_lora: LayerLora | None = None,
+                  reduce_partial=None):
+    """One pre-norm decoder layer, for every cache kind.
+
+    Args:
+      hidden: [B, T, d]; positions: [B, T] (RoPE).
+      kv: where attention's keys and values live, an object with `attend(q [B, T, H, Dh],
+        k [B, T, Hkv, Dh], v) -> (out [B, T, H, Dh], kv')`: `PackedAttention` (no cache),
+        `DenseCacheAttention`, or the serving engine's paged cache
+        (`jaxlora.models.paged.PagedCacheAttention`).
+      layer_lora: this layer's `LayerLora` or None.
+      reduce_partial: tensor parallel inside shard_map: sums the row-parallel o_proj/down_proj
+        partial outputs over the shards.
+
+    Returns:
+      (hidden [B, T, d], kv' with the step's keys/values written).
+    """
     reduce_partial = reduce_partial or (lambda y: y)
     batch, length, _ = hidden.shape
     heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
     x = rms_norm(hidden, weights["input_layernorm"], config.rms_norm_eps)
-    q = _project(x, weights, "q_proj", layer_lora).reshape(batch, length, heads, head_dim)
-    k = _project(x, weights, "k_proj", layer_lora).reshape(batch, length, kv_heads, head_dim)
-    v = _project(x, weights, "v_proj", layer_lora).reshape(batch, length, kv_heads, head_dim)
+    q, k, v = project_group(x, weights, ("q_proj", "k_proj", "v_proj"), layer_lora)
+    q = q.reshape(batch, length, heads, head_dim)
+    k, v = k.reshape(batch, length, kv_heads, head_dim), v.reshape(batch, length, kv_heads, head_dim)
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-    if layer_cache is not None:
-        rows = jnp.arange(batch)[:, None]
-        k_all = layer_cache[0].at[rows, positions].set(k.astype(layer_cache[0].dtype), mode="drop")
-        v_all = layer_cache[1].at[rows, positions].set(v.astype(layer_cache[1].dtype), mode="drop")
-        layer_cache = (k_all, v_all)
-        k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
-    attn = attend(q, k, v, mask).reshape(batch, length, heads * head_dim)
-    hidden = hidden + reduce_partial(_project(attn, weights, "o_proj", layer_lora))
+    attn, kv = kv.attend(q, k, v)
+    hidden = hidden + reduce_partial(_project(attn.reshape(batch, length, heads * head_dim), weights, "o_proj",
+                                              layer_lora))
     x = rms_norm(hidden, weights["post_attention_layernorm"], config.rms_norm_eps)
-    gate = _project(x, weights, "gate_proj", layer_lora)
-    gated = jax.nn.silu(gate) * _project(x, weights, "up_proj", layer_lora)
-    hidden = hidden + reduce_partial(_project(gated, weights, "down_proj", layer_lora))
-    return hidden, layer_cache
+    gate, up = project_group(x, weights, ("gate_proj", "up_proj"), layer_lora)
+    hidden = hidden + reduce_partial(_project(jax.nn.silu(gate) * up, weights, "down_proj", layer_lora))
+    return hidden, kv

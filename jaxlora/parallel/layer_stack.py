@@ -23,7 +23,7 @@ from jaxlora.lora.plan import LoraPlan
 from jaxlora.models.config import LlamaConfig
 from jaxlora.models.layers import rope_inverse_frequencies
 from jaxlora.lora.project import layer_lora as make_layer_lora
-from jaxlora.models.llama import LoraInputs, decoder_layer
+from jaxlora.models.llama import LoraInputs, PackedAttention, decoder_layer
 from jaxlora.sharding import ROW_PARALLEL, ShardingRules, pool_specs, weight_axes
 
 
@@ -60,7 +60,7 @@ def run_local_layers(config, layer_weights, pool, hidden, positions, mask, plan,
     def layer(hidden, per_layer):
         weights, layer_pool, index = per_layer
         layer_lora = None if pool is None else make_layer_lora(LoraInputs(pool, plan), layer_pool, backend, index)
-        hidden, _ = decoder_layer(config, weights, hidden, positions, inv_freq, mask, None, layer_lora,
+        hidden, _ = decoder_layer(config, weights, hidden, positions, inv_freq, PackedAttention(mask), layer_lora,
                                   reduce_partial)
         return hidden, None
 

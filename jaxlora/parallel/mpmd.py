@@ -33,7 +33,7 @@ from jaxlora.lora.plan import LoraPlan
 from jaxlora.models.config import LlamaConfig
 from jaxlora.models.layers import dense, rms_norm, rope_inverse_frequencies
 from jaxlora.lora.project import layer_lora as make_layer_lora
-from jaxlora.models.llama import Llama, LoraInputs, _packed_mask, decoder_layer
+from jaxlora.models.llama import Llama, LoraInputs, PackedAttention, _packed_mask, decoder_layer
 from jaxlora.models.loss import per_slot_loss
 from jaxlora.parallel.bubble import stage_order
 from jaxlora.scheduler.training.data import Microbatch
@@ -170,7 +170,7 @@ def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
 
 def _layer_call(config, backend, inv_freq, weights, trainable, frozen, hidden, batch, plan, mask, index):
     pool = {m: {**trainable[m], **frozen[m]} for m in trainable}
-    hidden, _ = decoder_layer(config, weights, hidden, batch["positions"], inv_freq, mask, None,
+    hidden, _ = decoder_layer(config, weights, hidden, batch["positions"], inv_freq, PackedAttention(mask),
                               make_layer_lora(LoraInputs(pool, plan), pool, backend, index))
     return hidden
 
