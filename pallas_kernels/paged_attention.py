@@ -1,32 +1,135 @@
-"""Paged attention over a serving step's flat tokens: the pure-jnp reference (the GPU/TPU Pallas
-kernels, which read pages in place through the block table, replace the dispatch below).
+"""Paged attention for one serving step: every token reads its row's KV pages in place.
 
-q [T, H, Dh]; k/v_pages [num_pages, page_size, Hkv, Dh] or stacked [L, ...] with `layer`;
-block_tables [R, P]; row_starts [R + 1]; positions [T]: token t of row r attends to its row's
-cache positions <= positions[t]. Padding tokens (index >= row_starts[R]) give zeros."""
-import jax, jax.numpy as jnp
+A serving step is a flat list of T tokens from R rows (requests): row r's tokens are
+q[row_starts[r]:row_starts[r+1]] (a decode row has one token, a prefill chunk many; empty rows
+are allowed; tokens at index >= row_starts[R] are padding and get zeros). The keys and values of
+all earlier positions, and of the step's own tokens, are already in a pool of fixed-size pages:
+row r's positions 0, page_size, 2*page_size, ... live on pages block_tables[r, 0], [r, 1], ...
+Token t attends causally to its row's cache positions 0..positions[t] (chunked prefill: a chunk
+at positions c..c+n-1 sees its own earlier pages plus itself).
 
-def paged_attention_reference(q, k_pages, v_pages, block_tables, row_starts, positions, *, layer=None, sm_scale=None):
-    if layer is not None:
+Shapes: q [T, H, Dh]; k_pages, v_pages [num_pages, page_size, Hkv, Dh] (one layer) or the whole
+stacked cache [L, num_pages, page_size, Hkv, Dh] with `layer` (int32 scalar, may be traced: the
+kernels offset into the stack, no layer slice is copied); block_tables [R, P] int32 (entries past
+a row's pages are never read); row_starts [R+1] int32 nondecreasing with row_starts[0] == 0;
+positions [T] int32. H = Hkv * G (grouped-query attention: query head h reads KV head h // G;
+K/V are never repeated per query head). Softmax in float32, output [T, H, Dh] in q's dtype.
+
+Kernels (`kernel`): "reference" (pure jnp: gathers each token's pages, dense masked softmax),
+"gpu" (`paged_attention_gpu`, Pallas -> Triton), "tpu" (`paged_attention_tpu`, Pallas ->
+Mosaic, the design of JAX's ragged paged attention with this cache layout), "auto" (the local
+backend's kernel; the reference on CPU). A kernel of another backend runs in interpret mode,
+which is how the CPU tests check both.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+KERNELS = ("auto", "reference", "gpu", "tpu")
+
+
+def paged_attention(q, k_pages, v_pages, block_tables, row_starts, positions, *, layer=None,
+                    sm_scale=None, kernel="auto", interpret=None):
+    """Causal attention of a step's tokens over their rows' KV pages (module docstring: shapes).
+
+    kernel: "auto" | "reference" | "gpu" | "tpu"; interpret: None (True when the kernel's backend
+    is not the local one), or an explicit value passed to `pallas_call`.
+    Returns [T, H, Dh] in q.dtype.
+    """
+    style, interpret = _resolve(kernel, interpret)
+    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    args = (q, k_pages, v_pages, block_tables.astype(jnp.int32), row_starts.astype(jnp.int32),
+            positions.astype(jnp.int32))
+    if style == "reference":
+        return paged_attention_reference(*args, layer=layer, sm_scale=sm_scale)
+    if style == "gpu":
+        from pallas_kernels.paged_attention_gpu import paged_attention_gpu
+        return paged_attention_gpu(*args, layer=layer, sm_scale=sm_scale, interpret=interpret)
+    from pallas_kernels.paged_attention_tpu import paged_attention_tpu
+    return paged_attention_tpu(*args, layer=layer, sm_scale=sm_scale, interpret=interpret)
+
+
+def _resolve(kernel: str, interpret):
+    """(style, interpret) for a kernel name: "auto" is the backend's kernel (reference on CPU);
+    a kernel of another backend interprets (the TPU one with the TPU interpreter)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    backend = jax.default_backend()
+    if kernel == "auto":
+        kernel = backend if backend in ("gpu", "tpu") else "reference"
+    if interpret is None and kernel != "reference":
+        interpret = False if kernel == backend else True
+        if interpret and kernel == "tpu" and hasattr(pltpu, "InterpretParams"):
+            interpret = pltpu.InterpretParams()
+    return kernel, interpret
+
+
+def flat_layer_pages(k_pages, v_pages, layer):
+    """(k, v [L*num_pages, page_size, Hkv, Dh], first page of the layer: int32 [1]): the stack's
+    reshape (a bitcast, not a copy) and the page offset of `layer` in it (0 for one layer)."""
+    if k_pages.ndim == 4:
+        if layer is not None:
+            raise ValueError("layer is given, but the pages are one layer's [num_pages, page_size, Hkv, Dh]")
+        return k_pages, v_pages, jnp.zeros((1,), jnp.int32)
+    if layer is None:
+        raise ValueError("a stacked cache [L, num_pages, page_size, Hkv, Dh] needs `layer`")
+    num_layers, num_pages = k_pages.shape[:2]
+    flat = lambda pages: pages.reshape(num_layers * num_pages, *pages.shape[2:])
+    offset = jnp.reshape(jnp.asarray(layer, jnp.int32) * num_pages, (1,))
+    return flat(k_pages), flat(v_pages), offset
+
+
+def check_shapes(q, k_pages, v_pages, block_tables, row_starts, positions):
+    """Raises ValueError on inconsistent shapes; returns (G, Hkv)."""
+    tokens, heads, head_dim = q.shape
+    kv_heads = k_pages.shape[-2]
+    if k_pages.shape != v_pages.shape or k_pages.shape[-1] != head_dim:
+        raise ValueError(f"k/v pages {k_pages.shape}/{v_pages.shape} do not match q {q.shape}")
+    if heads % kv_heads:
+        raise ValueError(f"query heads {heads} must be a multiple of KV heads {kv_heads}")
+    if row_starts.shape != (block_tables.shape[0] + 1,) or positions.shape != (tokens,):
+        raise ValueError(f"row_starts {row_starts.shape} / positions {positions.shape} do not match "
+                         f"block_tables {block_tables.shape} / q {q.shape}")
+    return heads // kv_heads, kv_heads
+
+
+def token_rows(row_starts, tokens: int):
+    """[T] int32: each token's row, R for padding tokens (index >= row_starts[R])."""
+    index = jnp.arange(tokens, dtype=jnp.int32)
+    row = jnp.searchsorted(row_starts, index, side="right").astype(jnp.int32) - 1
+    return jnp.where(index < row_starts[-1], row, row_starts.shape[0] - 1)
+
+
+def paged_attention_reference(q, k_pages, v_pages, block_tables, row_starts, positions, *, layer=None,
+                              sm_scale=None):
+    """Pure jnp: gathers every token's row pages [T, P*page_size, Hkv, Dh] and runs a dense
+    masked softmax in float32. Same contract as `paged_attention`."""
+    group, kv_heads = check_shapes(q, k_pages, v_pages, block_tables, row_starts, positions)
+    tokens, heads, head_dim = q.shape
+    sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
+    if k_pages.ndim == 5:
         k_pages, v_pages = k_pages[layer], v_pages[layer]
-    T, H, Dh = q.shape
-    R, P = block_tables.shape
-    page_size, Hkv = k_pages.shape[1], k_pages.shape[2]
-    token = jnp.arange(T)
-    row = jnp.searchsorted(row_starts, token, side="right") - 1
-    valid = (token < row_starts[-1]) & (row >= 0)
-    row = jnp.clip(row, 0, R - 1)
-    tables = block_tables[row]
-    keys = k_pages[tables].reshape(T, P * page_size, Hkv, Dh).astype(jnp.float32)
-    values = v_pages[tables].reshape(T, P * page_size, Hkv, Dh).astype(jnp.float32)
-    G = H // Hkv
-    qg = q.reshape(T, Hkv, G, Dh).astype(jnp.float32) * (sm_scale or Dh ** -0.5)
-    s = jnp.einsum("thgd,tshd->thgs", qg, keys)
-    mask = (jnp.arange(P * page_size)[None, :] <= positions[:, None]) & valid[:, None]
-    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-    p = jax.nn.softmax(jnp.where(valid[:, None, None, None], s, 0.0), axis=-1)
-    out = jnp.einsum("thgs,tshd->thgd", p, values).reshape(T, H, Dh)
-    return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
-
-def paged_attention(q, k_pages, v_pages, block_tables, row_starts, positions, *, layer=None, sm_scale=None, kernel="auto", interpret=None):
-    return paged_attention_reference(q, k_pages, v_pages, block_tables, row_starts, positions, layer=layer, sm_scale=sm_scale)
+    num_rows, pages_per_row = block_tables.shape
+    page_size = k_pages.shape[1]
+    row = token_rows(row_starts, tokens)
+    valid = row < num_rows
+    tables = block_tables[jnp.minimum(row, num_rows - 1)]  # [T, P]
+    span = pages_per_row * page_size
+    visible = (jnp.arange(span)[None, :] <= positions[:, None]) & valid[:, None]  # [T, span]
+    # Pages past a row's last visible position may hold any id: point them at page 0 (masked).
+    needed = jnp.arange(pages_per_row)[None, :] <= positions[:, None] // page_size
+    tables = jnp.where(needed & valid[:, None], tables, 0)
+    keys = k_pages[tables].reshape(tokens, span, kv_heads, head_dim).astype(jnp.float32)
+    values = v_pages[tables].reshape(tokens, span, kv_heads, head_dim).astype(jnp.float32)
+    values = jnp.where(visible[:, :, None, None], values, 0.0)  # unwritten slots may hold NaN
+    qg = q.astype(jnp.float32).reshape(tokens, kv_heads, group, head_dim)
+    scores = jnp.einsum("tkgd,tskd->tkgs", qg, keys, precision=jax.lax.Precision.HIGHEST) * sm_scale
+    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+    scores = jnp.where(valid[:, None, None, None], scores, 0.0)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("tkgs,tskd->tkgd", probs, values, precision=jax.lax.Precision.HIGHEST)
+    out = jnp.where(valid[:, None, None, None], out, 0.0)
+    return out.reshape(tokens, heads, head_dim).astype(q.dtype)
