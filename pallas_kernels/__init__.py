@@ -26,6 +26,7 @@ from pallas_kernels.ops import (
     sgmv_lora_tiles,
     sgmv_shrink,
 )
+from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from pallas_kernels.routing import TileRouting, make_routing
 from pallas_kernels.tiles import TileConfig, get_tile_config
 
@@ -39,6 +40,8 @@ __all__ = [
     "bgmv_shrink",
     "get_tile_config",
     "make_routing",
+    "paged_attention",
+    "paged_attention_reference",
     "resolve_impl",
     "segment_outer",
     "sgmv_expand",
