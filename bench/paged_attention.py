@@ -126,23 +126,27 @@ def sweep(case: Case, quick: bool) -> dict:
     """name -> PagedBlocks: the default first, then the variants this case can tell apart."""
     out = {"default": PagedBlocks()}
     if quick:
-        out["splits2"] = PagedBlocks(num_splits=2, block_kv=32)
+        out["splits2_pf"] = PagedBlocks(num_splits=2, block_kv=32, prefetch_pages=True, kv_cache=".cg")
         return out
+    variants = dict(
+        stages3=dict(num_stages=3), pf=dict(prefetch_pages=True), pf_stages3=dict(prefetch_pages=True, num_stages=3),
+        cg=dict(kv_cache=".cg"), pf_stages3_cg=dict(prefetch_pages=True, num_stages=3, kv_cache=".cg"))
     if case.chunks:
-        for block_q in (8, 16, 32):
-            for block_kv in (32, 64):
-                out[f"q{block_q}_kv{block_kv}"] = PagedBlocks(block_q=block_q, block_kv=block_kv)
-        out["q16_kv64_stages3"] = PagedBlocks(block_q=16, num_stages=3)
-        out["q16_kv64_warps8"] = PagedBlocks(block_q=16, num_warps=8)
+        for name, kw in variants.items():
+            out[name] = PagedBlocks(**kw)
+        out["q8_pf_stages3"] = PagedBlocks(block_q=8, prefetch_pages=True, num_stages=3)
+        out["q8_kv32_pf_stages3"] = PagedBlocks(block_q=8, block_kv=32, prefetch_pages=True, num_stages=3)
         return out
-    for splits in (1, 2, 4, 8, 16):
-        out[f"splits{splits}"] = PagedBlocks(num_splits=splits)
-    for block_kv in (32, 128):
-        out[f"kv{block_kv}"] = PagedBlocks(block_kv=block_kv)
-    out["stages3"] = PagedBlocks(num_stages=3)
-    out["stages4"] = PagedBlocks(num_stages=4)
-    out["warps2"] = PagedBlocks(num_warps=2)
-    out["warps8"] = PagedBlocks(num_warps=8)
+    out["q4"] = PagedBlocks(block_q=4)
+    for name, kw in variants.items():
+        out["q4_" + name] = PagedBlocks(block_q=4, **kw)
+    out["q4_warps2"] = PagedBlocks(block_q=4, num_warps=2)
+    out["q4_pf_stages3_warps2"] = PagedBlocks(block_q=4, prefetch_pages=True, num_stages=3, num_warps=2)
+    for splits in (2, 8):
+        out[f"q4_pf_stages3_splits{splits}"] = PagedBlocks(block_q=4, prefetch_pages=True, num_stages=3,
+                                                           num_splits=splits)
+    out["q4_pf_stages3_kv32"] = PagedBlocks(block_q=4, prefetch_pages=True, num_stages=3, block_kv=32)
+    out["pf_stages3"] = PagedBlocks(prefetch_pages=True, num_stages=3)
     return out
 
 
@@ -197,7 +201,7 @@ def run_case(case: Case, shape: Shape, k, v, quick: bool, profile: bool) -> dict
                 try:
                     prof = kernel_times(lambda: exe(*args), 5, log_dir)
                     entry["device_us"] = prof["device_ms"] * 1e3 / shape.layers
-                    entry["kernels"] = prof["kernels"][:6]
+                    entry["kernels"] = prof["kernels"]
                 except Exception as err_:  # noqa: BLE001 - no CUPTI: wall time only
                     entry["profile_error"] = str(err_)[:200]
         result["paths"][name] = entry

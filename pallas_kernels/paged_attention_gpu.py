@@ -58,6 +58,8 @@ class PagedBlocks:
     split_kv: int | None = None
     num_warps: int = 4
     num_stages: int = 2
+    prefetch_pages: bool = False
+    kv_cache: str | None = None  # cache modifier of the K/V loads (".cg": L2 only)
 
 
 def default_splits(tokens: int, rows: int, kv_heads: int, span: int, block_kv: int) -> int:
@@ -111,28 +113,40 @@ def _tile_queries(q_ref, pos_ref, start, end, kv_head, tile: int, group: int):
     return token, head, valid, q, pos
 
 
-def _load_kv(ref, pages, slots, kv_head, live):
+def _load_kv(ref, pages, slots, kv_head, live, cache):
     """K or V rows [bk, Dh] of keys at (pages, slots) of one KV head; zeros where not live."""
     dims = jnp.arange(ref.shape[-1], dtype=jnp.int32)
     return plt.load(ref.at[pages[:, None], slots[:, None], kv_head, dims[None, :]],
-                    mask=live[:, None], other=0)
+                    mask=live[:, None], other=0, cache_modifier=cache)
 
 
-def _attend(q, pos, row, lo, hi, kv_head, bt_ref, off_ref, k_ref, v_ref, *, sm_scale, block_kv, precision):
+def _attend(q, pos, row, lo, hi, kv_head, bt_ref, off_ref, k_ref, v_ref, *, sm_scale, blocks, precision):
     """Online softmax of q [M, Dh] over keys lo..hi-1 of `row` (key j visible to query row m iff
-    j <= pos[m]). Returns (acc [M, Dh] f32 unnormalized, m [M] base-2 max, l [M] sum)."""
+    j <= pos[m]). Returns (acc [M, Dh] f32 unnormalized, m [M] base-2 max, l [M] sum).
+    With blocks.prefetch_pages the next block's page ids are loaded one iteration ahead (the
+    K/V addresses of an iteration then depend on no load of that iteration)."""
     page_size, pages_per_row = k_ref.shape[1], bt_ref.shape[1]
-    scale = sm_scale * _LOG2E
+    block_kv, scale = blocks.block_kv, sm_scale * _LOG2E
+
+    def block_keys(i):
+        keys = lo + i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+        return keys, keys < hi
+
+    def page_ids(i):
+        keys, live = block_keys(i)
+        page_index = jnp.minimum(keys // page_size, pages_per_row - 1)
+        return plt.load(bt_ref.at[row, page_index], mask=live, other=0) + off_ref[0]
 
     def body(i, carry):
-        acc, m_prev, l_prev = carry
-        keys = lo + i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
-        live = keys < hi
-        page_index = jnp.minimum(keys // page_size, pages_per_row - 1)
-        pages = plt.load(bt_ref.at[row, page_index], mask=live, other=0) + off_ref[0]
+        acc, m_prev, l_prev, pages = carry
+        keys, live = block_keys(i)
+        if blocks.prefetch_pages:
+            next_pages = page_ids(i + 1)
+        else:
+            pages, next_pages = page_ids(i), pages
         slots = keys % page_size
-        k = _load_kv(k_ref, pages, slots, kv_head, live).astype(q.dtype)
-        v = _load_kv(v_ref, pages, slots, kv_head, live).astype(q.dtype)
+        k = _load_kv(k_ref, pages, slots, kv_head, live, blocks.kv_cache).astype(q.dtype)
+        v = _load_kv(v_ref, pages, slots, kv_head, live, blocks.kv_cache).astype(q.dtype)
         s = jnp.dot(q, k.T, preferred_element_type=_F32, precision=precision) * scale
         visible = (keys[None, :] <= pos[:, None]) & live[None, :]
         s = jnp.where(visible, s, MASK_VALUE)
@@ -142,15 +156,17 @@ def _attend(q, pos, row, lo, hi, kv_head, bt_ref, off_ref, k_ref, v_ref, *, sm_s
         l_next = alpha * l_prev + jnp.sum(p, axis=1)
         acc = alpha[:, None] * acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=_F32,
                                              precision=precision)
-        return acc, m_next, l_next
+        return acc, m_next, l_next, next_pages
 
     rows, head_dim = q.shape
-    init = (jnp.zeros((rows, head_dim), _F32), jnp.full((rows,), MASK_VALUE, _F32), jnp.zeros((rows,), _F32))
+    first_pages = page_ids(0) if blocks.prefetch_pages else jnp.zeros((block_kv,), jnp.int32)
+    init = (jnp.zeros((rows, head_dim), _F32), jnp.full((rows,), MASK_VALUE, _F32), jnp.zeros((rows,), _F32),
+            first_pages)
     trips = jnp.maximum(hi - lo + block_kv - 1, 0) // block_kv
-    return lax.fori_loop(0, trips, body, init)
+    return lax.fori_loop(0, trips, body, init)[:3]
 
 
-def _tile(row, start, end, kv_head, split, refs, out_refs, *, tile, group, split_kv, sm_scale, block_kv,
+def _tile(row, start, end, kv_head, split, refs, out_refs, *, tile, group, split_kv, sm_scale, blocks,
           precision):
     """One program's tile: tokens start..min(start + tile, end) - 1 of `row`, one KV head, one
     KV split; writes the output (one split) or the split's partial output and log-sum-exp."""
@@ -162,7 +178,7 @@ def _tile(row, start, end, kv_head, split, refs, out_refs, *, tile, group, split
     lo = split * split_kv
     hi = jnp.minimum(lo + split_kv, span)
     acc, m, l = _attend(q, pos, row, lo, hi, kv_head, bt_ref, off_ref, k_ref, v_ref,
-                        sm_scale=sm_scale, block_kv=block_kv, precision=precision)
+                        sm_scale=sm_scale, blocks=blocks, precision=precision)
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]
     dims = jnp.arange(q.shape[-1], dtype=jnp.int32)
     if len(out_refs) == 1:
@@ -241,7 +257,7 @@ def paged_attention_gpu(q, k_pages, v_pages, block_tables, row_starts, positions
         out_shape = [jax.ShapeDtypeStruct((splits, *q.shape), _F32),
                      jax.ShapeDtypeStruct((splits, tokens, heads), _F32)]
     kernel = functools.partial(_kernel, small=small, large=large, num_outputs=len(out_shape), group=group,
-                               split_kv=split_kv, sm_scale=sm_scale, block_kv=blocks.block_kv, precision=precision)
+                               split_kv=split_kv, sm_scale=sm_scale, blocks=blocks, precision=precision)
     outs = pl.pallas_call(
         kernel,
         name="paged_attention",

@@ -135,7 +135,7 @@ def test_stacked_cache_reads_only_its_layer(kernel):
 @pytest.mark.parametrize("blocks", [
     PagedBlocks(block_kv=16, num_splits=1),  # one split: the kernel writes the output
     PagedBlocks(block_kv=16, num_splits=3),  # KV splits merged outside
-    PagedBlocks(block_kv=32, block_q=4, block_q_small=4, num_splits=2),  # more large tiles
+    PagedBlocks(block_kv=32, block_q=4, block_q_small=4, num_splits=2, prefetch_pages=True),  # one tile size
 ])
 def test_gpu_tiles_and_splits(blocks):
     step = make_step(3, ROWS, 8, 2, jnp.float32)
