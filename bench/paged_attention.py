@@ -123,31 +123,18 @@ def layers_fn(path, layers: int, blocks=None):
 
 
 def sweep(case: Case, quick: bool) -> dict:
-    """name -> PagedBlocks: the default first, then the variants this case can tell apart."""
+    """name -> PagedBlocks: the default first, then variants of one choice each."""
     out = {"default": PagedBlocks()}
     if quick:
-        out["splits2_pf"] = PagedBlocks(num_splits=2, block_kv=32, prefetch_pages=True, kv_cache=".cg")
+        out["splits2_kernel_merge"] = PagedBlocks(num_splits=2, block_kv=32, merge="kernel")
         return out
-    variants = dict(
-        stages3=dict(num_stages=3), pf=dict(prefetch_pages=True), pf_stages3=dict(prefetch_pages=True, num_stages=3),
-        cg=dict(kv_cache=".cg"), pf_stages3_cg=dict(prefetch_pages=True, num_stages=3, kv_cache=".cg"))
+    variants = dict(stages2=dict(num_stages=2), no_prefetch=dict(prefetch_pages=False), kv32=dict(block_kv=32))
     if case.chunks:
-        for name, kw in variants.items():
-            out[name] = PagedBlocks(**kw)
-        out["q8_pf_stages3"] = PagedBlocks(block_q=8, prefetch_pages=True, num_stages=3)
-        out["q8_kv32_pf_stages3"] = PagedBlocks(block_q=8, block_kv=32, prefetch_pages=True, num_stages=3)
-        return out
-    out["q4"] = PagedBlocks(block_q=4)
-    for name, kw in variants.items():
-        out["q4_" + name] = PagedBlocks(block_q=4, **kw)
-    out["q4_warps2"] = PagedBlocks(block_q=4, num_warps=2)
-    out["q4_pf_stages3_warps2"] = PagedBlocks(block_q=4, prefetch_pages=True, num_stages=3, num_warps=2)
-    for splits in (2, 8):
-        out[f"q4_pf_stages3_splits{splits}"] = PagedBlocks(block_q=4, prefetch_pages=True, num_stages=3,
-                                                           num_splits=splits)
-    out["q4_pf_stages3_kv32"] = PagedBlocks(block_q=4, prefetch_pages=True, num_stages=3, block_kv=32)
-    out["pf_stages3"] = PagedBlocks(prefetch_pages=True, num_stages=3)
-    return out
+        variants |= dict(q8=dict(block_q=8), q32=dict(block_q=32), splits2=dict(num_splits=2))
+    else:
+        variants |= dict(kernel_merge=dict(merge="kernel"), splits1=dict(num_splits=1), splits2=dict(num_splits=2),
+                         splits8=dict(num_splits=8), q16=dict(block_q=16), warps2=dict(num_warps=2))
+    return out | {name: PagedBlocks(**kw) for name, kw in variants.items()}
 
 
 def copy_bandwidth(num_bytes: int = 1 << 30) -> float:
@@ -196,7 +183,7 @@ def run_case(case: Case, shape: Shape, k, v, quick: bool, profile: bool) -> dict
         us, host = measure(lambda: exe(*args), shape.layers, target_s=0.02)
         entry = dict(us=us, host_frac=host, rel_err=err, floor_frac=floor_us / us,
                      config=dataclasses.asdict(configs[name]) if name in configs else None)
-        if profile and name in ("default", "gather"):
+        if profile:
             with tempfile.TemporaryDirectory() as log_dir:
                 try:
                     prof = kernel_times(lambda: exe(*args), 5, log_dir)
@@ -239,19 +226,19 @@ def main():
     path = args.out / f"paged_attention_{tag}.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"\n{device.device_kind} | jax {jax.__version__} | {report['date']} | copy {bandwidth / 1e9:.0f} GB/s | "
-          f"us per layer; floor = bytes / {FLOOR_BPS / 1e12:.1f} TB/s")
-    print(f"{'case':10s} {'rows':>5s} {'T':>5s} {'MB':>7s} {'floor':>7s} {'kernel':>8s} {'frac':>5s} "
-          f"{'best':>8s} {'(config)':18s} {'gather':>9s} {'x':>6s}")
+          f"us per layer (wall: queued calls; device: profiler, kernels + merge); floor = bytes / "
+          f"{FLOOR_BPS / 1e12:.1f} TB/s; frac = floor / device")
+    print(f"{'case':10s} {'rows':>5s} {'T':>5s} {'MB':>7s} {'floor':>7s} {'wall':>7s} {'device':>7s} {'frac':>5s} "
+          f"{'best dev':>8s} {'(config)':16s} {'gather':>8s} {'x':>5s}")
     for res in report["cases"]:
         paths = res["paths"]
-        timed = {n: p for n, p in paths.items() if "us" in p and n != "gather"}
-        best = min(timed, key=lambda n: timed[n]["us"]) if timed else None
-        kern = paths.get("default", {}).get("us", float("nan"))
-        gather = paths.get("gather", {}).get("us", float("nan"))
-        best_us = timed[best]["us"] if best else float("nan")
+        dev = lambda n: paths.get(n, {}).get("device_us") or paths.get(n, {}).get("us", float("nan"))
+        timed = [n for n, p in paths.items() if "us" in p and n != "gather"]
+        best = min(timed, key=dev) if timed else None
+        kern = dev("default")
         print(f"{res['case']:10s} {res['rows']:5d} {res['tokens']:5d} {res['bytes'] / 1e6:7.1f} {res['floor_us']:7.1f} "
-              f"{kern:8.1f} {res['floor_us'] / kern:5.2f} {best_us:8.1f} {str(best):18s} {gather:9.1f} "
-              f"{gather / kern:6.1f}")
+              f"{paths.get('default', {}).get('us', float('nan')):7.1f} {kern:7.1f} {res['floor_us'] / kern:5.2f} "
+              f"{dev(best):8.1f} {str(best):16s} {dev('gather'):8.1f} {dev('gather') / kern:5.1f}")
     print(f"wrote {path}")
 
 

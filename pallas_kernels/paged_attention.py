@@ -68,18 +68,18 @@ def _resolve(kernel: str, interpret):
 
 
 def flat_layer_pages(k_pages, v_pages, layer):
-    """(k, v [L*num_pages, page_size, Hkv, Dh], first page of the layer: int32 [1]): the stack's
-    reshape (a bitcast, not a copy) and the page offset of `layer` in it (0 for one layer)."""
+    """(k, v [L*num_pages, page_size, Hkv, Dh], layer int32 [1], num_pages): the stack's reshape
+    (a bitcast, not a copy), the layer index (0 for one layer's pages) and the pages per layer;
+    the kernels read page `layer * num_pages + id` of the flat stack."""
     if k_pages.ndim == 4:
         if layer is not None:
             raise ValueError("layer is given, but the pages are one layer's [num_pages, page_size, Hkv, Dh]")
-        return k_pages, v_pages, jnp.zeros((1,), jnp.int32)
+        return k_pages, v_pages, jnp.zeros((1,), jnp.int32), k_pages.shape[0]
     if layer is None:
         raise ValueError("a stacked cache [L, num_pages, page_size, Hkv, Dh] needs `layer`")
     num_layers, num_pages = k_pages.shape[:2]
     flat = lambda pages: pages.reshape(num_layers * num_pages, *pages.shape[2:])
-    offset = jnp.reshape(jnp.asarray(layer, jnp.int32) * num_pages, (1,))
-    return flat(k_pages), flat(v_pages), offset
+    return flat(k_pages), flat(v_pages), jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), num_pages
 
 
 def check_shapes(q, k_pages, v_pages, block_tables, row_starts, positions):

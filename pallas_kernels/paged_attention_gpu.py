@@ -46,10 +46,17 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 @dataclasses.dataclass(frozen=True)
 class PagedBlocks:
-    """Tiles of the GPU kernel. block_q: tokens of a prefill tile (None: 64 // G, at least
-    block_q_small); block_q_small: tokens of a short-row tile (None: 16 // G, at least 1);
-    block_kv: keys per inner iteration; num_splits: KV splits (None: `default_splits`);
-    split_kv: keys per split (None: the block table's span / num_splits)."""
+    """Tiles of the GPU kernel (defaults: the fastest measured on an H200, bench/NOTES_paged_attention.md).
+
+    block_q_small: tokens of a short-row tile (None: 16 // G, at least 1; M = block_q_small * G
+    >= 16). block_q: tokens of a long-row tile (None: block_q_small when the step has at most 4
+    tokens per row, i.e. mostly decode rows, so the kernel's registers and shared memory stay
+    those of the small tile; else 64 // G). block_kv: keys per inner iteration. num_splits: KV
+    splits (None: `default_splits`); split_kv: keys per split (None: the table's span / splits).
+    prefetch_pages: load the next block's page ids one iteration ahead. merge: "xla" (a small XLA
+    reduction merges the splits) or "kernel" (the last split of a tile merges them, counted with
+    an atomic; saves the XLA launches, costs a zeroed count array).
+    """
 
     block_q: int | None = None
     block_q_small: int | None = None
@@ -57,9 +64,9 @@ class PagedBlocks:
     num_splits: int | None = None
     split_kv: int | None = None
     num_warps: int = 4
-    num_stages: int = 2
-    prefetch_pages: bool = False
-    kv_cache: str | None = None  # cache modifier of the K/V loads (".cg": L2 only)
+    num_stages: int = 3
+    prefetch_pages: bool = True
+    merge: str = "xla"
 
 
 def default_splits(tokens: int, rows: int, kv_heads: int, span: int, block_kv: int) -> int:
@@ -72,9 +79,11 @@ def default_splits(tokens: int, rows: int, kv_heads: int, span: int, block_kv: i
     return 1 << (splits.bit_length() - 1)
 
 
-def _tile_sizes(blocks: PagedBlocks, group: int) -> tuple[int, int]:
+def _tile_sizes(blocks: PagedBlocks, group: int, tokens: int, rows: int) -> tuple[int, int]:
+    """(small, large) tile heights in tokens (see `PagedBlocks`)."""
     small = blocks.block_q_small or max(1, 16 // group)
-    large = max(small, blocks.block_q or max(1, 64 // group))
+    mostly_decode = tokens <= 4 * (rows + 1)
+    large = max(small, blocks.block_q or (small if mostly_decode else max(1, 64 // group)))
     for size in (small, large):
         if size & (size - 1) or size * group < 16:
             raise ValueError(f"tiles need power-of-two tokens with tokens * G >= 16; got {size} * {group}")
@@ -113,20 +122,22 @@ def _tile_queries(q_ref, pos_ref, start, end, kv_head, tile: int, group: int):
     return token, head, valid, q, pos
 
 
-def _load_kv(ref, pages, slots, kv_head, live, cache):
+def _load_kv(ref, pages, slots, kv_head, live):
     """K or V rows [bk, Dh] of keys at (pages, slots) of one KV head; zeros where not live."""
     dims = jnp.arange(ref.shape[-1], dtype=jnp.int32)
     return plt.load(ref.at[pages[:, None], slots[:, None], kv_head, dims[None, :]],
-                    mask=live[:, None], other=0, cache_modifier=cache)
+                    mask=live[:, None], other=0)
 
 
-def _attend(q, pos, row, lo, hi, kv_head, bt_ref, off_ref, k_ref, v_ref, *, sm_scale, blocks, precision):
+def _attend(q, pos, row, lo, hi, kv_head, bt_ref, layer_ref, k_ref, v_ref, *, layer_pages, sm_scale, blocks,
+            precision):
     """Online softmax of q [M, Dh] over keys lo..hi-1 of `row` (key j visible to query row m iff
     j <= pos[m]). Returns (acc [M, Dh] f32 unnormalized, m [M] base-2 max, l [M] sum).
     With blocks.prefetch_pages the next block's page ids are loaded one iteration ahead (the
     K/V addresses of an iteration then depend on no load of that iteration)."""
     page_size, pages_per_row = k_ref.shape[1], bt_ref.shape[1]
     block_kv, scale = blocks.block_kv, sm_scale * _LOG2E
+    offset = layer_ref[0] * layer_pages  # the layer's first page in the flat stack
 
     def block_keys(i):
         keys = lo + i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
@@ -135,7 +146,7 @@ def _attend(q, pos, row, lo, hi, kv_head, bt_ref, off_ref, k_ref, v_ref, *, sm_s
     def page_ids(i):
         keys, live = block_keys(i)
         page_index = jnp.minimum(keys // page_size, pages_per_row - 1)
-        return plt.load(bt_ref.at[row, page_index], mask=live, other=0) + off_ref[0]
+        return plt.load(bt_ref.at[row, page_index], mask=live, other=0) + offset
 
     def body(i, carry):
         acc, m_prev, l_prev, pages = carry
@@ -145,8 +156,8 @@ def _attend(q, pos, row, lo, hi, kv_head, bt_ref, off_ref, k_ref, v_ref, *, sm_s
         else:
             pages, next_pages = page_ids(i), pages
         slots = keys % page_size
-        k = _load_kv(k_ref, pages, slots, kv_head, live, blocks.kv_cache).astype(q.dtype)
-        v = _load_kv(v_ref, pages, slots, kv_head, live, blocks.kv_cache).astype(q.dtype)
+        k = _load_kv(k_ref, pages, slots, kv_head, live).astype(q.dtype)
+        v = _load_kv(v_ref, pages, slots, kv_head, live).astype(q.dtype)
         s = jnp.dot(q, k.T, preferred_element_type=_F32, precision=precision) * scale
         visible = (keys[None, :] <= pos[:, None]) & live[None, :]
         s = jnp.where(visible, s, MASK_VALUE)
@@ -166,36 +177,59 @@ def _attend(q, pos, row, lo, hi, kv_head, bt_ref, off_ref, k_ref, v_ref, *, sm_s
     return lax.fori_loop(0, trips, body, init)[:3]
 
 
-def _tile(row, start, end, kv_head, split, refs, out_refs, *, tile, group, split_kv, sm_scale, blocks,
-          precision):
+def _tile(row, start, end, item, kv_head, split, refs, out_refs, *, tile, group, split_kv, splits, layer_pages,
+          sm_scale, blocks, precision, interpret):
     """One program's tile: tokens start..min(start + tile, end) - 1 of `row`, one KV head, one
-    KV split; writes the output (one split) or the split's partial output and log-sum-exp."""
-    bounds_ref, pos_ref, bt_ref, off_ref, q_ref, k_ref, v_ref = refs
+    KV split; writes the output (one split), or the split's partial output and log-sum-exp (and,
+    with the in-kernel merge, the last split of the tile to finish merges them)."""
+    bounds_ref, pos_ref, bt_ref, layer_ref, q_ref, k_ref, v_ref = refs
     num_rows = bt_ref.shape[0]
     token, head, valid, q, pos = _tile_queries(q_ref, pos_ref, start, end, kv_head, tile, group)
     span = jnp.minimum(jnp.max(pos) + 1, bt_ref.shape[1] * k_ref.shape[1])
     span = jnp.where(row < num_rows, span, 0)  # the padding pseudo-row reads no page
     lo = split * split_kv
     hi = jnp.minimum(lo + split_kv, span)
-    acc, m, l = _attend(q, pos, row, lo, hi, kv_head, bt_ref, off_ref, k_ref, v_ref,
+    acc, m, l = _attend(q, pos, row, lo, hi, kv_head, bt_ref, layer_ref, k_ref, v_ref, layer_pages=layer_pages,
                         sm_scale=sm_scale, blocks=blocks, precision=precision)
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]
-    dims = jnp.arange(q.shape[-1], dtype=jnp.int32)
-    if len(out_refs) == 1:
+    at = lambda ref, *lead: ref.at[(*lead, token[:, None], head[:, None], _dims(q)[None, :])]
+    if splits == 1:
         (o_ref,) = out_refs
-        plt.store(o_ref.at[token[:, None], head[:, None], dims[None, :]], out.astype(o_ref.dtype),
-                  mask=valid[:, None])
+        plt.store(at(o_ref), out.astype(o_ref.dtype), mask=valid[:, None])
         return
-    o_ref, lse_ref = out_refs
-    plt.store(o_ref.at[split, token[:, None], head[:, None], dims[None, :]], out, mask=valid[:, None])
+    o_ref, part_ref, lse_ref, *count_ref = out_refs
+    plt.store(at(part_ref, split), out, mask=valid[:, None])
     lse = jnp.where(l > 0, m + jnp.log2(jnp.where(l > 0, l, 1.0)), -jnp.inf)
     plt.store(lse_ref.at[split, token, head], lse, mask=valid)
+    if not count_ref:
+        return
+    if not interpret:
+        plt.debug_barrier()  # every thread's partial stores before the (releasing) count
+    done = plt.atomic_add(count_ref[0], (item, kv_head), jnp.ones((), jnp.int32))
+
+    @pl.when(done == splits - 1)
+    def _merge():
+        lses = [plt.load(lse_ref.at[s, token, head], mask=valid, other=-jnp.inf) for s in range(splits)]
+        top = functools.reduce(jnp.maximum, lses)
+        top = jnp.where(top == -jnp.inf, 0.0, top)
+        total, merged = jnp.zeros_like(top), jnp.zeros_like(out)
+        for s in range(splits):
+            weight = jnp.where(lses[s] == -jnp.inf, 0.0, jnp.exp2(lses[s] - top))
+            part = plt.load(at(part_ref, s), mask=valid[:, None], other=0.0)
+            total, merged = total + weight, merged + weight[:, None] * part
+        merged = merged / jnp.where(total > 0, total, 1.0)[:, None]
+        plt.store(at(o_ref), merged.astype(o_ref.dtype), mask=valid[:, None])
+
+
+def _dims(q):
+    return jnp.arange(q.shape[-1], dtype=jnp.int32)
 
 
 def _kernel(item_row_ref, item_tile_ref, *refs, small, large, num_outputs, **kw):
     """Grid (large items + R + 1 small items, Hkv, splits): large-tile items first (the longest
     programs start first), then one small tile per row (rows longer than `small` skip it)."""
     refs, out_refs = refs[:-num_outputs], refs[-num_outputs:]
+    refs = refs[:-1] if len(refs) == 8 else refs  # the aliased zero counts arrive as an input too
     bounds_ref = refs[0]
     item, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_large = item_row_ref.shape[0]
@@ -209,7 +243,7 @@ def _kernel(item_row_ref, item_tile_ref, *refs, small, large, num_outputs, **kw)
 
         @pl.when(row >= 0)
         def _():
-            _tile(safe, start, end, kv_head, split, refs, out_refs, tile=large, **kw)
+            _tile(safe, start, end, item, kv_head, split, refs, out_refs, tile=large, **kw)
 
     @pl.when(item >= num_large)
     def _small():
@@ -218,7 +252,7 @@ def _kernel(item_row_ref, item_tile_ref, *refs, small, large, num_outputs, **kw)
 
         @pl.when((end > start) & (end - start <= small))
         def _():
-            _tile(row, start, end, kv_head, split, refs, out_refs, tile=small, **kw)
+            _tile(row, start, end, item, kv_head, split, refs, out_refs, tile=small, **kw)
 
 
 def merge_splits(partial, lse, dtype):
@@ -234,38 +268,46 @@ def merge_splits(partial, lse, dtype):
 def paged_attention_gpu(q, k_pages, v_pages, block_tables, row_starts, positions, *, layer=None,
                         sm_scale=None, interpret=False, blocks: PagedBlocks | None = None):
     """Paged attention (contract of `pallas_kernels.paged_attention.paged_attention`) as one
-    Triton launch (+ a small merge when KV splits are used). Dh must be a power of two >= 16 and
-    G a power of two."""
+    Triton launch (+ a small XLA merge when KV splits are used, unless blocks.merge == "kernel").
+    Dh must be a power of two >= 16 and G a power of two."""
     blocks = blocks or PagedBlocks()
     group, kv_heads = check_shapes(q, k_pages, v_pages, block_tables, row_starts, positions)
     tokens, heads, head_dim = q.shape
     if head_dim & (head_dim - 1) or head_dim < 16 or group & (group - 1):
         raise ValueError(f"the GPU kernel needs a power-of-two head_dim >= 16 and G; got {head_dim}, {group}")
     sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
-    k_flat, v_flat, offset = flat_layer_pages(k_pages, v_pages, layer)
+    k_flat, v_flat, layer, layer_pages = flat_layer_pages(k_pages, v_pages, layer)
     num_rows, pages_per_row = block_tables.shape
     span = pages_per_row * k_flat.shape[1]
-    small, large = _tile_sizes(blocks, group)
+    small, large = _tile_sizes(blocks, group, tokens, num_rows)
     splits = blocks.num_splits or default_splits(tokens, num_rows, kv_heads, span, blocks.block_kv)
     split_kv = blocks.split_kv or -(-span // splits // blocks.block_kv) * blocks.block_kv
     splits = -(-span // split_kv)
     item_row, item_tile, bounds = tile_work_list(row_starts, tokens, small, large)
+    num_items = item_row.shape[0] + num_rows + 1
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    if splits == 1:
-        out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
-    else:
-        out_shape = [jax.ShapeDtypeStruct((splits, *q.shape), _F32),
-                     jax.ShapeDtypeStruct((splits, tokens, heads), _F32)]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    extra, aliases = [], {}
+    if splits > 1:
+        out_shape += [jax.ShapeDtypeStruct((splits, *q.shape), _F32),
+                      jax.ShapeDtypeStruct((splits, tokens, heads), _F32)]
+    in_kernel = splits > 1 and blocks.merge == "kernel"
+    if in_kernel:  # per (item, KV head): how many splits have finished
+        extra, aliases = [jnp.zeros((num_items, kv_heads), jnp.int32)], {9: 3}
+        out_shape.append(jax.ShapeDtypeStruct((num_items, kv_heads), jnp.int32))
     kernel = functools.partial(_kernel, small=small, large=large, num_outputs=len(out_shape), group=group,
-                               split_kv=split_kv, sm_scale=sm_scale, blocks=blocks, precision=precision)
+                               split_kv=split_kv, splits=splits, layer_pages=layer_pages, sm_scale=sm_scale,
+                               blocks=blocks,
+                               precision=precision, interpret=bool(interpret))
     outs = pl.pallas_call(
         kernel,
         name="paged_attention",
         out_shape=out_shape,
-        grid=(item_row.shape[0] + num_rows + 1, kv_heads, splits),
+        grid=(num_items, kv_heads, splits),
+        input_output_aliases=aliases,
         compiler_params=plt.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
-    )(item_row, item_tile, bounds, positions, block_tables, offset, q, k_flat, v_flat)
-    if splits == 1:
+    )(item_row, item_tile, bounds, positions, block_tables, layer, q, k_flat, v_flat, *extra)
+    if splits == 1 or in_kernel:
         return outs[0]
-    return merge_splits(outs[0], outs[1], q.dtype)
+    return merge_splits(outs[1], outs[2], q.dtype)

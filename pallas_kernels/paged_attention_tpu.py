@@ -66,7 +66,7 @@ def _copies(r, kb, slot, keys, tables, offset, k_hbm, v_hbm, k_buf, v_buf, sems,
     copies = []
     for i in range(pages_per_block):
         index = kb * pages_per_block + i
-        page = tables[r * pages_per_row + jnp.where(index < needed, index, 0)] + offset[0]
+        page = tables[r * pages_per_row + jnp.where(index < needed, index, 0)] + offset
         for j in range(heads):
             copies.append(pltpu.make_async_copy(k_hbm.at[page, :, head0 + j, :], k_buf.at[slot, j, i],
                                                 sems.at[slot, 0]))
@@ -101,8 +101,8 @@ def _update(j, q_ref, k, v, m_ref, l_ref, acc_ref, *, keys0, keys, q0, start, en
     acc_ref[j] = jnp.where(in_row, acc, acc_ref[j])
 
 
-def _kernel(bounds, first_row, tables, positions, offset, q_ref, k_hbm, v_hbm, o_ref,
-            k_buf, v_buf, sems, m_ref, l_ref, acc_ref, *, group, pages_per_row, sm_scale, precision):
+def _kernel(bounds, first_row, tables, positions, layer, q_ref, k_hbm, v_hbm, o_ref,
+            k_buf, v_buf, sems, m_ref, l_ref, acc_ref, *, group, pages_per_row, layer_pages, sm_scale, precision):
     head_block, q_block = pl.program_id(0), pl.program_id(1)
     block_q, heads = q_ref.shape[0], k_buf.shape[1]
     num_rows = bounds.shape[0] - 1
@@ -112,9 +112,9 @@ def _kernel(bounds, first_row, tables, positions, offset, q_ref, k_hbm, v_hbm, o
     m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, _F32)
     l_ref[...] = jnp.zeros(l_ref.shape, _F32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
-    copy = functools.partial(_copies, tables=tables, offset=offset, k_hbm=k_hbm, v_hbm=v_hbm, k_buf=k_buf,
-                             v_buf=v_buf, sems=sems, pages_per_row=pages_per_row, head0=head_block * heads,
-                             heads=heads)
+    copy = functools.partial(_copies, tables=tables, offset=layer[0] * layer_pages, k_hbm=k_hbm, v_hbm=v_hbm,
+                             k_buf=k_buf, v_buf=v_buf, sems=sems, pages_per_row=pages_per_row,
+                             head0=head_block * heads, heads=heads)
 
     def row_body(r):
         start, end, shift, keys = _row_span(r, q0, block_q, bounds, positions, pages_per_row * page_size)
@@ -161,7 +161,7 @@ def paged_attention_tpu(q, k_pages, v_pages, block_tables, row_starts, positions
     group, kv_heads = check_shapes(q, k_pages, v_pages, block_tables, row_starts, positions)
     tokens, heads, head_dim = q.shape
     sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
-    k_flat, v_flat, offset = flat_layer_pages(k_pages, v_pages, layer)
+    k_flat, v_flat, layer, layer_pages = flat_layer_pages(k_pages, v_pages, layer)
     num_rows, pages_per_row = block_tables.shape
     page_size = k_flat.shape[1]
     pages_per_block = min(pages_per_block or max(1, 128 // page_size), pages_per_row)
@@ -175,7 +175,8 @@ def paged_attention_tpu(q, k_pages, v_pages, block_tables, row_starts, positions
     q_spec = pl.BlockSpec((block_q, kv_block * group, head_dim), lambda hb, qb, *_: (qb, hb, 0))
     buf = pltpu.VMEM((2, kv_block, pages_per_block, page_size, head_dim), k_flat.dtype)
     state = pltpu.VMEM((kv_block, block_q * group, _LANES), _F32)
-    kernel = functools.partial(_kernel, group=group, pages_per_row=pages_per_row, sm_scale=sm_scale,
+    kernel = functools.partial(_kernel, group=group, pages_per_row=pages_per_row, layer_pages=layer_pages,
+                               sm_scale=sm_scale,
                                precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
     out = pl.pallas_call(
         kernel,
@@ -191,5 +192,5 @@ def paged_attention_tpu(q, k_pages, v_pages, block_tables, row_starts, positions
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
-    )(row_starts, first_row, block_tables.reshape(-1), positions, offset, q_pad, k_flat, v_flat)
+    )(row_starts, first_row, block_tables.reshape(-1), positions, layer, q_pad, k_flat, v_flat)
     return out[:tokens]

@@ -135,7 +135,8 @@ def test_stacked_cache_reads_only_its_layer(kernel):
 @pytest.mark.parametrize("blocks", [
     PagedBlocks(block_kv=16, num_splits=1),  # one split: the kernel writes the output
     PagedBlocks(block_kv=16, num_splits=3),  # KV splits merged outside
-    PagedBlocks(block_kv=32, block_q=4, block_q_small=4, num_splits=2, prefetch_pages=True),  # one tile size
+    PagedBlocks(block_kv=16, num_splits=2, merge="kernel", prefetch_pages=False),  # merged by the last split
+    PagedBlocks(block_kv=32, block_q=4, block_q_small=4, num_splits=2),  # one tile size
 ])
 def test_gpu_tiles_and_splits(blocks):
     step = make_step(3, ROWS, 8, 2, jnp.float32)
@@ -190,8 +191,9 @@ def test_work_list_covers_every_long_row_token_once(seed):
 
 
 @pytest.mark.gpu_only
-@pytest.mark.parametrize("splits", [1, 4])
-def test_gpu_kernel_on_gpu_llama_shape(splits):
+@pytest.mark.parametrize("blocks", [PagedBlocks(num_splits=1), PagedBlocks(num_splits=4),
+                                    PagedBlocks(num_splits=4, merge="kernel"), PagedBlocks(block_q=16)])
+def test_gpu_kernel_on_gpu_llama_shape(blocks):
     """The compiled Triton kernel (bf16, H=32, Hkv=8, Dh=128, page_size 16) on a mixed step."""
     rows = [(1, int(c)) for c in np.random.default_rng(0).integers(8, 1000, 24)] + [(100, 300), (64, 0)]
     rng = np.random.default_rng(1)
@@ -207,6 +209,6 @@ def test_gpu_kernel_on_gpu_llama_shape(splits):
     v = jax.random.normal(keys[1], k.shape, jnp.bfloat16)
     q = jax.random.normal(keys[2], (tokens, 32, 128), jnp.bfloat16)
     args = (q, k, v, jnp.asarray(tables), jnp.asarray(starts), jnp.asarray(positions))
-    out = jax.jit(lambda *a: paged_attention_gpu(*a, layer=jnp.int32(1), blocks=PagedBlocks(num_splits=splits)))(*args)
+    out = jax.jit(lambda *a: paged_attention_gpu(*a, layer=jnp.int32(1), blocks=blocks))(*args)
     expected = paged_attention_reference(q, k[1], v[1], *args[3:])
     assert rel_err(out, expected) <= 1e-2
