@@ -5,24 +5,28 @@ Work split (as vLLM's Triton unified attention and FlashInfer do, with two tile 
   the program handles all G query heads of its KV head, so each K/V page is read once per
   (tile, KV head) and never repeated per query head;
 - short rows (<= `block_q_small` tokens: decode rows) get one small tile of
-  M = block_q_small * G query rows (>= 16, Triton's smallest dot; a decode row fills G of them);
-  longer rows (prefill chunks) get tiles of `block_q` tokens (M = block_q * G, 64-128), so the
-  row's pages are re-read once per tile, not once per 16 query rows;
+  M = block_q_small * G query rows (>= 16, Triton's smallest dot: a decode row fills G of them,
+  the rest are masked); longer rows (prefill chunks) get tiles of `block_q` tokens (M = 64 by
+  default), so a chunk's pages are re-read once per 64 query rows, not once per 16. Steps of at
+  most 4 tokens per row use the small tile for both (the large tile's registers and shared
+  memory would cut the decode programs' occupancy: 0.72 -> 0.85 of the floor at 256 rows);
 - each program walks the keys 0..(its last token's position) of its split in blocks of
   `block_kv` keys with online softmax (base 2); a key's page comes from the block table
-  (`page = block_tables[row, key // page_size]`) and K/V rows are loaded straight from the
-  pages (a pointer gather inside the kernel: no contiguous copy of the row's pages);
-  the trip count is dynamic, so no work is done past a row's length;
+  (`page = block_tables[row, key // page_size]`, the next block's ids loaded one iteration
+  ahead) and K/V rows are loaded straight from the pages (a pointer gather inside the kernel:
+  no contiguous copy of the row's pages); the trip count is dynamic, so no work is done past a
+  row's length;
 - KV splits (flash-decoding) cut every row's keys into fixed spans of `split_kv` keys, so a
   decode step of few rows still fills the GPU and the longest row does not set the time; the
-  partial outputs (float32, with their log-sum-exp) are merged by a small XLA reduction. One
-  split writes the output directly.
+  partial outputs (float32, with their log-sum-exp) are merged by a small XLA reduction (or, with
+  merge="kernel", by the tile's last split). One split writes the output directly.
 
 The small-tile items are rows 0..R (R: a pseudo-row covering the padding tokens, which get
 zeros); the large-tile items come from a work list built per call (`tile_work_list`, a few tiny
-XLA ops on [R+2] ints that XLA shares between layers). The stacked cache is reshaped to
-[L*num_pages, ...] (a bitcast) and the layer's page offset is added to each page id in the
-kernel; Pallas switches address arithmetic to 64 bits when the array exceeds 4 GiB.
+XLA ops on [R+2] ints, the same for every layer of a step). The stacked cache is reshaped to
+[L*num_pages, ...] (a bitcast) and the kernel adds layer * num_pages to each page id; Pallas
+switches address arithmetic to 64 bits when an array exceeds 4 GiB. Measured on an H200:
+bench/NOTES_paged_attention.md.
 """
 
 from __future__ import annotations
@@ -70,11 +74,12 @@ class PagedBlocks:
 
 
 def default_splits(tokens: int, rows: int, kv_heads: int, span: int, block_kv: int) -> int:
-    """KV splits for a step shape: enough programs (~1024) when the step is mostly decode rows,
-    none when it carries many tokens (the float32 partials would cost more than they save)."""
+    """KV splits for a step shape: about 512 programs when the step is mostly decode rows (H200,
+    8B shape: 2 splits at 32 rows, 1 from 64 rows on, were the fastest), none when it carries
+    many tokens (the float32 partials would cost more than they save)."""
     if tokens > 4 * max(rows, 1) or tokens > 1024:
         return 1
-    splits = max(1, 1024 // max(rows * kv_heads, 1))
+    splits = max(1, 512 // max(rows * kv_heads, 1))
     splits = min(splits, max(1, span // (4 * block_kv)))  # splits of >= 4 blocks
     return 1 << (splits.bit_length() - 1)
 
