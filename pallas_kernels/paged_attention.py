@@ -100,7 +100,7 @@ def token_rows(row_starts, tokens: int):
     """[T] int32: each token's row, R for padding tokens (index >= row_starts[R])."""
     index = jnp.arange(tokens, dtype=jnp.int32)
     row = jnp.searchsorted(row_starts, index, side="right").astype(jnp.int32) - 1
-    return jnp.where(index < row_starts[-1], row, row_starts.shape[0] - 1)
+    return jnp.where((index < row_starts[-1]) & (row >= 0), row, row_starts.shape[0] - 1)
 
 
 def paged_attention_reference(q, k_pages, v_pages, block_tables, row_starts, positions, *, layer=None,
