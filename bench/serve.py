@@ -374,9 +374,9 @@ def compile_all(model, config: EngineConfig, threads: int, mesh=None, shapes=Non
 # ---- profile --------------------------------------------------------------------------------------
 
 PROFILE_STEPS = {  # rows as (adapter rows first as prefill chunks, tokens per chunk, decode rows)
-    "decode": (0, 0, 64),  # 64 one-token rows: a full decode step on this trace
-    "decode32": (0, 0, 32),  # the engine's decode steps average 32 rows on this trace (steps_by_kind)
-    "decode8": (0, 0, 8),  # the smallest token bucket
+    "decode32": (0, 0, 32),  # the engine's decode steps averaged 32 rows on this trace (steps_by_kind)
+    "decode64": (0, 0, 64),
+    "decode256": (0, 0, 256),  # the most rows a step takes
     "mixed": (2, 96, 64),  # two 96-token prefill chunks + 64 one-token rows (256 tokens)
 }
 

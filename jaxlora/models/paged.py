@@ -140,9 +140,7 @@ def paged_forward(
     """
     config = model.config
     batch = jax.tree.map(jnp.asarray, batch)
-    on_accelerator = jax.default_backend() in ("gpu", "tpu")
-    kernel = attention if attention != "auto" or on_accelerator else "reference"
-    unroll = on_accelerator if unroll_layers is None else unroll_layers
+    unroll = jax.default_backend() in ("gpu", "tpu") if unroll_layers is None else unroll_layers
     inv_freq = rope_inverse_frequencies(config)
     positions = batch.positions[None]
     write_page, write_offset = write_slots(batch, cache.page_size, cache.num_pages)
@@ -152,7 +150,7 @@ def paged_forward(
         hidden, k_pages, v_pages = carry
         weights, layer_pool, layer_index = per_layer
         kv = PagedCacheAttention(k_pages, v_pages, layer_index, write_page, write_offset, batch.block_tables,
-                                 starts, batch.positions, kernel)
+                                 starts, batch.positions, attention)
         layer_lora = make_layer_lora(lora, layer_pool, lora_backend, layer_index)
         hidden, kv = decoder_layer(config, weights, hidden, positions, inv_freq, kv, layer_lora)
         return (hidden, kv.k_pages, kv.v_pages), None
