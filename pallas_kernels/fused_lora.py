@@ -52,9 +52,6 @@ from pallas_kernels.fused_lora_reference import (
 _F32 = jnp.float32
 _I32 = jnp.int32
 
-# The same impl names and rules as the SGMV kernels.
-resolve_fused_impl = resolve_impl
-
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
@@ -68,7 +65,7 @@ class _Plan:
 def row_block(impl: str | None, num_rows: int, dtype=jnp.float32,
               config: FusedLoRAConfig | None = None) -> int:
     """The row tile (layout granularity) the kernels of `impl` use for `num_rows` rows."""
-    style, _ = resolve_fused_impl(impl)
+    style, _ = resolve_impl(impl)
     cfg = config or default_config(style)
     if style == "tpu":
         multiple = 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
@@ -189,7 +186,7 @@ def fused_lora_linear(x, w, lora_a, lora_b, seg_starts, seg_slot, slot_rank, slo
     Differentiable in x, lora_a and lora_b (w's gradient is zero: it is frozen).
     `layout` (from `make_layout`, same impl) replaces the segment / slot metadata arguments.
     """
-    style, interpret = resolve_fused_impl(impl)
+    style, interpret = resolve_impl(impl)
     if style == "reference":
         return fused_lora_linear_reference(x, w, lora_a, lora_b, seg_starts, seg_slot,
                                            slot_rank, slot_scale, slot_dropout, seed)
@@ -218,7 +215,7 @@ def fused_lora_linear_single(x, w, a, b, scale, dropout, seed, *, impl: str | No
     x [m, k], w [k, n], a [k, r], b [r, n], scale / dropout float scalars, seed int32 scalar
     -> y [m, n] (x.dtype). Rows stay in place (padded at the end to whole tiles; no gather).
     """
-    style, interpret = resolve_fused_impl(impl)
+    style, interpret = resolve_impl(impl)
     if style == "reference":
         return fused_lora_linear_single_reference(x, w, a, b, scale, dropout, seed)
     cfg = config or default_config(style)

@@ -24,13 +24,22 @@ from pallas_kernels.tiles import TileConfig, get_tile_config, smem_limit
 IMPLS = (None, "reference", "gpu", "tpu")
 
 
+def kernel_style(impl: str | None = None, off_accelerator: str | None = "gpu") -> str | None:
+    """The kernel style a call runs: `impl` when given, else the device's ("gpu" on a GPU backend,
+    "tpu" on TPU) and `off_accelerator` elsewhere ("gpu": the GPU kernels in interpret mode, as the
+    model's LoRA and attention kernels run on a CPU; "reference": the pure-jnp ops; None: none)."""
+    if impl is not None:
+        return impl
+    backend = jax.default_backend()
+    return backend if backend in ("gpu", "tpu") else off_accelerator
+
+
 def resolve_impl(impl: str | None):
     """(style, interpret) for an impl name; interpret is False, True or TPU InterpretParams."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     backend = jax.default_backend()
-    if impl is None:
-        impl = backend if backend in ("gpu", "tpu") else "reference"
+    impl = kernel_style(impl, off_accelerator="reference")
     if impl == "reference" or impl == backend:
         return impl, False
     if impl == "tpu" and hasattr(pltpu, "InterpretParams"):

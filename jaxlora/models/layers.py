@@ -12,6 +12,7 @@ import numpy as np
 
 from jaxlora.models.config import LlamaConfig
 from pallas_kernels.attention import flash_supported, segment_attention
+from pallas_kernels.ops import kernel_style
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -144,11 +145,10 @@ def packed_attention(segment_ids: jax.Array, head_dim: int, impl: str = "auto") 
         raise ValueError(f"attention impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
     length = segment_ids.shape[1]
     if impl == "auto":
-        on_accelerator = jax.default_backend() in ("gpu", "tpu")
+        on_accelerator = kernel_style(off_accelerator=None) is not None
         impl = "flash" if on_accelerator and flash_supported(length, head_dim) else "masked"
     if impl == "flash":
-        kernel = None if jax.default_backend() in ("gpu", "tpu") else "gpu"
-        return PackedSegments(segment_ids.astype(jnp.int32), kernel)
+        return PackedSegments(segment_ids.astype(jnp.int32), kernel_style())
     causal = jnp.tril(jnp.ones((length, length), bool))[None]
     return causal & (segment_ids[:, :, None] == segment_ids[:, None, :])
 
