@@ -71,8 +71,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxlora.lora import backends as lora_backends
 from jaxlora.lora.adapter import LoraAdapter, ModuleLora, random_adapter
 from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.plan import ServingPlan
 from jaxlora.models.config import PROJECTIONS, LlamaConfig
 from jaxlora.models.llama import Llama, LoraInputs
 from jaxlora.models.presets import llama8b_config
@@ -314,7 +316,7 @@ def step_shapes(config: EngineConfig) -> list[tuple]:
     tokens = sorted({bucket(t, 8) for t in range(1, config.token_budget + 1)})
     widths = sorted({min(bucket(p, 4), max_pages) for p in range(1, max_pages + 1)})
     shapes = [(t, w, lora) for lora in (True, False) for t in tokens for w in widths]
-    if config.lora_backend in engine_module.SERVING_PLAN_BACKENDS:
+    if lora_backends.get(config.lora_backend).plan_type is ServingPlan:
         most_rows = bucket(min(config.max_num_seqs, config.token_budget), 8)
         shapes += [(t, w, True, True) for t in tokens if t <= most_rows for w in widths]
     return shapes
@@ -634,9 +636,9 @@ def main() -> None:
         else:
             compile_info = compile_all(model, engine_config, args.compile_threads)
     except Exception as err:
-        if backend != "pallas":
+        if not lora_backends.get(backend).custom_kernel:
             raise
-        print(f"the pallas backend failed to compile ({type(err).__name__}: {str(err)[:300]}); using onehot",
+        print(f"the {backend} backend failed to compile ({type(err).__name__}: {str(err)[:300]}); using onehot",
               flush=True)
         backend = "onehot"
         engine_config = dataclasses.replace(engine_config, lora_backend=backend)

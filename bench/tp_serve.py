@@ -53,11 +53,12 @@ from flax import nnx
 
 from bench import serve as serve_bench
 from jaxlora import sharding
+from jaxlora.lora import backends
 from jaxlora.models.llama import Llama
 from jaxlora.models.presets import llama8b_config
 from jaxlora.scheduler.serving import pages_for
 from serve import engine as engine_module
-from serve.engine import TENSOR_PARALLEL_BACKENDS, Engine, EngineConfig
+from serve.engine import Engine, EngineConfig
 
 
 def record_shapes(model, config: EngineConfig, trace, prompts, factory) -> set:
@@ -125,7 +126,7 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=None, help="tokens per step (default 256; --tiny: 32)")
     parser.add_argument("--prefill-chunk", type=int, default=None, help="(default 128; --tiny: 16)")
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--lora-backend", default="onehot", choices=TENSOR_PARALLEL_BACKENDS,
+    parser.add_argument("--lora-backend", default="onehot", choices=backends.names(serves=True, partitionable=True),
                         help="LoRA backend of both engines (default onehot)")
     parser.add_argument("--weight-sets", type=int, default=2, help="distinct random A/B sets the adapters share")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per engine and trace (median reported)")

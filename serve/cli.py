@@ -7,23 +7,8 @@ import logging
 import os
 import sys
 
+from jaxlora.lora import backends
 from serve.protocol import Limits
-
-# The LoRA op backends that serve (the fused ones are training kernels: x @ W fused with LoRA).
-SERVING_BACKENDS = ("auto", "gather", "onehot", "ragged_dot", "loop", "pallas", "hybrid")
-
-
-def resolve_lora_backend(name: str, platform: str, tensor_parallel: int = 1) -> str:
-    """The backend `--lora-backend auto` means on `platform` ("gpu", "tpu", "cpu"): on one GPU
-    "hybrid" (BGMV kernels on decode-only steps, one-hot GEMMs on mixed steps: 0.92-0.93 of base
-    throughput on an H200, bench/results/serve_h200.json); with tensor parallel on a GPU or on a
-    TPU "onehot" (XLA GEMMs, partitionable; the kernels are unmeasured on TPU); on a CPU "gather".
-    Any other name is returned as given."""
-    if name != "auto":
-        return name
-    if platform == "gpu":
-        return "hybrid" if tensor_parallel == 1 else "onehot"
-    return "onehot" if platform == "tpu" else "gather"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens-limit", type=int, default=1024, help="largest max_tokens a request may ask")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--max-waiting", type=int, default=1024, help="queued sequences before 429")
-    p.add_argument("--lora-backend", default="auto", choices=SERVING_BACKENDS,
+    p.add_argument("--lora-backend", default=backends.AUTO, choices=(backends.AUTO,) + backends.names(serves=True),
                    help="how LoRA rows are computed: XLA (gather, onehot, ...), the Pallas SGMV/BGMV kernels "
                         "(pallas), or BGMV on decode-only steps and one-hot GEMMs otherwise (hybrid); auto: "
                         "hybrid on one GPU, onehot with tensor parallel or on a TPU, gather on a CPU")
@@ -82,11 +67,11 @@ def tensor_parallel_mesh(n: int, lora_backend: str):
     import jax
 
     from jaxlora.sharding import make_mesh
-    from serve.engine import TENSOR_PARALLEL_BACKENDS
 
-    if lora_backend not in TENSOR_PARALLEL_BACKENDS:
-        raise SystemExit(f"jaxlora-serve: --lora-backend {lora_backend} cannot run tensor parallel (a pallas_call "
-                         f"has no GSPMD partitioning rule); use one of {', '.join(TENSOR_PARALLEL_BACKENDS)}")
+    try:
+        backends.get(lora_backend, serves=True, partitionable=True)
+    except ValueError as err:
+        raise SystemExit(f"jaxlora-serve: --lora-backend: {err}")
     devices = jax.devices()
     if len(devices) < n:
         raise SystemExit(f"jaxlora-serve: --tensor-parallel {n} needs {n} devices; {jax.default_backend()} has "
@@ -115,7 +100,7 @@ def build_app(args):
         raise SystemExit(f"jaxlora-serve: --ttft-slo-ms must be > 0, got {args.ttft_slo_ms}")
     import jax
 
-    args.lora_backend = resolve_lora_backend(args.lora_backend, jax.default_backend(), args.tensor_parallel)
+    args.lora_backend = backends.resolve(args.lora_backend, jax.default_backend(), args.tensor_parallel)
     mesh = tensor_parallel_mesh(args.tensor_parallel, args.lora_backend)
     try:
         model, tokenizer = load_model(args.model, jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)

@@ -16,13 +16,13 @@ Compiled shapes are bucketed: tokens per step to a power of two (>= 8; rows per 
 same number), block-table width to a power of two of pages (>= 4), the plan's segment count
 fixed; so a server compiles a few steps (and a sampling variant of each) and then reuses them.
 
-LoRA kernels (the Pallas backends): the engine orders each step's rows once, on the host
+LoRA kernels (the backends that take a `ServingPlan`, `jaxlora.lora.backends`): the engine orders each step's rows once, on the host
 (`jaxlora.lora.plan.serving_order`: prefill chunks grouped by adapter, then one-token rows), and
 hands the model a `ServingPlan` over that order, so no projection gathers rows into adapter order
 or scatters them back; one-token (decode) rows go through BGMV, prefill chunks through SGMV. A
 step without multi-token rows (decode only, so at most `max_num_seqs` tokens) runs BGMV alone:
 its own compiled variant of the buckets up to that size. Sampled tokens map back to requests by
-row on the host. The XLA backends get the usual `LoraPlan`.
+row on the host. The other backends get the usual `LoraPlan`.
 
 All known adapters live in host memory, validated and padded for the pool once at registration
 (`PreparedAdapter`); the device `AdapterPool` holds N of them and writes a slot in place (one
@@ -37,7 +37,8 @@ moved), the adapter pool S-LoRA-style (`AdapterPool(mesh=...)`: slot loads keep 
 and the KV pages split by KV heads; the step's token, plan and sampling arrays are host arrays
 that jit replicates. The same jitted step then runs under GSPMD, XLA inserting the all-reduces of
 o_proj/down_proj and the gathers over the vocabulary. A `pallas_call` has no SPMD partitioning
-rule, so with tensor > 1 only the XLA LoRA backends (`TENSOR_PARALLEL_BACKENDS`) are accepted.
+rule, so with tensor > 1 only the LoRA backends GSPMD can partition (plain XLA ops; the
+registry's `partitionable`, `jaxlora.lora.backends`) are accepted.
 """
 
 from __future__ import annotations
@@ -59,9 +60,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxlora import sharding
+from jaxlora.lora import backends
 from jaxlora.lora.adapter import LoraAdapter, check_finite
 from jaxlora.lora.config import AdapterError
-from jaxlora.lora.plan import build_plan, build_serving_plan, segment_bucket, serving_order
+from jaxlora.lora.plan import ServingPlan, build_plan, build_serving_plan, segment_bucket, serving_order
 from jaxlora.lora.pool import AdapterPool, PreparedAdapter
 from jaxlora.models.llama import Llama, LoraInputs, projection_shapes
 from jaxlora.models.paged import PagedBatch, PagedKVCache, paged_forward
@@ -99,6 +101,7 @@ class EngineConfig:
     ttft_slo_s: float | None = None  # S-LoRA early abort: drop waiting requests that cannot meet it
 
     def __post_init__(self):
+        backends.get(self.lora_backend, serves=True)  # ValueError naming the serving backends
         if self.ttft_slo_s is not None and not self.ttft_slo_s > 0:
             raise ValueError(f"ttft_slo_s must be > 0 (or None: off), got {self.ttft_slo_s}")
         if self.max_model_len > self.num_pages * self.page_size:
@@ -141,12 +144,6 @@ class _Registered:
     removed: bool = False
 
 
-# LoRA backends that run under GSPMD (plain XLA ops); the Pallas ones cannot be partitioned.
-TENSOR_PARALLEL_BACKENDS = ("gather", "onehot", "ragged_dot", "loop")
-# LoRA backends that take a `ServingPlan` (rows ordered once per step; SGMV + BGMV, no gathers).
-SERVING_PLAN_BACKENDS = ("pallas", "pallas_gpu", "pallas_tpu", "hybrid")
-
-
 def check_mesh(mesh: Mesh, model_config, lora_backend: str) -> None:
     """ValueError unless the engine can serve on `mesh`: a `tensor` axis and no other axis > 1, a
     LoRA backend GSPMD can partition when tensor > 1, and heads, KV heads, FFN width and vocabulary
@@ -155,9 +152,8 @@ def check_mesh(mesh: Mesh, model_config, lora_backend: str) -> None:
     if "tensor" not in shape or any(size > 1 for axis, size in shape.items() if axis != "tensor"):
         raise ValueError(f"the engine shards over a mesh's `tensor` axis only (jaxlora.sharding.make_mesh("
                          f"tensor=N)); got mesh axes {shape}")
-    if shape["tensor"] > 1 and lora_backend not in TENSOR_PARALLEL_BACKENDS:
-        raise ValueError(f"lora_backend {lora_backend!r} cannot run tensor parallel (a pallas_call has no "
-                         f"GSPMD partitioning rule); use one of {', '.join(TENSOR_PARALLEL_BACKENDS)}")
+    if shape["tensor"] > 1:
+        backends.get(lora_backend, serves=True, partitionable=True)
     sharding.check_divisible(model_config, mesh)
 
 
@@ -425,9 +421,9 @@ class Engine:
 
     def _lora_plan(self, token_slot: np.ndarray, one_token: np.ndarray, decode_only: bool):
         """The step's LoRA plan over its tokens [T] (in `serving_order` of the rows): a `ServingPlan`
-        for the Pallas backends (without segments when `decode_only`: the BGMV-only variant),
-        else a `LoraPlan`. one_token [T]: the token is its row's only one."""
-        if self.config.lora_backend not in SERVING_PLAN_BACKENDS:
+        for the backends that take one (without segments when `decode_only`: the BGMV-only
+        variant), else a `LoraPlan`. one_token [T]: the token is its row's only one."""
+        if backends.get(self.config.lora_backend).plan_type is not ServingPlan:
             return build_plan(token_slot, self._num_segments)
         return build_serving_plan(token_slot, one_token, 0 if decode_only else self._num_segments)
 

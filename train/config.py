@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 from jaxlora.lora.config import AdapterError, LoraConfig
-from jaxlora.lora.ops import BACKENDS
+from jaxlora.lora import backends
 
 
 class ConfigError(ValueError):
@@ -50,7 +50,7 @@ class TrainConfig:
     solver_time_limit: float = 1.0
     checkpoint_every: int = 50  # microbatches
     lora_backend: str = "onehot"  # the fastest XLA path for a few adapters (bench/results/sgmv_h100.json)
-    unroll_layers: bool = False  # unrolled layer scan: ~12% faster GPU steps, longer compile (README)
+    unroll_layers: bool = False  # unrolled layer scan: faster GPU steps, longer compile (README)
     seed: int = 0
     progress: bool = True
 
@@ -61,7 +61,7 @@ class TrainConfig:
 
 _LORA_KEYS = {"r", "alpha", "dropout", "targets", "use_rslora", "rank_pattern", "alpha_pattern"}
 _CHOICES = {"schedule": ("constant", "linear", "cosine"), "overlong": ("truncate", "refuse"),
-            "scheduler": ("milp", "greedy"), "dtype": ("float32", "bfloat16"), "lora_backend": BACKENDS}
+            "scheduler": ("milp", "greedy"), "dtype": ("float32", "bfloat16"), "lora_backend": backends.names(trains=True)}
 
 
 def load_train_config(path: str, overrides: list[str] = ()) -> TrainConfig:

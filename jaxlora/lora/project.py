@@ -1,6 +1,7 @@
 """The projections of a decoder layer with LoRA: x @ W (+ bias) plus each row's adapter delta,
-through a reference/SGMV backend (`jaxlora.lora.ops`) or the fused training kernels, with LoRA
-dropout from the kernels' counter-based hash so that every backend drops the same elements."""
+through a LoRA backend of `jaxlora.lora.backends` (a delta added to x @ W, or the fused training
+kernels), with LoRA dropout from the kernels' counter-based hash so that every backend drops the
+same elements."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlora.lora.ops import FUSED_BACKENDS, lora_accumulate, lora_accumulate_group, stacked_pool
+from jaxlora.lora import backends
+from jaxlora.lora.backends import LoraBackend
+from jaxlora.lora.ops import stacked_pool
 from jaxlora.lora.plan import LoraPlan
 from jaxlora.models.config import PROJECTIONS
 from jaxlora.models.layers import dense
-from pallas_kernels.fused_lora import fused_lora_linear
 from pallas_kernels.fused_lora_layout import dropout_inv_keep, dropout_mask
 
 
@@ -34,24 +36,25 @@ class LayerLora(NamedTuple):
 
     pool: {module: this layer's arrays ({"a" [slots, k, r], "b" [slots, r, n], "scale", "rank"}
       [slots]) or a `StackedModulePool` (every layer's stack and this layer's index)};
-    inputs: the batch's `LoraInputs` (plan, dropout); backend: the LoRA backend's name;
-    layer: this layer's index (int32 scalar; seeds dropout, indexes stacked pools)."""
+    inputs: the batch's `LoraInputs` (plan, dropout); backend: the `LoraBackend` (from the
+    registry, `jaxlora.lora.backends`); layer: this layer's index (int32 scalar; seeds dropout,
+    indexes stacked pools)."""
 
     pool: dict
     inputs: LoraInputs
-    backend: str
+    backend: LoraBackend
     layer: jax.Array
 
 
 def layer_lora(inputs: LoraInputs | None, layer_pool: dict | None, backend: str, layer) -> LayerLora | None:
     """The LoRA context of one layer, or None without adapters. layer_pool: this layer's pool
     arrays; None takes the whole stacked pool of `inputs` at `layer` (`StackedModulePool`s: the
-    kernels index the stack in place, no per-layer slice is copied)."""
+    kernels index the stack in place, no per-layer slice is copied); backend: a registry name."""
     if inputs is None:
         return None
     if layer_pool is None:
         layer_pool = stacked_pool(inputs.pool, layer)
-    return LayerLora(layer_pool, inputs, backend, layer)
+    return LayerLora(layer_pool, inputs, backends.get(backend), layer)
 
 
 def project(x: jax.Array, weights: dict[str, jax.Array], name: str, layer_lora: LayerLora | None = None) -> jax.Array:
@@ -60,34 +63,34 @@ def project(x: jax.Array, weights: dict[str, jax.Array], name: str, layer_lora: 
     x [..., k]; weights hold `<name>.kernel` [k, n] (and `<name>.bias` [n]); layer_lora: this
     layer's `LayerLora` or None. Returns [..., n] in x's dtype."""
     has_lora = layer_lora is not None and name in layer_lora.pool
-    if has_lora and layer_lora.backend in FUSED_BACKENDS:
+    if has_lora and layer_lora.backend.fused:
         y = _fused_project(x, weights[f"{name}.kernel"], name, layer_lora)
     else:
         y = dense(x, weights[f"{name}.kernel"])
     if f"{name}.bias" in weights:
         y = y + weights[f"{name}.bias"]
-    if has_lora and layer_lora.backend not in FUSED_BACKENDS:
+    if has_lora and not layer_lora.backend.fused:
         lora = layer_lora.inputs
         lora_input = x
         if lora.dropout_rate is not None:
             lora_input = _lora_dropout(x, lora, _dropout_seed(lora, layer_lora.layer, name))
-        y = lora_accumulate(y, lora_input, layer_lora.pool[name], lora.plan, layer_lora.backend)
+        y = layer_lora.backend.accumulate(y, lora_input, layer_lora.pool[name], lora.plan)
     return y.astype(x.dtype)
 
 
 def project_group(x: jax.Array, weights: dict[str, jax.Array], names: tuple,
                   layer_lora: LayerLora | None = None) -> list:
     """`project` for several projections of the same x (q/k/v; gate/up): each base GEMM on its
-    own, the LoRA of the projections that have adapters together (`lora_accumulate_group`: one
-    grouped shrink and expand for the serving kernels). Training inputs (dropout, fused
+    own, the LoRA of the projections that have adapters together (`LoraBackend.accumulate_group`:
+    one grouped shrink and expand for the serving kernels). Training inputs (dropout, fused
     backends) take `project` one by one. Returns [..., n] per name, in x's dtype."""
     grouped = [name for name in names if layer_lora is not None and name in layer_lora.pool]
-    if (len(grouped) < 2 or layer_lora.backend in FUSED_BACKENDS or layer_lora.inputs.dropout_rate is not None):
+    if len(grouped) < 2 or layer_lora.backend.fused or layer_lora.inputs.dropout_rate is not None:
         return [project(x, weights, name, layer_lora) for name in names]
     outputs = {name: project(x, weights, name) for name in names if name not in grouped}  # no adapters
     ys = [_base_output(x, weights, name) for name in grouped]
     pools = [layer_lora.pool[name] for name in grouped]
-    for name, y in zip(grouped, lora_accumulate_group(ys, x, pools, layer_lora.inputs.plan, layer_lora.backend)):
+    for name, y in zip(grouped, layer_lora.backend.accumulate_group(ys, x, pools, layer_lora.inputs.plan)):
         outputs[name] = y.astype(x.dtype)
     return [outputs[name] for name in names]
 
@@ -128,10 +131,7 @@ def _fused_project(x: jax.Array, kernel: jax.Array, name: str, layer_lora: Layer
     num_slots = module_pool["a"].shape[0]
     rates = jnp.zeros(num_slots, jnp.float32) if lora.dropout_rate is None else lora.dropout_rate
     seed = jnp.int32(0) if lora.dropout_key is None else _dropout_seed(lora, layer_index, name)
-    impl = "tpu" if backend == "fused_tpu" else (
-        jax.default_backend() if jax.default_backend() in ("gpu", "tpu") else "gpu")
-    y = fused_lora_linear(rows, kernel, module_pool["a"], module_pool["b"], plan.seg_starts, plan.seg_slot,
-                          module_pool["rank"], module_pool["scale"], rates, seed, impl=impl)
+    y = backend.fused_linear(rows, kernel, module_pool, plan, rates, seed)
     y = permute_rows(y, plan.inv_perm, plan.perm)
     return y.astype(jnp.float32).reshape(*x.shape[:-1], kernel.shape[-1])
 

@@ -148,7 +148,7 @@ class Llama(nnx.Module):
           cache: a `KVCache` for incremental decoding; None for packed mode.
           logit_indices: [B] index along T whose logits to return; None: all positions.
           lora: adapters and the plan over the B*T tokens (each token its own slot, or -1).
-          lora_backend: how the LoRA op is computed (see `jaxlora.lora.ops.BACKENDS`).
+          lora_backend: how the LoRA op is computed: a name in `jaxlora.lora.backends`.
           attention: packed mode's attention, "auto" | "masked" | "flash"
             (see `jaxlora.models.layers.packed_attention`); the cache path always masks.
           unroll_layers: layers per iteration of the layer scan (True: all). Unrolled, XLA slices

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jaxlora.lora import backends
 from jaxlora.lora.plan import LoraPlan
 from jaxlora.models.config import LlamaConfig
 from jaxlora.models.layers import rope_inverse_frequencies
@@ -27,9 +28,10 @@ from jaxlora.models.llama import LoraInputs, PackedAttention, decoder_layer
 from jaxlora.sharding import ROW_PARALLEL, ShardingRules, pool_specs, weight_axes
 
 
-def _check_vma(backend: str) -> bool:
-    """Pallas kernels declare no varying-axes type for their outputs, so their maps run unchecked."""
-    return not backend.startswith(("pallas", "fused"))
+def _check_vma(backend: str, plans: LoraPlan) -> bool:
+    """Custom (Pallas) kernels declare no varying-axes type for their outputs, so a map that runs
+    one on `plans` runs unchecked."""
+    return not backends.get(backend).for_plan(plans).custom_kernel
 
 
 def local_config(config: LlamaConfig, mesh: Mesh) -> LlamaConfig:
@@ -86,7 +88,7 @@ def tensor_parallel_stack(config: LlamaConfig, mesh: Mesh, rules: ShardingRules,
         in_specs = (P(batch_axis), P(batch_axis), P(batch_axis), layer_specs(layer_weights, rules),
                     None if pool is None else pool_specs(pool, rules), jax.tree.map(lambda _: P(batch_axis), plans))
         return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P(batch_axis),
-                             check_vma=_check_vma(backend))(
+                             check_vma=_check_vma(backend, plans))(
             hidden, positions, mask, layer_weights, pool, plans)
 
     return stack
@@ -131,7 +133,7 @@ def pipeline_stack(config: LlamaConfig, mesh: Mesh, rules: ShardingRules, backen
         in_specs = (micro, micro, micro, layer_specs(layer_weights, rules),
                     None if pool is None else pool_specs(pool, rules), jax.tree.map(lambda _: micro, plans))
         per_stage = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P("stage", None, batch_axis),
-                                  check_vma=_check_vma(backend))(
+                                  check_vma=_check_vma(backend, plans))(
             hidden, positions, mask, layer_weights, pool, plans)
         return per_stage[-1]
 

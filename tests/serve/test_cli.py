@@ -2,12 +2,14 @@
 
 import pytest
 
-from serve.cli import SERVING_BACKENDS, build_parser, resolve_lora_backend
+from jaxlora.lora import backends
+from jaxlora.lora.backends import resolve as resolve_lora_backend
+from serve.cli import build_parser
 
 
 def test_lora_backend_option():
     args = build_parser().parse_args(["--lora-backend", "pallas"])
-    assert args.lora_backend == "pallas" and "pallas" in SERVING_BACKENDS
+    assert args.lora_backend == "pallas" and "pallas" in backends.names(serves=True)
     assert build_parser().parse_args([]).lora_backend == "auto"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--lora-backend", "fused"])

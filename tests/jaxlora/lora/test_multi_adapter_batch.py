@@ -4,9 +4,9 @@ import jax
 import numpy as np
 import pytest
 
+from jaxlora.lora import backends
 from jaxlora.lora.adapter import random_adapter
 from jaxlora.lora.config import LoraConfig
-from jaxlora.lora.ops import BACKENDS
 from jaxlora.lora.plan import build_plan
 from jaxlora.lora.pool import AdapterPool
 from jaxlora.models.llama import LoraInputs
@@ -15,7 +15,7 @@ from tests.jaxlora.hf_checkpoints import relative_error
 
 # Every backend: the XLA references, both SGMV kernel styles and both fused-kernel styles (kernels
 # in interpret mode on a CPU); "pallas" is "pallas_gpu" off a GPU/TPU.
-TESTED_BACKENDS = [b for b in BACKENDS if b != "pallas"]
+TESTED_BACKENDS = [b for b in backends.names() if b != "pallas"]
 RANKS = (8, 16, 64)
 ROW_ADAPTER = [1, -1, 2, 0, 1]  # adapter index of each batch row (-1: base model), deliberately unsorted
 SEQ_LEN = 12

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxlora.lora.ops import lora_delta
+from jaxlora.lora import backends
 from jaxlora.lora.plan import build_plan, build_serving_plan, serving_order
 from tests.jaxlora.hf_checkpoints import relative_error
 
@@ -25,6 +25,10 @@ STEPS = {
     # 3 prefill adapters fit 4 segments; 8 distinct adapters in all do not, and need not
     "more_adapters_than_segments": [(0, 2), (1, 3), (2, 2)] + [(s, 1) for s in range(3, 11)],
 }
+
+
+def lora_delta(x, module_pool, plan, backend: str):
+    return backends.get(backend).delta(x, module_pool, plan)
 
 
 def random_pool(rng, num_slots=12):

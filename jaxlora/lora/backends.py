@@ -1,0 +1,168 @@
+"""The registry of LoRA backends: each way of computing the LoRA rows of a projection is one
+`LoraBackend` carrying its functions (from `jaxlora.lora.ops`) and its facts; configs validate
+names here (`get`, `names`), the command lines take their choices from here, and `resolve` says
+what `auto` means on a platform. No code elsewhere tests a backend by its name.
+
+  gather, onehot, ragged_dot, loop   XLA ops (GSPMD partitions them: tensor-parallel serving);
+  pallas                             the SGMV/BGMV kernels in the device's style (the GPU style
+                                     in interpret mode on a CPU); pallas_gpu, pallas_tpu: one
+                                     style explicitly (interpret mode off its own backend);
+  hybrid                             serving: the BGMV kernels on a decode-only `ServingPlan`,
+                                     the one-hot GEMMs on every other plan (bench/NOTES_serve.md);
+  fused, fused_tpu                   training: x @ W and the LoRA in one fused kernel, inside
+                                     the projection (`jaxlora.lora.project`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxlora.lora import ops
+from jaxlora.lora.plan import LoraPlan, ServingPlan
+
+AUTO = "auto"
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraBackend:
+    """One LoRA backend: its functions and its facts.
+
+    plan_type: the plan class the serving engine builds for it (`LoraPlan`, or `ServingPlan`: rows
+      ordered once per step, so the kernels move no rows).
+    partitionable: GSPMD can partition it over a mesh (plain XLA ops): it serves tensor parallel.
+    custom_kernel: it runs a `pallas_call` (no SPMD rule, no varying-axes types under shard_map).
+    serves / trains: the serving engine / the trainer accept it.
+    row_delta: (rows [N, k], a layer's pool, plan) -> [N, n] float32; None where it computes
+      nothing itself (hybrid routes, the fused backends work inside the projection).
+    in_place, in_place_group: with a `ServingPlan`, `ops.pallas_accumulate` and its grouped form
+      (the delta added in place into the projection's output); None: y + delta.
+    fused_linear: the fused projection (`ops.fused_linear`), or None.
+    route: plan -> the backend that computes that plan (hybrid), or None: itself.
+    """
+
+    name: str
+    plan_type: type
+    partitionable: bool
+    custom_kernel: bool
+    serves: bool
+    trains: bool
+    row_delta: Callable | None = None
+    in_place: Callable | None = None
+    in_place_group: Callable | None = None
+    fused_linear: Callable | None = None
+    route: Callable | None = None
+
+    @property
+    def fused(self) -> bool:
+        """The LoRA runs inside the projection's own kernel (`fused_linear`), not as a delta."""
+        return self.fused_linear is not None
+
+    def for_plan(self, plan) -> LoraBackend:
+        """The backend that computes `plan` (hybrid picks one; every other backend is itself)."""
+        return self if self.route is None else self.route(plan)
+
+    def delta(self, x: jax.Array, module_pool, plan) -> jax.Array:
+        """The LoRA output of one projection: x [..., k] in the plan's row order; module_pool a
+        layer's dict or a `ops.StackedModulePool`; plan a `LoraPlan` or `ServingPlan` over the
+        rows. Returns [..., n] in x's dtype, zero for rows whose slot is -1."""
+        backend = self.for_plan(plan)
+        if backend.row_delta is None:
+            raise ValueError(f"the {self.name} LoRA backend computes no delta: it runs inside the projection "
+                             f"(jaxlora.lora.project)")
+        delta = backend.row_delta(x.reshape(-1, x.shape[-1]), ops.layer_pool(module_pool), plan)
+        return delta.reshape(*x.shape[:-1], delta.shape[-1]).astype(x.dtype)
+
+    def accumulate(self, y: jax.Array, x: jax.Array, module_pool, plan) -> jax.Array:
+        """y [..., n] float32 (a projection's output) plus the LoRA of x [..., k]: in place with a
+        `ServingPlan` where the backend can, else `delta` rounded to x's dtype added."""
+        backend = self.for_plan(plan)
+        if backend.in_place is not None and isinstance(plan, ServingPlan):
+            return backend.in_place(y, x, module_pool, plan)
+        return y + backend.delta(x, module_pool, plan).astype(_F32)
+
+    def accumulate_group(self, ys, x: jax.Array, module_pools, plan) -> tuple:
+        """`accumulate` for several projections of one input x [..., k] (q/k/v, gate/up): ys their
+        float32 outputs [..., n_g], module_pools their pools; grouped kernels where the backend
+        has them (`in_place_group`), else one `accumulate` each."""
+        backend = self.for_plan(plan)
+        if backend.in_place_group is not None and isinstance(plan, ServingPlan):
+            return backend.in_place_group(ys, x, module_pools, plan)
+        return tuple(backend.accumulate(y, x, pool, plan) for y, pool in zip(ys, module_pools))
+
+
+def _xla(name: str, row_delta: Callable) -> LoraBackend:
+    return LoraBackend(name, LoraPlan, partitionable=True, custom_kernel=False, serves=True, trains=True,
+                       row_delta=row_delta)
+
+
+def _pallas(name: str, style: str | None) -> LoraBackend:
+    return LoraBackend(name, ServingPlan, partitionable=False, custom_kernel=True, serves=True, trains=True,
+                       row_delta=functools.partial(ops.pallas_delta, style=style),
+                       in_place=functools.partial(ops.pallas_accumulate, style=style),
+                       in_place_group=functools.partial(ops.pallas_accumulate_group, style=style))
+
+
+def _fused(name: str, style: str | None) -> LoraBackend:
+    return LoraBackend(name, LoraPlan, partitionable=False, custom_kernel=True, serves=False, trains=True,
+                       fused_linear=functools.partial(ops.fused_linear, style=style))
+
+
+def _hybrid_route(plan) -> LoraBackend:
+    """The kernels for a decode-only `ServingPlan` (BGMV alone), the one-hot GEMMs otherwise."""
+    decode_only = isinstance(plan, ServingPlan) and plan.seg_starts is None
+    return _REGISTRY["pallas" if decode_only else "onehot"]
+
+
+_REGISTRY: dict[str, LoraBackend] = {backend.name: backend for backend in (
+    _xla("gather", ops.gather_delta),
+    _xla("onehot", ops.onehot_delta),
+    _xla("ragged_dot", ops.ragged_dot_delta),
+    _xla("loop", ops.loop_delta),
+    _pallas("pallas", None),
+    _pallas("pallas_gpu", "gpu"),
+    _pallas("pallas_tpu", "tpu"),
+    LoraBackend("hybrid", ServingPlan, partitionable=False, custom_kernel=True, serves=True, trains=True,
+                route=_hybrid_route),
+    _fused("fused", None),
+    _fused("fused_tpu", "tpu"),
+)}
+
+# What a backend without the fact cannot do, for `get`'s errors.
+_CANNOT = {"serves": "cannot serve (a training kernel)", "trains": "cannot train",
+           "partitionable": "cannot run tensor parallel (a pallas_call has no GSPMD partitioning rule)"}
+
+
+def names(**facts: bool) -> tuple[str, ...]:
+    """Names of the backends whose facts match (e.g. `names(serves=True)`), in registry order."""
+    return tuple(name for name, backend in _REGISTRY.items()
+                 if all(getattr(backend, fact) == value for fact, value in facts.items()))
+
+
+def get(name: str, **facts: bool) -> LoraBackend:
+    """The backend called `name`; ValueError, listing the valid names, for an unknown name or a
+    backend without the facts asked for (serves, trains, partitionable: e.g. `get(name, serves=True)`)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown LoRA backend {name!r}; choose from {', '.join(names(**facts))}")
+    backend = _REGISTRY[name]
+    for fact, value in facts.items():
+        if getattr(backend, fact) != value:
+            raise ValueError(f"LoRA backend {name!r} {_CANNOT[fact]}; use one of {', '.join(names(**facts))}")
+    return backend
+
+
+def resolve(name: str, platform: str, tensor_parallel: int = 1) -> str:
+    """The backend `auto` means on `platform` ("gpu", "tpu", "cpu"): on one GPU "hybrid" (BGMV
+    kernels on decode-only steps, one-hot GEMMs on mixed steps; bench/NOTES_serve.md); with tensor
+    parallel on a GPU, or on a TPU, "onehot" (XLA GEMMs, partitionable; the kernels are unmeasured
+    on TPU); on a CPU "gather". Any other name is returned as given."""
+    if name != AUTO:
+        return name
+    if platform == "gpu":
+        return "hybrid" if tensor_parallel == 1 else "onehot"
+    return "onehot" if platform == "tpu" else "gather"
