@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.ops import resolve_impl
 
 KERNELS = ("auto", "reference", "gpu", "tpu")
 
@@ -53,18 +54,13 @@ def paged_attention(q, k_pages, v_pages, block_tables, row_starts, positions, *,
 
 
 def _resolve(kernel: str, interpret):
-    """(style, interpret) for a kernel name: "auto" is the backend's kernel (reference on CPU);
-    a kernel of another backend interprets (the TPU one with the TPU interpreter)."""
+    """(style, interpret) for a kernel name (`pallas_kernels.ops.resolve_impl`): "auto" is the
+    backend's kernel (reference on CPU); a kernel of another backend interprets (the TPU one with
+    the TPU interpreter); an explicit `interpret` is kept."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    backend = jax.default_backend()
-    if kernel == "auto":
-        kernel = backend if backend in ("gpu", "tpu") else "reference"
-    if interpret is None and kernel != "reference":
-        interpret = False if kernel == backend else True
-        if interpret and kernel == "tpu" and hasattr(pltpu, "InterpretParams"):
-            interpret = pltpu.InterpretParams()
-    return kernel, interpret
+    style, default_interpret = resolve_impl(None if kernel == "auto" else kernel)
+    return style, default_interpret if interpret is None else interpret
 
 
 def flat_layer_pages(k_pages, v_pages, layer):
