@@ -39,7 +39,6 @@ import numpy as np
 from flax import nnx
 
 from bench.timing import kernel_times, median_call_seconds
-import jaxlora.models.layers as layers_module
 import jaxlora.models.llama as llama_module
 import pallas_kernels.attention as attention_module
 from pallas_kernels.attention import FlashBlocks
@@ -310,9 +309,6 @@ def main() -> None:
     parser.add_argument("--profile", nargs="*", default=None, metavar="BACKEND",
                         help="time each kernel of the grad step (profiler trace) for these LoRA backends "
                              "(default: onehot fused) on the fullest microbatch, after --breakdown")
-    parser.add_argument("--grad-cast", choices=("separate", "fused"), default="separate",
-                        help="dense()'s backward: cast the cotangent to bf16 in its own fusion (default) or let "
-                             "XLA fuse it into the dX GEMM")
     parser.add_argument("--no-unroll", action="store_true",
                         help="keep the layer scan rolled in the jaxlora/sequential runs (default: unrolled)")
     parser.add_argument("--plot-from", nargs="+", default=None,
@@ -321,7 +317,6 @@ def main() -> None:
     args = parser.parse_args()
     global UNROLL_LAYERS
     UNROLL_LAYERS = not args.no_unroll
-    layers_module.SEPARATE_GRAD_CAST = args.grad_cast == "separate"
     if args.plot_from:
         plot(args.plot_from, os.path.splitext(args.out)[0] + ".png")
         return
