@@ -45,16 +45,18 @@ from pallas_kernels.attention import FlashBlocks
 from jaxlora.lora.adapter import random_adapter
 from jaxlora.lora.config import LoraConfig
 from jaxlora.lora.pool import AdapterPool
+from jaxlora.lora.trainable import apply_adapter_update, slot_params, split_pool
 from jaxlora.models.config import PROJECTIONS, LlamaConfig
 from jaxlora.models.llama import Llama
 from jaxlora.models.presets import llama8b_config
+from jaxlora.parallel.step import make_grad_step
 from jaxlora.scheduler.training.greedy import per_adapter_first_fit
 from jaxlora.scheduler.training.schedule import SchedulerConfig, build_schedule
 from jaxlora.scheduler.training.workloads import synthetic_data
 from train.config import JobConfig
 from train.data import TokenizedSample
-from train.optim import apply_adapter_update, make_optimizer, slot_params
-from train.step import add_trees, device_batch, make_grad_step, pack_microbatch, split_pool
+from train.optim import make_optimizer
+from train.step import add_trees, device_batch, pack_microbatch
 
 LORA = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.1, target_modules=PROJECTIONS)
 
