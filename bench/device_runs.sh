@@ -86,15 +86,14 @@ train_xla_flags() {  # one GPU: the grad step's profile and one workload, withou
   done
 }
 
-train_gemm() {  # one GPU: where the backward GEMMs run: dense()'s grad cast fused or separate; XLA's Triton GEMMs off
+train_gemm() {  # one GPU: where the backward GEMMs run, with and without XLA's Triton GEMMs
   nvidia-smi -L
-  local left=3
-  for run in "separate|" "fused|" "separate|--xla_gpu_enable_triton_gemm=false"; do
-    cast=${run%%|*}; flags=${run#*|}
-    echo "=== grad cast $cast, XLA_FLAGS=$flags"
+  local left=2
+  for flags in "" "--xla_gpu_enable_triton_gemm=false"; do
+    echo "=== XLA_FLAGS=$flags"
     XLA_FLAGS="$flags" timeout $(((LIMIT - SECONDS - 5) / left--)) python3 bench/train.py \
-        --layers 8 --capacity 4096 --grad-cast "$cast" --profile onehot --variants jaxlora-xla --workloads wikisum mixed \
-        --out "$OUT/train_gemm_${cast}${flags:+_notriton}_h200.json" 2>&1 | grep -v "cuda_timer\\|Warning" | tail -n 17
+        --layers 8 --capacity 4096 --profile onehot --variants jaxlora-xla --workloads wikisum mixed \
+        --out "$OUT/train_gemm${flags:+_notriton}_h200.json" 2>&1 | grep -v "cuda_timer\\|Warning" | tail -n 17
   done
 }
 

@@ -55,6 +55,7 @@ from bench.timing import median_call_seconds
 from jaxlora.lora.adapter import random_adapter
 from jaxlora.lora.config import LoraConfig
 from jaxlora.lora.pool import AdapterPool
+from jaxlora.lora.trainable import apply_adapter_update, split_pool
 from jaxlora.models.config import PROJECTIONS
 from jaxlora.models.llama import Llama
 from jaxlora.models.presets import llama8b_config
@@ -64,7 +65,7 @@ from jaxlora.scheduler.training.greedy import first_fit_decreasing
 from jaxlora.scheduler.training.schedule import SchedulerConfig, build_schedule
 from jaxlora.scheduler.training.workloads import DATASETS, synthetic_data
 from train.data import TokenizedSample
-from train.step import device_batch, pack_microbatch, split_pool
+from train.step import device_batch, pack_microbatch
 
 LORA = LoraConfig(r=16, lora_alpha=32, target_modules=PROJECTIONS)
 NUM_ADAPTERS = 4
@@ -145,8 +146,6 @@ def pipeline_model_dim(pipeline) -> int:
 
 def op_times(pipeline: mpmd.MpmdPipeline, placed, repeats: int) -> dict[str, list[float]]:
     """Seconds of one F, B and U op on each stage, each measured alone on its GPU."""
-    from train.optim import apply_adapter_update
-
     times = {"F": [], "B": [], "U": []}
     for index, stage in enumerate(pipeline.stages):
         tokens, batch, plan = placed[index]

@@ -39,23 +39,24 @@ import numpy as np
 from flax import nnx
 
 from bench.timing import kernel_times, median_call_seconds
-import jaxlora.models.layers as layers_module
 import jaxlora.models.llama as llama_module
 import pallas_kernels.attention as attention_module
 from pallas_kernels.attention import FlashBlocks
 from jaxlora.lora.adapter import random_adapter
 from jaxlora.lora.config import LoraConfig
 from jaxlora.lora.pool import AdapterPool
+from jaxlora.lora.trainable import apply_adapter_update, slot_params, split_pool
 from jaxlora.models.config import PROJECTIONS, LlamaConfig
 from jaxlora.models.llama import Llama
 from jaxlora.models.presets import llama8b_config
+from jaxlora.parallel.step import make_grad_step
 from jaxlora.scheduler.training.greedy import per_adapter_first_fit
 from jaxlora.scheduler.training.schedule import SchedulerConfig, build_schedule
 from jaxlora.scheduler.training.workloads import synthetic_data
 from train.config import JobConfig
 from train.data import TokenizedSample
-from train.optim import apply_adapter_update, make_optimizer, slot_params
-from train.step import add_trees, device_batch, make_grad_step, pack_microbatch, split_pool
+from train.optim import make_optimizer
+from train.step import add_trees, device_batch, pack_microbatch
 
 LORA = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.1, target_modules=PROJECTIONS)
 
@@ -310,9 +311,6 @@ def main() -> None:
     parser.add_argument("--profile", nargs="*", default=None, metavar="BACKEND",
                         help="time each kernel of the grad step (profiler trace) for these LoRA backends "
                              "(default: onehot fused) on the fullest microbatch, after --breakdown")
-    parser.add_argument("--grad-cast", choices=("separate", "fused"), default="separate",
-                        help="dense()'s backward: cast the cotangent to bf16 in its own fusion (default) or let "
-                             "XLA fuse it into the dX GEMM")
     parser.add_argument("--no-unroll", action="store_true",
                         help="keep the layer scan rolled in the jaxlora/sequential runs (default: unrolled)")
     parser.add_argument("--plot-from", nargs="+", default=None,
@@ -321,7 +319,6 @@ def main() -> None:
     args = parser.parse_args()
     global UNROLL_LAYERS
     UNROLL_LAYERS = not args.no_unroll
-    layers_module.SEPARATE_GRAD_CAST = args.grad_cast == "separate"
     if args.plot_from:
         plot(args.plot_from, os.path.splitext(args.out)[0] + ".png")
         return

@@ -1,9 +1,9 @@
-"""Device mesh, logical-axis sharding rules, and the placement of a Llama and its adapter pool.
+"""Device mesh and the placement of a Llama, its adapter pool, batches and plans on it.
 
 One `jax.sharding.Mesh` with the axes `data` (batch), `stage` (pipeline: groups of layers) and
 `tensor` (Megatron tensor parallel). Every weight and pool array has logical axis names
-(`weight_axes`, `pool_axes`); a `ShardingRules` table maps them to mesh axes (MaxText /
-jax-llm-examples style), so one table decides the layout of everything.
+(`jaxlora.models.axes`: `weight_axes`, `pool_axes`); a `ShardingRules` table maps them to mesh
+axes (MaxText / jax-llm-examples style), so one table decides the layout of everything.
 
 Tensor parallel: column-parallel q, k, v, gate, up (kernel output dim on `tensor`), row-parallel
 o, down (kernel input dim on `tensor`). The LoRA pool follows S-LoRA by reusing the kernel's
@@ -11,60 +11,25 @@ axes: A [k, r] takes the kernel's input axis and B [r, n] its output axis, so co
 layers split B by output columns (x @ A is computed replicated) and row-parallel layers split A
 by input rows (the partial x @ A @ B is summed with the base layer's partial sums).
 
-`make_grad_step` is the GSPMD path: jit with sharded inputs, XLA inserts the collectives. Custom
-kernels (a `pallas_call` has no SPMD rule) run under `jax.shard_map` (`jaxlora.parallel`).
+Inputs placed here make `jaxlora.parallel.step.make_grad_step` (mesh=None) the GSPMD path: jit
+with sharded inputs, XLA inserts the collectives. Custom kernels (a `pallas_call` has no SPMD
+rule) run under `jax.shard_map` (the same factory with a mesh).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxlora.lora.plan import LoraPlan
+from jaxlora.models.axes import ShardingRules, pool_axes, weight_axes
 from jaxlora.models.config import LlamaConfig
-from jaxlora.models.llama import Llama, LoraInputs
-from jaxlora.models.loss import per_slot_loss
+from jaxlora.models.llama import Llama
 
 MESH_AXES = ("data", "stage", "tensor")
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
-# (input axis, output axis) of each projection's kernel [in, out].
-PROJECTION_AXES = {
-    "q_proj": ("embed", "q_heads"),
-    "k_proj": ("embed", "kv_heads"),
-    "v_proj": ("embed", "kv_heads"),
-    "o_proj": ("q_heads", "embed"),
-    "gate_proj": ("embed", "mlp"),
-    "up_proj": ("embed", "mlp"),
-    "down_proj": ("mlp", "embed"),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardingRules:
-    """Logical axis -> mesh axis (None: replicated). `pipelined()` puts the layer axis on `stage`."""
-
-    batch: str | None = "data"
-    length: str | None = None
-    layers: str | None = None
-    embed: str | None = None
-    q_heads: str | None = "tensor"
-    kv_heads: str | None = "tensor"
-    mlp: str | None = "tensor"
-    vocab: str | None = "tensor"
-    slots: str | None = None
-    rank: str | None = None
-
-    def spec(self, logical_axes: tuple[str | None, ...]) -> P:
-        return P(*(None if axis is None else getattr(self, axis) for axis in logical_axes))
-
-    def pipelined(self) -> "ShardingRules":
-        return dataclasses.replace(self, layers="stage")
 
 
 def make_mesh(data: int = 1, stage: int = 1, tensor: int = 1, devices=None) -> Mesh:
@@ -89,36 +54,9 @@ def check_divisible(config: LlamaConfig, mesh: Mesh) -> None:
         raise ValueError(f"num_layers={config.num_layers} does not split over stage={stage}")
 
 
-def weight_axes(name: str) -> tuple[str, ...]:
-    """Logical axes of the model weight `name` (a key of `Llama.weights`)."""
-    if name == "embed_tokens":
-        return ("vocab", "embed")
-    if name == "lm_head":
-        return ("embed", "vocab")
-    if name == "norm":
-        return ("embed",)
-    module, _, kind = name.removeprefix("layers.").partition(".")
-    if not kind:  # a per-layer norm
-        return ("layers", "embed")
-    fan_in, fan_out = PROJECTION_AXES[module]
-    return ("layers", fan_in, fan_out) if kind == "kernel" else ("layers", fan_out)
-
-
 # The paged KV cache k, v [layers, pages, page_size, kv_heads, head_dim]: split by KV heads, so
 # each tensor shard keeps the keys/values of the heads its column-parallel k/v projections compute.
 KV_CACHE_AXES = ("layers", None, None, "kv_heads", None)
-
-
-def pool_axes(module: str, key: str) -> tuple[str, ...]:
-    """Logical axes of a pool array (S-LoRA: A shares the kernel's input axis, B its output axis)."""
-    fan_in, fan_out = PROJECTION_AXES[module]
-    return {"a": ("layers", "slots", fan_in, "rank"), "b": ("layers", "slots", "rank", fan_out),
-            "scale": ("layers", "slots"), "rank": ("layers", "slots")}[key]
-
-
-def slot_axes(module: str, key: str) -> tuple[str, ...]:
-    """Logical axes of one slot's values (a pool array's axes without the slot axis)."""
-    return tuple(axis for axis in pool_axes(module, key) if axis != "slots")
 
 
 def weight_specs(model: Llama, rules: ShardingRules) -> dict[str, P]:
@@ -166,26 +104,3 @@ def shard_plan(plan: LoraPlan, mesh: Mesh, rules: ShardingRules = ShardingRules(
 def replicate(value, mesh: Mesh) -> jax.Array:
     return put(value, mesh, P())
 
-
-def make_grad_step(model: Llama, num_slots: int, lora_backend: str = "gather"):
-    """GSPMD training step: jitted (model state, trainable, frozen, batch, plan, dropout rate, key)
-    -> (per-slot loss, grads of trainable). Pass `nnx.split(model)[1]` of a `shard_model`-ed model
-    and inputs placed by `shard_pool`/`shard_batch`/`shard_plan`: their shardings drive XLA's
-    partitioner. Same loss as `train.step.make_grad_step`. Backends: any that runs under GSPMD
-    (not the Pallas ones; `jaxlora.parallel` runs those under shard_map)."""
-    graphdef, _ = nnx.split(model)
-
-    def loss_fn(trainable, state, frozen, batch, plan, dropout_rate, dropout_key):
-        pool = {m: {**trainable[m], **frozen[m]} for m in trainable}
-        logits, _ = nnx.merge(graphdef, state)(
-            batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"],
-            lora=LoraInputs(pool, plan, dropout_rate, dropout_key), lora_backend=lora_backend)
-        return per_slot_loss(logits, batch, plan.token_slot, num_slots)
-
-    @jax.jit
-    def grad_step(state, trainable, frozen, batch, plan, dropout_rate, dropout_key):
-        grads, per_slot = jax.grad(loss_fn, has_aux=True)(trainable, state, frozen, batch, plan,
-                                                           dropout_rate, dropout_key)
-        return per_slot, grads
-
-    return grad_step

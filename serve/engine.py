@@ -65,7 +65,8 @@ from jaxlora.lora.adapter import LoraAdapter, check_finite
 from jaxlora.lora.config import AdapterError
 from jaxlora.lora.plan import ServingPlan, build_plan, build_serving_plan, segment_bucket, serving_order
 from jaxlora.lora.pool import AdapterPool, PreparedAdapter
-from jaxlora.models.llama import Llama, LoraInputs, projection_shapes
+from jaxlora.models.config import projection_shapes
+from jaxlora.models.llama import Llama, LoraInputs
 from jaxlora.models.paged import PagedBatch, PagedKVCache, paged_forward
 from jaxlora.scheduler.serving import SchedulerConfig, Sequence, ServingScheduler, StepPlan, pages_for
 

@@ -1,11 +1,9 @@
 """Per-adapter optimizers: each job has its own optax AdamW and learning-rate schedule, over its own
-slice of the adapter pool, and steps only when its own global batch is complete."""
+slice of the adapter pool, and steps only when its own global batch is complete (the step itself:
+`jaxlora.lora.trainable.apply_adapter_update`)."""
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -31,26 +29,6 @@ def learning_rate_schedule(job: JobConfig, total_steps: int) -> optax.Schedule:
 def make_optimizer(job: JobConfig, total_steps: int) -> optax.GradientTransformation:
     return optax.adamw(learning_rate_schedule(job, total_steps), b1=0.9, b2=0.999, eps=1e-8,
                        weight_decay=job.weight_decay)
-
-
-def slot_params(trainable: dict, slot: int, rank: int) -> dict:
-    """One adapter's parameters {module: {a [L, k, r], b [L, r, n]}} out of the pool."""
-    return {m: {"a": v["a"][:, slot, :, :rank], "b": v["b"][:, slot, :rank, :]} for m, v in trainable.items()}
-
-
-@functools.partial(jax.jit, static_argnums=(0, 3, 4), donate_argnums=(1, 2))
-def apply_adapter_update(optimizer, trainable, grads_acc, slot: int, rank: int, opt_state):
-    """One optimizer step of the adapter in `slot` from its accumulated gradient; clears that gradient.
-
-    Returns (trainable, grads_acc, opt_state) with only `slot` changed."""
-    params = slot_params(trainable, slot, rank)
-    grads = slot_params(grads_acc, slot, rank)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    trainable = {m: {"a": v["a"].at[:, slot, :, :rank].set(params[m]["a"]),
-                     "b": v["b"].at[:, slot, :rank, :].set(params[m]["b"])} for m, v in trainable.items()}
-    grads_acc = {m: {k: x.at[:, slot].set(0) for k, x in v.items()} for m, v in grads_acc.items()}
-    return trainable, grads_acc, opt_state
 
 
 def init_lora_a(trainable: dict, slot: int, ranks: dict, seed: int) -> dict:

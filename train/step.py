@@ -1,4 +1,5 @@
-"""One microbatch: packing scheduled samples into arrays, and the jitted loss/gradient of the adapters.
+"""One microbatch: packing scheduled samples into the arrays of the grad step
+(`jaxlora.parallel.step.make_grad_step`), and adding up its gradients.
 
 Every microbatch is one row of `capacity` tokens holding whole samples of any adapters (segment ids
 keep attention inside each sample). Token weights are 1 / (target tokens of that adapter's global
@@ -13,11 +14,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxlora.lora.plan import LoraPlan, build_plan, segment_bucket
-from jaxlora.models.llama import Llama, LoraInputs
-from jaxlora.models.loss import per_slot_loss
 
 
 @dataclasses.dataclass
@@ -53,45 +51,6 @@ def pack_microbatch(entries, capacity: int, num_slots: int) -> MicrobatchArrays:
         adapter_tokens[slot] += length
         offset += length
     return MicrobatchArrays(tokens, positions, segment_ids, targets, weights, token_slot, adapter_tokens)
-
-
-def split_pool(pool_arrays: dict) -> tuple[dict, dict]:
-    """(trainable {module: {a, b}}, frozen {module: {scale, rank}}) from an AdapterPool's arrays."""
-    trainable = {m: {"a": v["a"], "b": v["b"]} for m, v in pool_arrays.items()}
-    frozen = {m: {"scale": v["scale"], "rank": v["rank"]} for m, v in pool_arrays.items()}
-    return trainable, frozen
-
-
-def make_grad_step(model: Llama, num_slots: int, lora_backend: str, attention: str = "auto",
-                   unroll_layers: bool = False):
-    """A (trainable, frozen, batch arrays, plan, dropout rate, key) -> (per-slot loss, grads) step.
-    `attention`: the model's packed attention ("auto": the flash kernel on GPU/TPU, masked on CPU);
-    `unroll_layers`: unroll the layer scan (faster steps on GPU, longer compile; see `Llama`).
-
-    The frozen base weights enter the jitted function as an argument, not as captured constants:
-    constants would be embedded in the compiled program (gigabytes for an 8B model, a slow compile)."""
-    graphdef, state = nnx.split(model)
-
-    def loss_fn(trainable, frozen, state, batch, plan: LoraPlan, dropout_rate, dropout_key):
-        pool = {m: {**trainable[m], **frozen[m]} for m in trainable}
-        lora = LoraInputs(pool, plan, dropout_rate, dropout_key)
-        logits, _ = nnx.merge(graphdef, state)(
-            batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"], lora=lora,
-            lora_backend=lora_backend, attention=attention, unroll_layers=unroll_layers,
-        )
-        return per_slot_loss(logits, batch, plan.token_slot, num_slots)
-
-    grad_fn = jax.grad(loss_fn, has_aux=True)  # d/d trainable only
-
-    @jax.jit
-    def jitted_step(state, trainable, frozen, batch, plan, dropout_rate, dropout_key):
-        grads, per_slot = grad_fn(trainable, frozen, state, batch, plan, dropout_rate, dropout_key)
-        return per_slot, grads
-
-    def grad_step(trainable, frozen, batch, plan, dropout_rate, dropout_key):
-        return jitted_step(state, trainable, frozen, batch, plan, dropout_rate, dropout_key)
-
-    return grad_step
 
 
 def device_batch(arrays: MicrobatchArrays, num_slots: int) -> tuple[dict, LoraPlan]:

@@ -17,16 +17,18 @@ from tqdm import tqdm
 from jaxlora.lora.adapter import LoraAdapter, ModuleLora, empty_module
 from jaxlora.lora.peft_io import save_peft_adapter
 from jaxlora.lora.pool import AdapterPool
-from jaxlora.models.llama import PROJECTIONS
+from jaxlora.lora.trainable import apply_adapter_update, slot_params, split_pool
+from jaxlora.models.config import PROJECTIONS
+from jaxlora.parallel.step import make_grad_step
 from jaxlora.scheduler.training.data import TrainingData
 from jaxlora.scheduler.training.schedule import SchedulerConfig
 from jaxlora.weights import load_model
 from train.checkpoint import Checkpointer
 from train.config import TrainConfig
 from train.data import load_job_samples, sample_order
-from train.optim import apply_adapter_update, init_lora_a, make_optimizer
+from train.optim import init_lora_a, make_optimizer
 from train.schedule_stream import ScheduleStream
-from train.step import add_trees, device_batch, make_grad_step, pack_microbatch, split_pool
+from train.step import add_trees, device_batch, pack_microbatch
 
 
 @dataclasses.dataclass
@@ -58,7 +60,8 @@ class Trainer:
         self.trainable, self.frozen = self._initial_pool()
         self.grads_acc = jax.tree.map(jnp.zeros_like, self.trainable)
         self.loss_acc = jnp.zeros(len(self.jobs), jnp.float32)
-        self.opt_states = [job.optimizer.init(self._slot_params(i)) for i, job in enumerate(self.jobs)]
+        self.opt_states = [job.optimizer.init(slot_params(self.trainable, i, job.rank))
+                           for i, job in enumerate(self.jobs)]
         self.grad_step = make_grad_step(model, len(self.jobs), config.lora_backend,
                                          unroll_layers=config.unroll_layers)
         self.dropout_rate = jnp.asarray([job.lora.lora_dropout for job in config.jobs], jnp.float32)
@@ -84,10 +87,6 @@ class Trainer:
             ranks = {m: np.asarray(frozen[m]["rank"][:, index]) for m in trainable}
             trainable = init_lora_a(trainable, index, ranks, seed=job.seed)
         return trainable, frozen
-
-    def _slot_params(self, slot: int) -> dict:
-        rank = self.jobs[slot].rank
-        return {m: {"a": v["a"][:, slot, :, :rank], "b": v["b"][:, slot, :rank, :]} for m, v in self.trainable.items()}
 
     def _schedule(self) -> ScheduleStream:
         lengths = {i: tuple(len(job.samples[s].tokens) for s in job.order) for i, job in enumerate(self.jobs)}

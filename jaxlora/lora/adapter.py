@@ -9,7 +9,7 @@ import numpy as np
 
 from jaxlora.lora.config import AdapterError, LoraConfig
 from jaxlora.models.config import LlamaConfig
-from jaxlora.models.llama import projection_shapes
+from jaxlora.models.config import projection_shapes
 
 
 @dataclasses.dataclass

@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 from jaxlora.lora.adapter import LoraAdapter, check_finite, empty_module
 from jaxlora.lora.config import AdapterError, LoraConfig, module_key
 from jaxlora.models.config import LlamaConfig
-from jaxlora.models.llama import PROJECTIONS
+from jaxlora.models.config import PROJECTIONS
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -11,10 +11,10 @@ are then invalid (read `pool.arrays` again after each). `prepare` validates an a
 it into host arrays of the pool's dtype once; loading a `PreparedAdapter` skips that host work
 (a server prepares every adapter at registration and loads it many times).
 
-With a `mesh` the arrays are placed by `jaxlora.sharding.pool_specs` (S-LoRA: A of row-parallel
-layers split by input rows, B of column-parallel layers by output columns) and the slot update
-keeps that placement (its outputs are pinned to it, so donation still writes in place); each
-device receives only its part of a loaded slot."""
+With a `mesh` the arrays are placed by their logical axes (`jaxlora.models.axes.pool_axes`;
+S-LoRA: A of row-parallel layers split by input rows, B of column-parallel layers by output
+columns) and the slot update keeps that placement (its outputs are pinned to it, so donation
+still writes in place); each device receives only its part of a loaded slot."""
 
 from __future__ import annotations
 
@@ -28,13 +28,11 @@ import numpy as np
 
 from jaxlora.lora.adapter import LoraAdapter, check_finite
 from jaxlora.lora.config import AdapterError
-from jaxlora.models.config import LlamaConfig
-from jaxlora.models.llama import PROJECTIONS, projection_shapes
+from jaxlora.models.axes import ShardingRules, pool_axes, slot_axes
+from jaxlora.models.config import PROJECTIONS, LlamaConfig, projection_shapes
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
-
-    from jaxlora.sharding import ShardingRules
 
 
 def empty_pool_arrays(base: LlamaConfig, num_slots: int, max_rank: int, modules, dtype) -> dict:
@@ -67,11 +65,9 @@ POOL_KEYS = ("a", "b", "scale", "rank")
 
 @functools.lru_cache(maxsize=None)
 def _placed_pool_fns(base: LlamaConfig, num_slots: int, max_rank: int, modules: tuple, dtype_name: str,
-                     mesh: "Mesh", rules: "ShardingRules", donate: bool):
+                     mesh: "Mesh", rules: ShardingRules, donate: bool):
     """(make the empty pool on `mesh`, the slot update that keeps its placement), jitted once per layout."""
     from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from jaxlora.sharding import pool_axes, slot_axes
 
     def shardings(axes):
         return {m: {k: NamedSharding(mesh, rules.spec(axes(m, k))) for k in POOL_KEYS} for m in modules}
@@ -107,7 +103,7 @@ class AdapterPool:
 
     def __init__(self, base: LlamaConfig, num_slots: int, max_rank: int,
                  target_modules=PROJECTIONS, dtype=jnp.float32, donate: bool = False,
-                 mesh: "Mesh | None" = None, rules: "ShardingRules | None" = None):
+                 mesh: "Mesh | None" = None, rules: ShardingRules | None = None):
         if num_slots < 1 or max_rank < 1:
             raise ValueError(f"num_slots and max_rank must be >= 1, got {num_slots}, {max_rank}")
         self.base = base
@@ -121,8 +117,6 @@ class AdapterPool:
             self.arrays = empty_pool_arrays(base, num_slots, max_rank, self.target_modules, dtype)
             self._update = write_slot_donated if donate else write_slot
         else:
-            from jaxlora.sharding import ShardingRules
-
             empty, self._update = _placed_pool_fns(base, num_slots, max_rank, self.target_modules,
                                                    np.dtype(dtype).name, mesh, rules or ShardingRules(), donate)
             self.arrays = empty()

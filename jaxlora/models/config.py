@@ -1,4 +1,5 @@
-"""The Llama-family model configuration, built from a HF `config.json` or from GGUF metadata."""
+"""The Llama-family model configuration (built from a HF `config.json` or from GGUF metadata) and
+the names, shapes and biases of its LoRA-targetable projections."""
 
 from __future__ import annotations
 
@@ -61,6 +62,27 @@ class LlamaConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+def projection_shapes(config: LlamaConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each projection of one decoder layer."""
+    d, f = config.hidden_size, config.intermediate_size
+    return {
+        "q_proj": (d, config.q_size),
+        "k_proj": (d, config.kv_size),
+        "v_proj": (d, config.kv_size),
+        "o_proj": (config.q_size, d),
+        "gate_proj": (d, f),
+        "up_proj": (d, f),
+        "down_proj": (f, d),
+    }
+
+
+def has_bias(config: LlamaConfig, name: str) -> bool:
+    """Whether projection `name` has a bias (q/k/v: attention_bias; o_proj: o_proj_bias)."""
+    if name in ("q_proj", "k_proj", "v_proj"):
+        return config.attention_bias
+    return name == "o_proj" and config.o_proj_bias
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:

@@ -22,9 +22,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * normed.astype(x.dtype)
 
 
-SEPARATE_GRAD_CAST = True  # read at trace time by dense's backward; bench/train.py --grad-cast compares
-
-
 @jax.custom_vjp
 def dense(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., k] @ w [k, n], accumulated and returned in float32.
@@ -33,8 +30,8 @@ def dense(x: jax.Array, w: jax.Array) -> jax.Array:
     dW = x^T g, both accumulated in float32), as PyTorch's bf16 training does: differentiating a
     plain `jnp.dot(..., preferred_element_type=float32)` would multiply a float32 cotangent by the
     bf16 weight upcast to float32, a TF32 GEMM at half the bf16 rate. For float32 inputs the two
-    are the same. With SEPARATE_GRAD_CAST the cast is its own fusion (an optimization barrier):
-    otherwise XLA may fuse it into the dX GEMM as a Triton prologue instead of calling cuBLAS."""
+    are the same. The cast is its own fusion (an optimization barrier): otherwise XLA may fuse it
+    into the dX GEMM as a Triton prologue instead of calling cuBLAS."""
     return jnp.dot(x, w, preferred_element_type=jnp.float32)
 
 
@@ -44,9 +41,7 @@ def _dense_forward(x, w):
 
 def _dense_backward(saved, grad):
     x, w = saved
-    grad = grad.astype(x.dtype)
-    if SEPARATE_GRAD_CAST:
-        grad = jax.lax.optimization_barrier(grad)
+    grad = jax.lax.optimization_barrier(grad.astype(x.dtype))
     grad_x = jnp.dot(grad, w.T, preferred_element_type=jnp.float32).astype(x.dtype)
     rows, grad_rows = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
     grad_w = jnp.dot(rows.T, grad_rows, preferred_element_type=jnp.float32).astype(w.dtype)

@@ -21,12 +21,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlora.lora.project import LayerLora, LoraInputs, layer_lora as make_layer_lora, project as _project, project_group
-from jaxlora.models.config import PROJECTIONS, LlamaConfig
+from jaxlora.models.config import LlamaConfig, has_bias, projection_shapes
 from jaxlora.models.layers import (PackedSegments, apply_rope, attend, dense, packed_attention, rms_norm,
                                   rope_inverse_frequencies)
 
 # Stacked per-layer weights are `layers.<name>`; kernels are [num_layers, in, out].
-__all__ = ["DenseCacheAttention", "KVCache", "Llama", "PackedAttention", "LoraInputs", "PROJECTIONS", "decoder_layer", "projection_shapes", "weight_shapes"]
+__all__ = ["DenseCacheAttention", "KVCache", "Llama", "PackedAttention", "LoraInputs", "decoder_layer", "weight_shapes"]
 LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
@@ -40,26 +40,6 @@ class KVCache(NamedTuple):
     def zeros(cls, config: LlamaConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
         shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-
-
-def projection_shapes(config: LlamaConfig) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each projection of one decoder layer."""
-    d, f = config.hidden_size, config.intermediate_size
-    return {
-        "q_proj": (d, config.q_size),
-        "k_proj": (d, config.kv_size),
-        "v_proj": (d, config.kv_size),
-        "o_proj": (config.q_size, d),
-        "gate_proj": (d, f),
-        "up_proj": (d, f),
-        "down_proj": (f, d),
-    }
-
-
-def has_bias(config: LlamaConfig, name: str) -> bool:
-    if name in ("q_proj", "k_proj", "v_proj"):
-        return config.attention_bias
-    return name == "o_proj" and config.o_proj_bias
 
 
 def weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:

@@ -25,7 +25,8 @@ from jaxlora.models.config import LlamaConfig
 from jaxlora.models.layers import rope_inverse_frequencies
 from jaxlora.lora.project import layer_lora as make_layer_lora
 from jaxlora.models.llama import LoraInputs, PackedAttention, decoder_layer
-from jaxlora.sharding import ROW_PARALLEL, ShardingRules, pool_specs, weight_axes
+from jaxlora.models.axes import ShardingRules, weight_axes
+from jaxlora.sharding import ROW_PARALLEL, pool_specs
 
 
 def _check_vma(backend: str, plans: LoraPlan) -> bool:

@@ -33,6 +33,7 @@ from jaxlora.lora.plan import LoraPlan
 from jaxlora.models.config import LlamaConfig
 from jaxlora.models.layers import dense, rms_norm, rope_inverse_frequencies
 from jaxlora.lora.project import layer_lora as make_layer_lora
+from jaxlora.lora.trainable import apply_adapter_update, join_pool, slot_params
 from jaxlora.models.llama import Llama, LoraInputs, PackedAttention, _packed_mask, decoder_layer
 from jaxlora.models.loss import per_slot_loss
 from jaxlora.parallel.bubble import stage_order
@@ -169,7 +170,7 @@ def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
 
 
 def _layer_call(config, backend, inv_freq, weights, trainable, frozen, hidden, batch, plan, mask, index):
-    pool = {m: {**trainable[m], **frozen[m]} for m in trainable}
+    pool = join_pool(trainable, frozen)
     hidden, _ = decoder_layer(config, weights, hidden, batch["positions"], inv_freq, PackedAttention(mask),
                               make_layer_lora(LoraInputs(pool, plan), pool, backend, index))
     return hidden
@@ -296,13 +297,11 @@ class MpmdPipeline:
     """A model's layers split over `devices` (one stage each), with the adapters of a pool.
 
     trainable {module: {a [L, slots, k, r], b [L, slots, r, n]}}, frozen {module: {scale, rank}}
-    (see `train.step.split_pool`); optimizer: an optax transformation applied per slot with
-    `train.optim.apply_adapter_update` (its state per stage and slot)."""
+    (see `jaxlora.lora.trainable.split_pool`); optimizer: an optax transformation applied per slot
+    with `jaxlora.lora.trainable.apply_adapter_update` (its state per stage and slot)."""
 
     def __init__(self, model: Llama, trainable: dict, frozen: dict, devices: Sequence[jax.Device], optimizer,
                  rank: int, backend: str = "onehot"):
-        from train.optim import slot_params
-
         self.devices = list(devices)
         self.optimizer, self.rank = optimizer, rank
         num_slots = next(iter(trainable.values()))["a"].shape[1]
@@ -352,8 +351,6 @@ class MpmdPipeline:
     def _issue(self, stage_index: int, op: Op, inputs, state: "_RunState", wait: bool = False) -> None:
         """Issues one op of one stage; its input comes from `state` (wait=True: blocks until a
         neighbour's thread has put it there)."""
-        from train.optim import apply_adapter_update
-
         stage, last = self.stages[stage_index], self.num_stages - 1
         if op.kind == "U":
             stage.trainable, stage.grads_acc, stage.opt_states[op.index] = apply_adapter_update(

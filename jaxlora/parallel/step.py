@@ -1,6 +1,16 @@
-"""Training step (per-slot loss and adapter gradients) with the decoder layers under shard_map:
-embedding, unembedding and loss stay GSPMD (jit with sharded inputs), the layers run in
-`tensor_parallel_stack` or, with microbatches on a `stage` mesh, `pipeline_stack`."""
+"""The one training grad step: per-slot loss and adapter gradients of packed multi-adapter rows,
+in four modes over one loss (`per_slot_loss` of the model's logits, token slots from the plan):
+
+  * one device (no mesh): the model's own forward under jit;
+  * GSPMD (no mesh, inputs placed by `jaxlora.sharding`'s `shard_model`, `shard_pool`,
+    `shard_batch`, `shard_plan`): the same program; XLA partitions it by the inputs' shardings
+    and inserts the collectives (backends GSPMD can partition: not the Pallas kernels);
+  * shard_map (`mesh`): embedding, unembedding and loss under GSPMD, the decoder layers in
+    `tensor_parallel_stack` (any backend, Pallas kernels included);
+  * pipeline (`mesh`, `pipeline=True`): the layers in `pipeline_stack` (GPipe over `stage`), the
+    rows split in microbatches [M, B, T], the loss summed over them.
+
+The MPMD pipeline (`jaxlora.parallel.mpmd`) computes the same loss stage by stage."""
 
 from __future__ import annotations
 
@@ -8,37 +18,76 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxlora.models.llama import Llama, _packed_mask
-from jaxlora.parallel.layer_stack import pipeline_stack, tensor_parallel_stack
+from jaxlora.lora.trainable import join_pool
+from jaxlora.models.axes import ShardingRules
+from jaxlora.models.config import LlamaConfig
+from jaxlora.models.llama import Llama, LoraInputs, _packed_mask
 from jaxlora.models.loss import per_slot_loss
-from jaxlora.sharding import ShardingRules
+from jaxlora.parallel.layer_stack import pipeline_stack, tensor_parallel_stack
 
 
-def make_grad_step(model: Llama, mesh: Mesh, num_slots: int, lora_backend: str = "gather",
-                   rules: ShardingRules = ShardingRules(), pipeline: bool = False):
-    """Jitted (model state, trainable, frozen, batch, plans) -> (per-slot loss, grads of trainable).
+def make_grad_step(model: Llama, num_slots: int, lora_backend: str = "gather", *, mesh: Mesh | None = None,
+                   rules: ShardingRules = ShardingRules(), pipeline: bool = False, attention: str = "auto",
+                   unroll_layers: bool = False):
+    """A jitted (trainable, frozen, batch, plan, dropout_rate=None, dropout_key=None) ->
+    (per-slot loss sums [num_slots], grads of trainable) over `model`'s current weights.
 
-    batch: tokens, positions, segment_ids, targets, weights, token_slot, each [B, T] (pipeline:
-    [M, B, T], M microbatches); plans from `jaxlora.parallel.plans.local_plans` with the mesh's
-    data size. Place the model with `shard_model(model, mesh, rules)` (`rules.pipelined()` for a
-    pipeline); the same loss as `train.step.make_grad_step` summed over the microbatches."""
-    graphdef, _ = nnx.split(model)
-    stack_fn = pipeline_stack if pipeline else tensor_parallel_stack
-    stack = stack_fn(model.config, mesh, rules, lora_backend)
+    trainable {module: {a [L, S, k, r], b [L, S, r, n]}} and frozen {module: {scale, rank [L, S]}}
+    from `jaxlora.lora.trainable.split_pool`; batch: tokens, positions, segment_ids, targets,
+    weights, each [B, T] ([M, B, T] with `pipeline`); plan: the `LoraPlan` of the B*T tokens, or
+    with a mesh the per-data-shard plans of `jaxlora.parallel.plans.local_plans`. Without a mesh:
+    LoRA dropout (rate [S], key), the model's packed `attention` and `unroll_layers` (see `Llama`).
+    With a mesh: place the model with `shard_model(model, mesh, rules)` (`rules.pipelined()` for
+    a pipeline). The base weights enter the jitted function as an argument, not as captured
+    constants (those would be embedded in the program: gigabytes for an 8B model, a slow compile)."""
+    graphdef, state = nnx.split(model)
+    if mesh is None:
+        forward = _model_forward(lora_backend, attention, unroll_layers)
+    else:
+        forward = _stack_forward(model.config, mesh, rules, lora_backend, pipeline)
 
-    def loss_fn(trainable, state, frozen, batch, plans):
+    def loss_fn(trainable, frozen, state, batch, plan, dropout_rate, dropout_key):
         model = nnx.merge(graphdef, state)
-        pool = {m: {**trainable[m], **frozen[m]} for m in trainable}
-        tokens = batch["tokens"]
-        mask = _packed_mask(tokens.reshape(-1, tokens.shape[-1]).shape,  # GSPMD: no custom-call kernels
-                            batch["segment_ids"].reshape(-1, tokens.shape[-1]), model.config.head_dim, "masked")
-        mask = mask.reshape(*tokens.shape, tokens.shape[-1])
-        hidden = stack(model.embed(tokens), batch["positions"], mask, model.layer_weights(), pool, plans)
-        return per_slot_loss(model.unembed(hidden), batch, batch["token_slot"], num_slots)
+        logits = forward(model, join_pool(trainable, frozen), batch, plan, dropout_rate, dropout_key)
+        return per_slot_loss(logits, batch, plan.token_slot, num_slots)
 
     @jax.jit
-    def grad_step(state, trainable, frozen, batch, plans):
-        grads, per_slot = jax.grad(loss_fn, has_aux=True)(trainable, state, frozen, batch, plans)
+    def jitted_step(state, trainable, frozen, batch, plan, dropout_rate, dropout_key):
+        grads, per_slot = jax.grad(loss_fn, has_aux=True)(trainable, frozen, state, batch, plan,
+                                                           dropout_rate, dropout_key)
         return per_slot, grads
 
+    def grad_step(trainable, frozen, batch, plan, dropout_rate=None, dropout_key=None):
+        if mesh is not None and dropout_rate is not None:
+            raise ValueError("LoRA dropout needs the unmapped model: make the grad step without a mesh")
+        return jitted_step(state, trainable, frozen, batch, plan, dropout_rate, dropout_key)
+
     return grad_step
+
+
+def _model_forward(lora_backend: str, attention: str, unroll_layers: bool):
+    """(model, pool, batch, plan, dropout rate, key) -> logits [B, T, vocab] of the whole model."""
+
+    def forward(model, pool, batch, plan, dropout_rate, dropout_key):
+        logits, _ = model(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"],
+                          lora=LoraInputs(pool, plan, dropout_rate, dropout_key), lora_backend=lora_backend,
+                          attention=attention, unroll_layers=unroll_layers)
+        return logits
+
+    return forward
+
+
+def _stack_forward(config: LlamaConfig, mesh: Mesh, rules: ShardingRules, lora_backend: str, pipeline: bool):
+    """(model, pool, batch, plans, -, -) -> logits [(M,) B, T, vocab]: embedding and unembedding
+    under GSPMD, the decoder layers under shard_map."""
+    stack = (pipeline_stack if pipeline else tensor_parallel_stack)(config, mesh, rules, lora_backend)
+
+    def forward(model, pool, batch, plans, dropout_rate, dropout_key):
+        tokens = batch["tokens"]
+        rows = tokens.reshape(-1, tokens.shape[-1]).shape
+        mask = _packed_mask(rows, batch["segment_ids"].reshape(rows), config.head_dim, "masked")  # GSPMD: no kernels
+        mask = mask.reshape(*tokens.shape, tokens.shape[-1])
+        hidden = stack(model.embed(tokens), batch["positions"], mask, model.layer_weights(), pool, plans)
+        return model.unembed(hidden)
+
+    return forward

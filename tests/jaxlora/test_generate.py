@@ -61,7 +61,7 @@ def test_generation_with_adapters_equals_merged_weights(smollm2):
     """Rows with different adapters in one batch decode like the adapter merged into the weights."""
     from jaxlora.lora.adapter import random_adapter
     from jaxlora.lora.config import LoraConfig
-    from jaxlora.lora.merge import merge_adapter, unmerge_adapter
+    from jaxlora.models.merge import merge_adapter, unmerge_adapter
     from jaxlora.lora.pool import AdapterPool
 
     model, tokenizer = smollm2

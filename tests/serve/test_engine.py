@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from jaxlora.generate import SamplingParams, generate
-from jaxlora.lora.merge import merge_adapter
+from jaxlora.models.merge import merge_adapter
 from serve.engine import Engine, EngineConfig, Event, SamplingOptions
 from tests.serve.conftest import SMALL_ENGINE, exact_weights
 

@@ -12,7 +12,7 @@ from jaxlora.lora.config import AdapterError, LoraConfig
 from jaxlora.lora.peft_io import load_peft_adapter, save_peft_adapter
 from jaxlora.lora.pool import AdapterPool
 from jaxlora.models.config import LlamaConfig
-from tests.jaxlora.lora.test_merge import CONFIG
+from tests.jaxlora.test_merge import CONFIG
 
 LORA = LoraConfig(r=8, lora_alpha=16, target_modules=("q_proj", "v_proj", "down_proj"))
 

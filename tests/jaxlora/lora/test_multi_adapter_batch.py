@@ -10,7 +10,7 @@ from jaxlora.lora.config import LoraConfig
 from jaxlora.lora.plan import build_plan
 from jaxlora.lora.pool import AdapterPool
 from jaxlora.models.llama import LoraInputs
-from jaxlora.models.llama import PROJECTIONS
+from jaxlora.models.config import PROJECTIONS
 from tests.jaxlora.hf_checkpoints import relative_error
 
 # Every backend: the XLA references, both SGMV kernel styles and both fused-kernel styles (kernels

@@ -9,7 +9,7 @@ from jaxlora.lora.config import LoraConfig
 from jaxlora.lora.plan import build_plan
 from jaxlora.lora.pool import AdapterPool
 from jaxlora.models.llama import Llama, LoraInputs
-from tests.jaxlora.lora.test_merge import CONFIG
+from tests.jaxlora.test_merge import CONFIG
 
 
 def test_new_adapter_mix_does_not_recompile():

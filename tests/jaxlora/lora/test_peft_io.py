@@ -10,7 +10,8 @@ from jaxlora.lora.config import LoraConfig
 from jaxlora.lora.peft_io import load_peft_adapter, save_peft_adapter
 from jaxlora.lora.plan import build_plan
 from jaxlora.lora.pool import AdapterPool
-from jaxlora.models.llama import PROJECTIONS, LoraInputs
+from jaxlora.models.config import PROJECTIONS
+from jaxlora.models.llama import LoraInputs
 from tests.jaxlora.hf_checkpoints import relative_error
 
 TEXT = "Adapters change what a model says about the weather in Paris."

@@ -8,7 +8,7 @@ import pytest
 from jaxlora.lora.adapter import random_adapter
 from jaxlora.lora.config import AdapterError, LoraConfig
 from jaxlora.lora.pool import AdapterPool, write_slot, write_slot_donated
-from tests.jaxlora.lora.test_merge import CONFIG
+from tests.jaxlora.test_merge import CONFIG
 
 SLOTS, RANK = 5, 8  # a layout no other test uses, so the compile count below is this test's own
 MODULES = ("q_proj", "v_proj", "down_proj")

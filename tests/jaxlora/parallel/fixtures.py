@@ -69,8 +69,3 @@ def packed_batch(batch: int = 4, length: int = 16, adapters=(0, 1, 2, 3), seed: 
                     "targets": targets, "weights": weights}
     return batch_arrays, token_slot
 
-
-def trainable_frozen(pool: dict):
-    trainable = {m: {"a": v["a"], "b": v["b"]} for m, v in pool.items()}
-    frozen = {m: {"scale": v["scale"], "rank": v["rank"]} for m, v in pool.items()}
-    return trainable, frozen

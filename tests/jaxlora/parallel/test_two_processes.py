@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from jaxlora.lora.plan import build_plan, segment_bucket
-from tests.jaxlora.parallel.fixtures import NUM_SLOTS, packed_batch, random_pool, tiny_model, trainable_frozen
-from train.step import make_grad_step
+from jaxlora.lora.trainable import split_pool
+from jaxlora.parallel.step import make_grad_step
+from tests.jaxlora.parallel.fixtures import NUM_SLOTS, packed_batch, random_pool, tiny_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
@@ -41,7 +42,7 @@ def test_two_processes_match_one_device(tmp_path):
     assert all(worker.returncode == 0 for worker in workers), "\n".join(log[-3000:] for log in logs)
 
     batch, token_slot = packed_batch(adapters=(0, 1, 2, 3, -1))
-    trainable, frozen = trainable_frozen(random_pool())
+    trainable, frozen = split_pool(random_pool())
     plan = build_plan(token_slot, segment_bucket(NUM_SLOTS + 1))
     loss, grads = make_grad_step(tiny_model(), NUM_SLOTS, "gather")(trainable, frozen, batch, plan, None, None)
     expected = {"loss": np.asarray(loss)}

@@ -19,29 +19,28 @@ def main(process_id: int, port: int, out_path: str) -> None:
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
                                local_device_ids=list(range(4)))
     import numpy as np
-    from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from jaxlora import sharding
     from jaxlora.lora.plan import build_plan, segment_bucket
+    from jaxlora.lora.trainable import split_pool
     from jaxlora.parallel.plans import local_plans
     from jaxlora.parallel.step import make_grad_step
-    from tests.jaxlora.parallel.fixtures import NUM_SLOTS, packed_batch, random_pool, tiny_model, trainable_frozen
+    from tests.jaxlora.parallel.fixtures import NUM_SLOTS, packed_batch, random_pool, tiny_model
 
     assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4
     mesh = sharding.make_mesh(data=2, tensor=4)  # data across the processes, tensor inside each
     batch, token_slot = packed_batch(adapters=(0, 1, 2, 3, -1))
-    trainable, frozen = trainable_frozen(random_pool())
+    trainable, frozen = split_pool(random_pool())
     num_segments = segment_bucket(NUM_SLOTS + 1)
     model = sharding.shard_model(tiny_model(), mesh)
-    state = nnx.split(model)[1]
     pool_t, pool_f = sharding.shard_pool(trainable, mesh), sharding.shard_pool(frozen, mesh)
-    gspmd = sharding.make_grad_step(model, NUM_SLOTS)(
-        state, pool_t, pool_f, sharding.shard_batch(batch, mesh),
+    gspmd = make_grad_step(model, NUM_SLOTS)(
+        pool_t, pool_f, sharding.shard_batch(batch, mesh),
         sharding.shard_plan(build_plan(token_slot, num_segments), mesh), None, None)
     plans = jax.tree.map(lambda leaf: sharding.put(leaf, mesh, P("data")), local_plans(token_slot, 2, num_segments))
-    manual = make_grad_step(model, mesh, NUM_SLOTS)(
-        state, pool_t, pool_f, sharding.shard_batch({**batch, "token_slot": token_slot}, mesh), plans)
+    manual = make_grad_step(model, NUM_SLOTS, mesh=mesh)(
+        pool_t, pool_f, sharding.shard_batch(batch, mesh), plans)
     gather = jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, P()))
     results = {}
     for name, (loss, grads) in {"gspmd": gspmd, "shard_map": manual}.items():

@@ -1,4 +1,4 @@
-"""Single-device references (train.step's grad step, the plain model forward), cached per case."""
+"""Single-device references (the grad step without a mesh, the plain model forward), cached per case."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import jax
 import numpy as np
 
 from jaxlora.lora.plan import build_plan, segment_bucket
-from tests.jaxlora.parallel.fixtures import NUM_SLOTS, packed_batch, random_pool, tiny_model, trainable_frozen
-from train.step import make_grad_step
+from jaxlora.lora.trainable import split_pool
+from jaxlora.parallel.step import make_grad_step
+from tests.jaxlora.parallel.fixtures import NUM_SLOTS, packed_batch, random_pool, tiny_model
 
 ADAPTERS = {"single": (2,), "multi": (0, 1, 2, 3, -1)}
 NUM_SEGMENTS = segment_bucket(NUM_SLOTS + 1)
@@ -19,7 +20,7 @@ NUM_SEGMENTS = segment_bucket(NUM_SLOTS + 1)
 def case(kind: str):
     """(batch arrays, token_slot, global plan, trainable, frozen) of a batch kind."""
     batch, token_slot = packed_batch(adapters=ADAPTERS[kind])
-    trainable, frozen = trainable_frozen(random_pool())
+    trainable, frozen = split_pool(random_pool())
     return batch, token_slot, build_plan(token_slot, NUM_SEGMENTS), trainable, frozen
 
 

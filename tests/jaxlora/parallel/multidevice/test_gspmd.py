@@ -7,6 +7,7 @@ from flax import nnx
 
 from jaxlora import sharding
 from jaxlora.models.llama import LoraInputs
+from jaxlora.parallel.step import make_grad_step
 from tests.jaxlora.parallel.fixtures import NUM_SLOTS, tiny_model
 from tests.jaxlora.parallel.multidevice.reference import assert_close_tree, case, reference_grads
 
@@ -62,8 +63,8 @@ def test_loss_and_grads_match_one_device(kind, data, tensor):
     mesh = _mesh(data, tensor)
     model = sharding.shard_model(tiny_model(), mesh)
     rate, key = (np.full(NUM_SLOTS, 0.25, np.float32), jax.random.key(7)) if dropout else (None, None)
-    step = sharding.make_grad_step(model, NUM_SLOTS)
-    loss, grads = step(nnx.split(model)[1], sharding.shard_pool(trainable, mesh), sharding.shard_pool(frozen, mesh),
+    step = make_grad_step(model, NUM_SLOTS)
+    loss, grads = step(sharding.shard_pool(trainable, mesh), sharding.shard_pool(frozen, mesh),
                        sharding.shard_batch(batch, mesh), sharding.shard_plan(plan, mesh),
                        None if rate is None else sharding.replicate(rate, mesh), key)
     assert_close_tree(loss, expected_loss)

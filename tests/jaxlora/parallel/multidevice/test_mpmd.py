@@ -11,14 +11,15 @@ import numpy as np
 import optax
 import pytest
 
+from jaxlora.lora.trainable import apply_adapter_update, slot_params, split_pool
 from jaxlora.parallel import mpmd
+from jaxlora.parallel.step import make_grad_step
 from jaxlora.scheduler.training.data import Sample, TrainingData
 from jaxlora.scheduler.training.greedy import first_fit
 from jaxlora.scheduler.training.schedule import SchedulerConfig, build_schedule
 from tests.jaxlora.parallel.fixtures import CONFIG, random_pool, tiny_model
 from train.data import TokenizedSample
-from train.optim import apply_adapter_update
-from train.step import device_batch, make_grad_step, pack_microbatch, split_pool
+from train.step import device_batch, pack_microbatch
 
 CAPACITY, RANK = 24, 8
 OPTIMIZER = optax.adamw(1e-2)
@@ -56,7 +57,6 @@ def _reference(model, trainable, frozen, arrays, completions, num_slots):
     grad_step = make_grad_step(model, num_slots, "onehot")
     trainable = jax.tree.map(jnp.copy, trainable)
     acc = jax.tree.map(jnp.zeros_like, trainable)
-    from train.optim import slot_params
     states = {s: OPTIMIZER.init(slot_params(trainable, s, RANK)) for s in range(num_slots)}
     losses = {}
     for index, item in enumerate(arrays):

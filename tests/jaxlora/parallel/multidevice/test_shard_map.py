@@ -4,7 +4,6 @@ gradients as one device, with the reference backend and with the Pallas SGMV ker
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxlora import sharding
@@ -27,8 +26,8 @@ def _run(kind, backend, data, stage, tensor, microbatches=1):
     placed = {k: sharding.put(v, mesh, spec) for k, v in arrays.items()}
     plans = jax.tree.map(lambda leaf: sharding.put(leaf, mesh, spec),
                          local_plans(arrays["token_slot"], data, NUM_SEGMENTS))
-    step = make_grad_step(model, mesh, NUM_SLOTS, backend, rules, pipeline=pipeline)
-    return step(nnx.split(model)[1], sharding.shard_pool(trainable, mesh, rules),
+    step = make_grad_step(model, NUM_SLOTS, backend, mesh=mesh, rules=rules, pipeline=pipeline)
+    return step(sharding.shard_pool(trainable, mesh, rules),
                 sharding.shard_pool(frozen, mesh, rules), placed, plans)
 
 

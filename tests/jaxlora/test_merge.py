@@ -5,11 +5,12 @@ from flax import nnx
 
 from jaxlora.lora.adapter import random_adapter
 from jaxlora.lora.config import LoraConfig
-from jaxlora.lora.merge import merge_adapter, unmerge_adapter
+from jaxlora.models.merge import merge_adapter, unmerge_adapter
 from jaxlora.lora.plan import build_plan
 from jaxlora.lora.pool import AdapterPool
 from jaxlora.models.config import LlamaConfig
-from jaxlora.models.llama import PROJECTIONS, Llama, LoraInputs
+from jaxlora.models.config import PROJECTIONS
+from jaxlora.models.llama import Llama, LoraInputs
 from tests.jaxlora.hf_checkpoints import relative_error
 
 CONFIG = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
