@@ -20,16 +20,17 @@ from jaxlora.generate import SamplingParams, generate
 from jaxlora.lora import backends
 from jaxlora.lora.adapter import random_adapter
 from jaxlora.lora.config import LoraConfig
-from jaxlora.lora.merge import merge_adapter
 from jaxlora.lora.plan import LoraPlan, ServingPlan, build_plan
 from jaxlora.lora.project import LoraInputs, layer_lora, project
+from jaxlora.lora.trainable import split_pool
+from jaxlora.models.merge import merge_adapter
+from jaxlora.parallel.step import make_grad_step
 from serve.engine import Engine, EngineConfig, SamplingOptions
 from tests.jaxlora.hf_checkpoints import relative_error
 from tests.jaxlora.lora.test_serving_plan import IN_DIM, OUT_DIM, STEPS, random_pool, step_plan
-from tests.jaxlora.parallel.fixtures import CONFIG, packed_batch, tiny_model, trainable_frozen
+from tests.jaxlora.parallel.fixtures import CONFIG, packed_batch, tiny_model
 from tests.jaxlora.parallel.fixtures import random_pool as random_stacked_pool
 from tests.serve.conftest import exact_weights
-from train.step import make_grad_step
 
 ENGINE = EngineConfig(max_adapters_on_device=2, max_lora_rank=8, page_size=8, num_pages=32, max_model_len=32,
                       max_num_seqs=8, token_budget=16, prefill_chunk=8)
@@ -135,7 +136,7 @@ def training_setup():
     """(tiny model, trainable, frozen, batch, plan, dropout rates, key, the gather backend's step)."""
     model = tiny_model()
     pool = random_stacked_pool()
-    trainable, frozen = trainable_frozen({module: pool[module] for module in TARGETS})
+    trainable, frozen = split_pool({module: pool[module] for module in TARGETS})
     batch, token_slot = packed_batch()
     plan = build_plan(token_slot)
     inputs = (trainable, frozen, batch, plan, jnp.full(4, 0.1), jax.random.key(5))
