@@ -5,16 +5,22 @@ One `Engine` owns the device state (model weights, the KV page pool, the adapter
   1. applies queued commands (new requests, aborts, adapter removals) from other threads;
   2. asks the scheduler for the next step (decode rows, prefill chunks, admissions; grouped by
      adapter) and copies in the adapters that admissions need;
-  3. dispatches one jitted forward over the flat token list (`jaxlora.models.paged`) that also
-     samples the next token of every finished row, and, while the device runs it, starts copying
-     the adapters of queued requests to the device on a background thread (prefetch: the host ->
-     device transfers overlap this and the next steps; each copy goes into its pool slot before
-     the first step that uses the slot, or at any step boundary once it is done);
+  3. builds the step's padded inputs (`build_step` -> `Step`) and runs it (`step_fn`, by default
+     `device_step`: the compiled forward over the flat token list, `jaxlora.models.paged`, then
+     the sampler when a row samples; `serve.step`), and, while the device runs it, starts
+     copying the adapters of queued requests to the device on a background thread (prefetch: the
+     host -> device transfers overlap this and the next steps; each copy goes into its pool slot
+     before the first step that uses the slot, or at any step boundary once it is done);
   4. hands new tokens and finish reasons to each request's callback.
 
-Compiled shapes are bucketed: tokens per step to a power of two (>= 8; rows per step use the
-same number), block-table width to a power of two of pages (>= 4), the plan's segment count
-fixed; so a server compiles a few steps (and a sampling variant of each) and then reuses them.
+Compiled shapes are bucketed: tokens per step to a power of two (>= 8), rows per step to the same
+number capped at `max_rows` (the most rows a step can have), block-table width to a power of two
+of pages (>= 4), the plan's segment count fixed; sampling is a program of its own keyed by rows.
+`step_shapes()` lists every program variant a step can need and `warmup()` compiles them all
+(and the adapter pool's slot update) without touching the engine's state, so that a server
+compiles nothing once it serves (`jaxlora-serve` warms up before `/health` reports ready).
+`Engine(step_fn=...)` replaces the device step (host-only benchmarks: the engine's host work
+alone, nothing compiled or dispatched).
 
 LoRA kernels (the Pallas backends): the engine orders each step's rows once, on the host
 (`jaxlora.lora.plan.serving_order`: prefill chunks grouped by adapter, then one-token rows), and
@@ -48,6 +54,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import os
 import threading
 import time
 from typing import Callable, NamedTuple
@@ -61,11 +68,12 @@ from jax.sharding import Mesh, NamedSharding
 from jaxlora import sharding
 from jaxlora.lora.adapter import LoraAdapter, check_finite
 from jaxlora.lora.config import AdapterError
-from jaxlora.lora.plan import build_plan, build_serving_plan, segment_bucket, serving_order
+from jaxlora.lora.plan import ServingPlan, build_plan, build_serving_plan, segment_bucket, serving_order
 from jaxlora.lora.pool import AdapterPool, PreparedAdapter
 from jaxlora.models.llama import Llama, LoraInputs, projection_shapes
-from jaxlora.models.paged import PagedBatch, PagedKVCache, paged_forward
+from jaxlora.models.paged import PagedBatch, PagedKVCache
 from jaxlora.scheduler.serving import SchedulerConfig, Sequence, ServingScheduler, StepPlan, pages_for
+from serve.step import Programs, Step, StepShape
 
 log = logging.getLogger("jaxlora.serve")
 
@@ -127,8 +135,7 @@ class Event(NamedTuple):
 
 @dataclasses.dataclass
 class _Request:
-    seq: Sequence
-    sampling: SamplingOptions
+    seq: Sequence  # its `sampling` holds the request's SamplingOptions
     callback: Callable[[Event], None]
     submitted: float
 
@@ -176,30 +183,6 @@ def _row_tokens(seq: Sequence, start: int, count: int) -> list[int]:
     return seq.prompt[start:] + seq.output[: start + count - prompt_len]
 
 
-def sample_rows(logits, temperature, top_p, seeds, counters, any_sampling: bool):
-    """Next token per row. logits [R, V]; temperature, top_p [R] float; seeds, counters [R] int.
-    Rows with temperature 0 take the argmax; others sample from the top-p nucleus."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if not any_sampling:
-        return greedy
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    kept = jnp.where(mass_before < top_p[:, None], sorted_logits, jnp.inf)
-    scaled = jnp.where(scaled >= jnp.min(kept, axis=-1, keepdims=True), scaled, -jnp.inf)
-    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.fold_in(jax.random.key(0), s), c))(seeds, counters)
-    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 9, 10), donate_argnums=(2,))
-def _engine_step(graphdef, state, cache, batch, lora, temperature, top_p, seeds, counters, any_sampling, backend):
-    model = nnx.merge(graphdef, state)
-    logits, cache = paged_forward(model, batch, cache, lora, backend)
-    return sample_rows(logits, temperature, top_p, seeds, counters, any_sampling), cache
-
-
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
 def _placed_zeros_cache(config, num_pages, page_size, dtype, placement):
     return jax.lax.with_sharding_constraint(PagedKVCache.zeros(config, num_pages, page_size, dtype), placement)
@@ -209,8 +192,11 @@ class Engine:
     """Continuous-batching multi-adapter generation over one model (see the module doc)."""
 
     def __init__(self, model: Llama, eos_ids=(), config: EngineConfig = EngineConfig(),
-                 adapters: dict[str, LoraAdapter] | None = None, mesh: Mesh | None = None):
-        """mesh: serve tensor parallel over `mesh`'s `tensor` axis (see the module doc)."""
+                 adapters: dict[str, LoraAdapter] | None = None, mesh: Mesh | None = None,
+                 step_fn: Callable[[Step, PagedKVCache], tuple] | None = None):
+        """mesh: serve tensor parallel over `mesh`'s `tensor` axis (see the module doc).
+        step_fn(step, cache) -> (sampled tokens: row r's at index r, the cache): runs each step in
+        place of `device_step` (e.g. a host-only stub for benchmarks); a public attribute."""
         self.config = config
         self.model_config = model.config
         self.eos_ids = frozenset(int(i) for i in eos_ids)
@@ -222,7 +208,7 @@ class Engine:
         self._graphdef, self._state = nnx.split(model)
         self._dtype = model.dtype
         self.cache = self._new_cache()
-        # donate: the pool's arrays are written in place; only `_dispatch` reads them, afresh each step
+        # donate: the pool's arrays are written in place; only `build_step` reads them, afresh each step
         self.pool = AdapterPool(model.config, config.max_adapters_on_device, config.max_lora_rank,
                                 dtype=model.dtype, donate=True, mesh=mesh)
         self.scheduler = ServingScheduler(SchedulerConfig(
@@ -231,6 +217,10 @@ class Engine:
             token_budget=config.token_budget, prefill_chunk=config.prefill_chunk))
         self._num_segments = segment_bucket(config.max_adapters_on_device + 1)
         self._max_pages = _bucket(pages_for(config.max_model_len, config.page_size), 1)
+        self.max_rows = _bucket(min(config.max_num_seqs, config.token_budget), 8)  # most rows of a step
+        self.programs = Programs(self._graphdef, config.lora_backend, self.max_rows)
+        self.step_fn = step_fn or self.device_step
+        self._last_tokens = np.zeros(self.max_rows, np.int32)  # the previous step's sampled tokens
         self._lock = threading.Lock()
         self._registry: dict[str, _Registered] = {}
         self._by_uid: dict[int, _Registered] = {}
@@ -337,8 +327,8 @@ class Engine:
             if waiting >= self.config.max_waiting:
                 raise EngineBusy(f"{waiting} requests are waiting; try again later")
             self._num_waiting_submitted += 1
-        seq = Sequence(request_id, list(prompt), max_tokens, uid, self.eos_ids)
-        request = _Request(seq, sampling, callback, time.monotonic())
+        seq = Sequence(request_id, list(prompt), max_tokens, uid, self.eos_ids, sampling=sampling)
+        request = _Request(seq, callback, time.monotonic())
         self._command(lambda: self._add(request))
 
     def abort(self, request_id) -> None:
@@ -384,12 +374,11 @@ class Engine:
         phases.mark("load")
         if not plan.rows:
             return True
-        order = serving_order([row.slot for row in plan.rows], [row.count for row in plan.rows])
-        plan = dataclasses.replace(plan, rows=[plan.rows[i] for i in order])
-        phases.mark("order")
         started = time.monotonic()
         try:
-            next_tokens = self._dispatch(plan, phases)
+            step = self._build_step(plan, phases)
+            next_tokens = self.run_step(step)
+            phases.mark("dispatch")
             self._stage(self.scheduler.prefetch())  # overlaps the step running on the device
             phases.mark("prefetch")
             next_tokens = np.asarray(next_tokens)
@@ -398,30 +387,123 @@ class Engine:
             log.exception("engine step failed")
             self._fail_running(f"engine step failed: {err}")
             return True
-        self._complete(plan, next_tokens, time.monotonic() - started)
+        self._complete(step.plan, next_tokens, time.monotonic() - started)
         phases.mark("complete")
         return True
 
-    def _dispatch(self, plan: StepPlan, phases: "_PhaseClock | None" = None):
-        """Builds the step's padded arrays and launches the jitted step (asynchronously)."""
-        phases = phases or _PhaseClock({})
-        batch, token_slot, one_token, rows = self._batch_arrays(plan)
+    # ---- one step's programs --------------------------------------------------------------
+    def build_step(self, plan: StepPlan) -> Step:
+        """The padded inputs of a step over `plan.rows` (laid out in `serving_order`; each row's
+        sequence carries its `SamplingOptions` in `sampling`), reading the adapter pool now."""
+        return self._build_step(plan, _PhaseClock({}))
+
+    def run_step(self, step: Step):
+        """Runs `step` through `step_fn` (the cache is updated); returns its sampled tokens (row r's
+        at index r; a device array by default: reading it waits for the step)."""
+        tokens, self.cache = self.step_fn(step, self.cache)
+        self._last_tokens = tokens
+        return tokens
+
+    def device_step(self, step: Step, cache: PagedKVCache):
+        """The default `step_fn`: the step's compiled programs on the device (compiled now if
+        `warmup` did not). Returns (sampled tokens [max_rows] device array, the updated cache)."""
+        for shape in step.shapes:
+            self.stats.step_compiles += shape not in self.programs
+        forward = step.shapes[0]
+        greedy, logits, cache = self.programs.run(forward, self._state, cache, step.batch, step.lora,
+                                                  step.prev_tokens, step.token_src)
+        if step.sampling is None:
+            return greedy, cache
+        return self.programs.run(step.shapes[1], logits, *step.sampling), cache
+
+    def step_shapes(self) -> list[StepShape]:
+        """Every program variant a step of this engine can run (see `StepShape`): forwards over
+        each token bucket (8 .. the token budget's) and block-table width bucket (4 .. the
+        context's), with LoRA inputs and without, plus the decode-only LoRA variant of the buckets
+        a step of one-token rows fits (<= max_rows tokens) where the backend's plan has one; and
+        the sampler over each row bucket."""
+        config = self.config
+        tokens = sorted({_bucket(t, 8) for t in range(1, config.token_budget + 1)})
+        widths = sorted({min(_bucket(p, 4), self._max_pages) for p in range(1, self._max_pages + 1)})
+        variants = [(False, False), (True, False)]
+        if self._has_decode_variant():
+            variants.append((True, True))
+        shapes = [StepShape("forward", t, self._rows(t), w, lora, decode_only)
+                  for lora, decode_only in variants for t in tokens if t <= self.max_rows or not decode_only
+                  for w in widths]
+        return shapes + [StepShape("sample", 0, rows) for rows in sorted({self._rows(t) for t in tokens})]
+
+    def warmup(self, shapes: list[StepShape] | None = None, threads: int | None = None) -> dict:
+        """Compiles the programs of `shapes` (default: all of `step_shapes()`), `threads` at a time
+        (default: one per CPU core, at most 8), and the adapter pool's slot update; changes nothing
+        the engine serves from (nothing runs but an update of an empty slot with zeros). Returns
+        {"programs": compiled now, "seconds": wall time}."""
+        started = time.perf_counter()
+        shapes = self.step_shapes() if shapes is None else shapes
+        before = len(self.programs)
+        threads = min(8, os.cpu_count() or 1) if threads is None else threads
+        for program in ("forward", "sample"):  # samplers take the forwards' logits sharding
+            todo = [shape for shape in shapes if shape.program == program]
+            self.programs.compile_all([(shape, self._padding_args(shape)) for shape in todo], threads)
+        free = self.pool.free_slot()
+        if free is not None:  # an empty slot written with zeros: compiles the update, changes nothing
+            self.pool.evict(free)
+        return {"programs": len(self.programs) - before, "seconds": time.perf_counter() - started}
+
+    def _has_decode_variant(self) -> bool:
+        """Whether the backend's plan has a decode-only variant (a segment-free `ServingPlan`)."""
+        plan = self._lora_plan(np.full(8, -1, np.int32), np.ones(8, bool), True)
+        return isinstance(plan, ServingPlan) and plan.seg_starts is None
+
+    def _rows(self, num_tokens: int) -> int:
+        """Padded rows of a step of `num_tokens` padded tokens."""
+        return min(num_tokens, self.max_rows)
+
+    def _padding_args(self, shape: StepShape) -> tuple:
+        """Dynamic arguments of the program `shape` for a step of padding only (writes nothing)."""
+        if shape.program == "sample":
+            rows = shape.rows
+            logits = jax.ShapeDtypeStruct((rows, self.model_config.vocab_size), jnp.float32,
+                                          sharding=self.programs.logits_sharding(rows))
+            return logits, *self._sampling_padding(rows)
+        tokens = shape.tokens
+        zeros = np.zeros(tokens, np.int32)
+        no_rows = np.full(tokens, -1, np.int32)
+        batch = PagedBatch(zeros, zeros, no_rows, np.zeros((shape.rows, shape.width), np.int32),
+                           np.zeros(shape.rows, np.int32))
+        lora = None
+        if shape.lora:
+            lora = LoraInputs(self.pool.arrays, self._lora_plan(no_rows, np.zeros(tokens, bool), shape.decode_only))
+        return self._state, self.cache, batch, lora, self._last_tokens, no_rows
+
+    @staticmethod
+    def _sampling_padding(rows: int) -> tuple:
+        """(temperature, top_p, seeds, counters) [rows] of greedy rows."""
+        return (np.zeros(rows, np.float32), np.ones(rows, np.float32), np.zeros(rows, np.uint32),
+                np.zeros(rows, np.int32))
+
+    def _build_step(self, plan: StepPlan, phases: "_PhaseClock") -> Step:
+        order = serving_order([row.slot for row in plan.rows], [row.count for row in plan.rows])
+        plan = dataclasses.replace(plan, rows=[plan.rows[i] for i in order])
+        phases.mark("order")
+        batch, token_slot, one_token = self._batch_arrays(plan)
         phases.mark("batch")
         decode_only = bool(one_token[: plan.num_tokens].all())
+        lora = None
         if (token_slot >= 0).any():
             lora = LoraInputs(self.pool.arrays, self._lora_plan(token_slot, one_token, decode_only))
         else:  # base rows only: the base model's own compiled step, no pool or plan
-            lora = None
             self.stats.base_only_steps += 1
         self.stats.step_kind = ("base " if lora is None else "lora ") + ("decode" if decode_only else "mixed")
         phases.mark("lora_plan")
-        temperature, top_p, seeds, counters = self._sampling_arrays(plan, rows)
+        rows, width = batch.block_tables.shape
+        forward = StepShape("forward", len(batch.tokens), rows, width, lora is not None,
+                            isinstance(lora and lora.plan, ServingPlan) and lora.plan.seg_starts is None)
+        sampling = self._sampling_arrays(plan, rows)
+        shapes = (forward,) if sampling is None else (forward, StepShape("sample", 0, rows))
         phases.mark("sampling")
-        next_tokens, self.cache = _engine_step(
-            self._graphdef, self._state, self.cache, batch, lora, temperature, top_p, seeds, counters,
-            bool((temperature > 0).any()), self.config.lora_backend)
-        phases.mark("dispatch")
-        return next_tokens
+        token_src = np.full(len(batch.tokens), -1, np.int32)
+        return Step(plan, shapes, batch, lora, self._last_tokens, token_src, sampling)
 
     def _lora_plan(self, token_slot: np.ndarray, one_token: np.ndarray, decode_only: bool):
         """The step's LoRA plan over its tokens [T] (in `serving_order` of the rows): a `ServingPlan`
@@ -432,9 +514,12 @@ class Engine:
         return build_serving_plan(token_slot, one_token, 0 if decode_only else self._num_segments)
 
     def _batch_arrays(self, plan: StepPlan):
-        """(PagedBatch, token_slot [T], one_token [T], rows) of the step's rows in their order."""
+        """(PagedBatch, token_slot [T], one_token [T]) of the step's rows in their order."""
         num_tokens = _bucket(plan.num_tokens, 8)
-        rows = num_tokens  # rows <= tokens; one bucket for both halves the compiled variants
+        rows = self._rows(num_tokens)  # a function of the tokens bucket: no variants of its own
+        if len(plan.rows) > rows:
+            raise ValueError(f"a step of this engine has at most {rows} rows ({num_tokens} tokens, max_num_seqs "
+                             f"{self.config.max_num_seqs}); the plan has {len(plan.rows)}")
         widest = max(pages_for(row.start + row.count, self.config.page_size) for row in plan.rows)
         width = min(_bucket(widest, 4), self._max_pages)
         tokens = np.zeros(num_tokens, np.int32)
@@ -454,17 +539,18 @@ class Engine:
             tables[r, : len(pages)] = pages
             offset += row.count
             logit_indices[r] = offset - 1
-        return PagedBatch(tokens, positions, token_row, tables, logit_indices), token_slot, one_token, rows
+        return PagedBatch(tokens, positions, token_row, tables, logit_indices), token_slot, one_token
 
-    def _sampling_arrays(self, plan: StepPlan, rows: int):
-        temperature = np.zeros(rows, np.float32)
-        top_p = np.ones(rows, np.float32)
-        seeds = np.zeros(rows, np.uint32)
-        counters = np.zeros(rows, np.int32)
+    def _sampling_arrays(self, plan: StepPlan, rows: int) -> tuple | None:
+        """(temperature, top_p, seeds, counters) [rows] of the step's rows (counter: the index of the
+        output token the row samples), None when no row samples."""
+        if all(row.seq.sampling.temperature == 0 for row in plan.rows):
+            return None
+        temperature, top_p, seeds, counters = self._sampling_padding(rows)
         for r, row in enumerate(plan.rows):
-            options = self._requests[row.seq.seq_id].sampling
+            options = row.seq.sampling
             temperature[r], top_p[r] = options.temperature, options.top_p
-            seeds[r], counters[r] = options.seed % (1 << 32), len(row.seq.output)
+            seeds[r], counters[r] = options.seed % (1 << 32), row.start + row.count - len(row.seq.prompt)
         return temperature, top_p, seeds, counters
 
     def _complete(self, plan: StepPlan, next_tokens: np.ndarray, seconds: float) -> None:
@@ -657,6 +743,7 @@ class EngineStats:
         self.generated = 0
         self.adapter_loads = 0
         self.base_only_steps = 0
+        self.step_compiles = 0  # programs that steps compiled (not warmed up)
         self.step_seconds = 0.0
         self.last_step_s = 0.0
         self.dropped = 0  # requests ended by early abort (see EngineConfig.ttft_slo_s)

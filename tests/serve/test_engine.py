@@ -109,22 +109,20 @@ def test_early_abort_drops_late_waiting_requests_and_keeps_running_ones(smollm2)
 
 
 def test_failed_step_fails_its_requests_and_the_engine_keeps_serving(smollm2, monkeypatch):
-    import serve.engine as engine_module
-
     model, tokenizer = smollm2
     engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(**SMALL_ENGINE))
-    real_step = engine_module._engine_step
+    real_step = engine.step_fn
 
     def broken(*args):
         raise RuntimeError("device on fire")
 
-    monkeypatch.setattr(engine_module, "_engine_step", broken)
+    monkeypatch.setattr(engine, "step_fn", broken)
     events = []
     engine.submit("a", tokenizer.encode("Hi"), 4, None, SamplingOptions(), events.append)
     engine.run_until_idle()
     assert events[-1].finish_reason == "error" and "device on fire" in events[-1].error
     assert engine.free_pages == SMALL_ENGINE["num_pages"]
-    monkeypatch.setattr(engine_module, "_engine_step", real_step)
+    monkeypatch.setattr(engine, "step_fn", real_step)
     events.clear()
     engine.submit("b", tokenizer.encode("Hi"), 4, None, SamplingOptions(), events.append)
     engine.run_until_idle()
@@ -157,20 +155,18 @@ def test_full_queue_and_bad_requests_are_refused(smollm2, adapters8):
 def test_base_only_steps_run_without_the_pool(smollm2, adapters8, expected, monkeypatch):
     """Steps whose rows all use the base model call the model with lora=None (the base model's own
     compiled step) and give the base outputs; steps with an adapter row still get the pool."""
-    import serve.engine as engine_module
-
     model, tokenizer = smollm2
     requests, outputs = expected
     engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(max_adapters_on_device=2, **SMALL_ENGINE),
                     adapters8)
     assert _serve_all(engine, requests[:1]) == outputs[:1]  # ad0 now resident in the pool
-    real_step, used_pool = engine_module._engine_step, []
+    real_step, used_pool = engine.step_fn, []
 
-    def recording(graphdef, state, cache, batch, lora, *rest):
-        used_pool.append(lora is not None)
-        return real_step(graphdef, state, cache, batch, lora, *rest)
+    def recording(step, cache):
+        used_pool.append(step.lora is not None)
+        return real_step(step, cache)
 
-    monkeypatch.setattr(engine_module, "_engine_step", recording)
+    monkeypatch.setattr(engine, "step_fn", recording)
     base = [i for i, (_, name) in enumerate(requests) if name is None]
     steps_before = engine.stats.steps
     assert _serve_all(engine, [requests[i] for i in base]) == [outputs[i] for i in base]
@@ -221,7 +217,6 @@ def test_pallas_steps_use_the_serving_plan_without_recompiling(smollm2, adapters
     mixed prefill + decode steps with SGMV segments and decode-only steps without; base-model
     requests in the same batch; greedy tokens as with the merged weights; and no step compiles
     beyond one variant per (tokens, block-table width, decode-only) bucket."""
-    import serve.engine as engine_module
     from jaxlora.lora.plan import ServingPlan
 
     model, tokenizer = smollm2
@@ -229,21 +224,23 @@ def test_pallas_steps_use_the_serving_plan_without_recompiling(smollm2, adapters
     picked = [0, 8, 3, 12, 17, 5, 26]  # ad0, base, ad3, ad3, base, ad5, base
     engine = Engine(model, tokenizer.eos_token_ids,
                     EngineConfig(max_adapters_on_device=4, lora_backend="pallas", **SMALL_ENGINE), adapters8)
-    real_step, seen = engine_module._engine_step, []
+    real_step, seen = engine.step_fn, []
+    lora_programs = lambda: sum(shape.lora for shape in engine.programs.shapes())
 
-    def recording(graphdef, state, cache, batch, lora, *rest):
-        if lora is not None:
-            plan = lora.plan
+    def recording(step, cache):
+        if step.lora is not None:
+            plan = step.lora.plan
             assert isinstance(plan, ServingPlan)
-            seen.append((batch.tokens.shape, batch.block_tables.shape, plan.seg_starts is None, rest[-2]))
-        return real_step(graphdef, state, cache, batch, lora, *rest)
+            seen.append((step.batch.tokens.shape, step.batch.block_tables.shape, plan.seg_starts is None,
+                         step.sampling is not None))
+        return real_step(step, cache)
 
-    monkeypatch.setattr(engine_module, "_engine_step", recording)
-    compiled_before = real_step._cache_size()
+    monkeypatch.setattr(engine, "step_fn", recording)
+    compiled_before = lora_programs()
     assert _serve_all(engine, [requests[i] for i in picked]) == [outputs[i] for i in picked]
     decode_only = [key[2] for key in seen]
     assert any(decode_only) and not all(decode_only)
-    assert real_step._cache_size() - compiled_before <= len(set(seen)) < len(seen)
+    assert lora_programs() - compiled_before <= len(set(seen)) < len(seen)
 
 
 @pytest.mark.parametrize("slots, rows", [(8, 4), (3, 2)])

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
-from typing import Hashable
+from typing import Any, Hashable
 
 from jaxlora.scheduler.serving.adapters import AdapterSlots
 from jaxlora.scheduler.serving.pages import PageAllocator, pages_for
@@ -58,6 +58,7 @@ class Sequence:
     finish_reason: str | None = None
     order: int = 0
     arrival: float = 0.0  # when the request arrived (seconds, the caller's clock; see `expire`)
+    sampling: Any = None  # the caller's sampling parameters (opaque here; the engine's SamplingOptions)
 
     @property
     def tokens(self) -> list[int]:
