@@ -5,6 +5,11 @@ Endpoints: /v1/completions, /v1/chat/completions (JSON or SSE streaming), /v1/mo
 `model` names the base model or a registered adapter. Handlers tokenize, submit one engine
 sequence per (prompt, choice), and await the engine's events through an asyncio queue; a request
 that ends early (client gone, stop string, error) aborts its sequences so their KV pages are freed.
+
+Start-up (as vLLM's): the server binds at once, and the engine compiles its step programs
+(`Engine.warmup`) on a thread before its loop starts; `/health` answers 503 "warming up" until
+then (requests sent meanwhile wait in the queue), so a load balancer routes no request to a
+server that would still compile.
 """
 
 from __future__ import annotations
@@ -12,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import secrets
+import threading
 import time
 import uuid
 
@@ -33,6 +40,7 @@ from serve.protocol import (
 )
 from serve.text import TextTracker
 
+log = logging.getLogger("jaxlora.serve")
 
 @dataclasses.dataclass(frozen=True)
 class ServerSettings:
@@ -121,6 +129,47 @@ class Server:
         self.limits = settings.limits
         self.metrics = Metrics(engine)
         self.allowed = [os.path.realpath(d) for d in settings.allowed_adapter_dirs]
+        self.ready = threading.Event()  # set once the engine is warmed up and started
+        self.warmup_error: str | None = None
+        self._closing = False
+        self._start_lock = threading.Lock()
+
+    # ---- engine life -----------------------------------------------------------------------
+    def start_engine(self) -> None:
+        """Warms the engine up on a thread, then starts its loop (at once if it already runs)."""
+        if self.engine.alive:
+            self.ready.set()
+            return
+        threading.Thread(target=self._warm_up_and_start, name="jaxlora-warmup", daemon=True).start()
+
+    def _warm_up_and_start(self) -> None:
+        """`Engine.warmup`, then `Engine.start` unless the app is closing. A failed warm-up is logged
+        and kept for /health (503); the engine starts anyway and compiles what its steps need."""
+        try:
+            info = self.engine.warmup()
+            log.info("compiled %d step programs in %.1f s", info["programs"], info["seconds"])
+        except Exception as err:
+            log.exception("engine warm-up failed")
+            self.warmup_error = f"{type(err).__name__}: {err}"
+        with self._start_lock:
+            if not self._closing:
+                self.engine.start()
+        self.ready.set()
+
+    def stop_engine(self) -> None:
+        with self._start_lock:
+            self._closing = True
+        self.engine.stop()
+
+    def health(self) -> tuple[int, str]:
+        """(HTTP status, status text) of /health."""
+        if not self.ready.is_set():
+            return 503, "warming up"
+        if self.warmup_error is not None:
+            return 503, f"warm-up failed: {self.warmup_error}"
+        if not self.engine.alive:
+            return 503, "engine stopped"
+        return 200, "ok"
 
     # ---- request -> sequences ----------------------------------------------------------------
     def resolve_model(self, model: str) -> str | None:
@@ -327,14 +376,13 @@ class BodyLimit:
 
 
 def create_app(engine: Engine, tokenizer, settings: ServerSettings) -> FastAPI:
-    """The FastAPI app; the engine thread starts with the app and stops with it."""
+    """The FastAPI app; the engine warms up and starts with the app and stops with it."""
     server = Server(engine, tokenizer, settings)
 
     async def lifespan(app):
-        if not engine.alive:
-            engine.start()
+        server.start_engine()
         yield
-        engine.stop()
+        server.stop_engine()
 
     app = FastAPI(title="jaxlora-serve", lifespan=lifespan)
     app.state.server = server
@@ -458,9 +506,8 @@ def _add_admin_routes(app: FastAPI, server: Server) -> None:
 
     @app.get("/health")
     async def health():
-        if not server.engine.alive:
-            return JSONResponse({"status": "engine stopped"}, 503)
-        return {"status": "ok"}
+        status, text = server.health()
+        return JSONResponse({"status": text}, status)
 
     @app.get("/metrics")
     async def metrics():
