@@ -76,11 +76,11 @@ from jaxlora.lora.config import LoraConfig
 from jaxlora.models.config import PROJECTIONS, LlamaConfig
 from jaxlora.models.llama import Llama
 from jaxlora.models.presets import llama8b_config
+from jaxlora.sampling import SamplingParams
 from jaxlora.scheduler.serving import Sequence, StepPlan, StepRow, pages_for
-from serve.engine import Engine, EngineConfig, Event, SamplingOptions
+from serve.engine import Engine, EngineConfig, Event
 
 LORA = LoraConfig(r=16, lora_alpha=32, target_modules=PROJECTIONS)
-GREEDY = SamplingOptions()
 
 
 # ---- workloads ----------------------------------------------------------------------------------
@@ -248,7 +248,7 @@ def run_trace(model, engine_config: EngineConfig, trace: Trace, prompts: list, f
             i = submitted
             records[i].submitted = start + trace.arrivals[i]
             lateness = max(lateness, now - trace.arrivals[i])
-            engine.submit(i, prompts[i], int(trace.output_lens[i]), names[i], GREEDY, callback_for(records[i]))
+            engine.submit(i, prompts[i], names[i], SamplingParams(int(trace.output_lens[i])), callback_for(records[i]))
             submitted += 1
         if not engine.step() and finished[0] < count:
             if submitted < count:  # idle until the next arrival
@@ -340,7 +340,7 @@ def profile_plan(engine: Engine, chunks: int, chunk_tokens: int, decode_rows: in
         start = 0 if count > 1 else context
         prompt = rng.integers(0, engine.model_config.vocab_size, start + count).tolist()
         pages = [(row * width + page) % config.num_pages for page in range(width)]
-        seq = Sequence(row, prompt, 1, pages=pages, sampling=GREEDY)
+        seq = Sequence(row, prompt, 1, pages=pages, sampling=SamplingParams(1))
         rows.append(StepRow(seq, start, count, -1 if base else row % config.max_adapters_on_device, True))
     return StepPlan(rows, [])
 

@@ -32,7 +32,8 @@ from starlette.concurrency import run_in_threadpool
 from jaxlora.lora.config import AdapterError
 from jaxlora.lora.peft_io import load_peft_adapter
 from jaxlora.tokenizer import TokenizerError
-from serve.engine import Engine, EngineBusy, RequestError, SamplingOptions, UnknownAdapter
+from jaxlora.sampling import SamplingParams
+from serve.engine import Engine, EngineBusy, RequestError, UnknownAdapter
 from serve.metrics import Metrics
 from serve.protocol import (
     ApiError, ChatRequest, CompletionRequest, Limits, LoadAdapterRequest, UnloadAdapterRequest, check_common,
@@ -53,12 +54,11 @@ class ServerSettings:
 
 @dataclasses.dataclass
 class SeqSpec:
-    """One engine sequence of a request: prompt ids, token limit, adapter (None: base), sampling."""
+    """One engine sequence of a request: prompt ids, adapter (None: base), sampling (incl. the token limit)."""
 
     prompt: list[int]
-    max_tokens: int
     adapter: str | None
-    sampling: SamplingOptions
+    sampling: SamplingParams
     stops: list[str]
 
 
@@ -83,7 +83,7 @@ class Generation:
         for index, spec in enumerate(self.specs):
             callback = lambda event, i=index: loop.call_soon_threadsafe(self.queue.put_nowait, (i, event))
             try:
-                self.engine.submit(self._id(index), spec.prompt, spec.max_tokens, spec.adapter, spec.sampling, callback)
+                self.engine.submit(self._id(index), spec.prompt, spec.adapter, spec.sampling, callback)
             except Exception:
                 self.done[index:] = [True] * (len(self.specs) - index)
                 self.abort()
@@ -202,8 +202,8 @@ class Server:
         for prompt in prompts:
             max_tokens = self.max_tokens_for(len(prompt), requested, default_max)
             for choice in range(body.n):
-                sampling = SamplingOptions(temperature, top_p, (seed + choice) % (1 << 32))
-                specs.append(SeqSpec(prompt, max_tokens, adapter, sampling, stop_list(body.stop)))
+                sampling = SamplingParams(max_tokens, temperature, top_p, (seed + choice) % (1 << 32))
+                specs.append(SeqSpec(prompt, adapter, sampling, stop_list(body.stop)))
         if len(specs) > self.limits.max_sequences:
             raise ApiError(400, f"prompts x n = {len(specs)} exceeds {self.limits.max_sequences}", "n")
         return specs

@@ -68,10 +68,12 @@ from jax.sharding import Mesh, NamedSharding
 from jaxlora import sharding
 from jaxlora.lora.adapter import LoraAdapter, check_finite
 from jaxlora.lora.config import AdapterError
-from jaxlora.lora.plan import ServingPlan, build_plan, build_serving_plan, segment_bucket, serving_order
+from jaxlora.buckets import bucket
+from jaxlora.lora.plan import ServingPlan, build_plan, build_serving_plan, serving_order
 from jaxlora.lora.pool import AdapterPool, PreparedAdapter
 from jaxlora.models.llama import Llama, LoraInputs, projection_shapes
 from jaxlora.models.paged import PagedBatch, PagedKVCache
+from jaxlora.sampling import SamplingParams
 from jaxlora.scheduler.serving import SchedulerConfig, Sequence, ServingScheduler, StepPlan, pages_for
 from serve.step import Programs, Step, StepShape
 
@@ -114,16 +116,6 @@ class EngineConfig:
                              f"({self.num_pages} pages x {self.page_size} tokens)")
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplingOptions:
-    """temperature 0: greedy. Sampled rows draw from key(seed) folded with the token index, so a
-    seeded request gives the same tokens whatever else is in the batch."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-
-
 class Event(NamedTuple):
     """What a request's callback receives: a new token and/or a finish reason, or an error."""
 
@@ -135,7 +127,7 @@ class Event(NamedTuple):
 
 @dataclasses.dataclass
 class _Request:
-    seq: Sequence  # its `sampling` holds the request's SamplingOptions
+    seq: Sequence  # its `sampling` holds the request's SamplingParams
     callback: Callable[[Event], None]
     submitted: float
 
@@ -166,10 +158,6 @@ def check_mesh(mesh: Mesh, model_config, lora_backend: str) -> None:
         raise ValueError(f"lora_backend {lora_backend!r} cannot run tensor parallel (a pallas_call has no "
                          f"GSPMD partitioning rule); use one of {', '.join(TENSOR_PARALLEL_BACKENDS)}")
     sharding.check_divisible(model_config, mesh)
-
-
-def _bucket(n: int, minimum: int) -> int:
-    return max(minimum, 1 << max(0, (n - 1).bit_length()))
 
 
 def _row_tokens(seq: Sequence, start: int, count: int) -> list[int]:
@@ -215,9 +203,9 @@ class Engine:
             num_pages=config.num_pages, page_size=config.page_size,
             num_adapter_slots=config.max_adapters_on_device, max_num_seqs=config.max_num_seqs,
             token_budget=config.token_budget, prefill_chunk=config.prefill_chunk))
-        self._num_segments = segment_bucket(config.max_adapters_on_device + 1)
-        self._max_pages = _bucket(pages_for(config.max_model_len, config.page_size), 1)
-        self.max_rows = _bucket(min(config.max_num_seqs, config.token_budget), 8)  # most rows of a step
+        self._num_segments = bucket(config.max_adapters_on_device + 1, 4)
+        self._max_pages = bucket(pages_for(config.max_model_len, config.page_size), 1)
+        self.max_rows = bucket(min(config.max_num_seqs, config.token_budget), 8)  # most rows of a step
         self.programs = Programs(self._graphdef, config.lora_backend, self.max_rows)
         self.step_fn = step_fn or self.device_step
         self._last_tokens = np.zeros(self.max_rows, np.int32)  # the previous step's sampled tokens
@@ -312,11 +300,14 @@ class Engine:
             raise RequestError(f"max_tokens must be in [1, {limit - prompt_len}] for a {prompt_len}-token prompt "
                                f"(context {limit}), got {max_tokens}")
 
-    def submit(self, request_id, prompt: list[int], max_tokens: int, adapter: str | None,
-               sampling: SamplingOptions, callback: Callable[[Event], None]) -> None:
-        """Queues a request; `callback(Event)` is called from the engine thread for every new token
-        and once with a finish reason. Raises RequestError, UnknownAdapter or EngineBusy."""
-        self.validate(len(prompt), max_tokens)
+    def submit(self, request_id, prompt: list[int], adapter: str | None, sampling: SamplingParams,
+               callback: Callable[[Event], None]) -> None:
+        """Queues a request for up to `sampling.max_new_tokens` tokens (temperature 0: greedy; a
+        sampled row draws from key(seed) folded with the token's index, so a seeded request gives
+        the same tokens whatever else is in the batch); `callback(Event)` is called from the engine
+        thread for every new token and once with a finish reason. Raises RequestError,
+        UnknownAdapter or EngineBusy."""
+        self.validate(len(prompt), sampling.max_new_tokens)
         with self._lock:
             uid = None
             if adapter is not None:
@@ -327,7 +318,7 @@ class Engine:
             if waiting >= self.config.max_waiting:
                 raise EngineBusy(f"{waiting} requests are waiting; try again later")
             self._num_waiting_submitted += 1
-        seq = Sequence(request_id, list(prompt), max_tokens, uid, self.eos_ids, sampling=sampling)
+        seq = Sequence(request_id, list(prompt), sampling.max_new_tokens, uid, self.eos_ids, sampling=sampling)
         request = _Request(seq, callback, time.monotonic())
         self._command(lambda: self._add(request))
 
@@ -394,7 +385,7 @@ class Engine:
     # ---- one step's programs --------------------------------------------------------------
     def build_step(self, plan: StepPlan) -> Step:
         """The padded inputs of a step over `plan.rows` (laid out in `serving_order`; each row's
-        sequence carries its `SamplingOptions` in `sampling`), reading the adapter pool now."""
+        sequence carries its `SamplingParams` in `sampling`), reading the adapter pool now."""
         return self._build_step(plan, _PhaseClock({}))
 
     def run_step(self, step: Step):
@@ -423,8 +414,8 @@ class Engine:
         a step of one-token rows fits (<= max_rows tokens) where the backend's plan has one; and
         the sampler over each row bucket."""
         config = self.config
-        tokens = sorted({_bucket(t, 8) for t in range(1, config.token_budget + 1)})
-        widths = sorted({min(_bucket(p, 4), self._max_pages) for p in range(1, self._max_pages + 1)})
+        tokens = sorted({bucket(t, 8) for t in range(1, config.token_budget + 1)})
+        widths = sorted({min(bucket(p, 4), self._max_pages) for p in range(1, self._max_pages + 1)})
         variants = [(False, False), (True, False)]
         if self._has_decode_variant():
             variants.append((True, True))
@@ -515,13 +506,13 @@ class Engine:
 
     def _batch_arrays(self, plan: StepPlan):
         """(PagedBatch, token_slot [T], one_token [T]) of the step's rows in their order."""
-        num_tokens = _bucket(plan.num_tokens, 8)
+        num_tokens = bucket(plan.num_tokens, 8)
         rows = self._rows(num_tokens)  # a function of the tokens bucket: no variants of its own
         if len(plan.rows) > rows:
             raise ValueError(f"a step of this engine has at most {rows} rows ({num_tokens} tokens, max_num_seqs "
                              f"{self.config.max_num_seqs}); the plan has {len(plan.rows)}")
         widest = max(pages_for(row.start + row.count, self.config.page_size) for row in plan.rows)
-        width = min(_bucket(widest, 4), self._max_pages)
+        width = min(bucket(widest, 4), self._max_pages)
         tokens = np.zeros(num_tokens, np.int32)
         positions = np.zeros(num_tokens, np.int32)
         token_row = np.full(num_tokens, -1, np.int32)

@@ -32,6 +32,7 @@ from flax import nnx
 
 from jaxlora.models.llama import LoraInputs
 from jaxlora.models.paged import PagedBatch, PagedKVCache, paged_forward
+from jaxlora.sampling import greedy_rows, row_keys, sample_rows
 from jaxlora.scheduler.serving import StepPlan
 
 
@@ -80,28 +81,14 @@ def _forward(graphdef, backend: str, max_rows: int, state, cache: PagedKVCache, 
     """(greedy tokens [max_rows] int32, logits [R, V] float32, the updated cache) of one step."""
     tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], batch.tokens)
     logits, cache = paged_forward(nnx.merge(graphdef, state), batch._replace(tokens=tokens), cache, lora, backend)
-    return _pad_rows(jnp.argmax(logits, axis=-1).astype(jnp.int32), max_rows), logits, cache
-
-
-def sample_rows(logits, temperature, top_p, seeds, counters):
-    """Next token per row. logits [R, V]; temperature, top_p [R] float; seeds, counters [R] int.
-    Rows with temperature 0 take the argmax; others sample from the top-p nucleus."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    kept = jnp.where(mass_before < top_p[:, None], sorted_logits, jnp.inf)
-    scaled = jnp.where(scaled >= jnp.min(kept, axis=-1, keepdims=True), scaled, -jnp.inf)
-    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.fold_in(jax.random.key(0), s), c))(seeds, counters)
-    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
+    return _pad_rows(greedy_rows(logits), max_rows), logits, cache
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _sample(max_rows: int, logits, temperature, top_p, seeds, counters):
-    """Sampled tokens [max_rows] int32 of the rows' logits [R, V] (see `sample_rows`)."""
-    return _pad_rows(sample_rows(logits, temperature, top_p, seeds, counters), max_rows)
+    """Sampled tokens [max_rows] int32 of the rows' logits [R, V]: `jaxlora.sampling.sample_rows`
+    with row r's key from (seeds[r], counters[r]) (`row_keys`)."""
+    return _pad_rows(sample_rows(logits, temperature, top_p, row_keys(seeds, counters)), max_rows)
 
 
 def _pad_rows(tokens: jax.Array, max_rows: int) -> jax.Array:

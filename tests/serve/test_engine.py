@@ -5,9 +5,10 @@ import dataclasses
 
 import pytest
 
-from jaxlora.generate import SamplingParams, generate
+from jaxlora.generate import generate
+from jaxlora.sampling import SamplingParams
 from jaxlora.lora.merge import merge_adapter
-from serve.engine import Engine, EngineConfig, Event, SamplingOptions
+from serve.engine import Engine, EngineConfig, Event
 from tests.serve.conftest import SMALL_ENGINE, exact_weights
 
 MAX_TOKENS = 8
@@ -40,10 +41,10 @@ def expected(smollm2, adapters8):
     return requests, outputs
 
 
-def _serve_all(engine, requests, options=SamplingOptions()):
+def _serve_all(engine, requests, options=SamplingParams(MAX_TOKENS)):
     got = {i: [] for i in range(len(requests))}
     for i, (prompt, name) in enumerate(requests):
-        engine.submit(i, prompt, MAX_TOKENS, name, options, lambda e, i=i: got[i].append(e))
+        engine.submit(i, prompt, name, options, lambda e, i=i: got[i].append(e))
     engine.run_until_idle()
     for events in got.values():
         assert events[-1].finish_reason in ("stop", "length")
@@ -69,7 +70,7 @@ def test_continuous_batching_equals_merged_generation(smollm2, adapters8, expect
 def test_seeded_sampling_does_not_depend_on_the_batch(smollm2, adapters8):
     model, tokenizer = smollm2
     requests = _requests(tokenizer)[:6]
-    options = SamplingOptions(temperature=0.8, top_p=0.9, seed=7)
+    options = SamplingParams(MAX_TOKENS, temperature=0.8, top_p=0.9, seed=7)
     engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(max_adapters_on_device=8, **SMALL_ENGINE), adapters8)
     together = _serve_all(engine, requests, options)
     alone = [_serve_all(engine, [r], options)[0] for r in requests[:2]]
@@ -82,7 +83,7 @@ def test_aborted_request_frees_its_pages(smollm2):
     model, tokenizer = smollm2
     engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(**SMALL_ENGINE))
     events = []
-    engine.submit("r", tokenizer.encode("Count: 1, 2, 3,"), 60, None, SamplingOptions(), events.append)
+    engine.submit("r", tokenizer.encode("Count: 1, 2, 3,"), None, SamplingParams(60), events.append)
     for _ in range(3):
         engine.step()
     assert engine.free_pages < SMALL_ENGINE["num_pages"]
@@ -98,7 +99,7 @@ def test_early_abort_drops_late_waiting_requests_and_keeps_running_ones(smollm2)
     engine = Engine(model, tokenizer.eos_token_ids, config)
     events = {name: [] for name in ("first", "second")}
     for name in events:
-        engine.submit(name, tokenizer.encode("Count: 1, 2, 3,"), 6, None, SamplingOptions(), events[name].append)
+        engine.submit(name, tokenizer.encode("Count: 1, 2, 3,"), None, SamplingParams(6), events[name].append)
     engine.step()  # "first" runs; "second" waits (one row per step)
     engine.config = dataclasses.replace(config, ttft_slo_s=1e-6)  # now nothing waiting can meet it
     engine.run_until_idle()
@@ -118,13 +119,13 @@ def test_failed_step_fails_its_requests_and_the_engine_keeps_serving(smollm2, mo
 
     monkeypatch.setattr(engine, "step_fn", broken)
     events = []
-    engine.submit("a", tokenizer.encode("Hi"), 4, None, SamplingOptions(), events.append)
+    engine.submit("a", tokenizer.encode("Hi"), None, SamplingParams(4), events.append)
     engine.run_until_idle()
     assert events[-1].finish_reason == "error" and "device on fire" in events[-1].error
     assert engine.free_pages == SMALL_ENGINE["num_pages"]
     monkeypatch.setattr(engine, "step_fn", real_step)
     events.clear()
-    engine.submit("b", tokenizer.encode("Hi"), 4, None, SamplingOptions(), events.append)
+    engine.submit("b", tokenizer.encode("Hi"), None, SamplingParams(4), events.append)
     engine.run_until_idle()
     assert events[-1].finish_reason in ("stop", "length") and len(events) >= 1
 
@@ -137,15 +138,15 @@ def test_full_queue_and_bad_requests_are_refused(smollm2, adapters8):
                     {"ad0": adapters8["ad0"]})
     noop = lambda event: None
     for i in range(2):
-        engine.submit(i, [1, 2], 4, "ad0", SamplingOptions(), noop)
+        engine.submit(i, [1, 2], "ad0", SamplingParams(4), noop)
     with pytest.raises(EngineBusy):
-        engine.submit(2, [1, 2], 4, None, SamplingOptions(), noop)
+        engine.submit(2, [1, 2], None, SamplingParams(4), noop)
     with pytest.raises(UnknownAdapter):
-        engine.submit(3, [1, 2], 4, "nope", SamplingOptions(), noop)
+        engine.submit(3, [1, 2], "nope", SamplingParams(4), noop)
     with pytest.raises(RequestError, match="context"):
-        engine.submit(4, [1] * SMALL_ENGINE["max_model_len"], 4, None, SamplingOptions(), noop)
+        engine.submit(4, [1] * SMALL_ENGINE["max_model_len"], None, SamplingParams(4), noop)
     with pytest.raises(RequestError, match="max_tokens"):
-        engine.submit(5, [1, 2], SMALL_ENGINE["max_model_len"], None, SamplingOptions(), noop)
+        engine.submit(5, [1, 2], None, SamplingParams(SMALL_ENGINE["max_model_len"]), noop)
     engine.abort(0)
     engine.abort(1)
     engine.run_until_idle()

@@ -58,7 +58,7 @@ class Sequence:
     finish_reason: str | None = None
     order: int = 0
     arrival: float = 0.0  # when the request arrived (seconds, the caller's clock; see `expire`)
-    sampling: Any = None  # the caller's sampling parameters (opaque here; the engine's SamplingOptions)
+    sampling: Any = None  # the caller's sampling parameters (opaque here; the engine's SamplingParams)
 
     @property
     def tokens(self) -> list[int]:

@@ -7,12 +7,13 @@ import functools
 import jax
 import numpy as np
 
-from jaxlora.lora.plan import build_plan, segment_bucket
+from jaxlora.buckets import bucket
+from jaxlora.lora.plan import build_plan
 from tests.jaxlora.parallel.fixtures import NUM_SLOTS, packed_batch, random_pool, tiny_model, trainable_frozen
 from train.step import make_grad_step
 
 ADAPTERS = {"single": (2,), "multi": (0, 1, 2, 3, -1)}
-NUM_SEGMENTS = segment_bucket(NUM_SLOTS + 1)
+NUM_SEGMENTS = bucket(NUM_SLOTS + 1, 4)
 
 
 @functools.lru_cache(maxsize=None)
