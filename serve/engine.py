@@ -11,7 +11,19 @@ One `Engine` owns the device state (model weights, the KV page pool, the adapter
      copying the adapters of queued requests to the device on a background thread (prefetch: the
      host -> device transfers overlap this and the next steps; each copy goes into its pool slot
      before the first step that uses the slot, or at any step boundary once it is done);
-  4. hands new tokens and finish reasons to each request's callback.
+  4. reads the sampled tokens of the step launched before (async scheduling) or of this one
+     (`EngineConfig.async_scheduling=False`) and hands new tokens and finish reasons to each
+     request's callback.
+
+Async scheduling (vLLM/SGLang): step N+1 is planned, built and dispatched while step N runs, and
+step N's tokens are read one step late, so the host never waits for the device before
+dispatching. The scheduler commits each plan when it makes it (its tokens count as computed;
+each sampled token is a `PENDING` placeholder until read); a decode row of step N+1 whose input
+is step N's sampled token takes it on the device (`Step.token_src` into step N's token array).
+A request never gets a row past max_tokens (known ahead); one that sampled EOS in step N is
+finished when step N is read, and the row step N+1 computed for it is dropped, never delivered;
+finished and aborted requests' pages are freed then. The slots a launched step reads stay pinned
+until its tokens are read, so no adapter load or prefetch overwrites them under it.
 
 Compiled shapes are bucketed: tokens per step to a power of two (>= 8), rows per step to the same
 number capped at `max_rows` (the most rows a step can have), block-table width to a power of two
@@ -74,7 +86,7 @@ from jaxlora.lora.pool import AdapterPool, PreparedAdapter
 from jaxlora.models.llama import Llama, LoraInputs, projection_shapes
 from jaxlora.models.paged import PagedBatch, PagedKVCache
 from jaxlora.sampling import SamplingParams
-from jaxlora.scheduler.serving import SchedulerConfig, Sequence, ServingScheduler, StepPlan, pages_for
+from jaxlora.scheduler.serving import PENDING, SchedulerConfig, Sequence, ServingScheduler, StepPlan, pages_for
 from serve.step import Programs, Step, StepShape
 
 log = logging.getLogger("jaxlora.serve")
@@ -107,6 +119,7 @@ class EngineConfig:
     max_waiting: int = 1024
     lora_backend: str = "gather"
     ttft_slo_s: float | None = None  # S-LoRA early abort: drop waiting requests that cannot meet it
+    async_scheduling: bool = True  # launch step N+1 before reading step N's tokens (module doc)
 
     def __post_init__(self):
         if self.ttft_slo_s is not None and not self.ttft_slo_s > 0:
@@ -130,6 +143,14 @@ class _Request:
     seq: Sequence  # its `sampling` holds the request's SamplingParams
     callback: Callable[[Event], None]
     submitted: float
+
+
+class _InFlight(NamedTuple):
+    """A launched step: its inputs, its sampled tokens (a device array until read), when it launched."""
+
+    step: Step
+    tokens: object
+    launched: float
 
 
 @dataclasses.dataclass
@@ -209,6 +230,8 @@ class Engine:
         self.programs = Programs(self._graphdef, config.lora_backend, self.max_rows)
         self.step_fn = step_fn or self.device_step
         self._last_tokens = np.zeros(self.max_rows, np.int32)  # the previous step's sampled tokens
+        self._in_flight: _InFlight | None = None  # launched, tokens not read yet (async scheduling)
+        self._last_done = 0.0  # when the last step's tokens were read
         self._lock = threading.Lock()
         self._registry: dict[str, _Registered] = {}
         self._by_uid: dict[int, _Registered] = {}
@@ -349,38 +372,71 @@ class Engine:
 
     # ---- the step (engine thread) -------------------------------------------------------
     def step(self) -> bool:
-        """Runs one iteration; returns False when there was nothing to do. Host time per phase
-        accumulates in `stats.phase_seconds` (see `EngineStats.PHASES`)."""
+        """Runs one iteration: plans and launches the next step, then (async scheduling) reads the
+        tokens of the step launched before it, or (synchronous) of this one; returns False when
+        there was nothing to do. Host time per phase accumulates in `stats.phase_seconds` (see
+        `EngineStats.PHASES`)."""
         phases = self.stats.phases()
         while self._commands:
             self._commands.popleft()()
         self._drop_removed_adapters()
         self._drop_late_requests()
-        if not self.scheduler.has_work():
+        if not self.scheduler.has_work() and self._in_flight is None:
             return False
+        launched = self._launch(phases)
+        previous, self._in_flight = self._in_flight, launched
+        if previous is not None:
+            self._finish(previous, phases)
+        if launched is not None and not self.config.async_scheduling:
+            self._in_flight = None
+            self._finish(launched, phases)
+        return True
+
+    def _launch(self, phases: "_PhaseClock") -> "_InFlight | None":
+        """Plans the next step, copies in its adapters and runs it without waiting for its tokens;
+        pins its adapters' slots until `_finish`. None when no row can run now."""
+        if not self.scheduler.has_work():
+            return None
         plan = self.scheduler.schedule()
         phases.mark("schedule")
         self._load(plan.loads)
         self._commit_staged({row.slot for row in plan.rows})
         phases.mark("load")
         if not plan.rows:
-            return True
-        started = time.monotonic()
+            return None
         try:
             step = self._build_step(plan, phases)
-            next_tokens = self.run_step(step)
+            tokens = self.run_step(step)
             phases.mark("dispatch")
-            self._stage(self.scheduler.prefetch())  # overlaps the step running on the device
-            phases.mark("prefetch")
-            next_tokens = np.asarray(next_tokens)
-            phases.mark("wait")
-        except Exception as err:  # keep serving: fail this step's requests, rebuild the cache
+        except Exception as err:  # keep serving: fail the running requests, rebuild the cache
             log.exception("engine step failed")
             self._fail_running(f"engine step failed: {err}")
-            return True
-        self._complete(step.plan, next_tokens, time.monotonic() - started)
+            return None
+        for row in step.plan.rows:  # the slots this step reads stay until it is done
+            if row.seq.adapter is not None:
+                self.scheduler.slots.pin(row.seq.adapter)
+        self._stage(self.scheduler.prefetch())  # overlaps the step running on the device
+        phases.mark("prefetch")
+        return _InFlight(step, tokens, time.monotonic())
+
+    def _finish(self, flight: "_InFlight", phases: "_PhaseClock") -> None:
+        """Reads a launched step's tokens (waits for it), unpins its slots and completes its rows."""
+        try:
+            tokens = np.asarray(flight.tokens)
+            phases.mark("wait")
+        except Exception as err:
+            log.exception("engine step failed")
+            self._fail_running(f"engine step failed: {err}")
+            tokens = None
+        for row in flight.step.plan.rows:
+            if row.seq.adapter is not None:
+                self.scheduler.slots.unpin(row.seq.adapter)
+        if tokens is None:
+            return
+        done = time.monotonic()
+        started, self._last_done = max(flight.launched, self._last_done), done
+        self._complete(flight.step, tokens, done - started)
         phases.mark("complete")
-        return True
 
     # ---- one step's programs --------------------------------------------------------------
     def build_step(self, plan: StepPlan) -> Step:
@@ -485,7 +541,6 @@ class Engine:
             lora = LoraInputs(self.pool.arrays, self._lora_plan(token_slot, one_token, decode_only))
         else:  # base rows only: the base model's own compiled step, no pool or plan
             self.stats.base_only_steps += 1
-        self.stats.step_kind = ("base " if lora is None else "lora ") + ("decode" if decode_only else "mixed")
         phases.mark("lora_plan")
         rows, width = batch.block_tables.shape
         forward = StepShape("forward", len(batch.tokens), rows, width, lora is not None,
@@ -493,8 +548,21 @@ class Engine:
         sampling = self._sampling_arrays(plan, rows)
         shapes = (forward,) if sampling is None else (forward, StepShape("sample", 0, rows))
         phases.mark("sampling")
-        token_src = np.full(len(batch.tokens), -1, np.int32)
-        return Step(plan, shapes, batch, lora, self._last_tokens, token_src, sampling)
+        kind = ("base " if lora is None else "lora ") + ("decode" if decode_only else "mixed")
+        return Step(plan, shapes, kind, batch, lora, self._last_tokens, self._token_sources(plan, batch.tokens),
+                    sampling)
+
+    def _token_sources(self, plan: StepPlan, tokens: np.ndarray) -> np.ndarray:
+        """token_src [T]: for each token that is a PENDING output (its row's last: a decode row's
+        input sampled by the step in flight), that step's row of it; -1 for tokens on the host."""
+        token_src = np.full(len(tokens), -1, np.int32)
+        pending = np.flatnonzero(tokens == PENDING)
+        if len(pending):
+            rows = {row.seq.seq_id: r for r, row in enumerate(self._in_flight.step.plan.rows) if row.sample}
+            ends = np.cumsum([row.count for row in plan.rows]) - 1
+            owner = np.searchsorted(ends, pending)  # the row of each pending token
+            token_src[pending] = [rows[plan.rows[r].seq.seq_id] for r in owner]
+        return token_src
 
     def _lora_plan(self, token_slot: np.ndarray, one_token: np.ndarray, decode_only: bool):
         """The step's LoRA plan over its tokens [T] (in `serving_order` of the rows): a `ServingPlan`
@@ -544,10 +612,12 @@ class Engine:
             seeds[r], counters[r] = options.seed % (1 << 32), row.start + row.count - len(row.seq.prompt)
         return temperature, top_p, seeds, counters
 
-    def _complete(self, plan: StepPlan, next_tokens: np.ndarray, seconds: float) -> None:
+    def _complete(self, step: Step, next_tokens: np.ndarray, seconds: float) -> None:
+        """Hands a step's sampled tokens (row r's at r) to the scheduler and its events to the requests."""
+        plan = step.plan
         sampled = {row.seq.seq_id: int(next_tokens[r]) for r, row in enumerate(plan.rows) if row.sample}
         events = self.scheduler.complete(plan, sampled)
-        self.stats.record_step(plan.num_tokens, len(events), seconds)
+        self.stats.record_step(step.kind, plan.num_tokens, len(events), seconds)
         for seq, token, reason in events:
             request = self._requests[seq.seq_id]
             if reason is not None:
@@ -624,7 +694,7 @@ class Engine:
             return
         in_use = {s.adapter for s in self.scheduler.running + self.scheduler.waiting}
         for entry in removed:
-            if entry.uid in in_use:
+            if entry.uid in in_use or self.scheduler.slots.pinned(entry.uid):  # pinned: an unfinished step reads it
                 continue
             slot = self.scheduler.slots.drop(entry.uid)
             if slot is not None:
@@ -739,7 +809,6 @@ class EngineStats:
         self.last_step_s = 0.0
         self.dropped = 0  # requests ended by early abort (see EngineConfig.ttft_slo_s)
         self.phase_seconds: dict[str, float] = {}
-        self.step_kind = ""  # the kind of the step being run: "base|lora decode|mixed" (set by the engine)
         self.kind_steps: dict[str, list] = {}  # kind -> [steps, seconds, tokens]
         self._recent: collections.deque = collections.deque()
 
@@ -759,9 +828,10 @@ class EngineStats:
         return {kind: {"steps": n, "mean_ms": 1e3 * seconds / n, "mean_tokens": tokens / n}
                 for kind, (n, seconds, tokens) in sorted(self.kind_steps.items())}
 
-    def record_step(self, tokens: int, generated: int, seconds: float) -> None:
+    def record_step(self, kind: str, tokens: int, generated: int, seconds: float) -> None:
+        """Counts a finished step of `kind` (`Step.kind`): its tokens, generated tokens and seconds."""
         self.steps += 1
-        kind = self.kind_steps.setdefault(self.step_kind, [0, 0.0, 0])
+        kind = self.kind_steps.setdefault(kind, [0, 0.0, 0])
         kind[0], kind[1], kind[2] = kind[0] + 1, kind[1] + seconds, kind[2] + tokens
         self.step_tokens += tokens
         self.generated += generated

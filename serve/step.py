@@ -59,6 +59,7 @@ class Step(NamedTuple):
 
     plan: the step's rows in the order they are laid out (row r of the batch is plan.rows[r]).
     shapes: the programs it runs (the forward, then the sampler when `sampling` is set).
+    kind: "base" or "lora" (LoRA inputs or not), then "decode" (one-token rows only) or "mixed".
     batch: tokens, positions, rows and block tables [T] / [R, P] (host arrays).
     lora: the adapter pool and the step's LoRA plan, None when every row uses the base model.
     prev_tokens [max_rows]: the sampled tokens of the step before (device array or zeros).
@@ -68,6 +69,7 @@ class Step(NamedTuple):
 
     plan: StepPlan
     shapes: tuple[StepShape, ...]
+    kind: str
     batch: PagedBatch
     lora: LoraInputs | None
     prev_tokens: jax.Array | np.ndarray
