@@ -106,27 +106,68 @@ class EngineBusy(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Sizes of the device state and of one step (see the module doc)."""
+    """Sizes of the device state and of one step (see the module doc).
+
+    Left None, the step sizes follow the platform (`for_platform`), as vLLM sizes them on a GPU or
+    TPU: up to 256 rows (max_num_seqs) and 2048 tokens (token_budget) per step, a prompt chunked
+    by the whole budget (prefill_chunk); small on a CPU (32 rows, 128 tokens, 64-token chunks).
+    num_pages None: as many KV pages as fit in `gpu_memory_utilization` of each device's memory
+    after the weights and the adapter pool (the rest is the headroom of a step's activations);
+    on a device that reports no memory (a CPU) 8 full contexts of max_model_len.
+    """
 
     max_adapters_on_device: int = 4
     max_lora_rank: int = 16
     page_size: int = 16
-    num_pages: int = 512
+    num_pages: int | None = None
     max_model_len: int = 2048
-    max_num_seqs: int = 32
-    token_budget: int = 128
-    prefill_chunk: int = 64
+    max_num_seqs: int | None = None
+    token_budget: int | None = None
+    prefill_chunk: int | None = None
     max_waiting: int = 1024
     lora_backend: str = "gather"
     ttft_slo_s: float | None = None  # S-LoRA early abort: drop waiting requests that cannot meet it
     async_scheduling: bool = True  # launch step N+1 before reading step N's tokens (module doc)
+    gpu_memory_utilization: float = 0.9  # fraction of device memory for weights, adapters and KV pages
+
+    # Bounds of the step sizes (each compiled program is as large as its step; tokens bound rows).
+    BOUNDS = {"max_num_seqs": (1, 1024), "token_budget": (1, 65536), "prefill_chunk": (1, 65536)}
+    ACCELERATOR_STEP = {"max_num_seqs": 256, "token_budget": 2048}
+    CPU_STEP = {"max_num_seqs": 32, "token_budget": 128, "prefill_chunk": 64}
+    CPU_CONTEXTS = 8  # KV pages of a device without memory stats: this many full contexts
 
     def __post_init__(self):
         if self.ttft_slo_s is not None and not self.ttft_slo_s > 0:
             raise ValueError(f"ttft_slo_s must be > 0 (or None: off), got {self.ttft_slo_s}")
-        if self.max_model_len > self.num_pages * self.page_size:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        for name, (low, high) in self.BOUNDS.items():
+            value = getattr(self, name)
+            if value is not None and not low <= value <= high:
+                raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+        if self.num_pages is not None and self.max_model_len > self.num_pages * self.page_size:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the KV cache "
                              f"({self.num_pages} pages x {self.page_size} tokens)")
+
+    def for_platform(self, platform: str) -> "EngineConfig":
+        """This config with unset step sizes (None) filled for `platform` ("cpu", "gpu", "tpu"):
+        small on a CPU; else up to 256 rows and 2048 tokens per step, prompts chunked by the budget."""
+        defaults = self.CPU_STEP if platform == "cpu" else self.ACCELERATOR_STEP
+        sizes = {name: defaults[name] for name in defaults if getattr(self, name) is None}
+        config = dataclasses.replace(self, **sizes)
+        if config.prefill_chunk is None:
+            config = dataclasses.replace(config, prefill_chunk=config.token_budget)
+        return config
+
+
+def kv_pages_that_fit(memory_stats: list, utilization: float, page_bytes: int) -> int | None:
+    """KV pages that fit on every device: min over devices of (utilization * bytes_limit -
+    bytes_in_use) // page_bytes (page_bytes: one page's keys and values on one device); None if a
+    device reports no memory (`Device.memory_stats()` None or without bytes_limit)."""
+    if any(not stats or "bytes_limit" not in stats for stats in memory_stats):
+        return None
+    free = min(utilization * stats["bytes_limit"] - stats["bytes_in_use"] for stats in memory_stats)
+    return max(0, int(free // page_bytes))
 
 
 class Event(NamedTuple):
@@ -205,7 +246,10 @@ class Engine:
                  step_fn: Callable[[Step, PagedKVCache], tuple] | None = None):
         """mesh: serve tensor parallel over `mesh`'s `tensor` axis (see the module doc).
         step_fn(step, cache) -> (sampled tokens: row r's at index r, the cache): runs each step in
-        place of `device_step` (e.g. a host-only stub for benchmarks); a public attribute."""
+        place of `device_step` (e.g. a host-only stub for benchmarks); a public attribute.
+        `self.config` is `config` with its unset sizes filled (see `EngineConfig`)."""
+        devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+        config = config.for_platform(devices[0].platform)
         self.config = config
         self.model_config = model.config
         self.eos_ids = frozenset(int(i) for i in eos_ids)
@@ -216,10 +260,12 @@ class Engine:
             model = sharding.shard_model(nnx.clone(model), mesh)
         self._graphdef, self._state = nnx.split(model)
         self._dtype = model.dtype
-        self.cache = self._new_cache()
         # donate: the pool's arrays are written in place; only `build_step` reads them, afresh each step
         self.pool = AdapterPool(model.config, config.max_adapters_on_device, config.max_lora_rank,
                                 dtype=model.dtype, donate=True, mesh=mesh)
+        if config.num_pages is None:  # sized now: after the weights and the pool are on the devices
+            config = self.config = dataclasses.replace(config, num_pages=self._pages_that_fit(devices))
+        self.cache = self._new_cache()
         self.scheduler = ServingScheduler(SchedulerConfig(
             num_pages=config.num_pages, page_size=config.page_size,
             num_adapter_slots=config.max_adapters_on_device, max_num_seqs=config.max_num_seqs,
@@ -253,6 +299,22 @@ class Engine:
     @property
     def tensor_parallel(self) -> int:
         return 1 if self.mesh is None else self.mesh.shape["tensor"]
+
+    def _pages_that_fit(self, devices) -> int:
+        """KV pages for `num_pages=None` (see `EngineConfig`); ValueError if not one context fits."""
+        config, model = self.config, self.model_config
+        context_pages = pages_for(config.max_model_len, config.page_size)
+        page_bytes = (2 * model.num_layers * config.page_size * model.num_kv_heads * model.head_dim
+                      * np.dtype(self._dtype).itemsize // self.tensor_parallel)  # KV heads split over tensor
+        pages = kv_pages_that_fit([d.memory_stats() for d in devices], config.gpu_memory_utilization, page_bytes)
+        if pages is None:
+            return config.CPU_CONTEXTS * context_pages
+        if pages < context_pages:
+            raise ValueError(f"{pages} KV pages fit in {config.gpu_memory_utilization:g} of the device memory after "
+                             f"the weights and the adapter pool; one context of max_model_len "
+                             f"{config.max_model_len} needs {context_pages}: raise gpu_memory_utilization, or "
+                             f"lower max_model_len or the adapter pool")
+        return pages
 
     def _new_cache(self) -> PagedKVCache:
         """Zeroed KV pages; with a mesh, made in place split by KV heads."""
