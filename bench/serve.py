@@ -40,9 +40,10 @@ different functions. Each device load copies the full A/B of the adapter, as for
 Only the adapters a trace requests are registered (unrequested ones would only sit in a dict).
 
 Compilation: the engine buckets each step's shape (tokens, block-table width; with a Pallas
-backend also decode-only or not, see `serve.engine`); before the cases every bucket is compiled
-(in parallel threads into JAX's persistent compilation cache, then once through the real jitted
-step with an all-padding batch, which writes nothing), so no timed run compiles. `compiles_in_run` in the JSON says if one did anyway.
+backend also decode-only or not, see `serve.engine`); before the cases `Engine.warmup` compiles
+every program variant (`Engine.step_shapes`, in parallel threads), and each run's fresh engine
+warms up again from JAX's in-process caches, so no timed run compiles. `compiles_in_run` in the
+JSON says if one did anyway (programs a step had to compile).
 
 Writes JSON (device, jax version, date, settings, results) to --out after every case, and a PNG
 next to it when matplotlib is importable.
@@ -51,7 +52,6 @@ next to it when matplotlib is importable.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import datetime
 import gc
@@ -74,17 +74,14 @@ from flax import nnx
 from jaxlora.lora import backends as lora_backends
 from jaxlora.lora.adapter import LoraAdapter, ModuleLora, random_adapter
 from jaxlora.lora.config import LoraConfig
-from jaxlora.lora.plan import ServingPlan
 from jaxlora.models.config import PROJECTIONS, LlamaConfig
-from jaxlora.models.llama import Llama, LoraInputs
+from jaxlora.models.llama import Llama
 from jaxlora.models.presets import llama8b_config
-from jaxlora.models.paged import PagedBatch
-from jaxlora.scheduler.serving import pages_for
-from serve import engine as engine_module
-from serve.engine import Engine, EngineConfig, Event, SamplingOptions
+from jaxlora.sampling import SamplingParams
+from jaxlora.scheduler.serving import Sequence, StepPlan, StepRow, pages_for
+from serve.engine import Engine, EngineConfig, Event
 
 LORA = LoraConfig(r=16, lora_alpha=32, target_modules=PROJECTIONS)
-GREEDY = SamplingOptions()
 
 
 # ---- workloads ----------------------------------------------------------------------------------
@@ -213,17 +210,15 @@ class Record:
         self.reason = self.error = None
 
 
-def _cache_size() -> int:
-    size = getattr(engine_module._engine_step, "_cache_size", None)
-    return size() if callable(size) else -1
-
-
 def run_trace(model, engine_config: EngineConfig, trace: Trace, prompts: list, factory: AdapterFactory | None,
-              mesh=None) -> dict:
+              mesh=None, step_fn=None, shapes=None) -> dict:
     """Serves `trace` on a fresh engine (with its adapters if `factory`, else all on the base model;
-    tensor parallel over `mesh` if given)."""
+    tensor parallel over `mesh` if given), warmed up on `shapes` (default: the greedy steps of its
+    kind, `greedy_shapes`) unless `step_fn` replaces its device step (`Engine(step_fn=...)`)."""
     setup_start = time.perf_counter()
-    engine = Engine(model, eos_ids=(), config=engine_config, mesh=mesh)
+    engine = Engine(model, eos_ids=(), config=engine_config, mesh=mesh, step_fn=step_fn)
+    if step_fn is None:
+        engine.warmup(greedy_shapes(engine, (factory is not None,)) if shapes is None else shapes)
     if factory is not None:
         for index in sorted(set(int(a) for a in trace.adapters)):
             engine.add_adapter(f"adapter{index}", factory(index))
@@ -245,7 +240,6 @@ def run_trace(model, engine_config: EngineConfig, trace: Trace, prompts: list, f
                 finished[0] += 1
         return callback
 
-    compiles_before = _cache_size()
     start = time.perf_counter()
     lateness = 0.0
     submitted = 0
@@ -255,12 +249,12 @@ def run_trace(model, engine_config: EngineConfig, trace: Trace, prompts: list, f
             i = submitted
             records[i].submitted = start + trace.arrivals[i]
             lateness = max(lateness, now - trace.arrivals[i])
-            engine.submit(i, prompts[i], int(trace.output_lens[i]), names[i], GREEDY, callback_for(records[i]))
+            engine.submit(i, prompts[i], names[i], SamplingParams(int(trace.output_lens[i])), callback_for(records[i]))
             submitted += 1
         if not engine.step() and finished[0] < count:
             if submitted < count:  # idle until the next arrival
                 time.sleep(max(0.0, min(0.05, start + trace.arrivals[submitted] - time.perf_counter())))
-            elif not engine.scheduler.has_work() and not engine._commands:
+            else:
                 raise RuntimeError(f"engine idle with {count - finished[0]} requests unfinished")
     end = max(r.end for r in records)
     stats = engine.stats
@@ -270,7 +264,7 @@ def run_trace(model, engine_config: EngineConfig, trace: Trace, prompts: list, f
         "adapter_loads": stats.adapter_loads, "steps": stats.steps,
         "mean_step_tokens": stats.step_tokens / max(1, stats.steps),
         "mean_step_ms": 1e3 * stats.step_seconds / max(1, stats.steps),
-        "max_submit_lateness_s": lateness, "compiles_in_run": max(0, _cache_size() - compiles_before),
+        "max_submit_lateness_s": lateness, "compiles_in_run": stats.step_compiles,
         "phase_ms_per_step": stats.phase_ms_per_step(), "steps_by_kind": stats.steps_by_kind(),
     })
     del engine
@@ -299,78 +293,29 @@ def summarize(records: list, start: float, end: float) -> dict:
     }
 
 
-def host_only_step(graphdef, state, cache, batch, lora, *rest):
-    """`--host-only`: stands in for the engine's jitted step; token 0 for every row, cache unchanged."""
-    return np.zeros(len(batch.logit_indices), np.int32), cache
+def host_only_step(step, cache):
+    """`--host-only`: stands in for the engine's device step (`Engine(step_fn=...)`); token 0 for
+    every row, cache unchanged."""
+    return np.zeros(len(step.batch.logit_indices), np.int32), cache
 
 
 # ---- compilation ----------------------------------------------------------------------------------
 
-def step_shapes(config: EngineConfig) -> list[tuple]:
-    """Every (tokens, block-table width, with LoRA[, decode only]) step the engine can dispatch (see
-    `serve.engine`): each bucket with LoRA inputs, and without (a step whose rows all use the base
-    model runs its own compiled variant); with a Pallas backend also the decode-only (BGMV-only)
-    variant of each bucket that a step of one-token rows can fill (<= max_num_seqs tokens)."""
-    bucket = engine_module._bucket
-    max_pages = bucket(pages_for(config.max_model_len, config.page_size), 1)
-    tokens = sorted({bucket(t, 8) for t in range(1, config.token_budget + 1)})
-    widths = sorted({min(bucket(p, 4), max_pages) for p in range(1, max_pages + 1)})
-    shapes = [(t, w, lora) for lora in (True, False) for t in tokens for w in widths]
-    if lora_backends.get(config.lora_backend).plan_type is ServingPlan:
-        most_rows = bucket(min(config.max_num_seqs, config.token_budget), 8)
-        shapes += [(t, w, True, True) for t in tokens if t <= most_rows for w in widths]
-    return shapes
+def greedy_shapes(engine: Engine, lora=(False, True)) -> list:
+    """The step programs greedy requests can run: the forwards with LoRA inputs or without (`lora`:
+    which of the two; a trace whose requests all have adapters runs only LoRA steps)."""
+    return [shape for shape in engine.step_shapes() if shape.program == "forward" and shape.lora in lora]
 
 
-def _noop_args(engine: Engine, num_tokens: int, width: int, lora: bool = True, decode_only: bool = False):
-    """Arguments of the engine's jitted step for an all-padding batch (writes no key/value); lora=False:
-    the base-only variant (no LoRA inputs); decode_only: the LoRA variant of steps without
-    multi-token rows (a Pallas backend's BGMV-only step)."""
-    zeros = np.zeros(num_tokens, np.int32)
-    batch = PagedBatch(zeros, zeros, np.full(num_tokens, -1, np.int32), np.zeros((num_tokens, width), np.int32), zeros)
-    no_rows = np.full(num_tokens, -1, np.int32), np.zeros(num_tokens, bool)
-    lora = LoraInputs(engine.pool.arrays, engine._lora_plan(*no_rows, decode_only)) if lora else None
-    return (engine._graphdef, engine._state, engine.cache, batch, lora, np.zeros(num_tokens, np.float32),
-            np.ones(num_tokens, np.float32), np.zeros(num_tokens, np.uint32), zeros, False,
-            engine.config.lora_backend)
-
-
-def _shape_label(shape: tuple) -> str:
-    """"TxW", "TxW base" or "TxW decode" for a `step_shapes` entry."""
-    variant = " decode" if shape[3:] and shape[3] else ("" if len(shape) < 3 or shape[2] else " base")
-    return f"{shape[0]}x{shape[1]}{variant}"
-
-
-def compile_all(model, config: EngineConfig, threads: int, mesh=None, shapes=None) -> dict:
-    """Compiles every step bucket: in parallel into the persistent cache (lower/compile), then
-    through the jitted function itself (each call loads its executable into the in-memory cache).
-    shapes: (tokens, width) or (tokens, width, lora) tuples (default: every bucket, with and
-    without LoRA);
-    mesh: compile the engine's tensor-parallel steps over it."""
+def compile_all(model, config: EngineConfig, threads: int, mesh=None, shapes=None, lora=(False, True)) -> dict:
+    """Compiles the step programs of `shapes` (default: `greedy_shapes(.., lora)`) for an engine of
+    `config` (over `mesh`), `threads` at a time: later engines of the same model and sizes find
+    them in JAX's caches. Returns the warm-up's counts and time."""
     engine = Engine(model, eos_ids=(), config=config, mesh=mesh)
-    shapes = step_shapes(config) if shapes is None else shapes
-    start = time.perf_counter()
-    parallel_error = None
-    if threads > 1:
-        def aot(shape):
-            engine_module._engine_step.lower(*_noop_args(engine, *shape)).compile()
-        try:
-            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-                list(pool.map(aot, shapes))
-        except Exception as err:  # the serial pass below still compiles (or raises)
-            parallel_error = f"{type(err).__name__}: {err}"
-            print(f"parallel compile failed ({parallel_error}); compiling serially", flush=True)
-    parallel_s = time.perf_counter() - start
-    per_shape = {}
-    for shape in shapes:
-        t = time.perf_counter()
-        tokens, engine.cache = engine_module._engine_step(*_noop_args(engine, *shape))
-        np.asarray(tokens)
-        per_shape[_shape_label(shape)] = time.perf_counter() - t
+    info = {**engine.warmup(greedy_shapes(engine, lora) if shapes is None else shapes, threads), "threads": threads}
     del engine
     gc.collect()
-    return {"shapes": len(shapes), "jit_cache_entries": _cache_size(), "threads": threads, "parallel_s": parallel_s,
-            "serial_s": sum(per_shape.values()), "per_shape_s": per_shape, "parallel_error": parallel_error}
+    return info
 
 
 # ---- profile --------------------------------------------------------------------------------------
@@ -383,70 +328,62 @@ PROFILE_STEPS = {  # rows as (adapter rows first as prefill chunks, tokens per c
 }
 
 
-def profile_batch(engine: Engine, chunks: int, chunk_tokens: int, decode_rows: int, context: int = 384):
-    """(PagedBatch, token_slot [T], one_token [T]) of one step in `serving_order`: `chunks` prefill
-    chunks of `chunk_tokens` (slots 0, 1, ...), then `decode_rows` one-token rows at position
-    `context` (slots chunks, chunks+1, ... modulo the pool: distinct adapters); each row its own pages."""
+def profile_plan(engine: Engine, chunks: int, chunk_tokens: int, decode_rows: int, context: int, base: bool):
+    """One step's `StepPlan`: `chunks` prefill chunks of `chunk_tokens` (slots 0, 1, ...), then
+    `decode_rows` one-token rows at position `context` (slots chunks, chunks+1, ... modulo the pool:
+    distinct adapters; every row on the base model if `base`); random tokens, each row its own pages."""
     counts = [chunk_tokens] * chunks + [1] * decode_rows
-    num_tokens = engine_module._bucket(sum(counts), 8)
-    page_size, num_slots = engine.config.page_size, engine.config.max_adapters_on_device
-    width = engine_module._bucket(pages_for(context + chunk_tokens + 1, page_size), 4)
+    config = engine.config
+    width = pages_for(context + chunk_tokens + 1, config.page_size)
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, engine.model_config.vocab_size, num_tokens).astype(np.int32)
-    positions, token_row = np.zeros(num_tokens, np.int32), np.full(num_tokens, -1, np.int32)
-    token_slot, one_token = np.full(num_tokens, -1, np.int32), np.zeros(num_tokens, bool)
-    tables, logit_indices = np.zeros((num_tokens, width), np.int32), np.zeros(num_tokens, np.int32)
-    offset = 0
+    rows = []
     for row, count in enumerate(counts):
-        span = slice(offset, offset + count)
         start = 0 if count > 1 else context
-        positions[span], token_row[span] = np.arange(start, start + count), row
-        token_slot[span], one_token[span] = row % num_slots, count == 1
-        tables[row] = (row * width + np.arange(width)) % engine.config.num_pages
-        offset += count
-        logit_indices[row] = offset - 1
-    return PagedBatch(tokens, positions, token_row, tables, logit_indices), token_slot, one_token
+        prompt = rng.integers(0, engine.model_config.vocab_size, start + count).tolist()
+        pages = [(row * width + page) % config.num_pages for page in range(width)]
+        seq = Sequence(row, prompt, 1, pages=pages, sampling=SamplingParams(1))
+        rows.append(StepRow(seq, start, count, -1 if base else row % config.max_adapters_on_device, True))
+    return StepPlan(rows, [])
 
 
 def profile_steps(model, engine_config: EngineConfig, factory: AdapterFactory, backends, log_dir: str,
                   calls: int = 5, context: int = 384) -> list[dict]:
-    """Per-kernel device time (profiler trace, `bench.timing.kernel_times`) of one jitted engine step
-    for each PROFILE_STEPS batch: the base model (no LoRA inputs) and each LoRA backend, with every
-    pool slot holding an adapter. Returns one entry per (step, variant)."""
+    """Per-kernel device time (profiler trace, `bench.timing.kernel_times`) of one engine step
+    (`Engine.build_step` / `run_step`) for each PROFILE_STEPS batch: the base model (no LoRA inputs)
+    and each LoRA backend (an engine each), with every pool slot holding an adapter. Returns one
+    entry per (step, variant)."""
     from bench.timing import kernel_times, median_call_seconds
 
-    engine = Engine(model, eos_ids=(), config=engine_config)
-    prepared = [engine.prepare_adapter(factory(i)) for i in range(len(factory.sets))]
-    for slot in range(engine_config.max_adapters_on_device):
-        engine.pool.load(prepared[slot % len(prepared)], slot=slot)
+    most_rows = max(chunks + decode_rows for chunks, _, decode_rows in PROFILE_STEPS.values())
+    most_tokens = max(chunks * tokens + decode_rows for chunks, tokens, decode_rows in PROFILE_STEPS.values())
+    engine_config = dataclasses.replace(  # room for the largest profiled step (--tiny's engine is smaller)
+        engine_config, max_num_seqs=max(engine_config.max_num_seqs, most_rows),
+        token_budget=max(engine_config.token_budget, most_tokens))
     out = []
-    for step_name, (chunks, chunk_tokens, decode_rows) in PROFILE_STEPS.items():
-        batch, token_slot, one_token = profile_batch(engine, chunks, chunk_tokens, decode_rows, context)
-        num_tokens = len(token_slot)
-        sampling = (np.zeros(num_tokens, np.float32), np.ones(num_tokens, np.float32),
-                    np.zeros(num_tokens, np.uint32), np.zeros(num_tokens, np.int32), False)
-        for variant in ["base"] + list(backends):
-            engine.config = dataclasses.replace(engine_config, lora_backend=backends[0] if variant == "base" else variant)
-            lora = None if variant == "base" else LoraInputs(
-                engine.pool.arrays, engine._lora_plan(token_slot, one_token, chunks == 0))
-
-            def step():
-                tokens, engine.cache = engine_module._engine_step(
-                    engine._graphdef, engine._state, engine.cache, batch, lora, *sampling, engine.config.lora_backend)
-                return tokens
-
-            times = kernel_times(step, calls, os.path.join(log_dir, f"{step_name}_{variant}"))
-            sync_ms = 1e3 * median_call_seconds(step, 1, rounds=10)  # dispatch + device, one step at a time
+    for variant in ["base"] + list(backends):
+        config = dataclasses.replace(engine_config, lora_backend=backends[0] if variant == "base" else variant)
+        engine = Engine(model, eos_ids=(), config=config)
+        prepared = [engine.prepare_adapter(factory(i)) for i in range(len(factory.sets))]
+        for slot in range(config.max_adapters_on_device):
+            engine.pool.load(prepared[slot % len(prepared)], slot=slot)
+        for step_name, (chunks, chunk_tokens, decode_rows) in PROFILE_STEPS.items():
+            plan = profile_plan(engine, chunks, chunk_tokens, decode_rows, context, base=variant == "base")
+            step = engine.build_step(plan)
+            run = lambda: engine.run_step(step)
+            times = kernel_times(run, calls, os.path.join(log_dir, f"{step_name}_{variant}"))
+            sync_ms = 1e3 * median_call_seconds(run, 1, rounds=10)  # dispatch + device, one step at a time
             categories, counts = {}, {}
             for kernel in times["kernels"]:
                 category = kernel_category(kernel["name"])
                 categories[category] = categories.get(category, 0.0) + kernel["total_ms"]
                 counts[category] = counts.get(category, 0) + kernel["calls"]
-            out.append({"step": step_name, "variant": variant, "tokens": num_tokens, "sync_ms": sync_ms,
+            out.append({"step": step_name, "variant": variant, "tokens": len(step.batch.tokens), "sync_ms": sync_ms,
                         "device_ms": times["device_ms"], "profiled_wall_ms": times["wall_ms"],
                         "categories": categories, "kernel_counts": counts, "top_kernels": times["kernels"][:80]})
-    engine.config = engine_config
-    return out
+        del engine
+        gc.collect()
+    steps = list(PROFILE_STEPS)
+    return sorted(out, key=lambda entry: steps.index(entry["step"]))
 
 
 def kernel_category(name: str) -> str:
@@ -629,10 +566,10 @@ def main() -> None:
     if args.profile:
         run_profile(args, model, engine_config, factory, backends, device)
         return
+    step_fn = host_only_step if args.host_only else None
     try:
         if args.host_only:  # no device step: nothing to compile
-            engine_module._engine_step = host_only_step
-            compile_info = {"shapes": 0, "threads": 0, "parallel_s": 0.0, "serial_s": 0.0, "host_only": True}
+            compile_info = {"programs": 0, "seconds": 0.0, "threads": 0, "host_only": True}
         else:
             compile_info = compile_all(model, engine_config, args.compile_threads)
     except Exception as err:
@@ -643,26 +580,24 @@ def main() -> None:
         backend = "onehot"
         engine_config = dataclasses.replace(engine_config, lora_backend=backend)
         compile_info = compile_all(model, engine_config, args.compile_threads)
-    print(f"compiled {compile_info['shapes']} step shapes: {compile_info['parallel_s']:.1f} s in "
-          f"{compile_info['threads']} threads, then {compile_info['serial_s']:.1f} s loading/compiling serially",
-          flush=True)
+    print(f"compiled {compile_info['programs']} step programs in {compile_info['seconds']:.1f} s "
+          f"({compile_info['threads']} threads)", flush=True)
     backends = [backend] + [b for b in backends[1:] if b != backend]
     other_configs = {b: dataclasses.replace(engine_config, lora_backend=b) for b in backends[1:]}
     for other, other_config in other_configs.items():  # their LoRA steps (base runs use the first backend's)
         if args.host_only:
             break
-        info = compile_all(model, other_config, args.compile_threads,
-                           shapes=[shape for shape in step_shapes(other_config) if shape[2]])
+        info = compile_all(model, other_config, args.compile_threads, lora=(True,))
         compile_info.setdefault("other_backends", {})[other] = info
-        print(f"compiled the {other} LoRA steps: {info['parallel_s'] + info['serial_s']:.1f} s", flush=True)
+        print(f"compiled the {other} LoRA steps: {info['seconds']:.1f} s", flush=True)
 
     # Warm-up (untimed): a few requests with adapters and on the base model exercise adapter loads,
     # prefetch and the host-side step path once.
     warm_case = Case("punica", "throughput", min(8, args.requests), args.rate, 1.0, popularity="distinct")
     warm = make_trace(warm_case, args.seed + 1, args.min_len, args.max_len, args.max_adapters)
     warm_prompts = [[1] * int(n) for n in warm.prompt_lens]
-    run_trace(model, engine_config, warm, warm_prompts, factory)
-    run_trace(model, engine_config, warm, warm_prompts, None)
+    run_trace(model, engine_config, warm, warm_prompts, factory, step_fn=step_fn)
+    run_trace(model, engine_config, warm, warm_prompts, None, step_fn=step_fn)
 
     report = {
         "device": device, "jax": jax.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -694,15 +629,16 @@ def main() -> None:
         token_rng = np.random.default_rng([args.seed, 3])
         prompts = [token_rng.integers(0, config.vocab_size, int(n)).tolist() for n in trace.prompt_lens]
         run_start = time.perf_counter()
-        lora = run_trace(model, engine_config, trace, prompts, factory)
+        lora = run_trace(model, engine_config, trace, prompts, factory, step_fn=step_fn)
         last_run_s = time.perf_counter() - run_start
         print_row(case.name, "lora" if len(backends) == 1 else f"lora {backend}", lora)
         by_backend = {backend: lora}
         for other, other_config in other_configs.items():
-            by_backend[other] = run_trace(model, other_config, trace, prompts, factory)
+            by_backend[other] = run_trace(model, other_config, trace, prompts, factory, step_fn=step_fn)
             print_row("", f"lora {other}", by_backend[other])
         if need_base:
-            base_runs[trace.base_key()] = (case.name, run_trace(model, engine_config, trace, prompts, None))
+            base_runs[trace.base_key()] = (case.name, run_trace(model, engine_config, trace, prompts, None,
+                                                                step_fn=step_fn))
         base_of, base = base_runs[trace.base_key()]
         print_row("", "base", base)
         report["results"].append({

@@ -14,12 +14,12 @@ serves both traces with the same EngineConfig and the same LoRA backend (default
 `pallas_call` cannot run under GSPMD, and onehot reads the pool once per step where gather
 materialises per-token A/B). Requests ignore EOS, so each generates exactly its output length.
 
-Compilation is kept out of the timed runs and small: the traces are first served with the jitted
-step replaced by a stub that records the (tokens, block-table width, LoRA or not) buckets the
-engine dispatches (scheduling does not depend on token values), and only those buckets are
-compiled, in parallel threads, for each engine (`bench/serve.py`'s `compile_all`; the two engines
-compile at the same time); the pool's slot update is compiled by one load before the runs. `compiles_in_run` in the JSON says if a run
-compiled anyway.
+Compilation is kept out of the timed runs and small: the traces are first served with the device
+step replaced by a stub (`Engine(step_fn=...)`) that records the step programs (`StepShape`s) the
+engine runs (scheduling does not depend on token values), and only those are compiled, in
+parallel threads, for each engine (`Engine.warmup` through `bench/serve.py`'s `compile_all`,
+which also compiles the pool's slot update; the two engines compile at the same time).
+`compiles_in_run` in the JSON says if a run compiled anyway.
 
 Reported per engine and trace (from `bench/serve.py`'s `run_trace`): generated tokens/s and
 requests/s over the makespan, TTFT and TPOT p50/p90 (TTFT includes queueing: all requests arrive
@@ -33,7 +33,6 @@ import argparse
 import concurrent.futures
 import dataclasses
 import datetime
-import gc
 import json
 import os
 import platform
@@ -57,36 +56,20 @@ from jaxlora.lora import backends
 from jaxlora.models.llama import Llama
 from jaxlora.models.presets import llama8b_config
 from jaxlora.scheduler.serving import pages_for
-from serve import engine as engine_module
-from serve.engine import Engine, EngineConfig
+from serve.engine import EngineConfig
 
 
 def record_shapes(model, config: EngineConfig, trace, prompts, factory) -> set:
-    """The (tokens, width, lora) buckets the engine dispatches serving `trace`, from a run whose
-    jitted step is a stub (no device step; adapter loads still run)."""
+    """The step programs (`StepShape`s) the engine runs serving `trace`, from a run whose device
+    step is a stub (nothing compiled or dispatched; adapter loads still run)."""
     shapes = set()
 
-    def stub(graphdef, state, cache, batch, lora, *rest):
-        shapes.add((len(batch.tokens), batch.block_tables.shape[1], lora is not None))
-        return np.zeros(len(batch.logit_indices), np.int32), cache
+    def stub(step, cache):
+        shapes.update(step.shapes)
+        return serve_bench.host_only_step(step, cache)
 
-    real = engine_module._engine_step
-    engine_module._engine_step = stub
-    try:
-        serve_bench.run_trace(model, config, trace, prompts, factory)
-    finally:
-        engine_module._engine_step = real
+    serve_bench.run_trace(model, config, trace, prompts, factory, step_fn=stub)
     return shapes
-
-
-def warm_pool(model, config: EngineConfig, mesh, factory) -> None:
-    """Compiles the pool's slot update for this placement (one load and one eviction)."""
-    engine = Engine(model, eos_ids=(), config=config, mesh=mesh)
-    engine.pool.load(engine.prepare_adapter(factory(0)), slot=0)
-    engine.pool.evict(0)
-    jax.block_until_ready(engine.pool.arrays)
-    del engine
-    gc.collect()
 
 
 def write_json(path: str, report: dict) -> None:
@@ -186,7 +169,7 @@ def main() -> None:
     if not args.no_base:
         shapes |= record_shapes(model, engine_config, trace, prompts, None)
     shapes = sorted(shapes)
-    print(f"{len(shapes)} step buckets to compile per engine (recorded in {time.perf_counter() - t:.1f} s)",
+    print(f"{len(shapes)} step programs to compile per engine (recorded in {time.perf_counter() - t:.1f} s)",
           flush=True)
 
     report = {
@@ -201,14 +184,13 @@ def main() -> None:
         "trace": {"requests": args.requests, "mode": "throughput", "lengths": [args.min_len, args.max_len],
                   "prompt_tokens": int(trace.prompt_lens.sum()), "output_tokens": int(trace.output_lens.sum())},
         "engine": dataclasses.asdict(engine_config), "settings": dict(vars(args)), "setup_s": setup_s,
-        "step_buckets": [list(s) for s in shapes], "engines": {},
+        "step_programs": [list(s) for s in shapes], "engines": {},
     }
     meshes = {1: None, tp: sharding.make_mesh(tensor=tp, devices=jax.devices()[:tp])}
 
     def prepare(size):
         start = time.perf_counter()
         info = serve_bench.compile_all(model, engine_config, args.compile_threads, mesh=meshes[size], shapes=shapes)
-        warm_pool(model, engine_config, meshes[size], factory)
         return info, time.perf_counter() - start
 
     t = time.perf_counter()
@@ -224,7 +206,7 @@ def main() -> None:
         for label, adapters in (("lora", factory), ("base", None)):
             if label == "base" and args.no_base:
                 continue
-            runs = [serve_bench.run_trace(model, engine_config, trace, prompts, adapters, mesh=mesh)
+            runs = [serve_bench.run_trace(model, engine_config, trace, prompts, adapters, mesh=mesh, shapes=shapes)
                     for _ in range(args.repeats)]
             entry[label] = median_run(runs)
             print_row(f"{name} ({size} dev)", label, entry[label])

@@ -1,8 +1,8 @@
-"""Batched text generation with a KV cache: greedy or sampled (temperature, top-p), stops on EOS."""
+"""Batched text generation with a KV cache: greedy or sampled (temperature, top-p; the sampler of
+`jaxlora.sampling`), stops on EOS."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Sequence
 
@@ -11,46 +11,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxlora.buckets import bucket
 from jaxlora.lora.plan import build_plan
 from jaxlora.models.llama import KVCache, Llama, LoraInputs
+from jaxlora.sampling import SamplingParams, greedy_rows, sample_rows
 
 
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """temperature 0 means greedy; top_p in (0, 1] keeps the smallest set of tokens with that mass."""
-
-    max_new_tokens: int = 32
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-
-def bucket(n: int, minimum: int = 16) -> int:
-    """The power of two >= n (and >= minimum): padded lengths that bound recompilation."""
-    return max(minimum, 1 << max(0, (n - 1).bit_length()))
-
-
-def sample_next(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
-    """logits [B, V] -> next token ids [B] (argmax when temperature == 0)."""
-    if temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / temperature
-    if top_p < 1.0:
-        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        kept = jnp.where(mass_before < top_p, sorted_logits, jnp.inf)
-        threshold = jnp.min(kept, axis=-1, keepdims=True)
-        logits = jnp.where(logits >= threshold, logits, -jnp.inf)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+def _next_tokens(logits: jax.Array, key: jax.Array, params: SamplingParams) -> jax.Array:
+    """logits [B, V] -> next token ids [B]: argmax when greedy, else each row drawn with its own
+    key split from `key` (`jaxlora.sampling.sample_rows`)."""
+    if params.temperature == 0:
+        return greedy_rows(logits)
+    rows = logits.shape[0]
+    return sample_rows(logits, jnp.full(rows, params.temperature), jnp.full(rows, params.top_p),
+                       jax.random.split(key, rows))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 7), donate_argnums=(4,))
@@ -87,8 +61,8 @@ def generate(
     graphdef, state = nnx.split(model)
     batch = len(prompts)
     lengths = np.array([len(p) for p in prompts], np.int32)
-    prompt_len = bucket(int(lengths.max()))
-    cache_len = bucket(prompt_len + params.max_new_tokens)
+    prompt_len = bucket(int(lengths.max()), 16)
+    cache_len = bucket(prompt_len + params.max_new_tokens, 16)
     tokens = np.zeros((batch, prompt_len), np.int32)
     for row, prompt in enumerate(prompts):
         tokens[row, : len(prompt)] = prompt
@@ -105,7 +79,7 @@ def generate(
     done = np.zeros(batch, bool)
     for step in range(params.max_new_tokens):
         key, step_key = jax.random.split(key)
-        next_ids = np.asarray(sample_next(logits, step_key, params.temperature, params.top_p))
+        next_ids = np.asarray(_next_tokens(logits, step_key, params))
         for row in np.flatnonzero(~done):
             outputs[row].append(int(next_ids[row]))
         done |= np.isin(next_ids, eos)

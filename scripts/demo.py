@@ -94,8 +94,10 @@ def serve_and_query(adapter_dir: str, names: list[str]) -> None:
     """Starts jaxlora-serve with the trained adapters and asks each (and the base model) one question."""
     port = _free_port()
     base_url = f"http://127.0.0.1:{port}"
+    # A 256-token context (the questions and answers are a few dozen tokens): the server compiles
+    # its step programs before it reports healthy, one per token bucket x block-table width bucket.
     command = [sys.executable, "-m", "serve", "--model", "default", "--port", str(port),
-               "--max-adapters-on-device", "2", "--log-level", "warning"]
+               "--max-adapters-on-device", "2", "--max-model-len", "256", "--log-level", "warning"]
     for name in names:
         command += ["--adapter", f"{name}={os.path.join(adapter_dir, name)}"]
     print(f"\nserving the adapters: jaxlora-serve on {base_url} (2 device slots for 3 adapters) ...")

@@ -5,6 +5,11 @@ Endpoints: /v1/completions, /v1/chat/completions (JSON or SSE streaming), /v1/mo
 `model` names the base model or a registered adapter. Handlers tokenize, submit one engine
 sequence per (prompt, choice), and await the engine's events through an asyncio queue; a request
 that ends early (client gone, stop string, error) aborts its sequences so their KV pages are freed.
+
+Start-up (as vLLM's): the server binds at once, and the engine compiles its step programs
+(`Engine.warmup`) on a thread before its loop starts; `/health` answers 503 "warming up" until
+then (requests sent meanwhile wait in the queue), so a load balancer routes no request to a
+server that would still compile.
 """
 
 from __future__ import annotations
@@ -12,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import secrets
+import threading
 import time
 import uuid
 
@@ -25,7 +32,8 @@ from starlette.concurrency import run_in_threadpool
 from jaxlora.lora.config import AdapterError
 from jaxlora.lora.peft_io import load_peft_adapter
 from jaxlora.tokenizer import TokenizerError
-from serve.engine import Engine, EngineBusy, RequestError, SamplingOptions, UnknownAdapter
+from jaxlora.sampling import SamplingParams
+from serve.engine import Engine, EngineBusy, RequestError, UnknownAdapter
 from serve.metrics import Metrics
 from serve.protocol import (
     ApiError, ChatRequest, CompletionRequest, Limits, LoadAdapterRequest, UnloadAdapterRequest, check_common,
@@ -33,6 +41,7 @@ from serve.protocol import (
 )
 from serve.text import TextTracker
 
+log = logging.getLogger("jaxlora.serve")
 
 @dataclasses.dataclass(frozen=True)
 class ServerSettings:
@@ -45,12 +54,11 @@ class ServerSettings:
 
 @dataclasses.dataclass
 class SeqSpec:
-    """One engine sequence of a request: prompt ids, token limit, adapter (None: base), sampling."""
+    """One engine sequence of a request: prompt ids, adapter (None: base), sampling (incl. the token limit)."""
 
     prompt: list[int]
-    max_tokens: int
     adapter: str | None
-    sampling: SamplingOptions
+    sampling: SamplingParams
     stops: list[str]
 
 
@@ -75,7 +83,7 @@ class Generation:
         for index, spec in enumerate(self.specs):
             callback = lambda event, i=index: loop.call_soon_threadsafe(self.queue.put_nowait, (i, event))
             try:
-                self.engine.submit(self._id(index), spec.prompt, spec.max_tokens, spec.adapter, spec.sampling, callback)
+                self.engine.submit(self._id(index), spec.prompt, spec.adapter, spec.sampling, callback)
             except Exception:
                 self.done[index:] = [True] * (len(self.specs) - index)
                 self.abort()
@@ -121,6 +129,47 @@ class Server:
         self.limits = settings.limits
         self.metrics = Metrics(engine)
         self.allowed = [os.path.realpath(d) for d in settings.allowed_adapter_dirs]
+        self.ready = threading.Event()  # set once the engine is warmed up and started
+        self.warmup_error: str | None = None
+        self._closing = False
+        self._start_lock = threading.Lock()
+
+    # ---- engine life -----------------------------------------------------------------------
+    def start_engine(self) -> None:
+        """Warms the engine up on a thread, then starts its loop (at once if it already runs)."""
+        if self.engine.alive:
+            self.ready.set()
+            return
+        threading.Thread(target=self._warm_up_and_start, name="jaxlora-warmup", daemon=True).start()
+
+    def _warm_up_and_start(self) -> None:
+        """`Engine.warmup`, then `Engine.start` unless the app is closing. A failed warm-up is logged
+        and kept for /health (503); the engine starts anyway and compiles what its steps need."""
+        try:
+            info = self.engine.warmup()
+            log.info("compiled %d step programs in %.1f s", info["programs"], info["seconds"])
+        except Exception as err:
+            log.exception("engine warm-up failed")
+            self.warmup_error = f"{type(err).__name__}: {err}"
+        with self._start_lock:
+            if not self._closing:
+                self.engine.start()
+        self.ready.set()
+
+    def stop_engine(self) -> None:
+        with self._start_lock:
+            self._closing = True
+        self.engine.stop()
+
+    def health(self) -> tuple[int, str]:
+        """(HTTP status, status text) of /health."""
+        if not self.ready.is_set():
+            return 503, "warming up"
+        if self.warmup_error is not None:
+            return 503, f"warm-up failed: {self.warmup_error}"
+        if not self.engine.alive:
+            return 503, "engine stopped"
+        return 200, "ok"
 
     # ---- request -> sequences ----------------------------------------------------------------
     def resolve_model(self, model: str) -> str | None:
@@ -153,8 +202,8 @@ class Server:
         for prompt in prompts:
             max_tokens = self.max_tokens_for(len(prompt), requested, default_max)
             for choice in range(body.n):
-                sampling = SamplingOptions(temperature, top_p, (seed + choice) % (1 << 32))
-                specs.append(SeqSpec(prompt, max_tokens, adapter, sampling, stop_list(body.stop)))
+                sampling = SamplingParams(max_tokens, temperature, top_p, (seed + choice) % (1 << 32))
+                specs.append(SeqSpec(prompt, adapter, sampling, stop_list(body.stop)))
         if len(specs) > self.limits.max_sequences:
             raise ApiError(400, f"prompts x n = {len(specs)} exceeds {self.limits.max_sequences}", "n")
         return specs
@@ -327,14 +376,13 @@ class BodyLimit:
 
 
 def create_app(engine: Engine, tokenizer, settings: ServerSettings) -> FastAPI:
-    """The FastAPI app; the engine thread starts with the app and stops with it."""
+    """The FastAPI app; the engine warms up and starts with the app and stops with it."""
     server = Server(engine, tokenizer, settings)
 
     async def lifespan(app):
-        if not engine.alive:
-            engine.start()
+        server.start_engine()
         yield
-        engine.stop()
+        server.stop_engine()
 
     app = FastAPI(title="jaxlora-serve", lifespan=lifespan)
     app.state.server = server
@@ -458,9 +506,8 @@ def _add_admin_routes(app: FastAPI, server: Server) -> None:
 
     @app.get("/health")
     async def health():
-        if not server.engine.alive:
-            return JSONResponse({"status": "engine stopped"}, 503)
-        return {"status": "ok"}
+        status, text = server.health()
+        return JSONResponse({"status": text}, status)
 
     @app.get("/metrics")
     async def metrics():

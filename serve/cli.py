@@ -26,10 +26,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-model-len", type=int, default=2048, help="context length (prompt + output tokens)")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-kv-pages", type=int, default=None, help="KV pages (default: 8 full contexts)")
-    p.add_argument("--max-num-seqs", type=int, default=32, help="rows per step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=128, help="token budget per step")
-    p.add_argument("--prefill-chunk", type=int, default=64, help="most prompt tokens of one request per step")
+    p.add_argument("--num-kv-pages", type=int, default=None,
+                   help="KV pages (default: as many as fit in --gpu-memory-utilization of the device memory after "
+                        "the weights and the adapter pool; 8 full contexts on a CPU)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of each device's memory, in (0, 1], for weights, adapters and KV pages (the rest: "
+                        "a step's activations); sizes the KV cache when --num-kv-pages is not given")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="rows (requests) per step, in [1, 1024] (default: 256 on a GPU/TPU, 32 on a CPU)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per step, in [1, 65536] (default: 2048 on a GPU/TPU, 128 on a CPU)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="most prompt tokens of one request per step (default: the token budget on a GPU/TPU, 64 on "
+                        "a CPU)")
     p.add_argument("--max-tokens-limit", type=int, default=1024, help="largest max_tokens a request may ask")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--max-waiting", type=int, default=1024, help="queued sequences before 429")
@@ -86,6 +95,24 @@ def default_model_name(model: str) -> str:
     return base[: -len(".gguf")] if base.endswith(".gguf") else base
 
 
+def check_engine_options(args) -> None:
+    """SystemExit naming the option for a step size out of its range (`EngineConfig.BOUNDS`) or a
+    memory fraction outside (0, 1]; checked before the model loads."""
+    from serve.engine import EngineConfig
+
+    sizes = {"--max-num-seqs": ("max_num_seqs", args.max_num_seqs),
+             "--max-num-batched-tokens": ("token_budget", args.max_num_batched_tokens),
+             "--prefill-chunk": ("prefill_chunk", args.prefill_chunk)}
+    for option, (field, value) in sizes.items():
+        low, high = EngineConfig.BOUNDS[field]
+        if value is not None and not low <= value <= high:
+            raise SystemExit(f"jaxlora-serve: {option} must be in [{low}, {high}], got {value}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise SystemExit(f"jaxlora-serve: --gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    if args.ttft_slo_ms is not None and not args.ttft_slo_ms > 0:
+        raise SystemExit(f"jaxlora-serve: --ttft-slo-ms must be > 0, got {args.ttft_slo_ms}")
+
+
 def build_app(args):
     """Loads everything the arguments name and returns the FastAPI app (errors exit with a message)."""
     import jax.numpy as jnp
@@ -96,8 +123,7 @@ def build_app(args):
     from serve.app import ServerSettings, create_app
     from serve.engine import Engine, EngineConfig
 
-    if args.ttft_slo_ms is not None and not args.ttft_slo_ms > 0:
-        raise SystemExit(f"jaxlora-serve: --ttft-slo-ms must be > 0, got {args.ttft_slo_ms}")
+    check_engine_options(args)
     import jax
 
     args.lora_backend = backends.resolve(args.lora_backend, jax.default_backend(), args.tensor_parallel)
@@ -109,13 +135,13 @@ def build_app(args):
         raise SystemExit(f"jaxlora-serve: {err}")
     max_rank = args.max_lora_rank or max([16] + [a.max_rank for a in adapters.values()])
     context = min(args.max_model_len, model.config.max_position_embeddings)
-    pages = args.num_kv_pages or 8 * -(-context // args.page_size)
     try:
         config = EngineConfig(
             max_adapters_on_device=args.max_adapters_on_device, max_lora_rank=max_rank, page_size=args.page_size,
-            num_pages=pages, max_model_len=context, max_num_seqs=args.max_num_seqs,
+            num_pages=args.num_kv_pages, max_model_len=context, max_num_seqs=args.max_num_seqs,
             token_budget=args.max_num_batched_tokens, prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting,
-            lora_backend=args.lora_backend, ttft_slo_s=None if args.ttft_slo_ms is None else args.ttft_slo_ms / 1e3)
+            lora_backend=args.lora_backend, ttft_slo_s=None if args.ttft_slo_ms is None else args.ttft_slo_ms / 1e3,
+            gpu_memory_utilization=args.gpu_memory_utilization)
         engine = Engine(model, tokenizer.eos_token_ids, config, adapters, mesh=mesh)
     except (AdapterError, ValueError) as err:  # incl. bad sizes, shapes that do not split over --tensor-parallel
         raise SystemExit(f"jaxlora-serve: {err}")

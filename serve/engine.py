@@ -5,16 +5,34 @@ One `Engine` owns the device state (model weights, the KV page pool, the adapter
   1. applies queued commands (new requests, aborts, adapter removals) from other threads;
   2. asks the scheduler for the next step (decode rows, prefill chunks, admissions; grouped by
      adapter) and copies in the adapters that admissions need;
-  3. dispatches one jitted forward over the flat token list (`jaxlora.models.paged`) that also
-     samples the next token of every finished row, and, while the device runs it, starts copying
-     the adapters of queued requests to the device on a background thread (prefetch: the host ->
-     device transfers overlap this and the next steps; each copy goes into its pool slot before
-     the first step that uses the slot, or at any step boundary once it is done);
-  4. hands new tokens and finish reasons to each request's callback.
+  3. builds the step's padded inputs (`build_step` -> `Step`) and runs it (`step_fn`, by default
+     `device_step`: the compiled forward over the flat token list, `jaxlora.models.paged`, then
+     the sampler when a row samples; `serve.step`), and, while the device runs it, starts
+     copying the adapters of queued requests to the device on a background thread (prefetch: the
+     host -> device transfers overlap this and the next steps; each copy goes into its pool slot
+     before the first step that uses the slot, or at any step boundary once it is done);
+  4. reads the sampled tokens of the step launched before (async scheduling) or of this one
+     (`EngineConfig.async_scheduling=False`) and hands new tokens and finish reasons to each
+     request's callback.
 
-Compiled shapes are bucketed: tokens per step to a power of two (>= 8; rows per step use the
-same number), block-table width to a power of two of pages (>= 4), the plan's segment count
-fixed; so a server compiles a few steps (and a sampling variant of each) and then reuses them.
+Async scheduling (vLLM/SGLang): step N+1 is planned, built and dispatched while step N runs, and
+step N's tokens are read one step late, so the host never waits for the device before
+dispatching. The scheduler commits each plan when it makes it (its tokens count as computed;
+each sampled token is a `PENDING` placeholder until read); a decode row of step N+1 whose input
+is step N's sampled token takes it on the device (`Step.token_src` into step N's token array).
+A request never gets a row past max_tokens (known ahead); one that sampled EOS in step N is
+finished when step N is read, and the row step N+1 computed for it is dropped, never delivered;
+finished and aborted requests' pages are freed then. The slots a launched step reads stay pinned
+until its tokens are read, so no adapter load or prefetch overwrites them under it.
+
+Compiled shapes are bucketed: tokens per step to a power of two (>= 8), rows per step to the same
+number capped at `max_rows` (the most rows a step can have), block-table width to a power of two
+of pages (>= 4), the plan's segment count fixed; sampling is a program of its own keyed by rows.
+`step_shapes()` lists every program variant a step can need and `warmup()` compiles them all
+(and the adapter pool's slot update) without touching the engine's state, so that a server
+compiles nothing once it serves (`jaxlora-serve` warms up before `/health` reports ready).
+`Engine(step_fn=...)` replaces the device step (host-only benchmarks: the engine's host work
+alone, nothing compiled or dispatched).
 
 LoRA kernels (the backends that take a `ServingPlan`, `jaxlora.lora.backends`): the engine orders each step's rows once, on the host
 (`jaxlora.lora.plan.serving_order`: prefill chunks grouped by adapter, then one-token rows), and
@@ -49,6 +67,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import os
 import threading
 import time
 from typing import Callable, NamedTuple
@@ -63,12 +82,15 @@ from jaxlora import sharding
 from jaxlora.lora import backends
 from jaxlora.lora.adapter import LoraAdapter, check_finite
 from jaxlora.lora.config import AdapterError
-from jaxlora.lora.plan import ServingPlan, build_plan, build_serving_plan, segment_bucket, serving_order
+from jaxlora.buckets import bucket
+from jaxlora.lora.plan import ServingPlan, build_plan, build_serving_plan, serving_order
 from jaxlora.lora.pool import AdapterPool, PreparedAdapter
 from jaxlora.models.config import projection_shapes
 from jaxlora.models.llama import Llama, LoraInputs
-from jaxlora.models.paged import PagedBatch, PagedKVCache, paged_forward
-from jaxlora.scheduler.serving import SchedulerConfig, Sequence, ServingScheduler, StepPlan, pages_for
+from jaxlora.models.paged import PagedBatch, PagedKVCache
+from jaxlora.sampling import SamplingParams
+from jaxlora.scheduler.serving import PENDING, SchedulerConfig, Sequence, ServingScheduler, StepPlan, pages_for
+from serve.step import Programs, Step, StepShape
 
 log = logging.getLogger("jaxlora.serve")
 
@@ -87,37 +109,69 @@ class EngineBusy(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Sizes of the device state and of one step (see the module doc)."""
+    """Sizes of the device state and of one step (see the module doc).
+
+    Left None, the step sizes follow the platform (`for_platform`), as vLLM sizes them on a GPU or
+    TPU: up to 256 rows (max_num_seqs) and 2048 tokens (token_budget) per step, a prompt chunked
+    by the whole budget (prefill_chunk); small on a CPU (32 rows, 128 tokens, 64-token chunks).
+    num_pages None: as many KV pages as fit in `gpu_memory_utilization` of each device's memory
+    after the weights and the adapter pool (the rest is the headroom of a step's activations);
+    on a device that reports no memory (a CPU) 8 full contexts of max_model_len.
+    """
 
     max_adapters_on_device: int = 4
     max_lora_rank: int = 16
     page_size: int = 16
-    num_pages: int = 512
+    num_pages: int | None = None
     max_model_len: int = 2048
-    max_num_seqs: int = 32
-    token_budget: int = 128
-    prefill_chunk: int = 64
+    max_num_seqs: int | None = None
+    token_budget: int | None = None
+    prefill_chunk: int | None = None
     max_waiting: int = 1024
     lora_backend: str = "gather"
     ttft_slo_s: float | None = None  # S-LoRA early abort: drop waiting requests that cannot meet it
+    async_scheduling: bool = True  # launch step N+1 before reading step N's tokens (module doc)
+    gpu_memory_utilization: float = 0.9  # fraction of device memory for weights, adapters and KV pages
+
+    # Bounds of the step sizes (each compiled program is as large as its step; tokens bound rows).
+    BOUNDS = {"max_num_seqs": (1, 1024), "token_budget": (1, 65536), "prefill_chunk": (1, 65536)}
+    ACCELERATOR_STEP = {"max_num_seqs": 256, "token_budget": 2048}
+    CPU_STEP = {"max_num_seqs": 32, "token_budget": 128, "prefill_chunk": 64}
+    CPU_CONTEXTS = 8  # KV pages of a device without memory stats: this many full contexts
 
     def __post_init__(self):
         backends.get(self.lora_backend, serves=True)  # ValueError naming the serving backends
         if self.ttft_slo_s is not None and not self.ttft_slo_s > 0:
             raise ValueError(f"ttft_slo_s must be > 0 (or None: off), got {self.ttft_slo_s}")
-        if self.max_model_len > self.num_pages * self.page_size:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        for name, (low, high) in self.BOUNDS.items():
+            value = getattr(self, name)
+            if value is not None and not low <= value <= high:
+                raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+        if self.num_pages is not None and self.max_model_len > self.num_pages * self.page_size:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the KV cache "
                              f"({self.num_pages} pages x {self.page_size} tokens)")
 
+    def for_platform(self, platform: str) -> "EngineConfig":
+        """This config with unset step sizes (None) filled for `platform` ("cpu", "gpu", "tpu"):
+        small on a CPU; else up to 256 rows and 2048 tokens per step, prompts chunked by the budget."""
+        defaults = self.CPU_STEP if platform == "cpu" else self.ACCELERATOR_STEP
+        sizes = {name: defaults[name] for name in defaults if getattr(self, name) is None}
+        config = dataclasses.replace(self, **sizes)
+        if config.prefill_chunk is None:
+            config = dataclasses.replace(config, prefill_chunk=config.token_budget)
+        return config
 
-@dataclasses.dataclass(frozen=True)
-class SamplingOptions:
-    """temperature 0: greedy. Sampled rows draw from key(seed) folded with the token index, so a
-    seeded request gives the same tokens whatever else is in the batch."""
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
+def kv_pages_that_fit(memory_stats: list, utilization: float, page_bytes: int) -> int | None:
+    """KV pages that fit on every device: min over devices of (utilization * bytes_limit -
+    bytes_in_use) // page_bytes (page_bytes: one page's keys and values on one device); None if a
+    device reports no memory (`Device.memory_stats()` None or without bytes_limit)."""
+    if any(not stats or "bytes_limit" not in stats for stats in memory_stats):
+        return None
+    free = min(utilization * stats["bytes_limit"] - stats["bytes_in_use"] for stats in memory_stats)
+    return max(0, int(free // page_bytes))
 
 
 class Event(NamedTuple):
@@ -131,10 +185,17 @@ class Event(NamedTuple):
 
 @dataclasses.dataclass
 class _Request:
-    seq: Sequence
-    sampling: SamplingOptions
+    seq: Sequence  # its `sampling` holds the request's SamplingParams
     callback: Callable[[Event], None]
     submitted: float
+
+
+class _InFlight(NamedTuple):
+    """A launched step: its inputs, its sampled tokens (a device array until read), when it launched."""
+
+    step: Step
+    tokens: object
+    launched: float
 
 
 @dataclasses.dataclass
@@ -158,10 +219,6 @@ def check_mesh(mesh: Mesh, model_config, lora_backend: str) -> None:
     sharding.check_divisible(model_config, mesh)
 
 
-def _bucket(n: int, minimum: int) -> int:
-    return max(minimum, 1 << max(0, (n - 1).bit_length()))
-
-
 def _row_tokens(seq: Sequence, start: int, count: int) -> list[int]:
     """seq.tokens[start: start + count] without building prompt + output (a decode row's one token
     is the newest output)."""
@@ -173,30 +230,6 @@ def _row_tokens(seq: Sequence, start: int, count: int) -> list[int]:
     return seq.prompt[start:] + seq.output[: start + count - prompt_len]
 
 
-def sample_rows(logits, temperature, top_p, seeds, counters, any_sampling: bool):
-    """Next token per row. logits [R, V]; temperature, top_p [R] float; seeds, counters [R] int.
-    Rows with temperature 0 take the argmax; others sample from the top-p nucleus."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if not any_sampling:
-        return greedy
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    kept = jnp.where(mass_before < top_p[:, None], sorted_logits, jnp.inf)
-    scaled = jnp.where(scaled >= jnp.min(kept, axis=-1, keepdims=True), scaled, -jnp.inf)
-    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.fold_in(jax.random.key(0), s), c))(seeds, counters)
-    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 9, 10), donate_argnums=(2,))
-def _engine_step(graphdef, state, cache, batch, lora, temperature, top_p, seeds, counters, any_sampling, backend):
-    model = nnx.merge(graphdef, state)
-    logits, cache = paged_forward(model, batch, cache, lora, backend)
-    return sample_rows(logits, temperature, top_p, seeds, counters, any_sampling), cache
-
-
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
 def _placed_zeros_cache(config, num_pages, page_size, dtype, placement):
     return jax.lax.with_sharding_constraint(PagedKVCache.zeros(config, num_pages, page_size, dtype), placement)
@@ -206,8 +239,14 @@ class Engine:
     """Continuous-batching multi-adapter generation over one model (see the module doc)."""
 
     def __init__(self, model: Llama, eos_ids=(), config: EngineConfig = EngineConfig(),
-                 adapters: dict[str, LoraAdapter] | None = None, mesh: Mesh | None = None):
-        """mesh: serve tensor parallel over `mesh`'s `tensor` axis (see the module doc)."""
+                 adapters: dict[str, LoraAdapter] | None = None, mesh: Mesh | None = None,
+                 step_fn: Callable[[Step, PagedKVCache], tuple] | None = None):
+        """mesh: serve tensor parallel over `mesh`'s `tensor` axis (see the module doc).
+        step_fn(step, cache) -> (sampled tokens: row r's at index r, the cache): runs each step in
+        place of `device_step` (e.g. a host-only stub for benchmarks); a public attribute.
+        `self.config` is `config` with its unset sizes filled (see `EngineConfig`)."""
+        devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+        config = config.for_platform(devices[0].platform)
         self.config = config
         self.model_config = model.config
         self.eos_ids = frozenset(int(i) for i in eos_ids)
@@ -218,16 +257,24 @@ class Engine:
             model = sharding.shard_model(nnx.clone(model), mesh)
         self._graphdef, self._state = nnx.split(model)
         self._dtype = model.dtype
-        self.cache = self._new_cache()
-        # donate: the pool's arrays are written in place; only `_dispatch` reads them, afresh each step
+        # donate: the pool's arrays are written in place; only `build_step` reads them, afresh each step
         self.pool = AdapterPool(model.config, config.max_adapters_on_device, config.max_lora_rank,
                                 dtype=model.dtype, donate=True, mesh=mesh)
+        if config.num_pages is None:  # sized now: after the weights and the pool are on the devices
+            config = self.config = dataclasses.replace(config, num_pages=self._pages_that_fit(devices))
+        self.cache = self._new_cache()
         self.scheduler = ServingScheduler(SchedulerConfig(
             num_pages=config.num_pages, page_size=config.page_size,
             num_adapter_slots=config.max_adapters_on_device, max_num_seqs=config.max_num_seqs,
             token_budget=config.token_budget, prefill_chunk=config.prefill_chunk))
-        self._num_segments = segment_bucket(config.max_adapters_on_device + 1)
-        self._max_pages = _bucket(pages_for(config.max_model_len, config.page_size), 1)
+        self._num_segments = bucket(config.max_adapters_on_device + 1, 4)
+        self._max_pages = bucket(pages_for(config.max_model_len, config.page_size), 1)
+        self.max_rows = bucket(min(config.max_num_seqs, config.token_budget), 8)  # most rows of a step
+        self.programs = Programs(self._graphdef, config.lora_backend, self.max_rows)
+        self.step_fn = step_fn or self.device_step
+        self._last_tokens = np.zeros(self.max_rows, np.int32)  # the previous step's sampled tokens
+        self._in_flight: _InFlight | None = None  # launched, tokens not read yet (async scheduling)
+        self._last_done = 0.0  # when the last step's tokens were read
         self._lock = threading.Lock()
         self._registry: dict[str, _Registered] = {}
         self._by_uid: dict[int, _Registered] = {}
@@ -249,6 +296,22 @@ class Engine:
     @property
     def tensor_parallel(self) -> int:
         return 1 if self.mesh is None else self.mesh.shape["tensor"]
+
+    def _pages_that_fit(self, devices) -> int:
+        """KV pages for `num_pages=None` (see `EngineConfig`); ValueError if not one context fits."""
+        config, model = self.config, self.model_config
+        context_pages = pages_for(config.max_model_len, config.page_size)
+        page_bytes = (2 * model.num_layers * config.page_size * model.num_kv_heads * model.head_dim
+                      * np.dtype(self._dtype).itemsize // self.tensor_parallel)  # KV heads split over tensor
+        pages = kv_pages_that_fit([d.memory_stats() for d in devices], config.gpu_memory_utilization, page_bytes)
+        if pages is None:
+            return config.CPU_CONTEXTS * context_pages
+        if pages < context_pages:
+            raise ValueError(f"{pages} KV pages fit in {config.gpu_memory_utilization:g} of the device memory after "
+                             f"the weights and the adapter pool; one context of max_model_len "
+                             f"{config.max_model_len} needs {context_pages}: raise gpu_memory_utilization, or "
+                             f"lower max_model_len or the adapter pool")
+        return pages
 
     def _new_cache(self) -> PagedKVCache:
         """Zeroed KV pages; with a mesh, made in place split by KV heads."""
@@ -319,11 +382,14 @@ class Engine:
             raise RequestError(f"max_tokens must be in [1, {limit - prompt_len}] for a {prompt_len}-token prompt "
                                f"(context {limit}), got {max_tokens}")
 
-    def submit(self, request_id, prompt: list[int], max_tokens: int, adapter: str | None,
-               sampling: SamplingOptions, callback: Callable[[Event], None]) -> None:
-        """Queues a request; `callback(Event)` is called from the engine thread for every new token
-        and once with a finish reason. Raises RequestError, UnknownAdapter or EngineBusy."""
-        self.validate(len(prompt), max_tokens)
+    def submit(self, request_id, prompt: list[int], adapter: str | None, sampling: SamplingParams,
+               callback: Callable[[Event], None]) -> None:
+        """Queues a request for up to `sampling.max_new_tokens` tokens (temperature 0: greedy; a
+        sampled row draws from key(seed) folded with the token's index, so a seeded request gives
+        the same tokens whatever else is in the batch); `callback(Event)` is called from the engine
+        thread for every new token and once with a finish reason. Raises RequestError,
+        UnknownAdapter or EngineBusy."""
+        self.validate(len(prompt), sampling.max_new_tokens)
         with self._lock:
             uid = None
             if adapter is not None:
@@ -334,8 +400,8 @@ class Engine:
             if waiting >= self.config.max_waiting:
                 raise EngineBusy(f"{waiting} requests are waiting; try again later")
             self._num_waiting_submitted += 1
-        seq = Sequence(request_id, list(prompt), max_tokens, uid, self.eos_ids)
-        request = _Request(seq, sampling, callback, time.monotonic())
+        seq = Sequence(request_id, list(prompt), sampling.max_new_tokens, uid, self.eos_ids, sampling=sampling)
+        request = _Request(seq, callback, time.monotonic())
         self._command(lambda: self._add(request))
 
     def abort(self, request_id) -> None:
@@ -365,60 +431,197 @@ class Engine:
 
     # ---- the step (engine thread) -------------------------------------------------------
     def step(self) -> bool:
-        """Runs one iteration; returns False when there was nothing to do. Host time per phase
-        accumulates in `stats.phase_seconds` (see `EngineStats.PHASES`)."""
+        """Runs one iteration: plans and launches the next step, then (async scheduling) reads the
+        tokens of the step launched before it, or (synchronous) of this one; returns False when
+        there was nothing to do. Host time per phase accumulates in `stats.phase_seconds` (see
+        `EngineStats.PHASES`)."""
         phases = self.stats.phases()
         while self._commands:
             self._commands.popleft()()
         self._drop_removed_adapters()
         self._drop_late_requests()
-        if not self.scheduler.has_work():
+        if not self.scheduler.has_work() and self._in_flight is None:
             return False
+        launched = self._launch(phases)
+        previous, self._in_flight = self._in_flight, launched
+        if previous is not None:
+            self._finish(previous, phases)
+        if launched is not None and not self.config.async_scheduling:
+            self._in_flight = None
+            self._finish(launched, phases)
+        return True
+
+    def _launch(self, phases: "_PhaseClock") -> "_InFlight | None":
+        """Plans the next step, copies in its adapters and runs it without waiting for its tokens;
+        pins its adapters' slots until `_finish`. None when no row can run now."""
+        if not self.scheduler.has_work():
+            return None
         plan = self.scheduler.schedule()
         phases.mark("schedule")
         self._load(plan.loads)
         self._commit_staged({row.slot for row in plan.rows})
         phases.mark("load")
         if not plan.rows:
-            return True
+            return None
+        try:
+            step = self._build_step(plan, phases)
+            tokens = self.run_step(step)
+            phases.mark("dispatch")
+        except Exception as err:  # keep serving: fail the running requests, rebuild the cache
+            log.exception("engine step failed")
+            self._fail_running(f"engine step failed: {err}")
+            return None
+        for row in step.plan.rows:  # the slots this step reads stay until it is done
+            if row.seq.adapter is not None:
+                self.scheduler.slots.pin(row.seq.adapter)
+        self._stage(self.scheduler.prefetch())  # overlaps the step running on the device
+        phases.mark("prefetch")
+        return _InFlight(step, tokens, time.monotonic())
+
+    def _finish(self, flight: "_InFlight", phases: "_PhaseClock") -> None:
+        """Reads a launched step's tokens (waits for it), unpins its slots and completes its rows."""
+        try:
+            tokens = np.asarray(flight.tokens)
+            phases.mark("wait")
+        except Exception as err:
+            log.exception("engine step failed")
+            self._fail_running(f"engine step failed: {err}")
+            tokens = None
+        for row in flight.step.plan.rows:
+            if row.seq.adapter is not None:
+                self.scheduler.slots.unpin(row.seq.adapter)
+        if tokens is None:
+            return
+        done = time.monotonic()
+        started, self._last_done = max(flight.launched, self._last_done), done
+        self._complete(flight.step, tokens, done - started)
+        phases.mark("complete")
+
+    # ---- one step's programs --------------------------------------------------------------
+    def build_step(self, plan: StepPlan) -> Step:
+        """The padded inputs of a step over `plan.rows` (laid out in `serving_order`; each row's
+        sequence carries its `SamplingParams` in `sampling`), reading the adapter pool now."""
+        return self._build_step(plan, _PhaseClock({}))
+
+    def run_step(self, step: Step):
+        """Runs `step` through `step_fn` (the cache is updated); returns its sampled tokens (row r's
+        at index r; a device array by default: reading it waits for the step)."""
+        tokens, self.cache = self.step_fn(step, self.cache)
+        self._last_tokens = tokens
+        return tokens
+
+    def device_step(self, step: Step, cache: PagedKVCache):
+        """The default `step_fn`: the step's compiled programs on the device (compiled now if
+        `warmup` did not). Returns (sampled tokens [max_rows] device array, the updated cache)."""
+        for shape in step.shapes:
+            self.stats.step_compiles += shape not in self.programs
+        forward = step.shapes[0]
+        greedy, logits, cache = self.programs.run(forward, self._state, cache, step.batch, step.lora,
+                                                  step.prev_tokens, step.token_src)
+        if step.sampling is None:
+            return greedy, cache
+        return self.programs.run(step.shapes[1], logits, *step.sampling), cache
+
+    def step_shapes(self) -> list[StepShape]:
+        """Every program variant a step of this engine can run (see `StepShape`): forwards over
+        each token bucket (8 .. the token budget's) and block-table width bucket (4 .. the
+        context's), with LoRA inputs and without, plus the decode-only LoRA variant of the buckets
+        a step of one-token rows fits (<= max_rows tokens) where the backend's plan has one; and
+        the sampler over each row bucket."""
+        config = self.config
+        tokens = sorted({bucket(t, 8) for t in range(1, config.token_budget + 1)})
+        widths = sorted({min(bucket(p, 4), self._max_pages) for p in range(1, self._max_pages + 1)})
+        variants = [(False, False), (True, False)]
+        if self._has_decode_variant():
+            variants.append((True, True))
+        shapes = [StepShape("forward", t, self._rows(t), w, lora, decode_only)
+                  for lora, decode_only in variants for t in tokens if t <= self.max_rows or not decode_only
+                  for w in widths]
+        return shapes + [StepShape("sample", 0, rows) for rows in sorted({self._rows(t) for t in tokens})]
+
+    def warmup(self, shapes: list[StepShape] | None = None, threads: int | None = None) -> dict:
+        """Compiles the programs of `shapes` (default: all of `step_shapes()`), `threads` at a time
+        (default: one per CPU core, at most 8), and the adapter pool's slot update; changes nothing
+        the engine serves from (nothing runs but an update of an empty slot with zeros). Returns
+        {"programs": compiled now, "seconds": wall time}."""
+        started = time.perf_counter()
+        shapes = self.step_shapes() if shapes is None else shapes
+        before = len(self.programs)
+        threads = min(8, os.cpu_count() or 1) if threads is None else threads
+        for program in ("forward", "sample"):  # samplers take the forwards' logits sharding
+            todo = [shape for shape in shapes if shape.program == program]
+            self.programs.compile_all([(shape, self._padding_args(shape)) for shape in todo], threads)
+        free = self.pool.free_slot()
+        if free is not None:  # an empty slot written with zeros: compiles the update, changes nothing
+            self.pool.evict(free)
+        return {"programs": len(self.programs) - before, "seconds": time.perf_counter() - started}
+
+    def _has_decode_variant(self) -> bool:
+        """Whether the backend's plan has a decode-only variant (a segment-free `ServingPlan`)."""
+        plan = self._lora_plan(np.full(8, -1, np.int32), np.ones(8, bool), True)
+        return isinstance(plan, ServingPlan) and plan.seg_starts is None
+
+    def _rows(self, num_tokens: int) -> int:
+        """Padded rows of a step of `num_tokens` padded tokens."""
+        return min(num_tokens, self.max_rows)
+
+    def _padding_args(self, shape: StepShape) -> tuple:
+        """Dynamic arguments of the program `shape` for a step of padding only (writes nothing)."""
+        if shape.program == "sample":
+            rows = shape.rows
+            logits = jax.ShapeDtypeStruct((rows, self.model_config.vocab_size), jnp.float32,
+                                          sharding=self.programs.logits_sharding(rows))
+            return logits, *self._sampling_padding(rows)
+        tokens = shape.tokens
+        zeros = np.zeros(tokens, np.int32)
+        no_rows = np.full(tokens, -1, np.int32)
+        batch = PagedBatch(zeros, zeros, no_rows, np.zeros((shape.rows, shape.width), np.int32),
+                           np.zeros(shape.rows, np.int32))
+        lora = None
+        if shape.lora:
+            lora = LoraInputs(self.pool.arrays, self._lora_plan(no_rows, np.zeros(tokens, bool), shape.decode_only))
+        return self._state, self.cache, batch, lora, self._last_tokens, no_rows
+
+    @staticmethod
+    def _sampling_padding(rows: int) -> tuple:
+        """(temperature, top_p, seeds, counters) [rows] of greedy rows."""
+        return (np.zeros(rows, np.float32), np.ones(rows, np.float32), np.zeros(rows, np.uint32),
+                np.zeros(rows, np.int32))
+
+    def _build_step(self, plan: StepPlan, phases: "_PhaseClock") -> Step:
         order = serving_order([row.slot for row in plan.rows], [row.count for row in plan.rows])
         plan = dataclasses.replace(plan, rows=[plan.rows[i] for i in order])
         phases.mark("order")
-        started = time.monotonic()
-        try:
-            next_tokens = self._dispatch(plan, phases)
-            self._stage(self.scheduler.prefetch())  # overlaps the step running on the device
-            phases.mark("prefetch")
-            next_tokens = np.asarray(next_tokens)
-            phases.mark("wait")
-        except Exception as err:  # keep serving: fail this step's requests, rebuild the cache
-            log.exception("engine step failed")
-            self._fail_running(f"engine step failed: {err}")
-            return True
-        self._complete(plan, next_tokens, time.monotonic() - started)
-        phases.mark("complete")
-        return True
-
-    def _dispatch(self, plan: StepPlan, phases: "_PhaseClock | None" = None):
-        """Builds the step's padded arrays and launches the jitted step (asynchronously)."""
-        phases = phases or _PhaseClock({})
-        batch, token_slot, one_token, rows = self._batch_arrays(plan)
+        batch, token_slot, one_token = self._batch_arrays(plan)
         phases.mark("batch")
         decode_only = bool(one_token[: plan.num_tokens].all())
+        lora = None
         if (token_slot >= 0).any():
             lora = LoraInputs(self.pool.arrays, self._lora_plan(token_slot, one_token, decode_only))
         else:  # base rows only: the base model's own compiled step, no pool or plan
-            lora = None
             self.stats.base_only_steps += 1
-        self.stats.step_kind = ("base " if lora is None else "lora ") + ("decode" if decode_only else "mixed")
         phases.mark("lora_plan")
-        temperature, top_p, seeds, counters = self._sampling_arrays(plan, rows)
+        rows, width = batch.block_tables.shape
+        forward = StepShape("forward", len(batch.tokens), rows, width, lora is not None,
+                            isinstance(lora and lora.plan, ServingPlan) and lora.plan.seg_starts is None)
+        sampling = self._sampling_arrays(plan, rows)
+        shapes = (forward,) if sampling is None else (forward, StepShape("sample", 0, rows))
         phases.mark("sampling")
-        next_tokens, self.cache = _engine_step(
-            self._graphdef, self._state, self.cache, batch, lora, temperature, top_p, seeds, counters,
-            bool((temperature > 0).any()), self.config.lora_backend)
-        phases.mark("dispatch")
-        return next_tokens
+        kind = ("base " if lora is None else "lora ") + ("decode" if decode_only else "mixed")
+        return Step(plan, shapes, kind, batch, lora, self._last_tokens, self._token_sources(plan, batch.tokens),
+                    sampling)
+
+    def _token_sources(self, plan: StepPlan, tokens: np.ndarray) -> np.ndarray:
+        """token_src [T]: for each token that is a PENDING output (its row's last: a decode row's
+        input sampled by the step in flight), that step's row of it; -1 for tokens on the host."""
+        token_src = np.full(len(tokens), -1, np.int32)
+        pending = np.flatnonzero(tokens == PENDING)
+        if len(pending):
+            rows = {row.seq.seq_id: r for r, row in enumerate(self._in_flight.step.plan.rows) if row.sample}
+            ends = np.cumsum([row.count for row in plan.rows]) - 1
+            owner = np.searchsorted(ends, pending)  # the row of each pending token
+            token_src[pending] = [rows[plan.rows[r].seq.seq_id] for r in owner]
+        return token_src
 
     def _lora_plan(self, token_slot: np.ndarray, one_token: np.ndarray, decode_only: bool):
         """The step's LoRA plan over its tokens [T] (in `serving_order` of the rows): a `ServingPlan`
@@ -429,11 +632,14 @@ class Engine:
         return build_serving_plan(token_slot, one_token, 0 if decode_only else self._num_segments)
 
     def _batch_arrays(self, plan: StepPlan):
-        """(PagedBatch, token_slot [T], one_token [T], rows) of the step's rows in their order."""
-        num_tokens = _bucket(plan.num_tokens, 8)
-        rows = num_tokens  # rows <= tokens; one bucket for both halves the compiled variants
+        """(PagedBatch, token_slot [T], one_token [T]) of the step's rows in their order."""
+        num_tokens = bucket(plan.num_tokens, 8)
+        rows = self._rows(num_tokens)  # a function of the tokens bucket: no variants of its own
+        if len(plan.rows) > rows:
+            raise ValueError(f"a step of this engine has at most {rows} rows ({num_tokens} tokens, max_num_seqs "
+                             f"{self.config.max_num_seqs}); the plan has {len(plan.rows)}")
         widest = max(pages_for(row.start + row.count, self.config.page_size) for row in plan.rows)
-        width = min(_bucket(widest, 4), self._max_pages)
+        width = min(bucket(widest, 4), self._max_pages)
         tokens = np.zeros(num_tokens, np.int32)
         positions = np.zeros(num_tokens, np.int32)
         token_row = np.full(num_tokens, -1, np.int32)
@@ -451,23 +657,26 @@ class Engine:
             tables[r, : len(pages)] = pages
             offset += row.count
             logit_indices[r] = offset - 1
-        return PagedBatch(tokens, positions, token_row, tables, logit_indices), token_slot, one_token, rows
+        return PagedBatch(tokens, positions, token_row, tables, logit_indices), token_slot, one_token
 
-    def _sampling_arrays(self, plan: StepPlan, rows: int):
-        temperature = np.zeros(rows, np.float32)
-        top_p = np.ones(rows, np.float32)
-        seeds = np.zeros(rows, np.uint32)
-        counters = np.zeros(rows, np.int32)
+    def _sampling_arrays(self, plan: StepPlan, rows: int) -> tuple | None:
+        """(temperature, top_p, seeds, counters) [rows] of the step's rows (counter: the index of the
+        output token the row samples), None when no row samples."""
+        if all(row.seq.sampling.temperature == 0 for row in plan.rows):
+            return None
+        temperature, top_p, seeds, counters = self._sampling_padding(rows)
         for r, row in enumerate(plan.rows):
-            options = self._requests[row.seq.seq_id].sampling
+            options = row.seq.sampling
             temperature[r], top_p[r] = options.temperature, options.top_p
-            seeds[r], counters[r] = options.seed % (1 << 32), len(row.seq.output)
+            seeds[r], counters[r] = options.seed % (1 << 32), row.start + row.count - len(row.seq.prompt)
         return temperature, top_p, seeds, counters
 
-    def _complete(self, plan: StepPlan, next_tokens: np.ndarray, seconds: float) -> None:
+    def _complete(self, step: Step, next_tokens: np.ndarray, seconds: float) -> None:
+        """Hands a step's sampled tokens (row r's at r) to the scheduler and its events to the requests."""
+        plan = step.plan
         sampled = {row.seq.seq_id: int(next_tokens[r]) for r, row in enumerate(plan.rows) if row.sample}
         events = self.scheduler.complete(plan, sampled)
-        self.stats.record_step(plan.num_tokens, len(events), seconds)
+        self.stats.record_step(step.kind, plan.num_tokens, len(events), seconds)
         for seq, token, reason in events:
             request = self._requests[seq.seq_id]
             if reason is not None:
@@ -544,7 +753,7 @@ class Engine:
             return
         in_use = {s.adapter for s in self.scheduler.running + self.scheduler.waiting}
         for entry in removed:
-            if entry.uid in in_use:
+            if entry.uid in in_use or self.scheduler.slots.pinned(entry.uid):  # pinned: an unfinished step reads it
                 continue
             slot = self.scheduler.slots.drop(entry.uid)
             if slot is not None:
@@ -654,11 +863,11 @@ class EngineStats:
         self.generated = 0
         self.adapter_loads = 0
         self.base_only_steps = 0
+        self.step_compiles = 0  # programs that steps compiled (not warmed up)
         self.step_seconds = 0.0
         self.last_step_s = 0.0
         self.dropped = 0  # requests ended by early abort (see EngineConfig.ttft_slo_s)
         self.phase_seconds: dict[str, float] = {}
-        self.step_kind = ""  # the kind of the step being run: "base|lora decode|mixed" (set by the engine)
         self.kind_steps: dict[str, list] = {}  # kind -> [steps, seconds, tokens]
         self._recent: collections.deque = collections.deque()
 
@@ -678,9 +887,10 @@ class EngineStats:
         return {kind: {"steps": n, "mean_ms": 1e3 * seconds / n, "mean_tokens": tokens / n}
                 for kind, (n, seconds, tokens) in sorted(self.kind_steps.items())}
 
-    def record_step(self, tokens: int, generated: int, seconds: float) -> None:
+    def record_step(self, kind: str, tokens: int, generated: int, seconds: float) -> None:
+        """Counts a finished step of `kind` (`Step.kind`): its tokens, generated tokens and seconds."""
         self.steps += 1
-        kind = self.kind_steps.setdefault(self.step_kind, [0, 0.0, 0])
+        kind = self.kind_steps.setdefault(kind, [0, 0.0, 0])
         kind[0], kind[1], kind[2] = kind[0] + 1, kind[1] + seconds, kind[2] + tokens
         self.step_tokens += tokens
         self.generated += generated

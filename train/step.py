@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlora.lora.plan import LoraPlan, build_plan, segment_bucket
+from jaxlora.buckets import bucket
+from jaxlora.lora.plan import LoraPlan, build_plan
 
 
 @dataclasses.dataclass
@@ -57,7 +58,7 @@ def device_batch(arrays: MicrobatchArrays, num_slots: int) -> tuple[dict, LoraPl
     """The jit inputs of a microbatch; the plan's segment count is fixed by the pool size."""
     batch = {"tokens": arrays.tokens, "positions": arrays.positions, "segment_ids": arrays.segment_ids,
              "targets": arrays.targets, "weights": arrays.weights}
-    return batch, build_plan(arrays.token_slot, num_segments=segment_bucket(num_slots + 1))
+    return batch, build_plan(arrays.token_slot, num_segments=bucket(num_slots + 1, 4))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from jaxlora.buckets import bucket
+
 
 class LoraPlan(NamedTuple):
     """Arrays over the N flattened tokens of a batch (a pytree: pass it through jit).
@@ -30,10 +32,6 @@ class LoraPlan(NamedTuple):
     inv_perm: np.ndarray
     seg_starts: np.ndarray
     seg_slot: np.ndarray
-
-
-def segment_bucket(count: int, minimum: int = 4) -> int:
-    return max(minimum, 1 << max(0, (count - 1).bit_length()))
 
 
 def _segments(slots: np.ndarray, counts: np.ndarray, num_segments: int):
@@ -63,7 +61,7 @@ def build_plan(token_slot, num_segments: int | None = None) -> LoraPlan:
     inv_perm[perm] = np.arange(perm.size, dtype=np.int32)
     slots, counts = np.unique(token_slot[perm], return_counts=True)
     order = np.argsort(np.where(slots < 0, np.iinfo(np.int32).max, slots), kind="stable")
-    num_segments = segment_bucket(len(slots)) if num_segments is None else num_segments
+    num_segments = bucket(len(slots), 4) if num_segments is None else num_segments
     seg_starts, seg_slot = _segments(slots[order], counts[order], num_segments)
     return LoraPlan(token_slot, perm, inv_perm, seg_starts, seg_slot)
 

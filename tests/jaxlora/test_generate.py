@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxlora.generate import SamplingParams, generate, generate_text, sample_next
+from jaxlora.generate import SamplingParams, generate, generate_text
+from jaxlora.sampling import sample_rows
 
 
 def test_greedy_chat_answers(smollm2):
@@ -46,7 +47,7 @@ def test_sampling_is_seeded_and_varies(smollm2):
 def test_top_p_keeps_only_the_nucleus():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
     keys = jax.random.split(jax.random.key(0), 400)
-    drawn = np.array([int(sample_next(logits, k, 1.0, 0.7)[0]) for k in keys])
+    drawn = np.array([int(sample_rows(logits, jnp.ones(1), jnp.full(1, 0.7), k[None])[0]) for k in keys])
     assert set(drawn) == {0, 1}  # 0.5 + 0.3 >= 0.7: tokens 2 and 3 are never drawn
     assert abs((drawn == 0).mean() - 0.5 / 0.8) < 0.08
 

@@ -73,6 +73,16 @@ class LiveServer:
             time.sleep(0.05)
         return self
 
+    def wait_ready(self, timeout: float = 600) -> None:
+        """Until /health answers 200 (the engine has compiled its step programs and runs)."""
+        import httpx
+
+        deadline = time.time() + timeout
+        while httpx.get(self.url + "/health").status_code != 200:
+            if time.time() > deadline:
+                raise RuntimeError("the server did not become ready")
+            time.sleep(0.1)
+
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(timeout=30)
@@ -96,6 +106,7 @@ def live_server(smollm2, adapters8, allowed_dir):
     settings = ServerSettings("SmolLM2-135M-Instruct", (str(allowed_dir),),
                               Limits(max_tokens=64, max_body_bytes=BODY_LIMIT))
     with LiveServer(create_app(engine, tokenizer, settings), engine) as server:
+        server.wait_ready()
         yield server
 
 

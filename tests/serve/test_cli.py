@@ -38,3 +38,22 @@ def test_tensor_parallel_option_errors():
         tensor_parallel_mesh(2, "pallas")
     with pytest.raises(SystemExit, match=">= 1"):
         tensor_parallel_mesh(0, "gather")
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--max-num-seqs", "0", r"--max-num-seqs must be in \[1, 1024\], got 0"),
+    ("--max-num-seqs", "1025", r"--max-num-seqs must be in \[1, 1024\], got 1025"),
+    ("--max-num-batched-tokens", "0", r"--max-num-batched-tokens must be in \[1, 65536\], got 0"),
+    ("--prefill-chunk", "100000", r"--prefill-chunk must be in \[1, 65536\], got 100000"),
+    ("--gpu-memory-utilization", "0", r"--gpu-memory-utilization must be in \(0, 1\], got 0.0"),
+    ("--gpu-memory-utilization", "1.5", r"--gpu-memory-utilization must be in \(0, 1\], got 1.5"),
+])
+def test_step_size_and_memory_options_are_bounded(option, value, message):
+    from serve.cli import check_engine_options
+
+    args = build_parser().parse_args([])
+    assert (args.max_num_seqs, args.max_num_batched_tokens, args.num_kv_pages) == (None, None, None)
+    assert args.gpu_memory_utilization == 0.9
+    check_engine_options(args)  # the defaults pass
+    with pytest.raises(SystemExit, match=message):
+        check_engine_options(build_parser().parse_args([option, value]))

@@ -5,9 +5,10 @@ import dataclasses
 
 import pytest
 
-from jaxlora.generate import SamplingParams, generate
+from jaxlora.generate import generate
 from jaxlora.models.merge import merge_adapter
-from serve.engine import Engine, EngineConfig, Event, SamplingOptions
+from jaxlora.sampling import SamplingParams
+from serve.engine import Engine, EngineConfig, Event
 from tests.serve.conftest import SMALL_ENGINE, exact_weights
 
 MAX_TOKENS = 8
@@ -40,10 +41,10 @@ def expected(smollm2, adapters8):
     return requests, outputs
 
 
-def _serve_all(engine, requests, options=SamplingOptions()):
+def _serve_all(engine, requests, options=SamplingParams(MAX_TOKENS)):
     got = {i: [] for i in range(len(requests))}
     for i, (prompt, name) in enumerate(requests):
-        engine.submit(i, prompt, MAX_TOKENS, name, options, lambda e, i=i: got[i].append(e))
+        engine.submit(i, prompt, name, options, lambda e, i=i: got[i].append(e))
     engine.run_until_idle()
     for events in got.values():
         assert events[-1].finish_reason in ("stop", "length")
@@ -69,7 +70,7 @@ def test_continuous_batching_equals_merged_generation(smollm2, adapters8, expect
 def test_seeded_sampling_does_not_depend_on_the_batch(smollm2, adapters8):
     model, tokenizer = smollm2
     requests = _requests(tokenizer)[:6]
-    options = SamplingOptions(temperature=0.8, top_p=0.9, seed=7)
+    options = SamplingParams(MAX_TOKENS, temperature=0.8, top_p=0.9, seed=7)
     engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(max_adapters_on_device=8, **SMALL_ENGINE), adapters8)
     together = _serve_all(engine, requests, options)
     alone = [_serve_all(engine, [r], options)[0] for r in requests[:2]]
@@ -82,7 +83,7 @@ def test_aborted_request_frees_its_pages(smollm2):
     model, tokenizer = smollm2
     engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(**SMALL_ENGINE))
     events = []
-    engine.submit("r", tokenizer.encode("Count: 1, 2, 3,"), 60, None, SamplingOptions(), events.append)
+    engine.submit("r", tokenizer.encode("Count: 1, 2, 3,"), None, SamplingParams(60), events.append)
     for _ in range(3):
         engine.step()
     assert engine.free_pages < SMALL_ENGINE["num_pages"]
@@ -98,7 +99,7 @@ def test_early_abort_drops_late_waiting_requests_and_keeps_running_ones(smollm2)
     engine = Engine(model, tokenizer.eos_token_ids, config)
     events = {name: [] for name in ("first", "second")}
     for name in events:
-        engine.submit(name, tokenizer.encode("Count: 1, 2, 3,"), 6, None, SamplingOptions(), events[name].append)
+        engine.submit(name, tokenizer.encode("Count: 1, 2, 3,"), None, SamplingParams(6), events[name].append)
     engine.step()  # "first" runs; "second" waits (one row per step)
     engine.config = dataclasses.replace(config, ttft_slo_s=1e-6)  # now nothing waiting can meet it
     engine.run_until_idle()
@@ -109,24 +110,22 @@ def test_early_abort_drops_late_waiting_requests_and_keeps_running_ones(smollm2)
 
 
 def test_failed_step_fails_its_requests_and_the_engine_keeps_serving(smollm2, monkeypatch):
-    import serve.engine as engine_module
-
     model, tokenizer = smollm2
     engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(**SMALL_ENGINE))
-    real_step = engine_module._engine_step
+    real_step = engine.step_fn
 
     def broken(*args):
         raise RuntimeError("device on fire")
 
-    monkeypatch.setattr(engine_module, "_engine_step", broken)
+    monkeypatch.setattr(engine, "step_fn", broken)
     events = []
-    engine.submit("a", tokenizer.encode("Hi"), 4, None, SamplingOptions(), events.append)
+    engine.submit("a", tokenizer.encode("Hi"), None, SamplingParams(4), events.append)
     engine.run_until_idle()
     assert events[-1].finish_reason == "error" and "device on fire" in events[-1].error
     assert engine.free_pages == SMALL_ENGINE["num_pages"]
-    monkeypatch.setattr(engine_module, "_engine_step", real_step)
+    monkeypatch.setattr(engine, "step_fn", real_step)
     events.clear()
-    engine.submit("b", tokenizer.encode("Hi"), 4, None, SamplingOptions(), events.append)
+    engine.submit("b", tokenizer.encode("Hi"), None, SamplingParams(4), events.append)
     engine.run_until_idle()
     assert events[-1].finish_reason in ("stop", "length") and len(events) >= 1
 
@@ -139,15 +138,15 @@ def test_full_queue_and_bad_requests_are_refused(smollm2, adapters8):
                     {"ad0": adapters8["ad0"]})
     noop = lambda event: None
     for i in range(2):
-        engine.submit(i, [1, 2], 4, "ad0", SamplingOptions(), noop)
+        engine.submit(i, [1, 2], "ad0", SamplingParams(4), noop)
     with pytest.raises(EngineBusy):
-        engine.submit(2, [1, 2], 4, None, SamplingOptions(), noop)
+        engine.submit(2, [1, 2], None, SamplingParams(4), noop)
     with pytest.raises(UnknownAdapter):
-        engine.submit(3, [1, 2], 4, "nope", SamplingOptions(), noop)
+        engine.submit(3, [1, 2], "nope", SamplingParams(4), noop)
     with pytest.raises(RequestError, match="context"):
-        engine.submit(4, [1] * SMALL_ENGINE["max_model_len"], 4, None, SamplingOptions(), noop)
+        engine.submit(4, [1] * SMALL_ENGINE["max_model_len"], None, SamplingParams(4), noop)
     with pytest.raises(RequestError, match="max_tokens"):
-        engine.submit(5, [1, 2], SMALL_ENGINE["max_model_len"], None, SamplingOptions(), noop)
+        engine.submit(5, [1, 2], None, SamplingParams(SMALL_ENGINE["max_model_len"]), noop)
     engine.abort(0)
     engine.abort(1)
     engine.run_until_idle()
@@ -157,20 +156,18 @@ def test_full_queue_and_bad_requests_are_refused(smollm2, adapters8):
 def test_base_only_steps_run_without_the_pool(smollm2, adapters8, expected, monkeypatch):
     """Steps whose rows all use the base model call the model with lora=None (the base model's own
     compiled step) and give the base outputs; steps with an adapter row still get the pool."""
-    import serve.engine as engine_module
-
     model, tokenizer = smollm2
     requests, outputs = expected
     engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(max_adapters_on_device=2, **SMALL_ENGINE),
                     adapters8)
     assert _serve_all(engine, requests[:1]) == outputs[:1]  # ad0 now resident in the pool
-    real_step, used_pool = engine_module._engine_step, []
+    real_step, used_pool = engine.step_fn, []
 
-    def recording(graphdef, state, cache, batch, lora, *rest):
-        used_pool.append(lora is not None)
-        return real_step(graphdef, state, cache, batch, lora, *rest)
+    def recording(step, cache):
+        used_pool.append(step.lora is not None)
+        return real_step(step, cache)
 
-    monkeypatch.setattr(engine_module, "_engine_step", recording)
+    monkeypatch.setattr(engine, "step_fn", recording)
     base = [i for i, (_, name) in enumerate(requests) if name is None]
     steps_before = engine.stats.steps
     assert _serve_all(engine, [requests[i] for i in base]) == [outputs[i] for i in base]
@@ -221,7 +218,6 @@ def test_pallas_steps_use_the_serving_plan_without_recompiling(smollm2, adapters
     mixed prefill + decode steps with SGMV segments and decode-only steps without; base-model
     requests in the same batch; greedy tokens as with the merged weights; and no step compiles
     beyond one variant per (tokens, block-table width, decode-only) bucket."""
-    import serve.engine as engine_module
     from jaxlora.lora.plan import ServingPlan
 
     model, tokenizer = smollm2
@@ -229,21 +225,23 @@ def test_pallas_steps_use_the_serving_plan_without_recompiling(smollm2, adapters
     picked = [0, 8, 3, 12, 17, 5, 26]  # ad0, base, ad3, ad3, base, ad5, base
     engine = Engine(model, tokenizer.eos_token_ids,
                     EngineConfig(max_adapters_on_device=4, lora_backend="pallas", **SMALL_ENGINE), adapters8)
-    real_step, seen = engine_module._engine_step, []
+    real_step, seen = engine.step_fn, []
+    lora_programs = lambda: sum(shape.lora for shape in engine.programs.shapes())
 
-    def recording(graphdef, state, cache, batch, lora, *rest):
-        if lora is not None:
-            plan = lora.plan
+    def recording(step, cache):
+        if step.lora is not None:
+            plan = step.lora.plan
             assert isinstance(plan, ServingPlan)
-            seen.append((batch.tokens.shape, batch.block_tables.shape, plan.seg_starts is None, rest[-2]))
-        return real_step(graphdef, state, cache, batch, lora, *rest)
+            seen.append((step.batch.tokens.shape, step.batch.block_tables.shape, plan.seg_starts is None,
+                         step.sampling is not None))
+        return real_step(step, cache)
 
-    monkeypatch.setattr(engine_module, "_engine_step", recording)
-    compiled_before = real_step._cache_size()
+    monkeypatch.setattr(engine, "step_fn", recording)
+    compiled_before = lora_programs()
     assert _serve_all(engine, [requests[i] for i in picked]) == [outputs[i] for i in picked]
     decode_only = [key[2] for key in seen]
     assert any(decode_only) and not all(decode_only)
-    assert real_step._cache_size() - compiled_before <= len(set(seen)) < len(seen)
+    assert lora_programs() - compiled_before <= len(set(seen)) < len(seen)
 
 
 @pytest.mark.parametrize("slots, rows", [(8, 4), (3, 2)])

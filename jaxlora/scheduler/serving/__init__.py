@@ -4,6 +4,7 @@ admission control, and the LRU device adapter slots with prefetch. Host-side onl
 from jaxlora.scheduler.serving.adapters import AdapterSlots
 from jaxlora.scheduler.serving.pages import PageAllocator, pages_for
 from jaxlora.scheduler.serving.policy import (
+    PENDING,
     SchedulerConfig,
     Sequence,
     ServingScheduler,
@@ -13,6 +14,6 @@ from jaxlora.scheduler.serving.policy import (
 )
 
 __all__ = [
-    "AdapterSlots", "PageAllocator", "SchedulerConfig", "Sequence", "ServingScheduler", "Status",
+    "AdapterSlots", "PENDING", "PageAllocator", "SchedulerConfig", "Sequence", "ServingScheduler", "Status",
     "StepPlan", "StepRow", "pages_for",
 ]

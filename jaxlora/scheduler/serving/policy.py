@@ -17,6 +17,14 @@ If the head of the queue cannot get a slot (all pinned), later requests whose ad
 already on the device may go first (adapter-aware skipping); if it lacks pages, admission stops,
 so long requests are not starved.
 
+Async scheduling (vLLM/SGLang): `schedule()` commits its plan at once, as if the step had run:
+each row's tokens count as computed, and a row that samples appends a `PENDING` placeholder to
+its sequence's output, so the next step can be planned (a decode row whose input is that
+placeholder) while this one still runs on the device. `complete()` fills the placeholders with
+the sampled tokens, one step late. A sequence whose output (placeholders included) has reached
+max_tokens gets no more rows; one that turns out to have sampled EOS is finished then (its
+placeholders past the EOS dropped), and a row of it already planned is skipped at completion.
+
 Early abort (S-LoRA): with a time-to-first-token objective, `expire(now, ttft_slo_s, next_step_s)`
 drops every waiting request that can no longer meet it (waited so far + at least one more step >
 the objective) instead of serving it late at the cost of the requests behind it; running
@@ -30,10 +38,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
-from typing import Hashable
+from typing import Any, Hashable
 
 from jaxlora.scheduler.serving.adapters import AdapterSlots
 from jaxlora.scheduler.serving.pages import PageAllocator, pages_for
+
+
+PENDING = -1  # an output token sampled by a step whose result is not read yet
 
 
 class Status(enum.Enum):
@@ -58,6 +69,7 @@ class Sequence:
     finish_reason: str | None = None
     order: int = 0
     arrival: float = 0.0  # when the request arrived (seconds, the caller's clock; see `expire`)
+    sampling: Any = None  # the caller's sampling parameters (opaque here; the engine's SamplingParams)
 
     @property
     def tokens(self) -> list[int]:
@@ -72,12 +84,20 @@ class Sequence:
     def in_prefill(self) -> bool:
         return self.num_computed < len(self.prompt)
 
-    def append(self, token: int) -> str | None:
-        """Records a generated token; returns "stop" or "length" if the sequence is now done."""
-        self.output.append(token)
+    @property
+    def all_planned(self) -> bool:
+        """Whether every output token up to max_tokens is generated or on its way (PENDING)."""
+        return len(self.output) >= self.max_tokens
+
+    def fill(self, index: int, token: int) -> str | None:
+        """Puts the sampled `token` in place of the placeholder output[index]; returns "stop" (EOS:
+        the placeholders after it are dropped) or "length" (max_tokens reached) if the sequence is
+        now done."""
+        self.output[index] = token
         if token in self.eos_ids:
+            del self.output[index + 1:]
             return "stop"
-        if len(self.output) >= self.max_tokens:
+        if index + 1 >= self.max_tokens:
             return "length"
         return None
 
@@ -179,12 +199,15 @@ class ServingScheduler:
 
     # ---- planning ------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        """Plans one step: decode rows, prefill chunks, then admissions (see the module doc)."""
+        """Plans one step: decode rows, prefill chunks, then admissions (see the module doc), and
+        commits it: the rows' tokens count as computed, sampling rows append a PENDING output."""
         budget = self.config.token_budget
         rows: list[StepRow] = []
         for seq in sorted(self.running, key=lambda s: (s.in_prefill, s.order)):
             if budget == 0:
                 break
+            if seq.all_planned:
+                continue  # its last token is on its way
             row = self._row(seq, budget)
             rows.append(row)
             budget -= row.count
@@ -192,6 +215,9 @@ class ServingScheduler:
         for row in rows:
             if row.seq.adapter is not None:
                 self.slots.touch(row.seq.adapter)
+            row.seq.num_computed += row.count
+            if row.sample:
+                row.seq.output.append(PENDING)
         rows.sort(key=lambda r: (r.slot < 0, r.slot))
         return StepPlan(rows, loads)
 
@@ -240,21 +266,19 @@ class ServingScheduler:
             loads.append((placed[0], key))
         return loads
 
-    def complete(self, plan: StepPlan, sampled: dict) -> list[tuple[Sequence, int | None, str | None]]:
-        """Applies a finished step: advances each row's cache count, appends sampled tokens
-        (`sampled[seq_id]`), and finishes sequences that hit EOS or max_tokens.
+    def complete(self, plan: StepPlan, sampled: dict) -> list[tuple[Sequence, int, str | None]]:
+        """Applies a finished step: puts the sampled tokens (`sampled[seq_id]`) in place of its
+        rows' placeholders and finishes sequences that hit EOS or max_tokens. Rows of sequences
+        finished meanwhile (aborted, or EOS in the step before) are skipped.
 
-        Returns (seq, new token or None, finish reason or None) for every row still relevant."""
+        Returns (seq, new token, finish reason or None) for every sampling row still relevant."""
         events = []
         for row in plan.rows:
             seq = row.seq
-            if seq.status is not Status.RUNNING:
-                continue  # aborted while the step ran
-            seq.num_computed += row.count
-            if not row.sample:
+            if seq.status is not Status.RUNNING or not row.sample:
                 continue
             token = sampled[seq.seq_id]
-            reason = seq.append(token)
+            reason = seq.fill(row.start + row.count - len(seq.prompt), token)
             if reason is not None:
                 self.finish(seq, reason)
             events.append((seq, token, reason))

@@ -25,7 +25,7 @@ from jaxlora.lora.project import LoraInputs, layer_lora, project
 from jaxlora.lora.trainable import split_pool
 from jaxlora.models.merge import merge_adapter
 from jaxlora.parallel.step import make_grad_step
-from serve.engine import Engine, EngineConfig, SamplingOptions
+from serve.engine import Engine, EngineConfig
 from tests.jaxlora.hf_checkpoints import relative_error
 from tests.jaxlora.lora.test_serving_plan import IN_DIM, OUT_DIM, STEPS, random_pool, step_plan
 from tests.jaxlora.parallel.fixtures import CONFIG, packed_batch, tiny_model
@@ -126,7 +126,7 @@ def test_every_serving_backend_serves_the_merged_generation(serving_setup, name)
     engine = Engine(model, (), dataclasses.replace(ENGINE, lora_backend=name), adapters)
     got = {i: [] for i in range(len(requests))}
     for i, (prompt, adapter) in enumerate(requests):
-        engine.submit(i, prompt, MAX_TOKENS, adapter, SamplingOptions(), lambda e, i=i: got[i].append(e))
+        engine.submit(i, prompt, adapter, SamplingParams(max_new_tokens=MAX_TOKENS), lambda e, i=i: got[i].append(e))
     engine.run_until_idle()
     assert [[e.token for e in got[i] if e.token is not None] for i in range(len(requests))] == expected
 

@@ -11,7 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxlora.lora.plan import build_plan, segment_bucket
+from jaxlora.buckets import bucket
+from jaxlora.lora.plan import build_plan
 from jaxlora.lora.trainable import split_pool
 from jaxlora.parallel.step import make_grad_step
 from tests.jaxlora.parallel.fixtures import NUM_SLOTS, packed_batch, random_pool, tiny_model
@@ -43,7 +44,7 @@ def test_two_processes_match_one_device(tmp_path):
 
     batch, token_slot = packed_batch(adapters=(0, 1, 2, 3, -1))
     trainable, frozen = split_pool(random_pool())
-    plan = build_plan(token_slot, segment_bucket(NUM_SLOTS + 1))
+    plan = build_plan(token_slot, bucket(NUM_SLOTS + 1, 4))
     loss, grads = make_grad_step(tiny_model(), NUM_SLOTS, "gather")(trainable, frozen, batch, plan, None, None)
     expected = {"loss": np.asarray(loss)}
     expected.update({jax.tree_util.keystr(path): np.asarray(leaf)

@@ -22,7 +22,8 @@ def main(process_id: int, port: int, out_path: str) -> None:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from jaxlora import sharding
-    from jaxlora.lora.plan import build_plan, segment_bucket
+    from jaxlora.buckets import bucket
+    from jaxlora.lora.plan import build_plan
     from jaxlora.lora.trainable import split_pool
     from jaxlora.parallel.plans import local_plans
     from jaxlora.parallel.step import make_grad_step
@@ -32,7 +33,7 @@ def main(process_id: int, port: int, out_path: str) -> None:
     mesh = sharding.make_mesh(data=2, tensor=4)  # data across the processes, tensor inside each
     batch, token_slot = packed_batch(adapters=(0, 1, 2, 3, -1))
     trainable, frozen = split_pool(random_pool())
-    num_segments = segment_bucket(NUM_SLOTS + 1)
+    num_segments = bucket(NUM_SLOTS + 1, 4)
     model = sharding.shard_model(tiny_model(), mesh)
     pool_t, pool_f = sharding.shard_pool(trainable, mesh), sharding.shard_pool(frozen, mesh)
     gspmd = make_grad_step(model, NUM_SLOTS)(

@@ -7,13 +7,14 @@ import functools
 import jax
 import numpy as np
 
-from jaxlora.lora.plan import build_plan, segment_bucket
+from jaxlora.buckets import bucket
+from jaxlora.lora.plan import build_plan
 from jaxlora.lora.trainable import split_pool
 from jaxlora.parallel.step import make_grad_step
 from tests.jaxlora.parallel.fixtures import NUM_SLOTS, packed_batch, random_pool, tiny_model
 
 ADAPTERS = {"single": (2,), "multi": (0, 1, 2, 3, -1)}
-NUM_SEGMENTS = segment_bucket(NUM_SLOTS + 1)
+NUM_SEGMENTS = bucket(NUM_SLOTS + 1, 4)
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,7 +17,8 @@ from jaxlora.lora.plan import build_plan
 from jaxlora.models.config import PROJECTIONS
 from jaxlora.models.llama import LoraInputs
 from jaxlora.models.paged import PagedBatch, paged_forward
-from serve.engine import Engine, EngineConfig, SamplingOptions
+from jaxlora.sampling import SamplingParams
+from serve.engine import Engine, EngineConfig
 from tests.jaxlora.parallel.fixtures import CONFIG, tiny_model
 
 # GQA (4 query heads, 2 KV heads): each of the 2 shards holds 2 query heads and their 1 KV head.
@@ -52,7 +53,7 @@ def _requests(names=(None, "ad0", "ad1", "ad0", None, "ad1", "ad1"), seed=0):
 def _serve(engine, requests):
     got = {i: [] for i in range(len(requests))}
     for i, (prompt, name) in enumerate(requests):
-        engine.submit(i, prompt, MAX_TOKENS, name, SamplingOptions(), lambda e, i=i: got[i].append(e))
+        engine.submit(i, prompt, name, SamplingParams(MAX_TOKENS), lambda e, i=i: got[i].append(e))
     engine.run_until_idle()
     assert all(events[-1].finish_reason == "length" for events in got.values())
     return [[e.token for e in got[i] if e.token is not None] for i in range(len(requests))]
@@ -98,7 +99,7 @@ def test_tp2_placement(model, engines):
 def test_tp2_donates_cache_and_pool(engines):
     _, tp, _, _ = engines
     cache, pool = tp.cache, tp.pool.arrays
-    tp.submit("one", [1, 2, 3], 2, "ad0", SamplingOptions(), lambda e: None)
+    tp.submit("one", [1, 2, 3], "ad0", SamplingParams(2), lambda e: None)
     tp.run_until_idle()
     assert cache.k.is_deleted() and cache.v.is_deleted()  # the step wrote the pages in place
     tp.pool.evict(0)

@@ -1,0 +1,149 @@
+"""The serving engine's compiled step programs: their shapes, their inputs, and the table of executables.
+
+One engine step runs one or two programs on the device:
+  - "forward": the model over the step's padded tokens (`jaxlora.models.paged.paged_forward`),
+    writing their keys/values into the donated KV cache; returns the greedy token of every row
+    and the rows' logits. A token whose input is the previous step's sampled token (async
+    scheduling: not on the host yet) takes it on the device: `token_src[t] >= 0` picks
+    `prev_tokens[token_src[t]]` instead of `batch.tokens[t]`.
+  - "sample": the tokens of a step where some row samples (temperature > 0), from the forward's
+    logits. It is its own program so that sampling does not double every forward variant: it
+    depends only on the number of rows.
+Both return the sampled tokens padded to `max_rows` (the most rows a step can have), so the next
+step's forward takes them whatever its own shape: a forward variant is keyed by its shape alone.
+
+`StepShape` names a program variant; `Programs` compiles each variant once (ahead of time, through
+`jax.jit(...).lower(...).compile()`, so warm-up can compile many in threads) and keeps the
+executables; JAX caches lowering and compilation per function and argument types, so a second
+engine over the same model and sizes finds its programs compiled already.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import threading
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxlora.models.llama import LoraInputs
+from jaxlora.models.paged import PagedBatch, PagedKVCache, paged_forward
+from jaxlora.sampling import greedy_rows, row_keys, sample_rows
+from jaxlora.scheduler.serving import StepPlan
+
+
+class StepShape(NamedTuple):
+    """A compiled program variant of the serving step.
+
+    program "forward": the model over `tokens` padded tokens in `rows` padded rows with a block
+    table `width` pages wide; `lora`: with LoRA inputs (False: every row on the base model);
+    `decode_only`: a `ServingPlan` without prefill segments (a serving-plan backend's BGMV-only
+    step). program "sample": sampling over `rows` rows' logits (tokens, width 0; lora, decode_only
+    False).
+    """
+
+    program: str
+    tokens: int
+    rows: int
+    width: int = 0
+    lora: bool = False
+    decode_only: bool = False
+
+
+class Step(NamedTuple):
+    """One step's padded inputs, ready to run (`Engine.build_step`).
+
+    plan: the step's rows in the order they are laid out (row r of the batch is plan.rows[r]).
+    shapes: the programs it runs (the forward, then the sampler when `sampling` is set).
+    kind: "base" or "lora" (LoRA inputs or not), then "decode" (one-token rows only) or "mixed".
+    batch: tokens, positions, rows and block tables [T] / [R, P] (host arrays).
+    lora: the adapter pool and the step's LoRA plan, None when every row uses the base model.
+    prev_tokens [max_rows]: the sampled tokens of the step before (device array or zeros).
+    token_src [T] int32: row of `prev_tokens` that is token t's input, -1: `batch.tokens[t]`.
+    sampling: (temperature, top_p, seeds, counters) [R] each, None when every row is greedy.
+    """
+
+    plan: StepPlan
+    shapes: tuple[StepShape, ...]
+    kind: str
+    batch: PagedBatch
+    lora: LoraInputs | None
+    prev_tokens: jax.Array | np.ndarray
+    token_src: np.ndarray
+    sampling: tuple | None
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
+def _forward(graphdef, backend: str, max_rows: int, state, cache: PagedKVCache, batch: PagedBatch, lora,
+             prev_tokens, token_src):
+    """(greedy tokens [max_rows] int32, logits [R, V] float32, the updated cache) of one step."""
+    tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], batch.tokens)
+    logits, cache = paged_forward(nnx.merge(graphdef, state), batch._replace(tokens=tokens), cache, lora, backend)
+    return _pad_rows(greedy_rows(logits), max_rows), logits, cache
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _sample(max_rows: int, logits, temperature, top_p, seeds, counters):
+    """Sampled tokens [max_rows] int32 of the rows' logits [R, V]: `jaxlora.sampling.sample_rows`
+    with row r's key from (seeds[r], counters[r]) (`row_keys`)."""
+    return _pad_rows(sample_rows(logits, temperature, top_p, row_keys(seeds, counters)), max_rows)
+
+
+def _pad_rows(tokens: jax.Array, max_rows: int) -> jax.Array:
+    return jnp.pad(tokens, (0, max_rows - tokens.shape[0]))
+
+
+class Programs:
+    """The compiled forward and sample programs of one engine, by `StepShape`."""
+
+    def __init__(self, graphdef, backend: str, max_rows: int):
+        self._static = {"forward": (_forward, (graphdef, backend, max_rows)), "sample": (_sample, (max_rows,))}
+        self._compiled: dict[StepShape, Callable] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._compiled)
+
+    def __contains__(self, shape: StepShape) -> bool:
+        return shape in self._compiled
+
+    def shapes(self) -> list[StepShape]:
+        """The shapes compiled so far."""
+        return list(self._compiled)
+
+    def run(self, shape: StepShape, *args):
+        """Runs the program `shape` on `args` (its dynamic arguments), compiling it first if needed."""
+        program = self._compiled.get(shape)
+        if program is None:
+            program = self.compile(shape, args)
+        return program(*args)
+
+    def compile(self, shape: StepShape, args: tuple) -> Callable:
+        """Compiles the program `shape` for `args` (arrays or `jax.ShapeDtypeStruct`s) and keeps it."""
+        fn, static = self._static[shape.program]
+        program = fn.lower(*static, *args).compile()
+        with self._lock:
+            self._compiled[shape] = program
+        return program
+
+    def logits_sharding(self, rows: int):
+        """The sharding of the logits of a compiled forward over `rows` rows (what the sampler over
+        them is called with), None if no such forward is compiled."""
+        for shape, program in list(self._compiled.items()):
+            if shape.program == "forward" and shape.rows == rows:
+                return program.output_shardings[1]
+        return None
+
+    def compile_all(self, shape_args: list[tuple[StepShape, tuple]], threads: int) -> None:
+        """Compiles every (shape, args) pair not compiled yet, `threads` at a time."""
+        todo = [(shape, args) for shape, args in shape_args if shape not in self._compiled]
+        if threads <= 1:
+            for shape, args in todo:
+                self.compile(shape, args)
+            return
+        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jaxlora-compile") as pool:
+            list(pool.map(lambda item: self.compile(*item), todo))
