@@ -97,17 +97,20 @@ train_gemm() {  # one GPU: where the backward GEMMs run, with and without XLA's 
   done
 }
 
-serve() {  # one GPU: the serving benchmark
+serve() {  # one GPU: the serving benchmark (engine sized like vLLM's), a 256-request saturation case, the HF peer
   nvidia-smi -L
-  timeout $((LIMIT - 5)) python3 bench/serve.py --requests 64 --lora-backend hybrid \
+  timeout 430 python3 bench/serve.py --requests 64 --lora-backend hybrid --max-num-seqs 256 --token-budget 2048 \
+      --prefill-chunk 2048 \
       --cases punica:distinct "slora:n=1000,alpha=1,cv=1,mode=throughput" punica:identical punica:uniform punica:skewed \
-      --time-budget $((LIMIT - 60)) --out "$OUT/serve_h200.json" 2>&1 \
-      | tail -n 40
+      "punica:identical,requests=256" --time-budget 400 --out "$OUT/serve_h200.json" 2>&1 \
+      | grep -v "cuda_timer\\|Warning" | tail -n 40
+  timeout 140 python3 bench/serve_hf_peer.py --requests 64 --out "$OUT/serve_hf_peer_h200.json" 2>&1 | tail -n 12
 }
 
-serve_profile() {  # one GPU: per-kernel time of one engine step (decode of 64/32/8 rows, mixed), base vs the LoRA backends
+serve_profile() {  # one GPU: per-kernel time of one engine step (decode of 32/64/256 rows, mixed), base vs hybrid LoRA,
+  # and the matmul-only decode step at the same row counts
   nvidia-smi -L
-  timeout $((LIMIT - 5)) python3 bench/serve.py --profile --lora-backend pallas onehot \
+  timeout $((LIMIT - 5)) python3 bench/serve.py --profile --lora-backend hybrid \
       --out "$OUT/serve_profile_h200.json" 2>&1 | grep -v "cuda_timer\\|Warning" | tail -n 80
   rm -rf "$OUT/serve_profile_traces"
 }

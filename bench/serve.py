@@ -420,6 +420,27 @@ def print_profile(entries: list[dict]) -> None:
             print(f"  {mark}{kernel['total_ms']:7.3f} ms x{kernel['calls']:<5.0f} {kernel['name'][:100]}")
 
 
+def matmul_floor(config: LlamaConfig, entries: list[dict]) -> dict:
+    """The matmul-only decode step (`bench.decode_floor`: every layer's seven GEMMs and the LM head,
+    weights as separate arrays, nothing else) at each profiled decode step's row count, measured
+    now, and the base engine step's device time over it. Printed as a table."""
+    from bench.decode_floor import matmul_step_ms, random_layers
+
+    layers = random_layers(config)
+    head = jnp.zeros((config.hidden_size, config.vocab_size), jnp.bfloat16) + 0.01
+    out = {}
+    print(f"{'step':10} {'rows':>5} {'matmul-only ms':>15} {'engine base ms':>15} {'ratio':>6}")
+    for e in entries:
+        if e["variant"] != "base" or PROFILE_STEPS[e["step"]][0]:
+            continue
+        rows = PROFILE_STEPS[e["step"]][2]
+        matmul_ms = matmul_step_ms(layers, head, rows)
+        out[e["step"]] = {"rows": rows, "matmul_only_ms": matmul_ms, "engine_base_device_ms": e["device_ms"],
+                          "engine_base_sync_ms": e["sync_ms"], "ratio": e["device_ms"] / matmul_ms}
+        print(f"{e['step']:10} {rows:5d} {matmul_ms:15.2f} {e['device_ms']:15.2f} {e['device_ms'] / matmul_ms:6.2f}")
+    return out
+
+
 # ---- report ---------------------------------------------------------------------------------------
 
 HEADER = (f"{'case':48} {'run':12} {'tok/s':>8} {'req/s':>6} {'TTFT p50':>9} {'p90':>8} {'TPOT p50':>9} "
@@ -475,10 +496,12 @@ def run_profile(args, model, engine_config: EngineConfig, factory: AdapterFactor
     context = min(384, engine_config.max_model_len // 2)
     entries = profile_steps(model, engine_config, factory, backends, log_dir, context=context)
     print_profile(entries)
+    floor = matmul_floor(model.config, entries)
     report = {"device": device, "jax": jax.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "model": {"layers": args.layers, "shape": "tiny" if args.tiny else "Llama-3.1-8B"},
-              "engine": dataclasses.asdict(engine_config), "profile_steps": PROFILE_STEPS, "profile": entries}
+              "engine": dataclasses.asdict(engine_config), "profile_steps": PROFILE_STEPS, "profile": entries,
+              "matmul_only": floor}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

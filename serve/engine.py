@@ -26,8 +26,9 @@ finished and aborted requests' pages are freed then. The slots a launched step r
 until its tokens are read, so no adapter load or prefetch overwrites them under it.
 
 Compiled shapes are bucketed: tokens per step to a power of two (>= 8), rows per step to the same
-number capped at `max_rows` (the most rows a step can have), block-table width to a power of two
-of pages (>= 4), the plan's segment count fixed; sampling is a program of its own keyed by rows.
+number capped at `max_rows` (the most rows a step can have), block-table width to the longest
+context's on a GPU/TPU (the attention kernel reads only each row's pages) or a power of two of
+pages (>= 4) on a CPU, the plan's segment count fixed; sampling is a program of its own keyed by rows.
 `step_shapes()` lists every program variant a step can need and `warmup()` compiles them all
 (and the adapter pool's slot update) without touching the engine's state, so that a server
 compiles nothing once it serves (`jaxlora-serve` warms up before `/health` reports ready).
@@ -524,13 +525,13 @@ class Engine:
 
     def step_shapes(self) -> list[StepShape]:
         """Every program variant a step of this engine can run (see `StepShape`): forwards over
-        each token bucket (8 .. the token budget's) and block-table width bucket (4 .. the
-        context's), with LoRA inputs and without, plus the decode-only LoRA variant of the buckets
-        a step of one-token rows fits (<= max_rows tokens) where the backend's plan has one; and
-        the sampler over each row bucket."""
+        each token bucket (8 .. the token budget's) and block-table width (`_table_width`: one on
+        a GPU/TPU, else buckets 4 .. the context's), with LoRA inputs and without, plus the
+        decode-only LoRA variant of the buckets a step of one-token rows fits (<= max_rows tokens)
+        where the backend's plan has one; and the sampler over each row bucket."""
         config = self.config
         tokens = sorted({bucket(t, 8) for t in range(1, config.token_budget + 1)})
-        widths = sorted({min(bucket(p, 4), self._max_pages) for p in range(1, self._max_pages + 1)})
+        widths = sorted({self._table_width(p) for p in range(1, self._max_pages + 1)})
         variants = [(False, False), (True, False)]
         if self._has_decode_variant():
             variants.append((True, True))
@@ -631,6 +632,15 @@ class Engine:
             return build_plan(token_slot, self._num_segments)
         return build_serving_plan(token_slot, one_token, 0 if decode_only else self._num_segments)
 
+    def _table_width(self, pages: int) -> int:
+        """Block-table width of a step whose longest row spans `pages` pages. On a GPU/TPU the
+        attention kernel reads only each row's own pages, so one width (the longest context's)
+        serves every step and compiles once; the CPU reference gathers the whole table per token,
+        so there widths are powers of two (>= 4)."""
+        if jax.default_backend() in ("gpu", "tpu"):
+            return self._max_pages
+        return min(bucket(pages, 4), self._max_pages)
+
     def _batch_arrays(self, plan: StepPlan):
         """(PagedBatch, token_slot [T], one_token [T]) of the step's rows in their order."""
         num_tokens = bucket(plan.num_tokens, 8)
@@ -639,7 +649,7 @@ class Engine:
             raise ValueError(f"a step of this engine has at most {rows} rows ({num_tokens} tokens, max_num_seqs "
                              f"{self.config.max_num_seqs}); the plan has {len(plan.rows)}")
         widest = max(pages_for(row.start + row.count, self.config.page_size) for row in plan.rows)
-        width = min(bucket(widest, 4), self._max_pages)
+        width = self._table_width(widest)
         tokens = np.zeros(num_tokens, np.int32)
         positions = np.zeros(num_tokens, np.int32)
         token_row = np.full(num_tokens, -1, np.int32)
