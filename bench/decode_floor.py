@@ -19,7 +19,7 @@ import json
 import jax
 import jax.numpy as jnp
 
-from bench.timing import median_call_seconds
+from bench.timing import copy_bandwidth, median_call_seconds
 from jaxlora.models.config import LlamaConfig
 from jaxlora.models.presets import llama8b_config
 
@@ -80,14 +80,6 @@ def weight_bytes(layers, head) -> int:
     return sum(w.nbytes for weights in layers for w in weights.values()) + head.nbytes
 
 
-def copy_bandwidth_tbs(nbytes: int = 4 << 30) -> float:
-    """Device copy bandwidth (read + write) in TB/s, like the project's 4.0 TB/s reference."""
-    src = jnp.ones(nbytes // 2, jnp.bfloat16)
-    copy = jax.jit(lambda a: a + 1)
-    seconds = median_call_seconds(lambda: copy(src), repeats=10)
-    return 2 * nbytes / seconds / 1e12
-
-
 def matmul_step_ms(layers, head, rows: int, fn=step_separate) -> float:
     """Milliseconds of one decode step's GEMMs for `rows` tokens (median of back-to-back calls)."""
     hidden = jax.random.normal(jax.random.key(rows), (rows, head.shape[0]), jnp.float32).astype(head.dtype)
@@ -106,7 +98,7 @@ def main() -> None:
     config = llama8b_config(args.layers, args.tiny)
     layers = random_layers(config)
     head = (jax.random.normal(jax.random.key(1), (config.hidden_size, config.vocab_size)) * 0.02).astype(jnp.bfloat16)
-    bandwidth = copy_bandwidth_tbs()
+    bandwidth = copy_bandwidth(4 << 30) / 1e12  # TB/s, bytes read + written
     nbytes = weight_bytes(layers, head)
     floor_ms = nbytes / (bandwidth * 1e12) * 1e3
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,

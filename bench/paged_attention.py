@@ -39,7 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.timing import kernel_times  # noqa: E402
+from bench.timing import copy_bandwidth, kernel_times  # noqa: E402
 from pallas_kernels.paged_attention import paged_attention_reference  # noqa: E402
 from pallas_kernels.paged_attention_gpu import PagedBlocks, default_splits, paged_attention_gpu  # noqa: E402
 from pallas_kernels.tune import compile_all, measure, rel_err  # noqa: E402
@@ -135,20 +135,6 @@ def sweep(case: Case, quick: bool) -> dict:
         variants |= dict(kernel_merge=dict(merge="kernel"), splits1=dict(num_splits=1), splits2=dict(num_splits=2),
                          splits8=dict(num_splits=8), q16=dict(block_q=16), warps2=dict(num_warps=2))
     return out | {name: PagedBlocks(**kw) for name, kw in variants.items()}
-
-
-def copy_bandwidth(num_bytes: int = 1 << 30) -> float:
-    """Device-to-device bandwidth (bytes/s), bytes read plus written (as bench/sgmv.py)."""
-    f = jax.jit(lambda a: -a, donate_argnums=0)
-    state = [jnp.ones((num_bytes // 4,), jnp.float32)]
-
-    def call():
-        state[0] = f(state[0])
-        return state[0]
-
-    us, _ = measure(call, 1, target_s=0.05)
-    del state
-    return 2 * num_bytes / (us * 1e-6)
 
 
 def run_case(case: Case, shape: Shape, k, v, quick: bool, profile: bool) -> dict:

@@ -1,8 +1,8 @@
 """Benchmark of the training scheduler (CPU only): microbatch counts and padding waste.
 
-For each synthetic workload (ARCHITECTURE §8) with 4 adapters and each token capacity it
-compares plain greedy packing (one adapter at a time, samples in data order, first-fit;
-microbatches never mix adapters) with our scheduler (head-tail groups, first-fit decreasing
+For each synthetic workload (docs/architecture.md, "Benchmark workloads") with 4 adapters and
+each token capacity it compares plain greedy packing (one adapter at a time, samples in data
+order, first-fit; microbatches never mix adapters) with our scheduler (head-tail groups, first-fit decreasing
 or the two-stage HiGHS MILP, cross-block merging), at S=1 and S=4 pipeline stages (no-ops
 included at S=4). Padding waste = 1 - real tokens / (microbatches * capacity).
 

@@ -4,7 +4,7 @@ model (random bf16 weights), against the same engine serving the base model only
     PYTHONPATH=. python bench/serve.py [--layers 32] [--suite all] [--time-budget 520] [--out FILE]
     PYTHONPATH=. python bench/serve.py --tiny          # CPU smoke test (tiny model, few requests)
 
-Workloads (ARCHITECTURE §8, no downloads):
+Workloads (docs/architecture.md, "Benchmark workloads"; no downloads):
   slora   the S-LoRA generator: adapter = floor(n * X), X ~ power(alpha); gamma inter-arrival
           times (mean 1 / rate, coefficient of variation cv); input and output lengths uniform in
           [8, 512). Spec `slora:n=100,alpha=1,cv=1[,rate=4,requests=100,mode=replay]`.

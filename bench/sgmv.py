@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python bench/sgmv.py [--out bench/results] [--tag h100] [--quick]
 
-Workloads (ARCHITECTURE.md section 8), h = 4096, bf16 activations and pools:
+Workloads (docs/architecture.md, "Benchmark workloads"), h = 4096, bf16 activations and pools:
 - decode (BGMV, `pk.bgmv_lora`): batch 1..64, r = 16, Punica's popularity cases: Distinct (one
   adapter per request), Uniform (ceil(sqrt(B)) adapters), Skewed (Zipf 1.5), Identical (one);
 - prefill (SGMV, `pk.sgmv_lora`): T = 4096 and 8192, r = 16 and 64, 4 and 64 adapters (equal
@@ -47,6 +47,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
+from bench.timing import copy_bandwidth  # noqa: E402
 from pallas_kernels.tune import compile_all, measure, rel_err  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -293,20 +294,6 @@ def null_call_us(case: Case) -> float:
 
     us, _ = measure(call, 1, target_s=0.02)
     return us
-
-
-def copy_bandwidth(num_bytes: int = 1 << 30) -> float:
-    """Device-to-device bandwidth (bytes/s), counting bytes read plus written."""
-    f = jax.jit(lambda a: -a, donate_argnums=0)  # (a * 1.0001 in bf16 would fold to a no-op)
-    state = [jnp.ones((num_bytes // 4,), F32)]
-
-    def call():
-        state[0] = f(state[0])
-        return state[0]
-
-    us, _ = measure(call, 1, target_s=0.05)
-    del state
-    return 2 * num_bytes / (us * 1e-6)
 
 
 # ---------------------------------------------------------------------------------- driver

@@ -2,8 +2,9 @@
 
     PYTHONPATH=. python3 bench/train.py [--layers 8] [--capacity 8192] [--workloads xsum cnndm wikisum mixed]
 
-Four adapters (r=16, alpha=32, dropout 0.1, all seven projections) on the lognormal workloads of
-ARCHITECTURE §8, measured in one run, tokens/s counting real (unpadded) tokens:
+Four adapters (r=16, alpha=32, dropout 0.1, all seven projections) on the lognormal workloads
+(docs/architecture.md, "Benchmark workloads"), measured in one run, tokens/s counting real
+(unpadded) tokens:
   jaxlora        our schedule (mixed-adapter microbatches, MILP + merging), fused LoRA kernels;
   jaxlora-xla    our schedule, the unfused XLA LoRA path (one-hot einsum: x @ A of every slot);
   sequential     (a) the 4 jobs one after another, each packed alone, the same unfused XLA path;

@@ -40,7 +40,7 @@ class FlashBlocks:
     """GPU kernel and tiles: forward (block_q x block_k) and backward (one size for dK/dV and dQ).
     kernel: "spans" (`attention_gpu`, skips blocks across samples) or "jax" (JAX's Pallas kernel)."""
 
-    block_q: int = 128  # the fastest of bench/train.py --breakdown's tiles on an H200 (8B shape, T=4096)
+    block_q: int = 128  # the fastest of bench/train.py --breakdown's tiles (bench/NOTES_train.md)
     block_k: int = 64
     block_backward: int = 64
     num_warps: int | None = None

@@ -9,7 +9,7 @@ Work split (as vLLM's Triton unified attention and FlashInfer do, with two tile 
   the rest are masked); longer rows (prefill chunks) get tiles of `block_q` tokens (M = 64 by
   default), so a chunk's pages are re-read once per 64 query rows, not once per 16. Steps of at
   most 4 tokens per row use the small tile for both (the large tile's registers and shared
-  memory would cut the decode programs' occupancy: 0.72 -> 0.85 of the floor at 256 rows);
+  memory would cut the decode programs' occupancy, bench/NOTES_paged_attention.md);
 - each program walks the keys 0..(its last token's position) of its split in blocks of
   `block_kv` keys with online softmax (base 2); a key's page comes from the block table
   (`page = block_tables[row, key // page_size]`, the next block's ids loaded one iteration
@@ -25,7 +25,7 @@ The small-tile items are rows 0..R (R: a pseudo-row covering the padding tokens,
 zeros); the large-tile items come from a work list built per call (`tile_work_list`, a few tiny
 XLA ops on [R+2] ints, the same for every layer of a step). The stacked cache is reshaped to
 [L*num_pages, ...] (a bitcast) and the kernel adds layer * num_pages to each page id; Pallas
-switches address arithmetic to 64 bits when an array exceeds 4 GiB. Measured on an H200:
+switches address arithmetic to 64 bits when an array exceeds 4 GiB. Measurements:
 bench/NOTES_paged_attention.md.
 """
 
@@ -50,7 +50,7 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 @dataclasses.dataclass(frozen=True)
 class PagedBlocks:
-    """Tiles of the GPU kernel (defaults: the fastest measured on an H200, bench/NOTES_paged_attention.md).
+    """Tiles of the GPU kernel (defaults: the fastest in bench/NOTES_paged_attention.md).
 
     block_q_small: tokens of a short-row tile (None: 16 // G, at least 1; M = block_q_small * G
     >= 16). block_q: tokens of a long-row tile (None: block_q_small when the step has at most 4
@@ -74,8 +74,8 @@ class PagedBlocks:
 
 
 def default_splits(tokens: int, rows: int, kv_heads: int, span: int, block_kv: int) -> int:
-    """KV splits for a step shape: about 512 programs when the step is mostly decode rows (H200,
-    8B shape: 2 splits at 32 rows, 1 from 64 rows on, were the fastest), none when it carries
+    """KV splits for a step shape: about 512 programs when the step is mostly decode rows (the
+    fastest split counts on the 8B shape, bench/NOTES_paged_attention.md), none when it carries
     many tokens (the float32 partials would cost more than they save)."""
     if tokens > 4 * max(rows, 1) or tokens > 1024:
         return 1

@@ -1,4 +1,5 @@
-"""The LoRA batch plan (ARCHITECTURE §3): which rows use which adapter slot, grouped by adapter.
+"""The LoRA batch plan: which rows use which adapter slot, grouped by adapter (docs/architecture.md,
+"The batch plan").
 
 Built once per step on the host with numpy, with static padded shapes (the number of segments is
 padded to a bucket), so a new mix of adapters in the same bucket reuses the compiled step.

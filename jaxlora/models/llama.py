@@ -133,7 +133,7 @@ class Llama(nnx.Module):
             (see `jaxlora.models.layers.packed_attention`); the cache path always masks.
           unroll_layers: layers per iteration of the layer scan (True: all). Unrolled, XLA slices
             each layer's weights statically instead of copying them out of the stack every
-            iteration (12% of an 8-layer 8B-shape training step on an H200); compiles slower.
+            iteration (faster GPU training steps: bench/NOTES_train.md); compiles slower.
 
         Returns:
           (logits [B, T, vocab] or [B, vocab] float32, the updated cache or None).

@@ -13,7 +13,8 @@ history).
 Only the cache is paged here: the layer itself is `jaxlora.models.llama.decoder_layer`, with
 `PagedCacheAttention` as its cache. On a GPU/TPU the layers are unrolled, so each layer's weights
 are static slices of the stacked arrays that feed the GEMMs directly (a scan copies every layer's
-weights out of the stack: 2.6x the GEMM time of an 8B decode step, bench/NOTES_serve.md).
+weights out of the stack, which makes a decode step's GEMMs several times slower:
+bench/NOTES_serve.md).
 Shapes are static per (T, rows, pages per row), so a caller that buckets those three compiles a
 handful of steps.
 """

@@ -1,5 +1,6 @@
-"""The serving policy (ARCHITECTURE §6): continuous batching under a token budget, KV-page
-admission control, and the LRU device adapter slots with prefetch. Host-side only (no JAX)."""
+"""The serving policy: continuous batching under a token budget, KV-page admission control, and the
+LRU device adapter slots with prefetch (docs/architecture.md, "The serving engine's step").
+Host-side only (no JAX)."""
 
 from jaxlora.scheduler.serving.adapters import AdapterSlots
 from jaxlora.scheduler.serving.pages import PageAllocator, pages_for

@@ -1,4 +1,5 @@
-"""Synthetic training workloads (ARCHITECTURE §8): lognormal sample lengths, no downloads.
+"""Synthetic training workloads: lognormal sample lengths, no downloads (docs/architecture.md,
+"Benchmark workloads").
 
 Lengths are document+summary tokens, clipped to [min_tokens, 4096]. "mixed" draws each sample
 from one of the three datasets at random; "het" gives adapter i the i-th of
