@@ -7,8 +7,10 @@ what `auto` means on a platform. No code elsewhere tests a backend by its name.
   pallas                             the SGMV/BGMV kernels in the device's style (the GPU style
                                      in interpret mode on a CPU); pallas_gpu, pallas_tpu: one
                                      style explicitly (interpret mode off its own backend);
-  hybrid                             serving: the BGMV kernels on a decode-only `ServingPlan`,
-                                     the one-hot GEMMs on every other plan (bench/NOTES_serve.md);
+  hybrid                             serving: with a `ServingPlan`, the BGMV kernels on the one-
+                                     token rows and, on a mixed step, a segment GEMM over the
+                                     step's first prefill segments' own A/B (`ops.segment_*`);
+                                     the one-hot GEMMs with a `LoraPlan` (bench/NOTES_serve.md);
   fused, fused_tpu                   training: x @ W and the LoRA in one fused kernel, inside
                                      the projection (`jaxlora.lora.project`).
 """
@@ -113,10 +115,21 @@ def _fused(name: str, style: str | None) -> LoraBackend:
                        fused_linear=functools.partial(ops.fused_linear, style=style))
 
 
+# hybrid's route for a mixed ServingPlan (not a registry name of its own): the segment GEMM over
+# the step's first prefill segments (only their A/B gathered, once per step), BGMV for every other
+# LoRA row; SGMV measured +37 ms and the one-hot GEMMs over all slots +9.9 ms on an 11 ms mixed
+# step of the H200 (bench/NOTES_serve.md).
+_HYBRID_MIXED = LoraBackend("hybrid", ServingPlan, partitionable=False, custom_kernel=True, serves=True, trains=False,
+                            row_delta=ops.segment_delta, in_place=ops.segment_accumulate,
+                            in_place_group=ops.segment_accumulate_group)
+
+
 def _hybrid_route(plan) -> LoraBackend:
-    """The kernels for a decode-only `ServingPlan` (BGMV alone), the one-hot GEMMs otherwise."""
-    decode_only = isinstance(plan, ServingPlan) and plan.seg_starts is None
-    return _REGISTRY["pallas" if decode_only else "onehot"]
+    """With a `ServingPlan`: BGMV alone on a decode-only step, the segment GEMM + BGMV on a mixed
+    one; with any other plan the one-hot GEMMs."""
+    if not isinstance(plan, ServingPlan):
+        return _REGISTRY["onehot"]
+    return _REGISTRY["pallas"] if plan.seg_starts is None else _HYBRID_MIXED
 
 
 _REGISTRY: dict[str, LoraBackend] = {backend.name: backend for backend in (
@@ -158,7 +171,7 @@ def get(name: str, **facts: bool) -> LoraBackend:
 
 def resolve(name: str, platform: str, tensor_parallel: int = 1) -> str:
     """The backend `auto` means on `platform` ("gpu", "tpu", "cpu"): on one GPU "hybrid" (BGMV
-    kernels on decode-only steps, one-hot GEMMs on mixed steps; bench/NOTES_serve.md); with tensor
+    kernels on one-token rows, a segment GEMM on prefill chunks; bench/NOTES_serve.md); with tensor
     parallel on a GPU, or on a TPU, "onehot" (XLA GEMMs, partitionable; the kernels are unmeasured
     on TPU); on a CPU "gather". Any other name is returned as given."""
     if name != AUTO:

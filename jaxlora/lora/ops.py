@@ -193,6 +193,102 @@ def _serving_kernels(y, rows, module_pool, plan: ServingPlan, style: str):
     return pallas_kernels.bgmv_lora_stacked(y, rows, a, b, plan.decode_slot, rank, scale, offset, impl=style)
 
 
+# ---- the segment GEMM (hybrid on a mixed ServingPlan) -------------------------------------------
+
+SEGMENT_WINDOW = 4  # prefill segments a mixed step's segment GEMM covers; the rest go through BGMV
+
+
+def _stack(module_pool):
+    """(a [L, slots, k, r], b [L, slots, r, n], rank [L, slots], scale [L, slots], layer) of a
+    `StackedModulePool`, or of a layer's dict as a one-layer stack (layer 0)."""
+    if isinstance(module_pool, StackedModulePool):
+        return module_pool.a, module_pool.b, module_pool.rank, module_pool.scale, module_pool.layer
+    return (module_pool["a"][None], module_pool["b"][None], module_pool["rank"][None], module_pool["scale"][None],
+            jnp.int32(0))
+
+
+def _window(plan: ServingPlan) -> int:
+    return min(SEGMENT_WINDOW, plan.seg_slot.shape[0])
+
+
+def _segment_window_arrays(module_pool, plan: ServingPlan, num_rows: int):
+    """The first `_window` segments' adapters of one projection, for every layer of the stack:
+    (a [L, k, w*r] (segment s in columns s*r:(s+1)*r), b [L, w*r, n], coeff [L, N, w*r] float32:
+    row t's weight on column (s, j) = scale of segment s if t is in s and j < its rank, else 0).
+
+    Nothing here depends on the layer: every layer of an unrolled stack (or every iteration of a
+    scan) builds the same arrays from the same operands, which XLA computes once per step (CSE,
+    loop-invariant code motion); each layer then takes its static slice. Only w entries of the
+    pool are read, never the whole pool."""
+    a, b, rank, scale, _ = _stack(module_pool)
+    layers, _, k, r = a.shape
+    w = _window(plan)
+    slot = plan.seg_slot[:w]
+    valid, entry = slot >= 0, jnp.maximum(slot, 0)
+    a_win = jnp.swapaxes(a[:, entry], 1, 2).reshape(layers, k, w * r)  # [L, w, k, r] -> [L, k, w*r]
+    b_win = b[:, entry].reshape(layers, w * r, b.shape[-1])
+    rows = jnp.arange(num_rows)[:, None]
+    in_seg = (rows >= plan.seg_starts[None, :w]) & (rows < plan.seg_starts[None, 1: w + 1]) & valid[None]  # [N, w]
+    seg_scale = jnp.where(valid[None], scale[:, entry], 0.0).astype(_F32)  # [L, w]
+    in_rank = jnp.arange(r)[None, None, :] < rank[:, entry][:, :, None]  # [L, w, r]
+    coeff = in_seg[None, :, :, None] * (seg_scale[:, :, None] * in_rank)[:, None]  # [L, N, w, r]
+    return a_win, b_win, coeff.reshape(layers, num_rows, w * r).astype(_F32)
+
+
+def _layer(array, layer):
+    return jax.lax.dynamic_index_in_dim(array, layer, 0, keepdims=False)
+
+
+def segment_accumulate_group(ys, x: jax.Array, module_pools, plan: ServingPlan, style: str | None = None) -> tuple:
+    """ys [..., n_g] float32 (the outputs of projections of one input x [..., k]) plus their LoRA,
+    for a mixed `ServingPlan` (prefill segments first, one-token rows after):
+
+    - the first `SEGMENT_WINDOW` prefill segments through a segment GEMM: x @ A_win [k, G*w*r]
+      (the segments' own A of all G projections side by side: one GEMM), each row masked to its
+      own segment (scaled, rank-masked), then @ B_win [w*r, n_g] per projection, added into y;
+    - every other LoRA row (one-token rows, and prefill rows of segments beyond the window) through
+      the BGMV kernels in place, as on a decode-only step.
+
+    No relayout of the pool: only the window's entries are gathered (once per step, see
+    `_segment_window_arrays`). Forward only."""
+    style = pallas_kernels.kernel_style(style)
+    rows = x.reshape(-1, x.shape[-1])
+    num_rows = rows.shape[0]
+    windows = [_segment_window_arrays(pool, plan, num_rows) for pool in module_pools]
+    layer = _stack(module_pools[0])[-1]
+    a_cat = jnp.concatenate([a_win for a_win, _, _ in windows], axis=-1)  # [L, k, G*w*r]
+    coeff = jnp.concatenate([c for _, _, c in windows], axis=-1)  # [L, N, G*w*r]
+    shrunk = dense(rows, _layer(a_cat, layer)) * _layer(coeff, layer)
+    width = windows[0][0].shape[-1]
+    outs = []
+    for g, (y, (_, b_win, _)) in enumerate(zip(ys, windows)):
+        b_layer = _layer(b_win, layer)
+        picked = shrunk[:, g * width:(g + 1) * width].astype(b_layer.dtype)
+        outs.append(y.reshape(num_rows, -1).astype(_F32) + dense(picked, b_layer))
+    # BGMV rows: every LoRA token from the window's end on (one-token rows; overflow prefill rows)
+    bgmv_slot = jnp.where(jnp.arange(num_rows) >= plan.seg_starts[_window(plan)], plan.token_slot, -1)
+    entries = [_entries(pool) for pool in module_pools]
+    if len(ys) == 1:
+        a, b, rank, scale, offset = entries[0]
+        outs = [pallas_kernels.bgmv_lora_stacked(outs[0], rows, a, b, bgmv_slot, rank, scale, offset, impl=style)]
+    else:
+        lora_as, lora_bs, ranks, scales = ([e[i] for e in entries] for i in range(4))
+        outs = pallas_kernels.bgmv_lora_grouped(outs, rows, lora_as, lora_bs, bgmv_slot, ranks, scales,
+                                                entries[0][4], impl=style)
+    return tuple(out.reshape(y.shape) for out, y in zip(outs, ys))
+
+
+def segment_accumulate(y: jax.Array, x: jax.Array, module_pool, plan: ServingPlan, style: str | None = None):
+    """`segment_accumulate_group` for one projection."""
+    return segment_accumulate_group((y,), x, (module_pool,), plan, style)[0]
+
+
+def segment_delta(rows, module_pool, plan: ServingPlan, style: str | None = None):
+    """The delta of `segment_accumulate` (into zeros) for rows [N, k] in the plan's order."""
+    zeros = jnp.zeros((rows.shape[0], _stack(module_pool)[1].shape[-1]), _F32)
+    return segment_accumulate(zeros, rows, module_pool, plan, style)
+
+
 def fused_linear(rows, kernel, module_pool: dict, plan: LoraPlan, rates, seed, style: str | None = None):
     """rows @ kernel + each row's LoRA (dropout at `rates` [slots] from the hash of `seed`) in one
     fused kernel (`pallas_kernels.fused_lora_linear`): rows [N, k] grouped in the plan's adapter

@@ -5,6 +5,7 @@ old path (`LoraPlan`: gather into adapter order, SGMV, scatter back) and of the 
 import zlib
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -135,15 +136,73 @@ def test_ragged_dot_refuses_a_serving_plan():
         lora_delta(np.zeros((token_slot.size, IN_DIM), np.float32), pool, plan, "ragged_dot")
 
 
-@pytest.mark.parametrize("step", ["mixed", "decode_only", "single_prefill"])
-def test_hybrid_delta_runs_kernels_only_on_decode_only_plans(step):
+# Mixed steps for hybrid's segment GEMM: (rows, segment bucket); SEGMENT_WINDOW = 4 segments go
+# through the GEMM, any further ones (and every one-token row) through BGMV.
+HYBRID_STEPS = {
+    "several_segments_with_base_rows": ([(2, 5), (-1, 3), (0, 3), (7, 2), (1, 1), (-1, 1), (9, 1), (2, 1)], 8),
+    "empty_segments": ([(3, 4), (5, 1), (6, 1)], 8),  # one prefill segment, 7 empty padding ones
+    "one_segment_no_decode_rows": ([(4, 9)], 1),
+    "prefill_only_full_window": ([(0, 2), (1, 3), (2, 4), (3, 2)], 4),
+    "more_segments_than_the_window": ([(s, 2 + s % 3) for s in range(7)] + [(8, 1), (-1, 2), (9, 1)], 8),
+}
+
+
+def _pool_dots(fn, x, num_slots):
+    """dot_general equations of fn's jaxpr (any depth) with an operand as large as a whole layer's
+    pool of one projection (num_slots x IN_DIM x MAX_RANK): GEMMs against every slot."""
+    whole = num_slots * IN_DIM * MAX_RANK
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general" and any(np.prod(v.aval.shape) >= whole for v in eqn.invars):
+                yield eqn
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        yield from walk(sub.jaxpr)
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        yield from walk(sub)
+
+    return list(walk(jax.make_jaxpr(fn)(x).jaxpr))
+
+
+@pytest.mark.parametrize("step", sorted(HYBRID_STEPS) + ["mixed", "decode_only", "single_prefill"])
+def test_hybrid_delta_equals_the_reference_without_gemms_over_the_pool(step):
+    """hybrid on a ServingPlan: BGMV for one-token rows (and prefill rows beyond the segment
+    window), the segment GEMM for the first prefill segments; the reference's delta, zero for base
+    rows, and no GEMM against every slot of the pool (the one-hot route's)."""
+    rows, segments = HYBRID_STEPS.get(step, (STEPS.get(step), 4))
     rng = np.random.default_rng(zlib.crc32(f"hybrid {step}".encode()))
     pool = random_pool(rng)
-    token_slot, plan = step_plan(STEPS[step])
+    token_slot, plan = step_plan(rows, num_segments=segments)
     x = rng.normal(size=(token_slot.size, IN_DIM)).astype(np.float32)
     hybrid = np.asarray(lora_delta(x, pool, plan, "hybrid"))
     reference = np.asarray(lora_delta(x, pool, build_plan(token_slot), "gather"))
     assert np.abs(reference).max() > 0.1
+    assert np.all(hybrid[token_slot < 0] == 0.0)
     assert relative_error(hybrid, reference) <= 1e-5
-    primitives = {e.primitive.name for e in jax.make_jaxpr(lambda x: lora_delta(x, pool, plan, "hybrid"))(x).eqns}
-    assert ("pallas_call" in primitives) == (plan.seg_starts is None)
+    fn = lambda x: lora_delta(x, pool, plan, "hybrid")
+    primitives = {e.primitive.name for e in jax.make_jaxpr(fn)(x).eqns}
+    assert "pallas_call" in primitives  # BGMV on every ServingPlan
+    assert _pool_dots(fn, x, pool["a"].shape[0]) == []
+    assert _pool_dots(lambda x: lora_delta(x, pool, plan, "onehot"), x, pool["a"].shape[0])  # the check bites
+
+
+def test_hybrid_grouped_projections_of_a_stacked_pool_equal_the_reference():
+    """The engine's call: q/k/v-like projections of one input with a `StackedModulePool` (every
+    layer's stack and a layer index) on a mixed plan whose prefill segments overflow the window."""
+    from jaxlora.lora.ops import StackedModulePool
+
+    rng = np.random.default_rng(7)
+    rows, segments = HYBRID_STEPS["more_segments_than_the_window"]
+    token_slot, plan = step_plan(rows, num_segments=segments)
+    x = jnp.asarray(rng.normal(size=(token_slot.size, IN_DIM)), jnp.float32)
+    layers, layer = 3, 1
+    stacks = [[random_pool(rng) for _ in range(layers)] for _ in range(3)]
+    pools = [StackedModulePool(*(jnp.stack([p[key] for p in stack]) for key in ("a", "b", "scale", "rank")),
+                               layer=jnp.int32(layer)) for stack in stacks]
+    ys = [jnp.asarray(rng.normal(size=(token_slot.size, OUT_DIM)), jnp.float32) for _ in stacks]
+    got = jax.jit(lambda ys, x: backends.get("hybrid").accumulate_group(ys, x, pools, plan))(ys, x)
+    for y, out, stack in zip(ys, got, stacks):
+        expected = np.asarray(y) + np.asarray(lora_delta(x, stack[layer], build_plan(token_slot), "gather"))
+        assert relative_error(out, expected) <= 1e-5
