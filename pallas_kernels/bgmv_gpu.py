@@ -70,19 +70,45 @@ def _shrink_chunk(x_blk, a_ref, entry, k0, c: int, bk: int, rc: int):
     return jnp.sum(x_blk[:, None] * a_blk, axis=0)
 
 
-def _expand_chunk(v_ref, b_ref, row, entry, rank, v_col0, col0, c: int, bn: int, rc: int):
-    """[bn] of v[row, rank chunk c] @ B[entry, chunk c, col0:col0+bn] (float32): v summed over
-    its split-K parts (v_ref [parts, B, ...], the chunk's columns from v_col0 on) and both masked
-    to the row's rank."""
+def _load_v(v_ref, row, rank, v_col0, c: int, rc: int):
+    """[rc] float32: rank chunk c of v[row] (v_ref [parts, B, ...], the chunk's columns from
+    v_col0 on) summed over its split-K parts, masked to the row's rank. Loaded once per program
+    and reused for all of its column blocks."""
     ranks = c * rc + lax.broadcasted_iota(jnp.int32, (rc,), 0)
     cols = pl.ds(v_col0 + c * rc, rc)
     v = v_ref[0, row, cols].astype(_F32)
     for part in range(1, v_ref.shape[0]):
         v = v + v_ref[part, row, cols].astype(_F32)
-    v = jnp.where(ranks < rank, v, 0.0)
+    return jnp.where(ranks < rank, v, 0.0)
+
+
+def _expand_chunk(v, b_ref, entry, rank, col0, c: int, bn: int, rc: int):
+    """[bn] of v (rank chunk c, from `_load_v`) @ B[entry, chunk c, col0:col0+bn] (float32),
+    B masked to the row's rank."""
+    ranks = c * rc + lax.broadcasted_iota(jnp.int32, (rc,), 0)
     b_blk = b_ref[entry, pl.ds(c * rc, rc), pl.ds(col0, bn)].astype(_F32)
     b_blk = jnp.where(ranks[:, None] < rank, b_blk, 0.0)
     return jnp.sum(v[:, None] * b_blk, axis=0)
+
+
+def _expand_columns(v_ref, b_ref, y_ref, out_ref, row, entry, rank, scale, v_col0, first_block,
+                    cfg: TileConfig, num_chunks: int):
+    """out[row, blocks first_block .. first_block + col_blocks) = y + scale * v @ B[entry] over
+    those block_n-wide column blocks; v (its split-K parts summed) is loaded once for all of
+    them (`col_blocks` > 1 divides the v traffic of the expand by col_blocks)."""
+    bn, rc = cfg.block_n, cfg.rank_chunk
+    vs = [_load_v(v_ref, row, rank, v_col0, c, rc) for c in range(num_chunks)]
+    for j in range(cfg.col_blocks):
+        col0 = pl.multiple_of((first_block + j) * bn, bn)
+        delta = _expand_chunk(vs[0], b_ref, entry, rank, col0, 0, bn, rc)
+        for c in range(1, num_chunks):
+            def add(d, c=c, col0=col0):
+                return d + _expand_chunk(vs[c], b_ref, entry, rank, col0, c, bn, rc)
+
+            delta = lax.cond(c * rc < rank, add, lambda d: d, delta)
+        y_blk = y_ref[row, pl.ds(col0, bn)]
+        out = y_blk.astype(_F32) + scale * delta
+        out_ref[row, pl.ds(col0, bn)] = out.astype(out_ref.dtype)
 
 
 def _shrink_kernel(slot_ref, offset_ref, rank_ref, x_ref, a_ref, out_ref, *, cfg: TileConfig,
@@ -136,23 +162,14 @@ def bgmv_shrink_gpu(x, lora_a, row_slot, row_rank, cfg: TileConfig, interpret: b
 
 def _expand_kernel(slot_ref, offset_ref, rank_ref, scale_ref, y_ref, v_ref, b_ref, out_ref, *,
                    cfg: TileConfig, num_chunks: int, by_entry: bool):
-    row, col_block = pl.program_id(0), pl.program_id(1)
-    bn, rc = cfg.block_n, cfg.rank_chunk
-    col0 = pl.multiple_of(col_block * bn, bn)
+    row, col_group = pl.program_id(0), pl.program_id(1)
     slot, rank, active = _row(row, slot_ref, offset_ref, rank_ref, b_ref.shape[1], by_entry)
     scale = scale_ref[slot if by_entry else row]
 
-    def add(d, c):
-        return d + _expand_chunk(v_ref, b_ref, row, slot, rank, 0, col0, c, bn, rc)
-
     @pl.when(active)
     def _():
-        delta = add(jnp.zeros((bn,), _F32), 0)
-        for c in range(1, num_chunks):
-            delta = lax.cond(c * rc < rank, functools.partial(add, c=c), lambda d: d, delta)
-        y_blk = y_ref[row, pl.ds(col0, bn)]
-        out = y_blk.astype(_F32) + scale * delta
-        out_ref[row, pl.ds(col0, bn)] = out.astype(out_ref.dtype)
+        _expand_columns(v_ref, b_ref, y_ref, out_ref, row, slot, rank, scale, 0, col_group * cfg.col_blocks,
+                        cfg, num_chunks)
 
 
 def bgmv_expand_gpu(y, v, lora_b, row_slot, row_rank, row_scale, cfg: TileConfig,
@@ -161,7 +178,8 @@ def bgmv_expand_gpu(y, v, lora_b, row_slot, row_rank, row_scale, cfg: TileConfig
     slot -1 or rank 0 are not touched).
 
     y [B, n], v [B, r] or split-K partials [parts, B, r] (summed here), lora_b [slots, r, n]
-    -> [B, n] (y.dtype). row_rank/row_scale [B]; with slot_offset (stacked pool, see the
+    -> [B, n] (y.dtype). One program per row and col_blocks column blocks (n a multiple of
+    block_n * col_blocks). row_rank/row_scale [B]; with slot_offset (stacked pool, see the
     module doc): rank/scale tables [P].
     """
     batch, n = y.shape
@@ -174,7 +192,7 @@ def bgmv_expand_gpu(y, v, lora_b, row_slot, row_rank, row_scale, cfg: TileConfig
         kernel,
         name="bgmv_expand",
         out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
-        grid=(batch, n // cfg.block_n),
+        grid=(batch, n // (cfg.block_n * cfg.col_blocks)),
         input_output_aliases={4: 0},
         compiler_params=_params(cfg),
         interpret=interpret,
@@ -249,28 +267,20 @@ def _grouped_expand_kernel(*refs, cfg: TileConfig, num_chunks: int, block_starts
     rank_refs, scale_refs = refs[:groups], refs[groups:2 * groups]
     y_refs, v_ref = refs[2 * groups:3 * groups], refs[3 * groups]
     b_refs, out_refs = refs[3 * groups + 1:4 * groups + 1], refs[4 * groups + 1:]
-    row, col_block = pl.program_id(0), pl.program_id(1)
-    bn, rc, r_max = cfg.block_n, cfg.rank_chunk, b_refs[0].shape[1]
+    row, col_group = pl.program_id(0), pl.program_id(1)
+    r_max = b_refs[0].shape[1]
     entry, _, _ = _row(row, slot_ref, offset_ref, rank_refs[0], r_max, True)
 
     def expand(g):
         rank = jnp.clip(rank_refs[g][entry], 0, r_max)
-        col0 = pl.multiple_of((col_block - block_starts[g]) * bn, bn)
-
-        def add(d, c):
-            return d + _expand_chunk(v_ref, b_refs[g], row, entry, rank, g * r_max, col0, c, bn, rc)
 
         @pl.when((slot_ref[row] >= 0) & (rank > 0))
         def _():
-            delta = add(jnp.zeros((bn,), _F32), 0)
-            for c in range(1, num_chunks):
-                delta = lax.cond(c * rc < rank, functools.partial(add, c=c), lambda d: d, delta)
-            y_blk = y_refs[g][row, pl.ds(col0, bn)]
-            out = y_blk.astype(_F32) + scale_refs[g][entry] * delta
-            out_refs[g][row, pl.ds(col0, bn)] = out.astype(out_refs[g].dtype)
+            _expand_columns(v_ref, b_refs[g], y_refs[g], out_refs[g], row, entry, rank, scale_refs[g][entry],
+                            g * r_max, (col_group - block_starts[g]) * cfg.col_blocks, cfg, num_chunks)
 
-    for g in range(groups):  # the projection whose column blocks this program covers
-        pl.when((col_block >= block_starts[g]) & (col_block < block_starts[g + 1]))(
+    for g in range(groups):  # the projection whose column groups this program covers
+        pl.when((col_group >= block_starts[g]) & (col_group < block_starts[g + 1]))(
             functools.partial(expand, g))
 
 
@@ -280,7 +290,7 @@ def bgmv_expand_grouped_gpu(ys, v, lora_bs, row_slot, slot_offset, slot_ranks, s
     place (aliased to its output; rows with slot -1 or rank 0 untouched); entry b = slot[b] +
     slot_offset, rank and scale of projection g from its tables [P].
 
-    ys: G arrays [B, n_g] (n_g multiples of block_n), v: [B, G*r] or split-K partials
+    ys: G arrays [B, n_g] (n_g multiples of block_n * col_blocks), v: [B, G*r] or split-K partials
     [parts, B, G*r] from `bgmv_shrink_grouped_gpu`, lora_bs: G arrays [P, r, n_g]
     -> tuple of G arrays [B, n_g].
     """
@@ -289,7 +299,7 @@ def bgmv_expand_grouped_gpu(ys, v, lora_bs, row_slot, slot_offset, slot_ranks, s
         v = v[None]
     block_starts = [0]
     for y in ys:
-        block_starts.append(block_starts[-1] + y.shape[1] // cfg.block_n)
+        block_starts.append(block_starts[-1] + y.shape[1] // (cfg.block_n * cfg.col_blocks))
     offset, _ = _offset(slot_offset)
     kernel = functools.partial(_grouped_expand_kernel, cfg=cfg,
                                num_chunks=lora_bs[0].shape[1] // cfg.rank_chunk,

@@ -12,6 +12,8 @@ and a call uses entries slot + slot_offset with per-entry rank/scale tables, so 
 passes the whole stack (no per-layer slice copied for the kernels) and no per-call lookups run.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
@@ -396,6 +398,9 @@ def bgmv_lora_grouped(ys, x, lora_as, lora_bs, row_slot, slot_ranks, slot_scales
     widths = [y.shape[1] for y in ys]
     shrink_cfg = choose_tiles("bgmv_shrink", "gpu", batch, k, r_max, r_max, shrink_tiles)
     expand_cfg = choose_tiles("bgmv_expand", "gpu", batch, r_max, min(widths), r_max, expand_tiles)
+    while expand_cfg.col_blocks > 1 and any(round_up(n, expand_cfg.block_n) // expand_cfg.block_n
+                                            % expand_cfg.col_blocks for n in widths):
+        expand_cfg = dataclasses.replace(expand_cfg, col_blocks=expand_cfg.col_blocks // 2)
     x_p = pad_to(x, (None, shrink_cfg.block_k))
     a_p = [pad_to(a, (None, shrink_cfg.block_k, shrink_cfg.rank_chunk)) for a in lora_as]
     ranks = [rank.astype(jnp.int32) for rank in slot_ranks]

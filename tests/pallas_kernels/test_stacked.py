@@ -101,3 +101,33 @@ def test_bgmv_grouped(impl, dtype):
         assert rel_err(out.astype(jnp.float32) - y, expected - y) <= TOL[dtype], g
         untouched = np.asarray(row_slot < 0)
         np.testing.assert_array_equal(np.asarray(out)[untouched], np.asarray(y)[untouched])
+
+
+@pytest.mark.parametrize("col_blocks", [2, 4])
+def test_bgmv_expand_column_groups(col_blocks):
+    """GPU BGMV expand programs over `col_blocks` column blocks each (v's split-K parts summed once
+    per program): single and grouped (widths 64, 32, 128 in 16-wide blocks: the grouped call cuts
+    col_blocks to divide every width) equal the reference; mixed ranks (two rank chunks), rows
+    with slot -1 untouched."""
+    import dataclasses
+
+    shrink = dataclasses.replace(SMALL_TILES, k_splits=4)
+    expand = dataclasses.replace(SMALL_TILES, block_n=16, col_blocks=col_blocks)
+    x, _, _, _ = arrays(71, 12, K, N, R_MAX, 1, jnp.float32)
+    row_slot = jnp.array([0, 4, -1, 3, 3, 2, -1, 1, 4, 0, 2, 2], jnp.int32)
+    offset = jnp.int32(2 * SLOTS)
+    widths = (64, 32, 128)
+    pools = [stacked(72 + g, jnp.float32) for g in range(3)]
+    lora_bs = [arrays(80 + g, 1, 1, n, R_MAX, LAYERS * SLOTS, jnp.float32)[2] for g, n in enumerate(widths)]
+    ys = [arrays(90 + g, 12, 1, n, 1, 1, jnp.float32)[3] for g, n in enumerate(widths)]
+    outs = pk.bgmv_lora_grouped(ys, x, [p[0] for p in pools], lora_bs, row_slot, [p[2] for p in pools],
+                                [p[3] for p in pools], offset, impl="gpu", tiles=(shrink, expand))
+    single = pk.bgmv_lora_stacked(ys[2], x, pools[2][0], lora_bs[2], row_slot, pools[2][2], pools[2][3], offset,
+                                  impl="gpu", tiles=(shrink, expand))
+    for g, (y, out) in enumerate(zip(ys, outs)):
+        a, _, rank, scale = pools[g]
+        expected = pk.bgmv_lora_stacked(y, x, a, lora_bs[g], row_slot, rank, scale, offset, impl="reference")
+        assert float(jnp.abs(expected - y).max()) > 0.1
+        assert rel_err(out - y, expected - y) <= 1e-5, g
+        np.testing.assert_array_equal(np.asarray(out)[np.asarray(row_slot < 0)], np.asarray(y)[np.asarray(row_slot < 0)])
+    assert rel_err(single - ys[2], expected - ys[2]) <= 1e-5
