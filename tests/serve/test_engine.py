@@ -187,10 +187,9 @@ def test_pallas_backend_serves_the_same_tokens(smollm2, adapters8, expected):
     assert _serve_all(engine, requests[:6]) == outputs[:6]
 
 
-def test_hybrid_backend_runs_bgmv_on_decode_steps_and_onehot_on_mixed_steps(smollm2, adapters8, expected,
-                                                                              monkeypatch):
-    """"hybrid": decode-only steps through the BGMV kernels, steps with prefill chunks through the
-    one-hot GEMMs (no SGMV call at all); greedy tokens as with the merged weights."""
+def test_hybrid_backend_runs_bgmv_and_the_segment_gemm_never_sgmv(smollm2, adapters8, expected, monkeypatch):
+    """"hybrid": one-token rows through the BGMV kernels, prefill chunks through the segment GEMM
+    (no SGMV call at all); greedy tokens as with the merged weights."""
     import pallas_kernels
 
     model, tokenizer = smollm2
