@@ -55,6 +55,8 @@ def main():
     parser.add_argument("--slots", type=int, default=64)
     parser.add_argument("--groups", nargs="+", default=list(GROUPS))
     parser.add_argument("--out", default="/tmp/bgmv_sweep.json")
+    parser.add_argument("--write-table", action="store_true",
+                        help="write each group's best pair into pallas_kernels/tile_table.json where it beats the table")
     parser.add_argument("--max-candidates", type=int, default=None, help="per stage (a CPU smoke test)")
     args = parser.parse_args()
     L, S = args.layers, args.slots
@@ -98,8 +100,9 @@ def main():
                         out.append((measure(c), tiles))
                 return sorted(out, key=lambda e: e[0])
 
-            table_shrink = choose_tiles("bgmv_shrink", "gpu", rows, k, R, R)
-            table_expand = choose_tiles("bgmv_expand", "gpu", rows, R, min(widths), R)
+            g = len(widths)  # the dispatcher's lookup keys (ops.bgmv_lora_grouped / bgmv_lora_stacked)
+            table_shrink = choose_tiles("bgmv_shrink", "gpu", rows, k, g * R, R)
+            table_expand = choose_tiles("bgmv_expand", "gpu", rows, g * R, min(widths), R)
             base = sweep([(table_shrink, table_expand)])
             cap = slice(0, args.max_candidates)
             stage1 = sweep([(s, table_expand) for s in shrink_candidates(k)[cap]])
@@ -112,6 +115,8 @@ def main():
                      "stage1_top": [(us, dataclasses.asdict(t[0])) for us, t in stage1[:5]],
                      "stage2_top": [(us, dataclasses.asdict(t[1])) for us, t in stage2[:5]]}
             results[f"{name}/{rows}"] = entry
+            if args.write_table and stage2[0][0] < base[0][0]:
+                write_entries(rows, k, widths, stage2[0][1], stage2[0][0])
             print(f"{name:8} rows {rows:3}: table {base[0][0]:6.2f} us  best {stage2[0][0]:6.2f} us  floor "
                   f"{floor_us:5.2f} us  shrink {_short(stage2[0][1][0], 's')}  expand {_short(stage2[0][1][1], 'e')}"
                   f"  [{time.perf_counter() - t_start:.0f} s]", flush=True)
@@ -123,6 +128,20 @@ def main():
             with open(args.out, "w") as f:  # after every measurement: a run cut short keeps what it has
                 json.dump(results, f, indent=1)
         del a, b
+
+
+def write_entries(rows: int, k: int, widths, tiles, us: float):
+    """The pair's table entries under the dispatcher's keys (shape_bucket of the lookup)."""
+    from pallas_kernels.tiles import TABLE_PATH, shape_bucket
+
+    table = json.loads(TABLE_PATH.read_text())
+    device = table.setdefault(jax.devices()[0].device_kind, {})
+    g = len(widths)
+    for op, dims, cfg in (("bgmv_shrink", (rows, k, g * R), tiles[0]), ("bgmv_expand", (rows, g * R, min(widths)), tiles[1])):
+        fields = dataclasses.asdict(cfg)
+        fields.update(block_rows=1, pair_us=round(us, 2))
+        device.setdefault(op, {})[shape_bucket(*dims)] = fields
+    TABLE_PATH.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
 
 
 def _short(t: TileConfig, kind: str) -> str:

@@ -396,8 +396,10 @@ def bgmv_lora_grouped(ys, x, lora_as, lora_bs, row_slot, slot_ranks, slot_scales
     shrink_tiles, expand_tiles = tiles if tiles is not None else (None, None)
     (batch, k), r_max = x.shape, lora_as[0].shape[-1]
     widths = [y.shape[1] for y in ys]
-    shrink_cfg = choose_tiles("bgmv_shrink", "gpu", batch, k, r_max, r_max, shrink_tiles)
-    expand_cfg = choose_tiles("bgmv_expand", "gpu", batch, r_max, min(widths), r_max, expand_tiles)
+    # keyed by the grouped width G*r_max (the shrink's output, the expand's input): q/k/v, gate/up
+    # and a single projection each get their own table entries
+    shrink_cfg = choose_tiles("bgmv_shrink", "gpu", batch, k, len(ys) * r_max, r_max, shrink_tiles)
+    expand_cfg = choose_tiles("bgmv_expand", "gpu", batch, len(ys) * r_max, min(widths), r_max, expand_tiles)
     while expand_cfg.col_blocks > 1 and any(round_up(n, expand_cfg.block_n) // expand_cfg.block_n
                                             % expand_cfg.col_blocks for n in widths):
         expand_cfg = dataclasses.replace(expand_cfg, col_blocks=expand_cfg.col_blocks // 2)
