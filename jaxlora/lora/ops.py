@@ -260,14 +260,17 @@ def segment_accumulate_group(ys, x: jax.Array, module_pools, plan: ServingPlan, 
     coeff = jnp.concatenate([c for _, _, c in windows], axis=-1)  # [L, N, G*w*r]
     shrunk = dense(rows, _layer(a_cat, layer)) * _layer(coeff, layer)
     width = windows[0][0].shape[-1]
-    outs = []
-    for g, (y, (_, b_win, _)) in enumerate(zip(ys, windows)):
+    deltas = []
+    for g, (_, b_win, _) in enumerate(windows):
         b_layer = _layer(b_win, layer)
-        picked = shrunk[:, g * width:(g + 1) * width].astype(b_layer.dtype)
-        outs.append(y.reshape(num_rows, -1).astype(_F32) + dense(picked, b_layer))
-    # BGMV rows: every LoRA token from the window's end on (one-token rows; overflow prefill rows)
+        deltas.append(dense(shrunk[:, g * width:(g + 1) * width].astype(b_layer.dtype), b_layer))
+    # BGMV rows: every LoRA token from the window's end on (one-token rows; overflow prefill rows),
+    # in place on y; the segment deltas are added after it, where XLA fuses the add into the
+    # projection's consumers (the cast to the activations' dtype): added before it, each add was
+    # its own kernel over y (H200 profile, bench/NOTES_serve.md)
     bgmv_slot = jnp.where(jnp.arange(num_rows) >= plan.seg_starts[_window(plan)], plan.token_slot, -1)
     entries = [_entries(pool) for pool in module_pools]
+    outs = [y.reshape(num_rows, -1).astype(_F32) for y in ys]
     if len(ys) == 1:
         a, b, rank, scale, offset = entries[0]
         outs = [pallas_kernels.bgmv_lora_stacked(outs[0], rows, a, b, bgmv_slot, rank, scale, offset, impl=style)]
@@ -275,7 +278,7 @@ def segment_accumulate_group(ys, x: jax.Array, module_pools, plan: ServingPlan, 
         lora_as, lora_bs, ranks, scales = ([e[i] for e in entries] for i in range(4))
         outs = pallas_kernels.bgmv_lora_grouped(outs, rows, lora_as, lora_bs, bgmv_slot, ranks, scales,
                                                 entries[0][4], impl=style)
-    return tuple(out.reshape(y.shape) for out, y in zip(outs, ys))
+    return tuple((out + delta).reshape(y.shape) for out, delta, y in zip(outs, deltas, ys))
 
 
 def segment_accumulate(y: jax.Array, x: jax.Array, module_pool, plan: ServingPlan, style: str | None = None):
