@@ -7,8 +7,12 @@ import logging
 import os
 import sys
 
+import jax
+
 from jaxlora.lora import backends
 from serve.protocol import Limits
+
+DEFAULT_COMPILE_CACHE = "~/.cache/jaxlora/jit"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ttft-slo-ms", type=float, default=None, metavar="MS",
                    help="time-to-first-token objective: a queued request that can no longer start within it is "
                         "dropped with 503 (S-LoRA early abort); default off")
+    p.add_argument("--compile-cache", default=DEFAULT_COMPILE_CACHE, metavar="DIR",
+                   help="JAX's persistent compilation cache: a restarted server loads its step programs from "
+                        "here instead of compiling them again (empty: off)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -151,11 +158,21 @@ def build_app(args):
     return create_app(engine, tokenizer, settings)
 
 
+def use_compile_cache(directory: str) -> None:
+    """Turns on JAX's persistent compilation cache in `directory` (nothing if empty): the server's
+    warm-up compiles every step program, which for a large model takes minutes the first time."""
+    if not directory:
+        return
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    use_compile_cache(args.compile_cache)
     app = build_app(args)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30)
 

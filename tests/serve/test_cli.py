@@ -57,3 +57,20 @@ def test_step_size_and_memory_options_are_bounded(option, value, message):
     check_engine_options(args)  # the defaults pass
     with pytest.raises(SystemExit, match=message):
         check_engine_options(build_parser().parse_args([option, value]))
+
+
+def test_compile_cache_option_turns_on_jax_persistent_cache(tmp_path):
+    """`--compile-cache DIR` points JAX's persistent compilation cache at DIR; empty leaves it off."""
+    import jax
+
+    from serve.cli import build_parser, use_compile_cache
+
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        use_compile_cache("")
+        assert jax.config.jax_compilation_cache_dir == before
+        args = build_parser().parse_args(["--compile-cache", str(tmp_path / "jit")])
+        use_compile_cache(args.compile_cache)
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "jit")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
