@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import datetime
 import json
 import time
 
@@ -124,7 +125,8 @@ def main():
                 print(f"     s {us:6.2f} {_short(t[0], 's')}")
             for us, t in stage2[:3]:
                 print(f"     e {us:6.2f} {_short(t[1], 'e')}")
-            results["device"] = jax.devices()[0].device_kind
+            results.update(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                           date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"))
             with open(args.out, "w") as f:  # after every measurement: a run cut short keeps what it has
                 json.dump(results, f, indent=1)
         del a, b
