@@ -133,11 +133,18 @@ class EngineConfig:
     ttft_slo_s: float | None = None  # S-LoRA early abort: drop waiting requests that cannot meet it
     async_scheduling: bool = True  # launch step N+1 before reading step N's tokens (module doc)
     gpu_memory_utilization: float = 0.9  # fraction of device memory for weights, adapters and KV pages
+    # The smallest token bucket of any step, and of a LoRA step with a prefill row (its own program
+    # variant: BGMV + segment kernels): smaller steps pad up to them. On a GPU/TPU a decode step of
+    # 8 rows costs what one of 32 does (weight reads) and a LoRA program takes minutes to compile
+    # for the 8B model, so fewer, larger buckets (bench/NOTES_serve.md); powers of two.
+    min_step_tokens: int | None = None
+    min_lora_mixed_tokens: int | None = None
 
     # Bounds of the step sizes (each compiled program is as large as its step; tokens bound rows).
     BOUNDS = {"max_num_seqs": (1, 1024), "token_budget": (1, 65536), "prefill_chunk": (1, 65536)}
-    ACCELERATOR_STEP = {"max_num_seqs": 256, "token_budget": 2048}
-    CPU_STEP = {"max_num_seqs": 32, "token_budget": 128, "prefill_chunk": 64}
+    ACCELERATOR_STEP = {"max_num_seqs": 256, "token_budget": 2048, "min_step_tokens": 32, "min_lora_mixed_tokens": 256}
+    CPU_STEP = {"max_num_seqs": 32, "token_budget": 128, "prefill_chunk": 64, "min_step_tokens": 8,
+                "min_lora_mixed_tokens": 8}
     CPU_CONTEXTS = 8  # KV pages of a device without memory stats: this many full contexts
 
     def __post_init__(self):
@@ -150,13 +157,18 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not low <= value <= high:
                 raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+        for name in ("min_step_tokens", "min_lora_mixed_tokens"):
+            value = getattr(self, name)
+            if value is not None and not (0 < value <= 65536 and value & (value - 1) == 0):
+                raise ValueError(f"{name} must be a power of two in [1, 65536], got {value}")
         if self.num_pages is not None and self.max_model_len > self.num_pages * self.page_size:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the KV cache "
                              f"({self.num_pages} pages x {self.page_size} tokens)")
 
     def for_platform(self, platform: str) -> "EngineConfig":
         """This config with unset step sizes (None) filled for `platform` ("cpu", "gpu", "tpu"):
-        small on a CPU; else up to 256 rows and 2048 tokens per step, prompts chunked by the budget."""
+        small on a CPU; else up to 256 rows and 2048 tokens per step, prompts chunked by the budget,
+        token buckets from 32 (256 for a LoRA step with prefill rows)."""
         defaults = self.CPU_STEP if platform == "cpu" else self.ACCELERATOR_STEP
         sizes = {name: defaults[name] for name in defaults if getattr(self, name) is None}
         config = dataclasses.replace(self, **sizes)
@@ -271,6 +283,7 @@ class Engine:
         self._num_segments = bucket(config.max_adapters_on_device + 1, 4)
         self._max_pages = bucket(pages_for(config.max_model_len, config.page_size), 1)
         self.max_rows = bucket(min(config.max_num_seqs, config.token_budget), 8)  # most rows of a step
+        self._decode_variant: bool | None = None  # `_has_decode_variant`, once known
         self.programs = Programs(self._graphdef, config.lora_backend, self.max_rows)
         self.step_fn = step_fn or self.device_step
         self._last_tokens = np.zeros(self.max_rows, np.int32)  # the previous step's sampled tokens
@@ -530,13 +543,13 @@ class Engine:
         decode-only LoRA variant of the buckets a step of one-token rows fits (<= max_rows tokens)
         where the backend's plan has one; and the sampler over each row bucket."""
         config = self.config
-        tokens = sorted({bucket(t, 8) for t in range(1, config.token_budget + 1)})
+        tokens = sorted({bucket(t, config.min_step_tokens) for t in range(1, config.token_budget + 1)})
         widths = sorted({self._table_width(p) for p in range(1, self._max_pages + 1)})
         variants = [(False, False), (True, False)]
         if self._has_decode_variant():
             variants.append((True, True))
         shapes = [StepShape("forward", t, self._rows(t), w, lora, decode_only)
-                  for lora, decode_only in variants for t in tokens if t <= self.max_rows or not decode_only
+                  for lora, decode_only in variants for t in tokens if self._has_bucket(t, lora, decode_only)
                   for w in widths]
         return shapes + [StepShape("sample", 0, rows) for rows in sorted({self._rows(t) for t in tokens})]
 
@@ -557,10 +570,35 @@ class Engine:
             self.pool.evict(free)
         return {"programs": len(self.programs) - before, "seconds": time.perf_counter() - started}
 
+    def _has_bucket(self, tokens: int, lora: bool, decode_only: bool) -> bool:
+        """Whether a forward variant over `tokens` padded tokens exists (see `_padded_tokens`)."""
+        if decode_only:
+            return tokens <= bucket(self.max_rows, self.config.min_step_tokens)
+        # the mixed minimum applies where decode steps have a variant of their own
+        return not lora or not self._has_decode_variant() or tokens >= self._min_lora_mixed_tokens()
+
+    def _min_lora_mixed_tokens(self) -> int:
+        """The smallest token bucket of a LoRA step with a prefill row (<= the budget's bucket)."""
+        largest = bucket(self.config.token_budget, self.config.min_step_tokens)
+        return min(bucket(self.config.min_lora_mixed_tokens, self.config.min_step_tokens), largest)
+
+    def _padded_tokens(self, plan: StepPlan) -> int:
+        """Padded tokens of a step: the bucket of its token count, at least `min_step_tokens`, and
+        at least `min_lora_mixed_tokens` for a LoRA step with a prefill row (or a decode-only LoRA
+        step too large for the decode variant)."""
+        tokens = bucket(plan.num_tokens, self.config.min_step_tokens)
+        lora = any(row.slot >= 0 for row in plan.rows)
+        decode_only = all(row.count == 1 for row in plan.rows) and self._has_decode_variant()
+        if lora and not self._has_bucket(tokens, lora, decode_only):
+            tokens = max(tokens, self._min_lora_mixed_tokens())
+        return tokens
+
     def _has_decode_variant(self) -> bool:
         """Whether the backend's plan has a decode-only variant (a segment-free `ServingPlan`)."""
-        plan = self._lora_plan(np.full(8, -1, np.int32), np.ones(8, bool), True)
-        return isinstance(plan, ServingPlan) and plan.seg_starts is None
+        if self._decode_variant is None:
+            plan = self._lora_plan(np.full(8, -1, np.int32), np.ones(8, bool), True)
+            self._decode_variant = isinstance(plan, ServingPlan) and plan.seg_starts is None
+        return self._decode_variant
 
     def _rows(self, num_tokens: int) -> int:
         """Padded rows of a step of `num_tokens` padded tokens."""
@@ -643,7 +681,7 @@ class Engine:
 
     def _batch_arrays(self, plan: StepPlan):
         """(PagedBatch, token_slot [T], one_token [T]) of the step's rows in their order."""
-        num_tokens = bucket(plan.num_tokens, 8)
+        num_tokens = self._padded_tokens(plan)
         rows = self._rows(num_tokens)  # a function of the tokens bucket: no variants of its own
         if len(plan.rows) > rows:
             raise ValueError(f"a step of this engine has at most {rows} rows ({num_tokens} tokens, max_num_seqs "

@@ -279,3 +279,28 @@ def test_prefetched_adapters_copy_in_the_background(smollm2, adapters8, expected
     assert _serve_all(engine, requests) == outputs
     assert copies and waited  # prefetched copies, and a step that had to wait for one
     assert all(copy.done() for _, copy in engine._staged.values())
+
+
+def test_accelerator_token_buckets_pad_steps_and_serve_the_same_tokens(smollm2, adapters8, expected, monkeypatch):
+    """With the GPU/TPU bucket minimums (here 16 tokens a step, 32 for a LoRA step with a prefill
+    row) every step pads up to them, runs a program of `step_shapes()`, and the greedy tokens are
+    those of the merged weights."""
+    model, tokenizer = smollm2
+    requests, outputs = expected
+    config = EngineConfig(max_adapters_on_device=8, lora_backend="hybrid", min_step_tokens=16,
+                          min_lora_mixed_tokens=32, **SMALL_ENGINE)
+    engine = Engine(model, tokenizer.eos_token_ids, config, adapters8)
+    shapes = set(engine.step_shapes())
+    forwards = [shape for shape in shapes if shape.program == "forward"]
+    assert min(shape.tokens for shape in forwards) == 16
+    assert min(shape.tokens for shape in forwards if shape.lora and not shape.decode_only) == 32
+    real_step, seen = engine.step_fn, []
+
+    def recording(step, cache):
+        seen.append(step.shapes[0])
+        return real_step(step, cache)
+
+    monkeypatch.setattr(engine, "step_fn", recording)
+    assert _serve_all(engine, requests[:6]) == outputs[:6]
+    assert set(seen) <= shapes
+    assert any(s.lora and s.decode_only for s in seen) and any(s.lora and not s.decode_only for s in seen)

@@ -12,6 +12,7 @@ from tests.jaxlora.parallel.fixtures import CONFIG, tiny_model
 def test_step_sizes_follow_the_platform_unless_given():
     gpu = EngineConfig().for_platform("gpu")
     assert (gpu.max_num_seqs, gpu.token_budget, gpu.prefill_chunk) == (256, 2048, 2048)
+    assert (gpu.min_step_tokens, gpu.min_lora_mixed_tokens) == (32, 256)
     assert EngineConfig().for_platform("tpu") == gpu
     cpu = EngineConfig().for_platform("cpu")
     assert (cpu.max_num_seqs, cpu.token_budget, cpu.prefill_chunk) == (32, 128, 64)
@@ -22,7 +23,9 @@ def test_step_sizes_follow_the_platform_unless_given():
 @pytest.mark.parametrize("bad, message", [
     (dict(max_num_seqs=0), r"max_num_seqs must be in \[1, 1024\]"), (dict(token_budget=70000), "token_budget"),
     (dict(gpu_memory_utilization=1.2), r"gpu_memory_utilization must be in \(0, 1\]"),
-    (dict(num_pages=4, page_size=16, max_model_len=128), "exceeds the KV cache")])
+    (dict(num_pages=4, page_size=16, max_model_len=128), "exceeds the KV cache"),
+    (dict(min_step_tokens=24), "min_step_tokens must be a power of two"),
+    (dict(min_lora_mixed_tokens=0), "min_lora_mixed_tokens must be a power of two")])
 def test_bad_sizes_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**bad)
