@@ -195,7 +195,10 @@ def _serving_kernels(y, rows, module_pool, plan: ServingPlan, style: str):
 
 # ---- the segment GEMM (hybrid on a mixed ServingPlan) -------------------------------------------
 
-SEGMENT_WINDOW = 4  # prefill segments a mixed step's segment GEMM covers; the rest go through BGMV
+# Prefill segments a mixed step's segment GEMM covers; the rest go through BGMV row by row. A full
+# 2048-token step of prompts 8-512 tokens long holds ~8 segments: with 4, half its prefill rows ran
+# through BGMV (a distinct-adapter mixed step 119 ms against 53 for base, H200: bench/NOTES_serve.md).
+SEGMENT_WINDOW = 16
 
 
 def _stack(module_pool):

@@ -136,8 +136,8 @@ def test_ragged_dot_refuses_a_serving_plan():
         lora_delta(np.zeros((token_slot.size, IN_DIM), np.float32), pool, plan, "ragged_dot")
 
 
-# Mixed steps for hybrid's segment GEMM: (rows, segment bucket); SEGMENT_WINDOW = 4 segments go
-# through the GEMM, any further ones (and every one-token row) through BGMV.
+# Mixed steps for hybrid's segment GEMM: (rows, segment bucket); with the window at 4 segments
+# (`small_window`) 4 go through the GEMM, any further ones (and every one-token row) through BGMV.
 HYBRID_STEPS = {
     "several_segments_with_base_rows": ([(2, 5), (-1, 3), (0, 3), (7, 2), (1, 1), (-1, 1), (9, 1), (2, 1)], 8),
     "empty_segments": ([(3, 4), (5, 1), (6, 1)], 8),  # one prefill segment, 7 empty padding ones
@@ -166,8 +166,16 @@ def _pool_dots(fn, x, num_slots):
     return list(walk(jax.make_jaxpr(fn)(x).jaxpr))
 
 
+@pytest.fixture
+def small_window(monkeypatch):
+    """The segment window at 4 segments (the engine's is larger), so these small steps overflow it."""
+    from jaxlora.lora import ops
+
+    monkeypatch.setattr(ops, "SEGMENT_WINDOW", 4)
+
+
 @pytest.mark.parametrize("step", sorted(HYBRID_STEPS) + ["mixed", "decode_only", "single_prefill"])
-def test_hybrid_delta_equals_the_reference_without_gemms_over_the_pool(step):
+def test_hybrid_delta_equals_the_reference_without_gemms_over_the_pool(step, small_window):
     """hybrid on a ServingPlan: BGMV for one-token rows (and prefill rows beyond the segment
     window), the segment GEMM for the first prefill segments; the reference's delta, zero for base
     rows, and no GEMM against every slot of the pool (the one-hot route's)."""
@@ -188,7 +196,7 @@ def test_hybrid_delta_equals_the_reference_without_gemms_over_the_pool(step):
     assert _pool_dots(lambda x: lora_delta(x, pool, plan, "onehot"), x, pool["a"].shape[0])  # the check bites
 
 
-def test_hybrid_grouped_projections_of_a_stacked_pool_equal_the_reference():
+def test_hybrid_grouped_projections_of_a_stacked_pool_equal_the_reference(small_window):
     """The engine's call: q/k/v-like projections of one input with a `StackedModulePool` (every
     layer's stack and a layer index) on a mixed plan whose prefill segments overflow the window."""
     from jaxlora.lora.ops import StackedModulePool
