@@ -96,6 +96,18 @@ def packed_step(layers, head, hidden, masks, dims):
     return hidden @ head
 
 
+def packed_matmul_step_ms(separate: list[dict], head, rows: int, config: LlamaConfig) -> float:
+    """Milliseconds of one decode step's GEMMs with packed projections (4 a layer, no window):
+    the matmul-only step of the serving engine's own weight layout."""
+    dims = projection_dims(config)
+    layers = [packed_layer(w, dims, 0, 0, jax.random.key(i)) for i, w in enumerate(separate)]
+    hidden = (jax.random.normal(jax.random.key(rows), (rows, config.hidden_size)) * 0.5).astype(jnp.bfloat16)
+    step = jax.jit(packed_step, static_argnums=4)
+    fn = lambda: step(layers, head, hidden, {}, _Dims(dims))
+    fn().block_until_ready()
+    return 1e3 * median_call_seconds(fn, repeats=10)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[32, 64, 2048])

@@ -422,22 +422,28 @@ def print_profile(entries: list[dict]) -> None:
 
 def matmul_floor(config: LlamaConfig, entries: list[dict]) -> dict:
     """The matmul-only decode step (`bench.decode_floor`: every layer's seven GEMMs and the LM head,
-    weights as separate arrays, nothing else) at each profiled decode step's row count, measured
-    now, and the base engine step's device time over it. Printed as a table."""
+    weights as separate arrays, nothing else; and the same GEMMs packed as the engine holds them,
+    q/k/v and gate/up as one kernel each: `bench.lora_window`) at each profiled decode step's row
+    count, measured now, and the base engine step's device time over each. Printed as a table."""
     from bench.decode_floor import matmul_step_ms, random_layers
+    from bench.lora_window import packed_matmul_step_ms
 
     layers = random_layers(config)
     head = jnp.zeros((config.hidden_size, config.vocab_size), jnp.bfloat16) + 0.01
     out = {}
-    print(f"{'step':10} {'rows':>5} {'matmul-only ms':>15} {'engine base ms':>15} {'ratio':>6}")
+    print(f"{'step':10} {'rows':>5} {'matmul-only ms':>15} {'packed ms':>10} {'engine base ms':>15} {'ratio':>6} "
+          f"{'/packed':>8}")
     for e in entries:
         if e["variant"] != "base" or PROFILE_STEPS[e["step"]][0]:
             continue
         rows = PROFILE_STEPS[e["step"]][2]
         matmul_ms = matmul_step_ms(layers, head, rows)
-        out[e["step"]] = {"rows": rows, "matmul_only_ms": matmul_ms, "engine_base_device_ms": e["device_ms"],
-                          "engine_base_sync_ms": e["sync_ms"], "ratio": e["device_ms"] / matmul_ms}
-        print(f"{e['step']:10} {rows:5d} {matmul_ms:15.2f} {e['device_ms']:15.2f} {e['device_ms'] / matmul_ms:6.2f}")
+        packed_ms = packed_matmul_step_ms(layers, head, rows, config)
+        out[e["step"]] = {"rows": rows, "matmul_only_ms": matmul_ms, "matmul_only_packed_ms": packed_ms,
+                          "engine_base_device_ms": e["device_ms"], "engine_base_sync_ms": e["sync_ms"],
+                          "ratio": e["device_ms"] / matmul_ms, "ratio_to_packed": e["device_ms"] / packed_ms}
+        print(f"{e['step']:10} {rows:5d} {matmul_ms:15.2f} {packed_ms:10.2f} {e['device_ms']:15.2f} "
+              f"{e['device_ms'] / matmul_ms:6.2f} {e['device_ms'] / packed_ms:8.2f}")
     return out
 
 

@@ -126,6 +126,7 @@ def build_app(args):
 
     from jaxlora.lora.config import AdapterError
     from jaxlora.lora.peft_io import load_peft_adapter
+    from jaxlora.models.packed import pack_projections
     from jaxlora.weights import WeightsError, load_model
     from serve.app import ServerSettings, create_app
     from serve.engine import Engine, EngineConfig
@@ -149,6 +150,8 @@ def build_app(args):
             token_budget=args.max_num_batched_tokens, prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting,
             lora_backend=args.lora_backend, ttft_slo_s=None if args.ttft_slo_ms is None else args.ttft_slo_ms / 1e3,
             gpu_memory_utilization=args.gpu_memory_utilization)
+        if mesh is None:  # packed here so that the separate kernels are freed before the KV cache is sized
+            model = pack_projections(model)
         engine = Engine(model, tokenizer.eos_token_ids, config, adapters, mesh=mesh)
     except (AdapterError, ValueError) as err:  # incl. bad sizes, shapes that do not split over --tensor-parallel
         raise SystemExit(f"jaxlora-serve: {err}")

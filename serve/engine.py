@@ -84,6 +84,7 @@ from jaxlora.lora import backends
 from jaxlora.lora.adapter import LoraAdapter, check_finite
 from jaxlora.lora.config import AdapterError
 from jaxlora.buckets import bucket
+from jaxlora.models.packed import pack_projections
 from jaxlora.lora.plan import ServingPlan, build_plan, build_serving_plan, serving_order
 from jaxlora.lora.pool import AdapterPool, PreparedAdapter
 from jaxlora.models.config import projection_shapes
@@ -268,6 +269,8 @@ class Engine:
             check_mesh(mesh, model.config, config.lora_backend)
             # New Variables over the same arrays, then placed: the caller's model keeps its weights.
             model = sharding.shard_model(nnx.clone(model), mesh)
+        else:  # q/k/v and gate/up as one kernel each: 4 GEMMs a layer instead of 7
+            model = pack_projections(model)
         self._graphdef, self._state = nnx.split(model)
         self._dtype = model.dtype
         # donate: the pool's arrays are written in place; only `build_step` reads them, afresh each step
@@ -284,6 +287,9 @@ class Engine:
         self._max_pages = bucket(pages_for(config.max_model_len, config.page_size), 1)
         self.max_rows = bucket(min(config.max_num_seqs, config.token_budget), 8)  # most rows of a step
         self._decode_variant: bool | None = None  # `_has_decode_variant`, once known
+        self._min_tokens = config.min_step_tokens  # the smallest token bucket (`_padded_tokens`)
+        self._min_lora_mixed = min(bucket(config.min_lora_mixed_tokens, self._min_tokens),
+                                   bucket(config.token_budget, self._min_tokens))
         self.programs = Programs(self._graphdef, config.lora_backend, self.max_rows)
         self.step_fn = step_fn or self.device_step
         self._last_tokens = np.zeros(self.max_rows, np.int32)  # the previous step's sampled tokens
@@ -543,7 +549,7 @@ class Engine:
         decode-only LoRA variant of the buckets a step of one-token rows fits (<= max_rows tokens)
         where the backend's plan has one; and the sampler over each row bucket."""
         config = self.config
-        tokens = sorted({bucket(t, config.min_step_tokens) for t in range(1, config.token_budget + 1)})
+        tokens = sorted({bucket(t, self._min_tokens) for t in range(1, config.token_budget + 1)})
         widths = sorted({self._table_width(p) for p in range(1, self._max_pages + 1)})
         variants = [(False, False), (True, False)]
         if self._has_decode_variant():
@@ -573,24 +579,19 @@ class Engine:
     def _has_bucket(self, tokens: int, lora: bool, decode_only: bool) -> bool:
         """Whether a forward variant over `tokens` padded tokens exists (see `_padded_tokens`)."""
         if decode_only:
-            return tokens <= bucket(self.max_rows, self.config.min_step_tokens)
+            return tokens <= bucket(self.max_rows, self._min_tokens)
         # the mixed minimum applies where decode steps have a variant of their own
-        return not lora or not self._has_decode_variant() or tokens >= self._min_lora_mixed_tokens()
-
-    def _min_lora_mixed_tokens(self) -> int:
-        """The smallest token bucket of a LoRA step with a prefill row (<= the budget's bucket)."""
-        largest = bucket(self.config.token_budget, self.config.min_step_tokens)
-        return min(bucket(self.config.min_lora_mixed_tokens, self.config.min_step_tokens), largest)
+        return not lora or not self._has_decode_variant() or tokens >= self._min_lora_mixed
 
     def _padded_tokens(self, plan: StepPlan) -> int:
         """Padded tokens of a step: the bucket of its token count, at least `min_step_tokens`, and
         at least `min_lora_mixed_tokens` for a LoRA step with a prefill row (or a decode-only LoRA
         step too large for the decode variant)."""
-        tokens = bucket(plan.num_tokens, self.config.min_step_tokens)
+        tokens = bucket(plan.num_tokens, self._min_tokens)
         lora = any(row.slot >= 0 for row in plan.rows)
         decode_only = all(row.count == 1 for row in plan.rows) and self._has_decode_variant()
         if lora and not self._has_bucket(tokens, lora, decode_only):
-            tokens = max(tokens, self._min_lora_mixed_tokens())
+            tokens = max(tokens, self._min_lora_mixed)
         return tokens
 
     def _has_decode_variant(self) -> bool:

@@ -15,7 +15,7 @@ from jaxlora.lora import backends
 from jaxlora.lora.backends import LoraBackend
 from jaxlora.lora.ops import stacked_pool
 from jaxlora.lora.plan import LoraPlan
-from jaxlora.models.config import PROJECTIONS
+from jaxlora.models.config import PACKED_PROJECTIONS, PROJECTIONS
 from jaxlora.models.layers import dense
 from pallas_kernels.fused_lora_layout import dropout_inv_keep, dropout_mask
 
@@ -79,11 +79,16 @@ def project(x: jax.Array, weights: dict[str, jax.Array], name: str, layer_lora: 
 
 
 def project_group(x: jax.Array, weights: dict[str, jax.Array], names: tuple,
-                  layer_lora: LayerLora | None = None) -> list:
+                  layer_lora: LayerLora | None = None, sizes: tuple[int, ...] | None = None) -> list:
     """`project` for several projections of the same x (q/k/v; gate/up): each base GEMM on its
-    own, the LoRA of the projections that have adapters together (`LoraBackend.accumulate_group`:
-    one grouped shrink and expand for the serving kernels). Training inputs (dropout, fused
-    backends) take `project` one by one. Returns [..., n] per name, in x's dtype."""
+    own, or one GEMM when `weights` hold them packed (`jaxlora.models.packed`: then `sizes` are
+    their output widths); the LoRA of the projections that have adapters together
+    (`LoraBackend.accumulate_group`: one grouped shrink and expand for the serving kernels).
+    Training inputs (dropout, fused backends) take `project` one by one. Returns [..., n] per
+    name, in x's dtype."""
+    packed = PACKED_PROJECTIONS.get(tuple(names))
+    if packed is not None and f"{packed}.kernel" in weights:
+        return _project_packed(x, weights, names, packed, sizes, layer_lora)
     grouped = [name for name in names if layer_lora is not None and name in layer_lora.pool]
     if len(grouped) < 2 or layer_lora.backend.fused or layer_lora.inputs.dropout_rate is not None:
         return [project(x, weights, name, layer_lora) for name in names]
@@ -93,6 +98,25 @@ def project_group(x: jax.Array, weights: dict[str, jax.Array], names: tuple,
     for name, y in zip(grouped, layer_lora.backend.accumulate_group(ys, x, pools, layer_lora.inputs.plan)):
         outputs[name] = y.astype(x.dtype)
     return [outputs[name] for name in names]
+
+
+def _project_packed(x: jax.Array, weights: dict[str, jax.Array], names: tuple, packed: str,
+                    sizes: tuple[int, ...] | None, layer_lora: LayerLora | None) -> list:
+    """`project_group` over the packed kernel `<packed>.kernel` [k, sum(sizes)]: one GEMM, split
+    into the projections' outputs, plus the LoRA of those with adapters. Serving only: training
+    inputs (dropout, fused backends) need the projections' own kernels."""
+    if sizes is None or len(sizes) != len(names):
+        raise ValueError(f"packed projections {packed} need the output width of each of {names}")
+    y = _base_output(x, weights, packed)
+    ys = dict(zip(names, jnp.split(y, np.cumsum(sizes)[:-1].tolist(), axis=-1)))
+    grouped = [name for name in names if layer_lora is not None and name in layer_lora.pool]
+    if grouped:
+        if layer_lora.backend.fused or layer_lora.inputs.dropout_rate is not None:
+            raise ValueError(f"packed projections ({packed}) serve only: training needs each projection's kernel")
+        pools = [layer_lora.pool[name] for name in grouped]
+        deltas = layer_lora.backend.accumulate_group([ys[name] for name in grouped], x, pools, layer_lora.inputs.plan)
+        ys.update(zip(grouped, deltas))
+    return [ys[name].astype(x.dtype) for name in names]
 
 
 def _base_output(x: jax.Array, weights: dict[str, jax.Array], name: str) -> jax.Array:

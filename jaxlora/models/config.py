@@ -9,6 +9,9 @@ from typing import Any, Mapping
 SUPPORTED_HF_ARCHITECTURES = ("llama", "qwen2", "mistral")
 # The linear projections of a decoder layer (PEFT's module names), where LoRA can go.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Projections of one input that a serving model may hold as one kernel, side by side in this
+# order (`jaxlora.models.packed`): one GEMM instead of three or two.
+PACKED_PROJECTIONS = {("q_proj", "k_proj", "v_proj"): "qkv_proj", ("gate_proj", "up_proj"): "gate_up_proj"}
 
 
 class ConfigError(ValueError):

@@ -224,7 +224,8 @@ def decoder_layer(config, weights, hidden, positions, inv_freq, kv, layer_lora: 
     batch, length, _ = hidden.shape
     heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
     x = rms_norm(hidden, weights["input_layernorm"], config.rms_norm_eps)
-    q, k, v = project_group(x, weights, ("q_proj", "k_proj", "v_proj"), layer_lora)
+    q, k, v = project_group(x, weights, ("q_proj", "k_proj", "v_proj"), layer_lora,
+                            (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim))
     q = q.reshape(batch, length, heads, head_dim)
     k, v = k.reshape(batch, length, kv_heads, head_dim), v.reshape(batch, length, kv_heads, head_dim)
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
@@ -232,6 +233,7 @@ def decoder_layer(config, weights, hidden, positions, inv_freq, kv, layer_lora: 
     hidden = hidden + reduce_partial(_project(attn.reshape(batch, length, heads * head_dim), weights, "o_proj",
                                               layer_lora))
     x = rms_norm(hidden, weights["post_attention_layernorm"], config.rms_norm_eps)
-    gate, up = project_group(x, weights, ("gate_proj", "up_proj"), layer_lora)
+    gate, up = project_group(x, weights, ("gate_proj", "up_proj"), layer_lora,
+                             (config.intermediate_size, config.intermediate_size))
     hidden = hidden + reduce_partial(_project(jax.nn.silu(gate) * up, weights, "down_proj", layer_lora))
     return hidden, kv
