@@ -325,7 +325,9 @@ PROFILE_STEPS = {  # rows as (adapter rows first as prefill chunks, tokens per c
     "decode64": (0, 0, 64),
     "decode256": (0, 0, 256),  # the most rows a step takes
     "mixed": (2, 96, 64),  # two 96-token prefill chunks + 64 one-token rows (256 tokens)
+    "mixed2048": (8, 240, 64),  # the trace's full mixed steps: 8 prompts' chunks + 64 decode rows (1984 tokens)
 }
+DEFAULT_PROFILE_STEPS = ("decode32", "decode64", "decode256", "mixed")
 
 
 def profile_plan(engine: Engine, chunks: int, chunk_tokens: int, decode_rows: int, context: int, base: bool):
@@ -347,15 +349,16 @@ def profile_plan(engine: Engine, chunks: int, chunk_tokens: int, decode_rows: in
 
 
 def profile_steps(model, engine_config: EngineConfig, factory: AdapterFactory, backends, log_dir: str,
-                  calls: int = 5, context: int = 384) -> list[dict]:
+                  calls: int = 5, context: int = 384, names=DEFAULT_PROFILE_STEPS) -> list[dict]:
     """Per-kernel device time (profiler trace, `bench.timing.kernel_times`) of one engine step
     (`Engine.build_step` / `run_step`) for each PROFILE_STEPS batch: the base model (no LoRA inputs)
     and each LoRA backend (an engine each), with every pool slot holding an adapter. Returns one
-    entry per (step, variant)."""
+    entry per (step, variant); `names`: which of PROFILE_STEPS."""
     from bench.timing import kernel_times, median_call_seconds
 
-    most_rows = max(chunks + decode_rows for chunks, _, decode_rows in PROFILE_STEPS.values())
-    most_tokens = max(chunks * tokens + decode_rows for chunks, tokens, decode_rows in PROFILE_STEPS.values())
+    chosen = {name: PROFILE_STEPS[name] for name in names}
+    most_rows = max(chunks + decode_rows for chunks, _, decode_rows in chosen.values())
+    most_tokens = max(chunks * tokens + decode_rows for chunks, tokens, decode_rows in chosen.values())
     engine_config = dataclasses.replace(  # room for the largest profiled step (--tiny's engine is smaller)
         engine_config, max_num_seqs=max(engine_config.max_num_seqs, most_rows),
         token_budget=max(engine_config.token_budget, most_tokens))
@@ -366,7 +369,7 @@ def profile_steps(model, engine_config: EngineConfig, factory: AdapterFactory, b
         prepared = [engine.prepare_adapter(factory(i)) for i in range(len(factory.sets))]
         for slot in range(config.max_adapters_on_device):
             engine.pool.load(prepared[slot % len(prepared)], slot=slot)
-        for step_name, (chunks, chunk_tokens, decode_rows) in PROFILE_STEPS.items():
+        for step_name, (chunks, chunk_tokens, decode_rows) in chosen.items():
             plan = profile_plan(engine, chunks, chunk_tokens, decode_rows, context, base=variant == "base")
             step = engine.build_step(plan)
             run = lambda: engine.run_step(step)
@@ -500,7 +503,8 @@ def run_profile(args, model, engine_config: EngineConfig, factory: AdapterFactor
     """`--profile`: the step profile (`profile_steps`) printed and written to --out."""
     log_dir = os.path.join(os.path.dirname(os.path.abspath(args.out)), "serve_profile_traces")
     context = min(384, engine_config.max_model_len // 2)
-    entries = profile_steps(model, engine_config, factory, backends, log_dir, context=context)
+    entries = profile_steps(model, engine_config, factory, backends, log_dir, context=context,
+                            names=args.profile_steps)
     print_profile(entries)
     floor = matmul_floor(model.config, entries)
     report = {"device": device, "jax": jax.__version__,
@@ -553,6 +557,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="instead of the cases: per-kernel device time of one engine step (decode and mixed "
                              "batches) for the base model and each --lora-backend, from a profiler trace")
+    parser.add_argument("--profile-steps", nargs="+", choices=sorted(PROFILE_STEPS), default=list(DEFAULT_PROFILE_STEPS),
+                        help="the step batches --profile times")
     args = parser.parse_args()
     tiny = args.tiny
     pick = lambda value, default, tiny_default: value if value is not None else (tiny_default if tiny else default)
