@@ -852,6 +852,13 @@ class Engine:
     def free_pages(self) -> int:
         return self.scheduler.pages.num_free
 
+    def slot_adapters(self) -> list[str | None]:
+        """The name of the adapter in each device pool slot (None: free), as the scheduler last
+        placed them (read without stopping the engine; may be one step stale)."""
+        with self._lock:
+            names = {uid: entry.name for uid, entry in self._by_uid.items()}
+        return [None if key is None else names.get(key) for key in list(self.scheduler.slots.keys)]
+
     def snapshot(self) -> dict:
         """Counts for /metrics and /health (read without locking; values may be one step stale)."""
         scheduler = self.scheduler

@@ -62,6 +62,8 @@ def test_continuous_batching_equals_merged_generation(smollm2, adapters8, expect
     assert _serve_all(engine, requests) == outputs
     assert engine.free_pages == initial and engine.stats.steps > MAX_TOKENS
     assert engine.stats.adapter_loads == 8  # queued requests of resident adapters go first: one load each
+    placed = engine.slot_adapters()
+    assert len(placed) == slots and None not in placed and set(placed) <= set(adapters8)
     if slots < 8:  # a second wave needs adapters that were evicted: loaded again, same outputs
         assert _serve_all(engine, requests[:9]) == outputs[:9]
         assert engine.stats.adapter_loads >= 8 + 9 - slots

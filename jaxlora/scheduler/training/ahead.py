@@ -9,6 +9,7 @@ forking a process that already runs JAX threads is unsafe.
 from __future__ import annotations
 
 import multiprocessing
+import os
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -44,7 +45,7 @@ class ScheduleAhead:
         self.windows = [range(j, min(j + batches_per_window, total)) for j in starts]
         self.lookahead = lookahead
         context = multiprocessing.get_context(start_method)
-        self.executor = ProcessPoolExecutor(max_workers, mp_context=context)
+        self.executor = ProcessPoolExecutor(max_workers, mp_context=context, initializer=_silence_stdout)
 
     def _submit(self, window: range) -> Future:
         samples = window_samples(self.data, window)
@@ -74,3 +75,12 @@ class ScheduleAhead:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _silence_stdout() -> None:
+    """Workers print nothing: HiGHS writes its banner to the process's stdout when a process makes
+    its first solver (it would land in the middle of a progress bar or a notebook's output).
+    Errors still reach the parent as exceptions."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
