@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-cache", default=DEFAULT_COMPILE_CACHE, metavar="DIR",
                    help="JAX's persistent compilation cache: a restarted server loads its step programs from "
                         "here instead of compiling them again (empty: off)")
+    p.add_argument("--api-key", default=os.environ.get("JAXLORA_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /metrics (default: "
+                        "$JAXLORA_API_KEY; none: no authentication)")
+    p.add_argument("--metrics-require-key", action="store_true", help="/health and /metrics need the API key too")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -153,8 +157,11 @@ def build_app(args):
     except (AdapterError, ValueError) as err:  # incl. bad sizes, shapes that do not split over --tensor-parallel
         raise SystemExit(f"jaxlora-serve: {err}")
     limits = Limits(max_tokens=args.max_tokens_limit, max_body_bytes=args.max_body_bytes)
+    if args.metrics_require_key and not args.api_key:
+        raise SystemExit("jaxlora-serve: --metrics-require-key needs --api-key (or JAXLORA_API_KEY)")
     settings = ServerSettings(args.served_model_name or default_model_name(args.model),
-                              tuple(args.allowed_adapter_dir), limits)
+                              tuple(args.allowed_adapter_dir), limits, api_key=args.api_key,
+                              metrics_require_key=args.metrics_require_key)
     return create_app(engine, tokenizer, settings)
 
 
