@@ -135,6 +135,8 @@ def build_app(args):
     from serve.engine import Engine, EngineConfig
 
     check_engine_options(args)
+    if args.metrics_require_key and not args.api_key:
+        raise SystemExit("jaxlora-serve: --metrics-require-key needs --api-key (or JAXLORA_API_KEY)")
     import jax
 
     args.lora_backend = backends.resolve(args.lora_backend, jax.default_backend(), args.tensor_parallel)
@@ -157,8 +159,6 @@ def build_app(args):
     except (AdapterError, ValueError) as err:  # incl. bad sizes, shapes that do not split over --tensor-parallel
         raise SystemExit(f"jaxlora-serve: {err}")
     limits = Limits(max_tokens=args.max_tokens_limit, max_body_bytes=args.max_body_bytes)
-    if args.metrics_require_key and not args.api_key:
-        raise SystemExit("jaxlora-serve: --metrics-require-key needs --api-key (or JAXLORA_API_KEY)")
     settings = ServerSettings(args.served_model_name or default_model_name(args.model),
                               tuple(args.allowed_adapter_dir), limits, api_key=args.api_key,
                               metrics_require_key=args.metrics_require_key)
