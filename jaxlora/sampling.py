@@ -15,6 +15,7 @@ serving engine: a seeded request gives the same tokens whatever it is batched wi
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -79,12 +80,18 @@ class SamplingParams:
         """The tokens that end this generation: stop_token_ids, and `eos_ids` unless ignore_eos."""
         return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_ids))
 
-    @property
+    @functools.cached_property
     def changes_logits(self) -> bool:
         """Whether a logit bias, a penalty or min_tokens changes this row's logits (the serving
         engine keeps per-row state on the device for them)."""
         return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1 or self.min_tokens)
+
+    @functools.cached_property
+    def needs_state(self) -> bool:
+        """Whether the serving engine samples this row with "sample_state" (logits changed, or
+        log-probabilities asked for)."""
+        return self.changes_logits or self.logprobs is not None
 
 
 def greedy_rows(logits: jax.Array) -> jax.Array:

@@ -106,7 +106,7 @@ def step_sampling(plan_rows, rows: int, slots: SamplerSlots, eos_ids):
     log-probabilities; ("sample", (RowSampling,)) when a row samples (temperature > 0); None when
     every row takes the forward's greedy token."""
     params = [row.seq.sampling for row in plan_rows]
-    stateful = any(p.changes_logits or p.logprobs is not None for p in params)
+    stateful = any(p.needs_state for p in params)
     if not stateful and all(p.temperature == 0 for p in params):
         return None
     sampling = RowSampling.greedy(rows)
