@@ -413,6 +413,9 @@ class Engine:
         thread for every new token and once with a finish reason. Raises RequestError,
         UnknownAdapter or EngineBusy."""
         self.validate(len(prompt), sampling.max_new_tokens)
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in [t for t, _ in sampling.logit_bias] + list(sampling.stop_token_ids)):
+            raise RequestError(f"logit_bias and stop_token_ids take token ids in [0, {vocab})")
         with self._lock:
             uid = None
             if adapter is not None:
