@@ -18,7 +18,8 @@ KEY = "sk-test-0123456789"
 
 @pytest.fixture(scope="module")
 def keyed_server(smollm2):
-    """A server like the shared one (same engine sizes: its programs are compiled already) with an API key."""
+    """A server with an API key over an engine started beforehand (the app then skips the warm-up:
+    the few requests here compile only the programs they use)."""
     from serve.app import ServerSettings, create_app
     from serve.engine import Engine, EngineConfig
     from serve.protocol import Limits
@@ -26,6 +27,7 @@ def keyed_server(smollm2):
     model, tokenizer = smollm2
     engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(max_adapters_on_device=2, **SMALL_ENGINE))
     settings = ServerSettings(BASE, limits=Limits(max_tokens=64), api_key=KEY)
+    engine.start()
     with LiveServer(create_app(engine, tokenizer, settings), engine) as server:
         server.wait_ready()
         yield server
