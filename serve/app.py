@@ -259,14 +259,17 @@ class Server:
         return ids
 
     def chat_prompt(self, body: ChatRequest) -> list[int]:
-        if len(body.messages) > self.limits.max_messages:
+        return self.tokens_of(self.chat_text(body.messages))
+
+    def chat_text(self, messages: list, add_generation_prompt: bool = True) -> str:
+        """The prompt text of chat `messages` (ChatMessage) by the chat template; ApiError 400."""
+        if len(messages) > self.limits.max_messages:
             raise ApiError(400, f"at most {self.limits.max_messages} messages", "messages")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(messages)
+            return self.tokenizer.apply_chat_template(turns, add_generation_prompt)
         except TokenizerError as err:
             raise ApiError(400, str(err), "messages") from err
-        return self.tokens_of(text)
 
     def check_adapter_path(self, path: str) -> str:
         """The real path of `path` if it lies under an allowed directory; ApiError 403 if not."""
@@ -535,17 +538,7 @@ def _add_tokenizer_routes(app: FastAPI, server: Server) -> None:
             raise ApiError(400, "send either prompt or messages", "prompt")
         if body.model is not None:
             server.resolve_model(body.model)
-        if body.messages is not None:
-            if len(body.messages) > server.limits.max_messages:
-                raise ApiError(400, f"at most {server.limits.max_messages} messages", "messages")
-            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                        for m in body.messages]
-            try:
-                text = server.tokenizer.apply_chat_template(messages, body.add_generation_prompt)
-            except TokenizerError as err:
-                raise ApiError(400, str(err), "messages") from err
-        else:
-            text = body.prompt
+        text = body.prompt if body.messages is None else server.chat_text(body.messages, body.add_generation_prompt)
         context = server.engine.config.max_model_len
         if len(text) > 16 * context:
             raise ApiError(400, f"the text is longer than this model's context of {context} tokens", "prompt")
