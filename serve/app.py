@@ -1,7 +1,10 @@
 """The OpenAI-compatible HTTP API over an `Engine` (FastAPI).
 
 Endpoints: /v1/completions, /v1/chat/completions (JSON or SSE streaming), /v1/models,
-/v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's bodies), /health, /metrics.
+/v1/load_lora_adapter and /v1/unload_lora_adapter, /tokenize and /detokenize (vLLM's bodies),
+/health, /metrics. With an API key (`ServerSettings.api_key`) every route but /health and
+/metrics (those too with `metrics_require_key`) needs `Authorization: Bearer <key>`
+(`serve.auth`).
 `model` names the base model or a registered adapter. Handlers tokenize, submit one engine
 sequence per (prompt, choice), and await the engine's events through an asyncio queue; a request
 that ends early (client gone, stop string, error) aborts its sequences so their KV pages are freed.
@@ -34,10 +37,12 @@ from jaxlora.lora.peft_io import load_peft_adapter
 from jaxlora.tokenizer import TokenizerError
 from jaxlora.sampling import SamplingParams
 from serve.engine import Engine, EngineBusy, RequestError, UnknownAdapter
+from serve.auth import ApiKeyAuth
+from serve.logprobs import chat_logprobs, completion_logprobs
 from serve.metrics import Metrics
 from serve.protocol import (
-    ApiError, ChatRequest, CompletionRequest, Limits, LoadAdapterRequest, UnloadAdapterRequest, check_common,
-    stop_list,
+    ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, Limits, LoadAdapterRequest, TokenizeRequest,
+    UnloadAdapterRequest, check_chat, check_common, check_completion, check_token_ids, stop_list,
 )
 from serve.text import TextTracker
 
@@ -45,11 +50,14 @@ log = logging.getLogger("jaxlora.serve")
 
 @dataclasses.dataclass(frozen=True)
 class ServerSettings:
-    """The served base model's name, where runtime adapters may be loaded from, and input limits."""
+    """The served base model's name, where runtime adapters may be loaded from, input limits, and
+    the API key (None: no authentication; metrics_require_key: /health and /metrics need it too)."""
 
     model_name: str
     allowed_adapter_dirs: tuple[str, ...] = ()
     limits: Limits = Limits()
+    api_key: str | None = None
+    metrics_require_key: bool = False
 
 
 @dataclasses.dataclass
@@ -63,12 +71,14 @@ class SeqSpec:
 
 
 class Generation:
-    """The sequences of one HTTP request; `events()` yields (choice index, text delta, finish reason)."""
+    """The sequences of one HTTP request; `events()` yields (choice index, text delta, finish
+    reason, log-probability entries of the tokens since the last yield: (token, logprob, top))."""
 
     def __init__(self, engine: Engine, tokenizer, specs: list[SeqSpec]):
         self.engine, self.specs = engine, specs
         self.request_id = uuid.uuid4().hex
-        self.trackers = [TextTracker(tokenizer, spec.stops) for spec in specs]
+        self.trackers = [TextTracker(tokenizer, spec.stops, spec.sampling.stop_token_ids) for spec in specs]
+        self.logprobs: list[list] = [[] for _ in specs]  # entries not yielded yet
         self.done = [False] * len(specs)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.first_token_at: float | None = None
@@ -105,13 +115,16 @@ class Generation:
                     raise ApiError(503 if event.finish_reason == "overloaded" else 500, event.error)
                 if event.token is not None and self.first_token_at is None:
                     self.first_token_at = time.monotonic()
+                if event.logprobs is not None:
+                    self.logprobs[index].append((event.token, *event.logprobs))
                 delta, reason = self.trackers[index].add(event.token, event.finish_reason)
                 if reason is not None:
                     if event.finish_reason is None:  # a stop string: end it in the engine too
                         self.engine.abort(self._id(index))
                     self.done[index] = True
                 if delta or reason:
-                    yield index, delta, reason
+                    entries, self.logprobs[index] = self.logprobs[index], []
+                    yield index, delta, reason, entries
         finally:
             self.abort()
 
@@ -192,17 +205,18 @@ class Server:
                                 f"of {context} tokens", "max_tokens")
         return requested
 
-    def specs(self, body, prompts: list[list[int]], default_max: int) -> list[SeqSpec]:
+    def specs(self, body, prompts: list[list[int]], default_max: int, logprobs: int | None) -> list[SeqSpec]:
         adapter = self.resolve_model(body.model)
-        temperature = 1.0 if body.temperature is None else body.temperature
-        top_p = 1.0 if body.top_p is None else body.top_p
+        check_token_ids(body, self.engine.model_config.vocab_size)
         seed = secrets.randbits(32) if body.seed is None else body.seed
         requested = getattr(body, "max_completion_tokens", None) or body.max_tokens
         specs = []
         for prompt in prompts:
             max_tokens = self.max_tokens_for(len(prompt), requested, default_max)
+            if body.min_tokens > max_tokens:
+                raise ApiError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
             for choice in range(body.n):
-                sampling = SamplingParams(max_tokens, temperature, top_p, (seed + choice) % (1 << 32))
+                sampling = sampling_params(body, max_tokens, (seed + choice) % (1 << 32), logprobs)
                 specs.append(SeqSpec(prompt, adapter, sampling, stop_list(body.stop)))
         if len(specs) > self.limits.max_sequences:
             raise ApiError(400, f"prompts x n = {len(specs)} exceeds {self.limits.max_sequences}", "n")
@@ -220,6 +234,15 @@ class Server:
             raise ApiError(400, f"send 1 to {self.limits.max_prompts} prompts", "prompt")
         return [self.tokens_of(p) for p in prompts]
 
+    def prompt_texts(self, body: CompletionRequest) -> list[str]:
+        """The text of each prompt of a completions request (token ids decoded)."""
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and isinstance(prompt[0], int):
+            return [self.tokenizer.decode(prompt)]
+        return [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompt]
+
     def tokens_of(self, prompt: str | list[int]) -> list[int]:
         context = self.engine.config.max_model_len
         if isinstance(prompt, str):
@@ -236,18 +259,17 @@ class Server:
         return ids
 
     def chat_prompt(self, body: ChatRequest) -> list[int]:
-        if len(body.messages) > self.limits.max_messages:
+        return self.tokens_of(self.chat_text(body.messages))
+
+    def chat_text(self, messages: list, add_generation_prompt: bool = True) -> str:
+        """The prompt text of chat `messages` (ChatMessage) by the chat template; ApiError 400."""
+        if len(messages) > self.limits.max_messages:
             raise ApiError(400, f"at most {self.limits.max_messages} messages", "messages")
-        if body.tools:
-            raise ApiError(400, "tools are not supported", "tools")
-        if body.logprobs:
-            raise ApiError(400, "logprobs are not supported", "logprobs")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(messages)
+            return self.tokenizer.apply_chat_template(turns, add_generation_prompt)
         except TokenizerError as err:
             raise ApiError(400, str(err), "messages") from err
-        return self.tokens_of(text)
 
     def check_adapter_path(self, path: str) -> str:
         """The real path of `path` if it lies under an allowed directory; ApiError 403 if not."""
@@ -290,11 +312,13 @@ class Server:
         """All choices' texts and finish reasons; aborts if the client disconnects meanwhile."""
         texts = [""] * len(generation.specs)
         reasons: list[str | None] = [None] * len(generation.specs)
+        logprobs: list[list] = [[] for _ in generation.specs]
 
         async def run():
-            async for index, delta, reason in generation.events():
+            async for index, delta, reason, entries in generation.events():
                 texts[index] += delta
                 reasons[index] = reason or reasons[index]
+                logprobs[index] += entries
 
         task = asyncio.ensure_future(run())
         status = "ok"
@@ -314,14 +338,15 @@ class Server:
             if not task.done():
                 task.cancel()
             self.finished(generation, endpoint, status)
-        return texts, reasons
+        return texts, reasons, logprobs
 
     async def stream(self, generation: Generation, endpoint: str, chunk, final_chunks):
-        """SSE lines: `chunk(index, delta, reason)` per event, then `final_chunks()`, then [DONE]."""
+        """SSE lines: `chunk(index, delta, reason, logprob entries)` per event, then `final_chunks()`,
+        then [DONE]."""
         status = "disconnected"
         try:
-            async for index, delta, reason in generation.events():
-                yield _sse(chunk(index, delta, reason))
+            async for index, delta, reason, entries in generation.events():
+                yield _sse(chunk(index, delta, reason, entries))
             for extra in final_chunks():
                 yield _sse(extra)
             yield "data: [DONE]\n\n"
@@ -333,16 +358,31 @@ class Server:
             self.finished(generation, endpoint, status)
 
 
+def sampling_params(body, max_tokens: int, seed: int, logprobs: int | None) -> SamplingParams:
+    """The engine's SamplingParams of a checked request body (`check_common`)."""
+    return SamplingParams(
+        max_tokens, 1.0 if body.temperature is None else body.temperature, 1.0 if body.top_p is None else body.top_p,
+        seed, top_k=max(0, body.top_k), min_p=body.min_p, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+        logit_bias=tuple((int(k), v) for k, v in sorted((body.logit_bias or {}).items())),
+        stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+        logprobs=logprobs)
+
+
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def _validation_message(err: RequestValidationError) -> str:
-    parts = []
+def _validation_error(err: RequestValidationError) -> ApiError:
+    """A 400 naming the fields pydantic refused (a field this server does not know: "unsupported")."""
+    parts, first = [], None
     for e in err.errors()[:5]:
         where = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
-        parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
-    return "invalid request: " + "; ".join(parts)
+        message = "unsupported field (this server does not implement it)" if e.get("type") == "extra_forbidden" \
+            else e.get("msg")
+        parts.append(f"{where}: {message}" if where else str(message))
+        first = first or where or None
+    return ApiError(400, "invalid request: " + "; ".join(parts), first)
 
 
 class BodyLimit:
@@ -387,6 +427,9 @@ def create_app(engine: Engine, tokenizer, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="jaxlora-serve", lifespan=lifespan)
     app.state.server = server
     app.add_middleware(BodyLimit, max_bytes=settings.limits.max_body_bytes)
+    if settings.api_key:  # added last: runs first, before the body is read
+        open_paths = () if settings.metrics_require_key else ("/health", "/metrics")
+        app.add_middleware(ApiKeyAuth, api_key=settings.api_key, open_paths=open_paths)
 
     @app.exception_handler(ApiError)
     async def api_error(request, err: ApiError):
@@ -394,9 +437,10 @@ def create_app(engine: Engine, tokenizer, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, err: RequestValidationError):
-        return JSONResponse(ApiError(400, _validation_message(err)).body(), 400)
+        return JSONResponse(_validation_error(err).body(), 400)
 
     _add_generation_routes(app, server)
+    _add_tokenizer_routes(app, server)
     _add_admin_routes(app, server)
     return app
 
@@ -405,20 +449,31 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_common(body, server.limits)
-        if body.echo or body.logprobs is not None or (body.best_of or 1) > 1 or body.suffix:
-            raise ApiError(400, "echo, logprobs, best_of and suffix are not supported")
+        check_completion(body)
         prompts = server.completion_prompts(body)
-        generation = server.start(server.specs(body, prompts, server.limits.default_max_tokens))
+        generation = server.start(server.specs(body, prompts, server.limits.default_max_tokens, body.logprobs))
         cid, created = f"cmpl-{generation.request_id}", int(time.time())
+        echoes = [text if body.echo else "" for text in server.prompt_texts(body) for _ in range(body.n)]
+        offsets = [len(echo) for echo in echoes]  # text offset of each choice's next token
+
+        def logprobs_of(index, entries):
+            if body.logprobs is None:
+                return None
+            result = completion_logprobs(server.tokenizer, entries, offsets[index])
+            offsets[index] += sum(len(t) for t in result["tokens"])
+            return result
+
         if body.stream:
-            def chunk(index, delta, reason):
+            def chunk(index, delta, reason, entries):
+                text, echoes[index] = echoes[index] + delta, ""
                 return {"id": cid, "object": "text_completion", "created": created, "model": body.model,
-                        "choices": [{"index": index, "text": delta, "logprobs": None, "finish_reason": reason}]}
+                        "choices": [{"index": index, "text": text, "logprobs": logprobs_of(index, entries),
+                                     "finish_reason": reason}]}
 
             final = _usage_chunks(body, generation, cid, created, "text_completion")
             return _streaming(server.stream(generation, "completions", chunk, final))
-        texts, reasons = await server.collect(generation, request, "completions")
-        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
+        texts, reasons, logprobs = await server.collect(generation, request, "completions")
+        choices = [{"index": i, "text": echoes[i] + t, "logprobs": logprobs_of(i, logprobs[i]), "finish_reason": r}
                    for i, (t, r) in enumerate(zip(texts, reasons))]
         return {"id": cid, "object": "text_completion", "created": created, "model": body.model,
                 "choices": choices, "usage": generation.usage()}
@@ -426,34 +481,38 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         check_common(body, server.limits)
-        if body.max_completion_tokens is not None and not 1 <= body.max_completion_tokens <= server.limits.max_tokens:
-            raise ApiError(400, f"max_completion_tokens must be in [1, {server.limits.max_tokens}]",
-                           "max_completion_tokens")
+        check_chat(body, server.limits)
         prompt = server.chat_prompt(body)
-        generation = server.start(server.specs(body, [prompt], server.limits.max_tokens))
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        generation = server.start(server.specs(body, [prompt], server.limits.max_tokens, top))
+
+        def logprobs_of(entries):
+            return chat_logprobs(server.tokenizer, entries) if body.logprobs else None
+
         cid, created = f"chatcmpl-{generation.request_id}", int(time.time())
         if body.stream:
-            chunk = _chat_chunker(body, cid, created, len(generation.specs))
+            chunk = _chat_chunker(body, cid, created, len(generation.specs), logprobs_of)
             final = _usage_chunks(body, generation, cid, created, "chat.completion.chunk")
             return _streaming(server.stream(generation, "chat", chunk, final))
-        texts, reasons = await server.collect(generation, request, "chat")
-        choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r}
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        texts, reasons, logprobs = await server.collect(generation, request, "chat")
+        choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": logprobs_of(logprobs[i]),
+                    "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
         return {"id": cid, "object": "chat.completion", "created": created, "model": body.model,
                 "choices": choices, "usage": generation.usage()}
 
 
-def _chat_chunker(body: ChatRequest, cid: str, created: int, count: int):
+def _chat_chunker(body: ChatRequest, cid: str, created: int, count: int, logprobs_of):
     """Chat chunks: the first chunk of each choice carries the assistant role."""
     started = [False] * count
 
-    def chunk(index, delta, reason):
+    def chunk(index, delta, reason, entries):
         content = {"content": delta} if delta or reason is None else {}
         if not started[index]:
             started[index] = True
             content = {"role": "assistant", **content}
         return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                "choices": [{"index": index, "delta": content, "logprobs": None, "finish_reason": reason}]}
+                "choices": [{"index": index, "delta": content, "logprobs": logprobs_of(entries),
+                             "finish_reason": reason}]}
 
     return chunk
 
@@ -470,6 +529,32 @@ def _usage_chunks(body, generation: Generation, cid: str, created: int, kind: st
 def _streaming(lines) -> StreamingResponse:
     return StreamingResponse(lines, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _add_tokenizer_routes(app: FastAPI, server: Server) -> None:
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "send either prompt or messages", "prompt")
+        if body.model is not None:
+            server.resolve_model(body.model)
+        text = body.prompt if body.messages is None else server.chat_text(body.messages, body.add_generation_prompt)
+        context = server.engine.config.max_model_len
+        if len(text) > 16 * context:
+            raise ApiError(400, f"the text is longer than this model's context of {context} tokens", "prompt")
+        tokens = server.tokenizer.encode(text, add_bos=None if body.add_special_tokens else False)
+        strs = [server.tokenizer.token_text(t) for t in tokens] if body.return_token_strs else None
+        return {"count": len(tokens), "max_model_len": context, "tokens": tokens, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        if body.model is not None:
+            server.resolve_model(body.model)
+        vocab = server.engine.model_config.vocab_size
+        if len(body.tokens) > server.engine.config.max_model_len or any(not 0 <= t < vocab for t in body.tokens):
+            raise ApiError(400, f"send at most {server.engine.config.max_model_len} token ids in [0, {vocab})",
+                           "tokens")
+        return {"prompt": server.tokenizer.decode(body.tokens)}
 
 
 def _add_admin_routes(app: FastAPI, server: Server) -> None:

@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-cache", default=DEFAULT_COMPILE_CACHE, metavar="DIR",
                    help="JAX's persistent compilation cache: a restarted server loads its step programs from "
                         "here instead of compiling them again (empty: off)")
+    p.add_argument("--api-key", default=os.environ.get("JAXLORA_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /metrics (default: "
+                        "$JAXLORA_API_KEY; none: no authentication)")
+    p.add_argument("--metrics-require-key", action="store_true", help="/health and /metrics need the API key too")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -132,6 +136,8 @@ def build_app(args):
     from serve.engine import Engine, EngineConfig
 
     check_engine_options(args)
+    if args.metrics_require_key and not args.api_key:
+        raise SystemExit("jaxlora-serve: --metrics-require-key needs --api-key (or JAXLORA_API_KEY)")
     import jax
 
     args.lora_backend = backends.resolve(args.lora_backend, jax.default_backend(), args.tensor_parallel)
@@ -157,7 +163,8 @@ def build_app(args):
         raise SystemExit(f"jaxlora-serve: {err}")
     limits = Limits(max_tokens=args.max_tokens_limit, max_body_bytes=args.max_body_bytes)
     settings = ServerSettings(args.served_model_name or default_model_name(args.model),
-                              tuple(args.allowed_adapter_dir), limits)
+                              tuple(args.allowed_adapter_dir), limits, api_key=args.api_key,
+                              metrics_require_key=args.metrics_require_key)
     return create_app(engine, tokenizer, settings)
 
 

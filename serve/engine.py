@@ -92,7 +92,8 @@ from jaxlora.models.llama import Llama, LoraInputs
 from jaxlora.models.paged import PagedBatch, PagedKVCache
 from jaxlora.sampling import SamplingParams
 from jaxlora.scheduler.serving import PENDING, SchedulerConfig, Sequence, ServingScheduler, StepPlan, pages_for
-from serve.step import Programs, Step, StepShape
+from serve.sampler_state import SamplerSlots, step_sampling
+from serve.step import Programs, RowSampling, RowState, Step, StepShape
 
 log = logging.getLogger("jaxlora.serve")
 
@@ -189,12 +190,15 @@ def kv_pages_that_fit(memory_stats: list, utilization: float, page_bytes: int) -
 
 
 class Event(NamedTuple):
-    """What a request's callback receives: a new token and/or a finish reason, or an error."""
+    """What a request's callback receives: a new token and/or a finish reason, or an error;
+    logprobs (when its SamplingParams ask): (the token's log-probability, [(token id,
+    log-probability)] of the `logprobs` most likely tokens, largest first)."""
 
     token: int | None
-    finish_reason: str | None  # "stop" (EOS), "length" (max_tokens), "abort", "error",
+    finish_reason: str | None  # "stop" (EOS or a stop token), "length" (max_tokens), "abort", "error",
     # "overloaded" (dropped before its first token: it could not meet the TTFT objective)
     error: str | None = None
+    logprobs: tuple | None = None
 
 
 @dataclasses.dataclass
@@ -205,11 +209,13 @@ class _Request:
 
 
 class _InFlight(NamedTuple):
-    """A launched step: its inputs, its sampled tokens (a device array until read), when it launched."""
+    """A launched step: its inputs, its sampled tokens (a device array until read), when it
+    launched, and its log-probabilities (device arrays; None unless its sampler made them)."""
 
     step: Step
     tokens: object
     launched: float
+    logprobs: tuple | None = None
 
 
 @dataclasses.dataclass
@@ -291,8 +297,11 @@ class Engine:
         self._min_lora_mixed = min(bucket(config.min_lora_mixed_tokens, self._min_tokens),
                                    bucket(config.token_budget, self._min_tokens))
         self.programs = Programs(self._graphdef, config.lora_backend, self.max_rows)
+        self.sampler_slots = SamplerSlots(config.max_num_seqs, model.config.vocab_size,
+                                          None if mesh is None else NamedSharding(mesh, jax.sharding.PartitionSpec()))
         self.step_fn = step_fn or self.device_step
         self._last_tokens = np.zeros(self.max_rows, np.int32)  # the previous step's sampled tokens
+        self._last_logprobs = None  # the last step's log-probabilities (device arrays), if it made them
         self._in_flight: _InFlight | None = None  # launched, tokens not read yet (async scheduling)
         self._last_done = 0.0  # when the last step's tokens were read
         self._lock = threading.Lock()
@@ -410,6 +419,9 @@ class Engine:
         thread for every new token and once with a finish reason. Raises RequestError,
         UnknownAdapter or EngineBusy."""
         self.validate(len(prompt), sampling.max_new_tokens)
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in [t for t, _ in sampling.logit_bias] + list(sampling.stop_token_ids)):
+            raise RequestError(f"logit_bias and stop_token_ids take token ids in [0, {vocab})")
         with self._lock:
             uid = None
             if adapter is not None:
@@ -420,7 +432,8 @@ class Engine:
             if waiting >= self.config.max_waiting:
                 raise EngineBusy(f"{waiting} requests are waiting; try again later")
             self._num_waiting_submitted += 1
-        seq = Sequence(request_id, list(prompt), sampling.max_new_tokens, uid, self.eos_ids, sampling=sampling)
+        seq = Sequence(request_id, list(prompt), sampling.max_new_tokens, uid, sampling.stop_ids(self.eos_ids),
+                       sampling=sampling)
         request = _Request(seq, callback, time.monotonic())
         self._command(lambda: self._add(request))
 
@@ -496,12 +509,13 @@ class Engine:
                 self.scheduler.slots.pin(row.seq.adapter)
         self._stage(self.scheduler.prefetch())  # overlaps the step running on the device
         phases.mark("prefetch")
-        return _InFlight(step, tokens, time.monotonic())
+        return _InFlight(step, tokens, time.monotonic(), self._last_logprobs)
 
     def _finish(self, flight: "_InFlight", phases: "_PhaseClock") -> None:
         """Reads a launched step's tokens (waits for it), unpins its slots and completes its rows."""
         try:
             tokens = np.asarray(flight.tokens)
+            logprobs = None if flight.logprobs is None else tuple(np.asarray(a) for a in flight.logprobs)
             phases.mark("wait")
         except Exception as err:
             log.exception("engine step failed")
@@ -514,7 +528,7 @@ class Engine:
             return
         done = time.monotonic()
         started, self._last_done = max(flight.launched, self._last_done), done
-        self._complete(flight.step, tokens, done - started)
+        self._complete(flight.step, tokens, done - started, logprobs)
         phases.mark("complete")
 
     # ---- one step's programs --------------------------------------------------------------
@@ -526,6 +540,7 @@ class Engine:
     def run_step(self, step: Step):
         """Runs `step` through `step_fn` (the cache is updated); returns its sampled tokens (row r's
         at index r; a device array by default: reading it waits for the step)."""
+        self._last_logprobs = None
         tokens, self.cache = self.step_fn(step, self.cache)
         self._last_tokens = tokens
         return tokens
@@ -540,14 +555,19 @@ class Engine:
                                                   step.prev_tokens, step.token_src)
         if step.sampling is None:
             return greedy, cache
-        return self.programs.run(step.shapes[1], logits, *step.sampling), cache
+        sampler = step.shapes[1]
+        if sampler.program == "sample":
+            return self.programs.run(sampler, logits, *step.sampling), cache
+        tokens, self._last_logprobs, self.sampler_slots.arrays = self.programs.run(
+            sampler, logits, self.sampler_slots.arrays, *step.sampling)
+        return tokens, cache
 
     def step_shapes(self) -> list[StepShape]:
         """Every program variant a step of this engine can run (see `StepShape`): forwards over
         each token bucket (8 .. the token budget's) and block-table width (`_table_width`: one on
         a GPU/TPU, else buckets 4 .. the context's), with LoRA inputs and without, plus the
         decode-only LoRA variant of the buckets a step of one-token rows fits (<= max_rows tokens)
-        where the backend's plan has one; and the sampler over each row bucket."""
+        where the backend's plan has one; and both samplers over each row bucket."""
         config = self.config
         tokens = sorted({bucket(t, self._min_tokens) for t in range(1, config.token_budget + 1)})
         widths = sorted({self._table_width(p) for p in range(1, self._max_pages + 1)})
@@ -557,7 +577,8 @@ class Engine:
         shapes = [StepShape("forward", t, self._rows(t), w, lora, decode_only)
                   for lora, decode_only in variants for t in tokens if self._has_bucket(t, lora, decode_only)
                   for w in widths]
-        return shapes + [StepShape("sample", 0, rows) for rows in sorted({self._rows(t) for t in tokens})]
+        return shapes + [StepShape(sampler, 0, rows) for sampler in ("sample", "sample_state")
+                         for rows in sorted({self._rows(t) for t in tokens})]
 
     def warmup(self, shapes: list[StepShape] | None = None, threads: int | None = None) -> dict:
         """Compiles the programs of `shapes` (default: all of `step_shapes()`), `threads` at a time
@@ -568,7 +589,7 @@ class Engine:
         shapes = self.step_shapes() if shapes is None else shapes
         before = len(self.programs)
         threads = min(8, os.cpu_count() or 1) if threads is None else threads
-        for program in ("forward", "sample"):  # samplers take the forwards' logits sharding
+        for program in ("forward", "sample", "sample_state"):  # samplers take the forwards' logits sharding
             todo = [shape for shape in shapes if shape.program == program]
             self.programs.compile_all([(shape, self._padding_args(shape)) for shape in todo], threads)
         free = self.pool.free_slot()
@@ -607,11 +628,14 @@ class Engine:
 
     def _padding_args(self, shape: StepShape) -> tuple:
         """Dynamic arguments of the program `shape` for a step of padding only (writes nothing)."""
-        if shape.program == "sample":
+        if shape.program in ("sample", "sample_state"):
             rows = shape.rows
             logits = jax.ShapeDtypeStruct((rows, self.model_config.vocab_size), jnp.float32,
                                           sharding=self.programs.logits_sharding(rows))
-            return logits, *self._sampling_padding(rows)
+            if shape.program == "sample":
+                return logits, RowSampling.greedy(rows)
+            return (logits, self.sampler_slots.specs(), RowSampling.greedy(rows),
+                    RowState.empty(rows, self.sampler_slots.num_slots))
         tokens = shape.tokens
         zeros = np.zeros(tokens, np.int32)
         no_rows = np.full(tokens, -1, np.int32)
@@ -621,12 +645,6 @@ class Engine:
         if shape.lora:
             lora = LoraInputs(self.pool.arrays, self._lora_plan(no_rows, np.zeros(tokens, bool), shape.decode_only))
         return self._state, self.cache, batch, lora, self._last_tokens, no_rows
-
-    @staticmethod
-    def _sampling_padding(rows: int) -> tuple:
-        """(temperature, top_p, seeds, counters) [rows] of greedy rows."""
-        return (np.zeros(rows, np.float32), np.ones(rows, np.float32), np.zeros(rows, np.uint32),
-                np.zeros(rows, np.int32))
 
     def _build_step(self, plan: StepPlan, phases: "_PhaseClock") -> Step:
         order = serving_order([row.slot for row in plan.rows], [row.count for row in plan.rows])
@@ -644,8 +662,9 @@ class Engine:
         rows, width = batch.block_tables.shape
         forward = StepShape("forward", len(batch.tokens), rows, width, lora is not None,
                             isinstance(lora and lora.plan, ServingPlan) and lora.plan.seg_starts is None)
-        sampling = self._sampling_arrays(plan, rows)
-        shapes = (forward,) if sampling is None else (forward, StepShape("sample", 0, rows))
+        sampler = step_sampling(plan.rows, rows, self.sampler_slots, self.eos_ids)
+        sampling = None if sampler is None else sampler[1]
+        shapes = (forward,) if sampler is None else (forward, StepShape(sampler[0], 0, rows))
         phases.mark("sampling")
         kind = ("base " if lora is None else "lora ") + ("decode" if decode_only else "mixed")
         return Step(plan, shapes, kind, batch, lora, self._last_tokens, self._token_sources(plan, batch.tokens),
@@ -708,29 +727,19 @@ class Engine:
             logit_indices[r] = offset - 1
         return PagedBatch(tokens, positions, token_row, tables, logit_indices), token_slot, one_token
 
-    def _sampling_arrays(self, plan: StepPlan, rows: int) -> tuple | None:
-        """(temperature, top_p, seeds, counters) [rows] of the step's rows (counter: the index of the
-        output token the row samples), None when no row samples."""
-        if all(row.seq.sampling.temperature == 0 for row in plan.rows):
-            return None
-        temperature, top_p, seeds, counters = self._sampling_padding(rows)
-        for r, row in enumerate(plan.rows):
-            options = row.seq.sampling
-            temperature[r], top_p[r] = options.temperature, options.top_p
-            seeds[r], counters[r] = options.seed % (1 << 32), row.start + row.count - len(row.seq.prompt)
-        return temperature, top_p, seeds, counters
-
-    def _complete(self, step: Step, next_tokens: np.ndarray, seconds: float) -> None:
-        """Hands a step's sampled tokens (row r's at r) to the scheduler and its events to the requests."""
+    def _complete(self, step: Step, next_tokens: np.ndarray, seconds: float, logprobs: tuple | None = None) -> None:
+        """Hands a step's sampled tokens (row r's at r) to the scheduler and its events to the
+        requests; logprobs: the step's (chosen [R], top values [R, K], top ids [R, K]) or None."""
         plan = step.plan
         sampled = {row.seq.seq_id: int(next_tokens[r]) for r, row in enumerate(plan.rows) if row.sample}
+        row_of = {row.seq.seq_id: r for r, row in enumerate(plan.rows) if row.sample}
         events = self.scheduler.complete(plan, sampled)
         self.stats.record_step(step.kind, plan.num_tokens, len(events), seconds)
         for seq, token, reason in events:
             request = self._requests[seq.seq_id]
             if reason is not None:
                 del self._requests[seq.seq_id]
-            self._deliver(request, Event(token, reason))
+            self._deliver(request, Event(token, reason, logprobs=_row_logprobs(logprobs, row_of[seq.seq_id], seq)))
 
     def _deliver(self, request: _Request, event: Event) -> None:
         try:
@@ -754,6 +763,7 @@ class Engine:
                                                                  "time-to-first-token objective; retry later"))
 
     def _fail_running(self, message: str) -> None:
+        self.sampler_slots.reset()  # the failed step may have consumed its donated arrays
         for seq in list(self.scheduler.running):
             self.scheduler.finish(seq, "error")
             request = self._requests.pop(seq.seq_id, None)
@@ -872,6 +882,16 @@ class Engine:
             "tokens_per_second": self.stats.tokens_per_second(),
             "dropped_overloaded": self.stats.dropped,
         }
+
+
+def _row_logprobs(logprobs: tuple | None, row: int, seq: Sequence) -> tuple | None:
+    """Row `row`'s (log-probability, [(id, log-probability)] of the top `logprobs`) of a step's
+    log-probability arrays, None if the sequence asks for none."""
+    wanted = seq.sampling.logprobs
+    if wanted is None or logprobs is None:
+        return None
+    chosen, top_values, top_ids = logprobs
+    return float(chosen[row]), [(int(i), float(v)) for i, v in zip(top_ids[row, :wanted], top_values[row, :wanted])]
 
 
 @functools.lru_cache(maxsize=1)

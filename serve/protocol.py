@@ -1,8 +1,10 @@
 """OpenAI-compatible request bodies (pydantic), the server's input limits, and error responses.
 
-Field types are checked by pydantic (a wrong type is a 400 with pydantic's message); ranges that
-depend on the server's configuration (max_tokens vs the context, n, temperature, prompt sizes)
-are checked by `check_common` against `Limits`, so every input a client sends is bounded.
+Field types are checked by pydantic (a wrong type is a 400 with pydantic's message); a field the
+server does not know is refused (400 naming it: nothing a client asks for is silently ignored);
+ranges that depend on the server's configuration (max_tokens vs the context, n, temperature,
+prompt sizes) are checked by `check_common` against `Limits`, so every input a client sends is
+bounded. The sampling fields are vLLM's (`jaxlora.sampling.SamplingParams` says what each does).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import dataclasses
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from jaxlora.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +30,8 @@ class Limits:
     max_stop: int = 4
     max_stop_chars: int = 128
     max_messages: int = 256
+    max_logit_bias: int = 300       # entries of logit_bias (OpenAI's bound)
+    max_stop_token_ids: int = 64
     max_body_bytes: int = 1 << 20
 
 
@@ -42,14 +48,24 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    """A request body that refuses fields it does not declare."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
-    """Fields shared by completions and chat."""
+class ResponseFormat(_Strict):
+    """Only {"type": "text"} is served; JSON modes are refused (no guided decoding)."""
 
-    model_config = ConfigDict(extra="ignore")
+    type: str = Field(max_length=64)
+
+
+class _Sampling(_Strict):
+    """Fields shared by completions and chat."""
 
     model: str = Field(max_length=256)
     max_tokens: int | None = None
@@ -62,6 +78,14 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    top_k: int = -1  # -1 or 0: off (vLLM)
+    min_p: float = 0.0
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    response_format: ResponseFormat | None = None
     user: str | None = Field(default=None, max_length=256)
 
 
@@ -75,14 +99,12 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
 
-class TextPart(BaseModel):
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
 
@@ -100,7 +122,26 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
+    top_logprobs: int | None = None
     tools: list | None = None
+
+
+class TokenizeRequest(_Strict):
+    """POST /tokenize (vLLM's body): `prompt`, or chat `messages` rendered with the chat template."""
+
+    model: str | None = Field(default=None, max_length=256)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # the tokenizer's BOS, if it adds one
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (vLLM's body)."""
+
+    model: str | None = Field(default=None, max_length=256)
+    tokens: list[int]
 
 
 class LoadAdapterRequest(BaseModel):
@@ -118,7 +159,8 @@ class UnloadAdapterRequest(BaseModel):
 
 
 def check_common(body: _Sampling, limits: Limits) -> None:
-    """ApiError(400) for out-of-range sampling fields and options this server does not support."""
+    """ApiError(400) for out-of-range sampling fields and options this server does not support
+    (token ids against the vocabulary: `check_token_ids`)."""
     if not 1 <= body.n <= limits.max_n:
         raise ApiError(400, f"n must be in [1, {limits.max_n}], got {body.n}", "n")
     if body.temperature is not None and not 0 <= body.temperature <= limits.max_temperature:
@@ -134,8 +176,60 @@ def check_common(body: _Sampling, limits: Limits) -> None:
     if len(stops) > limits.max_stop or any(not s or len(s) > limits.max_stop_chars for s in stops):
         raise ApiError(400, f"stop takes at most {limits.max_stop} non-empty strings of at most "
                             f"{limits.max_stop_chars} characters", "stop")
-    if body.presence_penalty or body.frequency_penalty:
-        raise ApiError(400, "presence_penalty and frequency_penalty are not supported (send 0)")
+    _check_ranges(body, [
+        ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2), ("min_p", 0, 1), ("top_k", -1, 2**31 - 1),
+        ("repetition_penalty", 1e-3, 10), ("min_tokens", 0, body.max_tokens or limits.max_tokens)])
+    if len(body.logit_bias or {}) > limits.max_logit_bias:
+        raise ApiError(400, f"logit_bias takes at most {limits.max_logit_bias} entries", "logit_bias")
+    if any(not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS for v in (body.logit_bias or {}).values()):
+        raise ApiError(400, f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", "logit_bias")
+    if len(body.stop_token_ids or []) > limits.max_stop_token_ids:
+        raise ApiError(400, f"stop_token_ids takes at most {limits.max_stop_token_ids} ids", "stop_token_ids")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise ApiError(400, f"response_format {body.response_format.type!r} is not supported (this server has no "
+                            "guided decoding); only {\"type\": \"text\"}", "response_format")
+
+
+def _check_ranges(body, ranges) -> None:
+    """ApiError(400) naming the first field of (name, low, high) outside [low, high] (NaN included)."""
+    for name, low, high in ranges:
+        value = getattr(body, name)
+        if not low <= value <= high:
+            raise ApiError(400, f"{name} must be in [{low:g}, {high:g}], got {value}", name)
+
+
+def check_completion(body: CompletionRequest) -> None:
+    """ApiError(400) for completion-only fields out of range or not supported."""
+    if body.logprobs is not None:
+        _check_ranges(body, [("logprobs", 0, MAX_LOGPROBS)])
+        if body.echo:
+            raise ApiError(400, "echo with logprobs is not supported (prompt log-probabilities are not computed)",
+                           "echo")
+    if (body.best_of or 1) != 1:
+        raise ApiError(400, "best_of other than 1 is not supported", "best_of")
+    if body.suffix:
+        raise ApiError(400, "suffix is not supported", "suffix")
+
+
+def check_chat(body: ChatRequest, limits: Limits) -> None:
+    """ApiError(400) for chat-only fields out of range or not supported."""
+    if body.max_completion_tokens is not None and not 1 <= body.max_completion_tokens <= limits.max_tokens:
+        raise ApiError(400, f"max_completion_tokens must be in [1, {limits.max_tokens}]", "max_completion_tokens")
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        _check_ranges(body, [("top_logprobs", 0, MAX_LOGPROBS)])
+    if body.tools:
+        raise ApiError(400, "tools are not supported", "tools")
+
+
+def check_token_ids(body: _Sampling, vocab_size: int) -> None:
+    """ApiError(400) unless logit_bias keys and stop_token_ids are token ids in [0, vocab_size)."""
+    for key in body.logit_bias or {}:
+        if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < vocab_size):
+            raise ApiError(400, f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}", "logit_bias")
+    if any(not 0 <= i < vocab_size for i in body.stop_token_ids or []):
+        raise ApiError(400, f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

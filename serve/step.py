@@ -7,9 +7,15 @@ One engine step runs one or two programs on the device:
     scheduling: not on the host yet) takes it on the device: `token_src[t] >= 0` picks
     `prev_tokens[token_src[t]]` instead of `batch.tokens[t]`.
   - "sample": the tokens of a step where some row samples (temperature > 0), from the forward's
-    logits. It is its own program so that sampling does not double every forward variant: it
-    depends only on the number of rows.
-Both return the sampled tokens padded to `max_rows` (the most rows a step can have), so the next
+    logits (temperature, top-p, top-k, min-p per row: `RowSampling`). It is its own program so
+    that sampling does not double every forward variant: it depends only on the number of rows.
+  - "sample_state": "sample" for a step where some row has a logit bias, a penalty, min_tokens
+    or asks for log-probabilities: it also reads the rows' state kept on the device
+    (`SamplerState`, one slot per sequence: prompt tokens, output token counts, bias, stop
+    tokens; `serve.sampler_state`), adds the drawn tokens to the counts (donated, in place), and
+    returns the log-probabilities. Steps without such rows never run it: the default step pays
+    nothing for it.
+All return the sampled tokens padded to `max_rows` (the most rows a step can have), so the next
 step's forward takes them whatever its own shape: a forward variant is keyed by its shape alone.
 
 `StepShape` names a program variant; `Programs` compiles each variant once (ahead of time, through
@@ -32,7 +38,9 @@ from flax import nnx
 
 from jaxlora.models.llama import LoraInputs
 from jaxlora.models.paged import PagedBatch, PagedKVCache, paged_forward
-from jaxlora.sampling import greedy_rows, row_keys, sample_rows
+from jaxlora.sampling import (
+    MAX_LOGPROBS, apply_penalties, bias_rows, greedy_rows, row_keys, sample_rows, token_logprobs,
+)
 from jaxlora.scheduler.serving import StepPlan
 
 
@@ -42,8 +50,8 @@ class StepShape(NamedTuple):
     program "forward": the model over `tokens` padded tokens in `rows` padded rows with a block
     table `width` pages wide; `lora`: with LoRA inputs (False: every row on the base model);
     `decode_only`: a `ServingPlan` without prefill segments (a serving-plan backend's BGMV-only
-    step). program "sample": sampling over `rows` rows' logits (tokens, width 0; lora, decode_only
-    False).
+    step). program "sample" or "sample_state": sampling over `rows` rows' logits (tokens, width 0;
+    lora, decode_only False).
     """
 
     program: str
@@ -64,7 +72,8 @@ class Step(NamedTuple):
     lora: the adapter pool and the step's LoRA plan, None when every row uses the base model.
     prev_tokens [max_rows]: the sampled tokens of the step before (device array or zeros).
     token_src [T] int32: row of `prev_tokens` that is token t's input, -1: `batch.tokens[t]`.
-    sampling: (temperature, top_p, seeds, counters) [R] each, None when every row is greedy.
+    sampling: the sampler's inputs, None when every row takes the forward's greedy token:
+    (`RowSampling`,) for "sample", (`RowSampling`, `RowState`) for "sample_state".
     """
 
     plan: StepPlan
@@ -77,6 +86,57 @@ class Step(NamedTuple):
     sampling: tuple | None
 
 
+class RowSampling(NamedTuple):
+    """Per-row sampler inputs [R] each: temperature, top_p, min_p float32; top_k int32 (0: off);
+    seeds uint32 and counters int32 (the row's key: `row_keys`)."""
+
+    temperature: np.ndarray
+    top_p: np.ndarray
+    top_k: np.ndarray
+    min_p: np.ndarray
+    seeds: np.ndarray
+    counters: np.ndarray
+
+    @staticmethod
+    def greedy(rows: int) -> "RowSampling":
+        """Inputs of `rows` greedy rows without filters (padding)."""
+        return RowSampling(np.zeros(rows, np.float32), np.ones(rows, np.float32), np.zeros(rows, np.int32),
+                           np.zeros(rows, np.float32), np.zeros(rows, np.uint32), np.zeros(rows, np.int32))
+
+
+class RowState(NamedTuple):
+    """Per-row inputs [R] each of "sample_state": slot, the row's `SamplerState` slot (S: none, the
+    row's logits are not changed); count_slot, the slot whose output counts get the drawn token
+    (S: none; rows that do not sample a token of their sequence); presence, frequency, repetition
+    penalties float32; suppress_stop bool (the stop tokens are banned: under min_tokens)."""
+
+    slot: np.ndarray
+    count_slot: np.ndarray
+    presence: np.ndarray
+    frequency: np.ndarray
+    repetition: np.ndarray
+    suppress_stop: np.ndarray
+
+    @staticmethod
+    def empty(rows: int, num_slots: int) -> "RowState":
+        """Inputs of `rows` rows without state (padding)."""
+        none = np.full(rows, num_slots, np.int32)
+        return RowState(none, none.copy(), np.zeros(rows, np.float32), np.zeros(rows, np.float32),
+                        np.ones(rows, np.float32), np.zeros(rows, bool))
+
+
+class SamplerState(NamedTuple):
+    """The device state of sequences whose logits change with their history, one slot per
+    sequence, [S, V] each: prompt_seen bool (the token is in the prompt), output_counts int32
+    (its occurrences in the output), bias float32 (logit bias), stop_mask bool (the tokens that
+    end the sequence, banned while under min_tokens)."""
+
+    prompt_seen: jax.Array
+    output_counts: jax.Array
+    bias: jax.Array
+    stop_mask: jax.Array
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
 def _forward(graphdef, backend: str, max_rows: int, state, cache: PagedKVCache, batch: PagedBatch, lora,
              prev_tokens, token_src):
@@ -87,10 +147,35 @@ def _forward(graphdef, backend: str, max_rows: int, state, cache: PagedKVCache, 
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _sample(max_rows: int, logits, temperature, top_p, seeds, counters):
+def _sample(max_rows: int, logits, rows: RowSampling):
     """Sampled tokens [max_rows] int32 of the rows' logits [R, V]: `jaxlora.sampling.sample_rows`
     with row r's key from (seeds[r], counters[r]) (`row_keys`)."""
-    return _pad_rows(sample_rows(logits, temperature, top_p, row_keys(seeds, counters)), max_rows)
+    return _pad_rows(_draw(logits, rows), max_rows)
+
+
+def _draw(logits, rows: RowSampling):
+    keys = row_keys(rows.seeds, rows.counters)
+    return sample_rows(logits, rows.temperature, rows.top_p, keys, rows.top_k, rows.min_p)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _sample_state(max_rows: int, logits, state: SamplerState, rows: RowSampling, row_state: RowState):
+    """"sample" over logits [R, V] changed first by each row's state: its slot's bias and (under
+    min_tokens) banned stop tokens, then its penalties (`jaxlora.sampling`). Returns (tokens
+    [max_rows] int32, (log-probability of each row's token [R], the MAX_LOGPROBS largest [R, K],
+    their ids [R, K]) of the raw logits, the state with the drawn tokens counted)."""
+    slot = row_state.slot
+
+    def gather(table):
+        return table.at[slot].get(mode="fill", fill_value=0)
+
+    changed = bias_rows(logits, gather(state.bias), gather(state.stop_mask), row_state.suppress_stop)
+    changed = apply_penalties(changed, gather(state.prompt_seen), gather(state.output_counts),
+                              row_state.presence, row_state.frequency, row_state.repetition)
+    tokens = _draw(changed, rows)
+    counts = state.output_counts.at[row_state.count_slot, tokens].add(1, mode="drop")
+    logprobs = token_logprobs(logits, tokens, MAX_LOGPROBS)
+    return _pad_rows(tokens, max_rows), logprobs, state._replace(output_counts=counts)
 
 
 def _pad_rows(tokens: jax.Array, max_rows: int) -> jax.Array:
@@ -98,10 +183,11 @@ def _pad_rows(tokens: jax.Array, max_rows: int) -> jax.Array:
 
 
 class Programs:
-    """The compiled forward and sample programs of one engine, by `StepShape`."""
+    """The compiled forward and sampler programs of one engine, by `StepShape`."""
 
     def __init__(self, graphdef, backend: str, max_rows: int):
-        self._static = {"forward": (_forward, (graphdef, backend, max_rows)), "sample": (_sample, (max_rows,))}
+        self._static = {"forward": (_forward, (graphdef, backend, max_rows)), "sample": (_sample, (max_rows,)),
+                        "sample_state": (_sample_state, (max_rows,))}
         self._compiled: dict[StepShape, Callable] = {}
         self._lock = threading.Lock()
 

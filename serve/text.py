@@ -2,7 +2,8 @@
 
 Re-decodes the whole output at every token (outputs are bounded by max_tokens), holds back text
 that ends in an incomplete UTF-8 character or that could be the start of a stop string, and cuts
-the text at the first stop string."""
+the text at the first stop string. A stop token id that ends the generation (`stop_ids`) counts as
+a token but is not part of the text (vLLM's default)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from __future__ import annotations
 class TextTracker:
     """Turns a sequence's tokens into text deltas; `add` returns (new text, finish reason)."""
 
-    def __init__(self, tokenizer, stops: list[str] = ()):
+    def __init__(self, tokenizer, stops: list[str] = (), stop_ids=()):
         self.tokenizer = tokenizer
         self.stops = list(stops)
+        self.stop_ids = frozenset(stop_ids)
+        self.hidden = 0  # 1 once a stop token id ended the generation: the last id is not decoded
         self.ids: list[int] = []
         self.sent = 0
         self.text = ""
@@ -25,7 +28,8 @@ class TextTracker:
         """Feeds one engine event; the reason is "stop" when a stop string appears."""
         if token is not None:
             self.ids.append(token)
-        full = self.tokenizer.decode(self.ids)
+            self.hidden = int(finish_reason == "stop" and token in self.stop_ids)
+        full = self.tokenizer.decode(self.ids[: len(self.ids) - self.hidden])
         cut = self._first_stop(full)
         if cut is not None:
             return self._emit(full[:cut], cut), "stop"

@@ -1,5 +1,6 @@
 """Engine sizes: step sizes by platform (vLLM's on a GPU/TPU, small on a CPU), bounds, and KV pages
-sized from the device memory left after the weights and the adapter pool."""
+sized from the device memory left after the weights and the adapter pool; token ids of a request
+outside the vocabulary refused."""
 
 import pytest
 
@@ -54,3 +55,15 @@ def test_engine_sizes_its_kv_cache(monkeypatch):
     engine.submit("r", [1, 2, 3], None, SamplingParams(4), events.append)
     engine.run_until_idle()
     assert events[-1].finish_reason == "length" and engine.free_pages == engine.config.num_pages
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(smollm2):
+    from serve.engine import RequestError
+
+    model, tokenizer = smollm2
+    engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(max_num_seqs=4, token_budget=16, num_pages=16,
+                                                                 max_model_len=64, page_size=8))
+    vocab = model.config.vocab_size
+    for bad in (SamplingParams(4, logit_bias=((vocab, 1.0),)), SamplingParams(4, stop_token_ids=(-1,))):
+        with pytest.raises(RequestError, match="token ids"):
+            engine.submit("r", [1, 2, 3], None, bad, lambda e: None)

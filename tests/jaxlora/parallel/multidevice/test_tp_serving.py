@@ -96,6 +96,27 @@ def test_tp2_placement(model, engines):
     assert tp.cache.k.addressable_shards[0].data.shape[3] == GQA.num_kv_heads // 2
 
 
+def test_tp2_per_row_sampling_state_matches_one_device(engines):
+    """Rows with penalties, a logit bias, min_tokens and logprobs (the "sample_state" program and
+    its replicated per-sequence state) give the same tokens and log-probabilities under TP=2."""
+    single, tp, _, _ = engines
+    params = [SamplingParams(MAX_TOKENS, repetition_penalty=1.7, logprobs=3),
+              SamplingParams(MAX_TOKENS, frequency_penalty=1.2, presence_penalty=0.5, temperature=0.8, seed=3),
+              SamplingParams(MAX_TOKENS, logit_bias=((5, 4.0), (7, -50.0)), min_tokens=3, stop_token_ids=(9,)),
+              SamplingParams(MAX_TOKENS)]
+    outputs = []
+    for engine in (single, tp):
+        got = {i: [] for i in range(len(params))}
+        for i, ((prompt, name), sampling) in enumerate(zip(_requests(seed=2), params)):
+            engine.submit(i, prompt, name, sampling, lambda e, i=i: got[i].append(e))
+        engine.run_until_idle()
+        outputs.append([[(e.token, e.logprobs) for e in got[i] if e.token is not None] for i in range(len(params))])
+    assert [[t for t, _ in row] for row in outputs[1]] == [[t for t, _ in row] for row in outputs[0]]
+    for (_, one), (_, two) in zip(outputs[0][0], outputs[1][0]):
+        np.testing.assert_allclose(two[0], one[0], rtol=1e-5, atol=1e-5)
+    assert tp.sampler_slots.arrays.output_counts.sharding.is_fully_replicated
+
+
 def test_tp2_donates_cache_and_pool(engines):
     _, tp, _, _ = engines
     cache, pool = tp.cache, tp.pool.arrays
