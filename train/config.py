@@ -58,7 +58,8 @@ class TrainConfig:
     """Settings shared by all jobs of one run."""
 
     jobs: tuple[JobConfig, ...]
-    base_model: str = "default"
+    base_model: str = "default"  # or a HF directory, a .gguf file, preset:NAME (random weights)
+    tokenizer: str | None = None  # a HF directory or .gguf whose tokenizer reads the datasets; default: base_model's
     output_dir: str = "runs/train"  # relative paths (here and for datasets) start at the YAML file
     dtype: str = "float32"
     capacity: int = 1024  # tokens per microbatch
@@ -166,6 +167,9 @@ def _build(raw: dict, lines: dict, path: str) -> TrainConfig:
     settings = {key: value for key, value in raw.items() if key != "jobs"}
     _check_choices(settings, where)
     settings["mesh"] = _build_mesh(settings.get("mesh") or {}, where)
+    if settings.get("tokenizer") is not None and not os.path.isabs(str(settings["tokenizer"])) \
+            and settings["tokenizer"] != "default":
+        settings["tokenizer"] = os.path.join(os.path.dirname(path), str(settings["tokenizer"]))
     output_dir = str(settings.get("output_dir", TrainConfig.output_dir))
     settings["output_dir"] = output_dir if os.path.isabs(output_dir) else os.path.join(os.path.dirname(path), output_dir)
     try:

@@ -49,13 +49,20 @@ class SpmdExecutor:
             trainable, frozen = sharding.shard_pool(trainable, mesh), sharding.shard_pool(frozen, mesh)
         self.trainable, self.frozen = trainable, frozen
         self.grads_acc = jax.tree.map(jnp.zeros_like, trainable)
-        self.opt_states = [opt.init(slot_params(trainable, slot, rank))
+        self.opt_states = [self._commit_scalars(opt.init(slot_params(trainable, slot, rank)))
                            for slot, (opt, rank) in enumerate(zip(self.optimizers, self.ranks))]
         self.grad_step = make_grad_step(model, len(self.optimizers), config.lora_backend,
                                         unroll_layers=config.unroll_layers, remat=config.remat)
         rates = [job.lora.lora_dropout for job in config.jobs]
         self.dropout_rate = None if not any(rates) else self._replicated(np.asarray(rates, np.float32))
         self.seed = config.seed
+
+    def _commit_scalars(self, tree):
+        """0-d leaves (optimizer step counts) replicated on the mesh, so a checkpoint restored into
+        this state's shardings lands beside the adapters."""
+        if self.mesh is None:
+            return tree
+        return jax.tree.map(lambda leaf: sharding.replicate(leaf, self.mesh) if np.ndim(leaf) == 0 else leaf, tree)
 
     def _replicated(self, value):
         return jnp.asarray(value) if self.mesh is None else sharding.replicate(value, self.mesh)
@@ -125,6 +132,7 @@ class PipelineExecutor:
         for index in running:
             placed[position_of[index]] = self.pipeline.place(*inputs[index])
         losses = self.pipeline.run(orders, placed)
+        self.pipeline.wait()
         return [np.asarray(losses[position_of[i]]) if i in position_of else np.zeros(self.num_slots, np.float32)
                 for i in range(len(groups))]
 

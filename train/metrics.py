@@ -31,6 +31,10 @@ def device_memory_gb() -> tuple[float | None, float | None]:
     return round(in_use, 3), round(peak, 3)
 
 
+def _significant(value: float, digits: int = 4) -> float:
+    return float(f"{value:.{digits}g}")
+
+
 def _read_jsonl(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []
@@ -89,8 +93,8 @@ class MetricsLog:
         in_use, peak = device_memory_gb()
         self.last_throughput = tokens / max(seconds, 1e-9)
         record = {"microbatch": microbatch, "step_time_s": round(seconds, 6), "tokens": tokens,
-                  "tokens_per_s": round(self.last_throughput, 2), "model_tflops_per_s": round(flops / seconds / 1e12, 4),
-                  "mfu": None if self.peak_flops is None else round(flops / seconds / self.peak_flops, 5),
+                  "tokens_per_s": round(self.last_throughput, 2), "model_tflops_per_s": _significant(flops / seconds / 1e12),
+                  "mfu": None if self.peak_flops is None else _significant(flops / seconds / self.peak_flops),
                   "memory_gb": in_use, "peak_memory_gb": peak}
         if self.writer:
             _append(self.run_path, record)

@@ -58,13 +58,15 @@ class JobState:
 class Trainer:
     """Trains all jobs of a `TrainConfig` together; `run()` returns each job's per-step losses."""
 
-    def __init__(self, config: TrainConfig, model=None, tokenizer=None):
+    def __init__(self, config: TrainConfig, model=None, tokenizer=None, devices=None):
+        """devices: what `config.mesh` spans (default: every device of every process)."""
         self.config = config
         self.primary = jax.process_index() == 0
+        self.devices = jax.devices() if devices is None else list(devices)
         check_mesh(config, model.config if model is not None else base_model_config(config.base_model),
-                   jax.device_count(), jax.process_count())
+                   len(self.devices), jax.process_count())
         if model is None:
-            model, tokenizer = load_base_model(config.base_model, jnp.dtype(config.dtype), config.seed)
+            model, tokenizer = load_base_model(config.base_model, jnp.dtype(config.dtype), config.seed, config.tokenizer)
         self.model, self.tokenizer = model, tokenizer
         self.jobs = [self._job_state(job) for job in config.jobs]
         modules = [m for m in PROJECTIONS if any(m in job.lora.target_modules for job in config.jobs)]
@@ -80,9 +82,12 @@ class Trainer:
         optimizers, ranks = [job.optimizer for job in self.jobs], [job.rank for job in self.jobs]
         mesh = self.config.mesh
         if mesh.pipeline > 1:
-            meshes = build_meshes(self.config, jax.devices())
+            meshes = build_meshes(self.config, self.devices)
             return PipelineExecutor(self.config, self.model, trainable, frozen, optimizers, ranks, meshes)
-        spmd_mesh = None if mesh.size == 1 else build_meshes(self.config, jax.devices())[0]
+        if mesh.size == 1:
+            with jax.default_device(self.devices[0]):
+                return SpmdExecutor(self.config, self.model, trainable, frozen, optimizers, ranks)
+        spmd_mesh = build_meshes(self.config, self.devices)[0]
         return SpmdExecutor(self.config, self.model, trainable, frozen, optimizers, ranks, spmd_mesh)
 
     def _job_state(self, job) -> JobState:
@@ -126,24 +131,26 @@ class Trainer:
             self.checkpointer.clear()
             if self.primary:
                 _remove(os.path.join(self.config.output_dir, "schedule.json"))
-        device_kind = jax.devices()[0].device_kind
+        device_kind = self.devices[0].device_kind
         metrics = MetricsLog(self.config, start, self.config.peak_tflops or peak_tflops(device_kind),
-                             jax.device_count(), writer=self.primary)
+                             len(self.devices), writer=self.primary)
         stream = self._schedule()
         bars = self._progress_bars()
         sizes = {i: job.global_batch_size for i, job in enumerate(self.config.jobs)}
         groups = step_groups(stream, self.config.mesh.data, sizes, self.config.checkpoint_every, start)
         stop = start
-        for window in self._windows(groups):
-            self._train_window(window, metrics, bars)
-            stop = window[-1].stop
-            if stop % self.config.checkpoint_every == 0 and stream.saved.is_set():
+        try:
+            for window in self._windows(groups):
+                self._train_window(window, metrics, bars)
+                stop = window[-1].stop
+                if stop % self.config.checkpoint_every == 0 and stream.saved.is_set():
+                    self._save(stop)
+            if stop > start and stream.saved.is_set():
                 self._save(stop)
-        if stop > start and stream.saved.is_set():
-            self._save(stop)
-        for bar in bars:
-            bar.close()
-        metrics.close()
+        finally:
+            for bar in bars:
+                bar.close()
+            metrics.close()
         self.export()
         return metrics.losses()
 

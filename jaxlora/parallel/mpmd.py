@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxlora import sharding
 from jaxlora.lora.plan import LoraPlan
@@ -320,6 +320,11 @@ class StagePlacement:
             return jax.device_put(value, self.target)
         return sharding.put(value, self.target, P("data"))
 
+    def scalars(self, tree):
+        """`tree` with its 0-d leaves (e.g. optimizer step counts) committed to this stage."""
+        target = self.target if isinstance(self.target, jax.Device) else NamedSharding(self.target, P())
+        return jax.tree.map(lambda leaf: jax.device_put(leaf, target) if np.ndim(leaf) == 0 else leaf, tree)
+
     def microbatch(self, batch: dict, plan: LoraPlan) -> tuple:
         """(tokens, batch, plan) on this stage: rows on `data`, the plan's grouping replicated."""
         if isinstance(self.target, jax.Device):
@@ -362,7 +367,7 @@ class MpmdPipeline:
             program = StageProgram(model.config, first, last, start, num_slots, backend)
             weights = placement.weights(stage_weights(model, start, stop, first, last))
             own = placement.pool(_slice_layers(trainable, start, stop))
-            opt_states = {slot: self.optimizers[slot].init(slot_params(own, slot, self.ranks[slot]))
+            opt_states = {slot: placement.scalars(self.optimizers[slot].init(slot_params(own, slot, self.ranks[slot])))
                           for slot in range(num_slots)}
             self.stages.append(Stage(placement, program, weights, own,
                                      placement.pool(_slice_layers(frozen, start, stop)),
