@@ -350,14 +350,15 @@ class MpmdPipeline:
 
     trainable {module: {a [L, slots, k, r], b [L, slots, r, n]}}, frozen {module: {scale, rank}}
     (see `jaxlora.lora.trainable.split_pool`); optimizer: an optax transformation applied per slot
-    with `jaxlora.lora.trainable.apply_adapter_update` (its state per stage and slot), or one per
-    slot; rank: the rank every slot trains, or one per slot."""
+    with `jaxlora.lora.trainable.apply_adapter_update` (its state per stage and slot), or a list
+    of one per slot; rank: the rank every slot trains, or one per slot."""
 
     def __init__(self, model: Llama, trainable: dict, frozen: dict, devices: Sequence[jax.Device | StagePlacement],
-                 optimizer, rank: int | Sequence[int], backend: str = "onehot"):
+                 optimizer, rank: int | list[int], backend: str = "onehot"):
         num_slots = next(iter(trainable.values()))["a"].shape[1]
-        self.optimizers = list(optimizer) if isinstance(optimizer, Sequence) else [optimizer] * num_slots
-        self.ranks = list(rank) if isinstance(rank, Sequence) else [rank] * num_slots
+        # One optimizer (an optax NamedTuple, itself a sequence) for all slots, or a list of them.
+        self.optimizers = list(optimizer) if isinstance(optimizer, list) else [optimizer] * num_slots
+        self.ranks = list(rank) if isinstance(rank, (list, tuple)) else [rank] * num_slots
         placements = [d if isinstance(d, StagePlacement) else StagePlacement(d) for d in devices]
         self.devices = [p.target for p in placements]
         self.layer_ranges = split_layers(model.config.num_layers, len(placements))
