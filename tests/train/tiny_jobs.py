@@ -4,14 +4,12 @@ vocabulary 512), a word-level tokenizer over the demo tasks' words, three small 
 
 from __future__ import annotations
 
-import json
 import os
-import re
 
+from bench.synthetic_jobs import write_word_tokenizer
 from train.demo_tasks import make_examples, write_jsonl
 
 TASKS = {"last_word": 12, "repeat_twice": 10, "count_words": 14}
-SPECIALS = ("[UNK]", "<s>", "</s>")
 
 JOBS = """\
 base_model: preset:tiny
@@ -47,20 +45,6 @@ jobs:
     steps: 3
     seed: 3
 """
-
-
-def write_word_tokenizer(directory: str, texts: list[str]) -> None:
-    """A word-level `tokenizer.json` (every word and punctuation mark of `texts`) and its config."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = sorted({w for text in texts for w in re.findall(r"\w+|[^\w\s]", text)})
-    vocab = {token: index for index, token in enumerate(SPECIALS + tuple(words))}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    os.makedirs(directory, exist_ok=True)
-    tokenizer.save(os.path.join(directory, "tokenizer.json"))
-    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": "<s>", "eos_token": "</s>"}, f)
 
 
 def write_tiny_jobs(directory: str, out: str = "out") -> str:
