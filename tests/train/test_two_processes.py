@@ -3,50 +3,28 @@ tensor 2 over all 8) gives the same per-job losses and adapters as one process o
 
 import json
 import os
-import pathlib
-import socket
-import subprocess
 import sys
 
-import pytest
-
 from jaxlora.lora.peft_io import load_peft_adapter
+from tests.multidevice import ROOT, SKIP, free_port, run_processes
 from tests.train.multidevice.test_meshes import assert_same_training
 from tests.train.tiny_jobs import write_tiny_jobs
 from train.config import load_train_config
 from train.trainer import Trainer
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def _job_losses(out_dir, job: str) -> list[float]:
     with open(os.path.join(out_dir, job, "metrics.jsonl")) as f:
         return [json.loads(line)["loss"] for line in f]
 
 
-@pytest.mark.skipif(os.environ.get("JAXLORA_SKIP_MULTIDEVICE") == "1", reason="JAXLORA_SKIP_MULTIDEVICE=1")
+@SKIP
 def test_two_processes_equal_one(tmp_path):
     jobs = write_tiny_jobs(str(tmp_path))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "JAX_LOCAL_DEVICE_IDS": "0,1,2,3",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    port = _free_port()
     command = [sys.executable, "-m", "train", jobs, "output_dir=two", "mesh.data=4", "mesh.tensor=2",
-               "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
-    workers = [subprocess.Popen(command + ["--process-id", str(pid)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
-    try:
-        logs = [worker.communicate(timeout=600)[0] for worker in workers]
-    finally:
-        for worker in workers:
-            if worker.poll() is None:
-                worker.kill()
-    assert all(worker.returncode == 0 for worker in workers), "\n".join(log[-3000:] for log in logs)
+               "--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
+    run_processes([command + ["--process-id", str(pid)] for pid in (0, 1)], env)
 
     reference = Trainer(load_train_config(jobs, ["output_dir=one"]))
     expected = reference.run()
