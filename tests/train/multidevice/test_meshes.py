@@ -1,4 +1,4 @@
-"""`jaxlora-train`'s loop on meshes of 8 simulated devices equals one device on the tiny 3-adapter
+"""`jaxlora-train`'s loop on meshes of 8 simulated devices (data 8 with the frozen base split FSDP-style) equals one device on the tiny 3-adapter
 job file (float32): the same per-job losses at every optimizer step (relative error <= 1e-5) and
 the same trained adapters (relative norm error <= 1e-4: AdamW divides by sqrt(v), which turns the
 f32 reordering of sums across data shards into slightly larger weight differences). A checkpoint
@@ -18,7 +18,7 @@ from tests.train.tiny_jobs import write_tiny_jobs
 from train.config import load_train_config
 from train.trainer import Trainer
 
-MESHES = {"data8": ["mesh.data=8"], "data4_tensor2": ["mesh.data=4", "mesh.tensor=2"],
+MESHES = {"data8_fsdp": ["mesh.data=8", "mesh.fsdp=true"], "data4_tensor2": ["mesh.data=4", "mesh.tensor=2"],
           "pipe2_data2_tensor2": ["mesh.pipeline=2", "mesh.data=2", "mesh.tensor=2"],
           "pipe4_data2": ["mesh.pipeline=4", "mesh.data=2"]}
 LOSS_RTOL, WEIGHT_RTOL = 1e-5, 1e-4
@@ -71,7 +71,7 @@ def test_mesh_equals_one_device(mesh):
     assert_same_training(losses, adapters, expected_losses, expected_adapters)
 
 
-@pytest.mark.parametrize("written, resumed", [("data4_tensor2", "pipe4_data2"), ("pipe2_data2_tensor2", "data8")])
+@pytest.mark.parametrize("written, resumed", [("data4_tensor2", "pipe4_data2"), ("pipe2_data2_tensor2", "data8_fsdp")])
 def test_checkpoint_resumes_on_another_mesh(written, resumed):
     _, _, source = trained(written)
     out = os.path.join(os.path.dirname(source), f"{written}_to_{resumed}")
@@ -84,3 +84,15 @@ def test_checkpoint_resumes_on_another_mesh(written, resumed):
     losses = trainer.run(resume=True)
     expected_losses, expected_adapters, _ = trained("one")
     assert_same_training(losses, trainer.adapters(), expected_losses, expected_adapters)
+
+
+def test_fsdp_splits_the_frozen_base_over_data():
+    from jax.sharding import PartitionSpec as P
+
+    trainer = Trainer(_config("fsdp_layout", MESHES["data8_fsdp"]))
+    weights = trainer.model.weights
+    assert weights["layers.q_proj.kernel"][...].sharding.spec == P(None, "data", "tensor")
+    assert weights["layers.down_proj.kernel"][...].sharding.spec == P(None, "tensor", "data")
+    local = weights["layers.up_proj.kernel"][...].addressable_shards[0].data.shape
+    assert local[1] == trainer.model.config.hidden_size // 8
+    assert trainer.executor.trainable["q_proj"]["a"].sharding.is_fully_replicated  # adapters: S-LoRA layout only
