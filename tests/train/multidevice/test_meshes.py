@@ -1,5 +1,5 @@
-"""`jaxlora-train`'s loop on meshes of 8 simulated devices (data 8 with the frozen base split FSDP-style) equals one device on the tiny 3-adapter
-job file (float32): the same per-job losses at every optimizer step (relative error <= 1e-5) and
+"""`jaxlora-train`'s loop on meshes of 8 simulated devices (data 8 with the frozen base split
+FSDP-style, data x tensor, two pipelines) equals one device on the tiny 3-adapter job file (float32): the same per-job losses at every optimizer step (relative error <= 1e-5) and
 the same trained adapters (relative norm error <= 1e-4: AdamW divides by sqrt(v), which turns the
 f32 reordering of sums across data shards into slightly larger weight differences). A checkpoint
 written on one mesh resumes on another with the same losses thereafter."""
