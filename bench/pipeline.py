@@ -126,7 +126,7 @@ def warm_up(pipeline: mpmd.MpmdPipeline, placed) -> None:
         stage = pipeline.stages[index]
         tokens, batch, plan = placed[index]
         hidden_shape = (*tokens.shape, pipeline_model_dim(pipeline))
-        x = tokens if index == 0 else jax.device_put(jnp.ones(hidden_shape, jnp.bfloat16), stage.device)
+        x = tokens if index == 0 else jax.device_put(jnp.ones(hidden_shape, jnp.bfloat16), stage.placement.target)
         out, saved = stage.program.forward(stage.weights, stage.trainable, stage.frozen, x, batch, plan)
         cotangent = None if stage.program.last else jnp.ones_like(out)
         stage.grads_acc, _ = stage.program.backward(stage.weights, stage.trainable, stage.frozen, saved,
@@ -150,7 +150,7 @@ def op_times(pipeline: mpmd.MpmdPipeline, placed, repeats: int) -> dict[str, lis
     for index, stage in enumerate(pipeline.stages):
         tokens, batch, plan = placed[index]
         x = tokens if index == 0 else jax.device_put(
-            jnp.ones((*tokens.shape, pipeline_model_dim(pipeline)), jnp.bfloat16), stage.device)
+            jnp.ones((*tokens.shape, pipeline_model_dim(pipeline)), jnp.bfloat16), stage.placement.target)
         program = stage.program
         out, saved = program.forward(stage.weights, stage.trainable, stage.frozen, x, batch, plan)
         cotangent = None if program.last else 1e-3 * jnp.ones_like(out)
@@ -166,7 +166,7 @@ def op_times(pipeline: mpmd.MpmdPipeline, placed, repeats: int) -> dict[str, lis
 
         def update():
             stage.trainable, stage.grads_acc, stage.opt_states[0] = apply_adapter_update(
-                pipeline.optimizer, stage.trainable, stage.grads_acc, 0, pipeline.rank, stage.opt_states[0])
+                pipeline.optimizers[0], stage.trainable, stage.grads_acc, 0, pipeline.ranks[0], stage.opt_states[0])
             return stage.trainable
 
         times["U"].append(median_call_seconds(update, repeats))

@@ -1,20 +1,25 @@
 """Orbax checkpoints of the whole training state (adapters, optimizer states, gradient accumulators,
 scheduler position). Orbax writes each step to a temporary folder and renames it when complete,
-so a killed run never leaves a half-written checkpoint behind."""
+so a killed run never leaves a half-written checkpoint behind. Arrays are saved with their
+sharding and restored into the template's: a run can resume on another mesh. With several
+processes every process calls `save`/`restore_latest` (each writes its own shards)."""
 
 from __future__ import annotations
 
 import os
 import shutil
 
+import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 
 class Checkpointer:
     """Saves/restores a pytree under `directory/<microbatch index>`; keeps the last two."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, primary: bool = True):
         self.directory = os.path.abspath(directory)
+        self.primary = primary  # process 0: the one that removes old checkpoints
         self.manager = None
 
     def _manager(self) -> ocp.CheckpointManager:
@@ -26,7 +31,10 @@ class Checkpointer:
     def clear(self) -> None:
         """Forgets earlier checkpoints (a fresh, non-resumed run)."""
         self.manager = None
-        shutil.rmtree(self.directory, ignore_errors=True)
+        if self.primary:
+            shutil.rmtree(self.directory, ignore_errors=True)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("jaxlora checkpoints cleared")
 
     def save(self, step: int, state) -> None:
         manager = self._manager()

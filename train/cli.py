@@ -1,8 +1,13 @@
-"""`jaxlora-train JOBS.yaml [key=value ...] [--resume]`: trains several LoRA adapters together."""
+"""`jaxlora-train JOBS.yaml [key=value ...] [--resume]`: trains several LoRA adapters together.
+
+Several hosts: run the same command on every host, one process each, with `--distributed` (the
+coordinator, process count and id come from the environment: SLURM, Open MPI, a TPU slice, or
+JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) or the flags below."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from jaxlora.lora.config import AdapterError
@@ -15,13 +20,37 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("config", help="YAML file: base_model, output_dir, jobs: [...]")
     parser.add_argument("overrides", nargs="*", help="key=value, e.g. capacity=512 jobs.0.learning_rate=1e-3")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    hosts = parser.add_argument_group("several hosts (jax.distributed)")
+    hosts.add_argument("--distributed", action="store_true",
+                       help="join a multi-process run (settings from the environment or the flags below)")
+    hosts.add_argument("--coordinator", default=os.environ.get("JAX_COORDINATOR_ADDRESS"),
+                       help="host:port of process 0 (default: $JAX_COORDINATOR_ADDRESS)")
+    hosts.add_argument("--num-processes", type=int, default=_env_int("JAX_NUM_PROCESSES"),
+                       help="default: $JAX_NUM_PROCESSES")
+    hosts.add_argument("--process-id", type=int, default=_env_int("JAX_PROCESS_ID"), help="default: $JAX_PROCESS_ID")
     return parser
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
+def _join_processes(args) -> None:
+    """`jax.distributed.initialize` before anything touches a device; given values, else detected."""
+    if not (args.distributed or args.num_processes or args.process_id is not None):
+        return
+    import jax
+
+    jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
+                               process_id=args.process_id)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         config = load_train_config(args.config, args.overrides)
+        _join_processes(args)
         from train.trainer import Trainer  # imports JAX: only once the config is known to be good
 
         trainer = Trainer(config)
@@ -29,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, WeightsError, AdapterError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if not trainer.primary:
+        return 0
     for name, values in losses.items():
         last = f"{values[-1]:.4f}" if values else "n/a"
         print(f"{name}: {len(values)} steps, final loss {last}, adapter in {config.output_dir}/{name}")

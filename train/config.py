@@ -35,17 +35,38 @@ class JobConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """How many devices split each dimension: the batch (`data`), heads/FFN (`tensor`, Megatron +
+    S-LoRA) and layers (`pipeline`, the MPMD 1F1B pipeline); the product is the device count.
+    `fsdp`: also split the frozen base weights over `data` (each device keeps 1/data of them)."""
+
+    data: int = 1
+    tensor: int = 1
+    pipeline: int = 1
+    fsdp: bool = False
+
+    @property
+    def size(self) -> int:
+        return self.data * self.tensor * self.pipeline
+
+
+REMAT_POLICIES = ("none", "layer", "save_dots")  # what the backward keeps of each decoder layer
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Settings shared by all jobs of one run."""
 
     jobs: tuple[JobConfig, ...]
-    base_model: str = "default"
+    base_model: str = "default"  # or a HF directory, a .gguf file, preset:NAME (random weights)
+    tokenizer: str | None = None  # a HF directory or .gguf whose tokenizer reads the datasets; default: base_model's
     output_dir: str = "runs/train"  # relative paths (here and for datasets) start at the YAML file
     dtype: str = "float32"
     capacity: int = 1024  # tokens per microbatch
     max_seq_len: int | None = None  # longest sample; default: capacity
     overlong: str = "truncate"  # truncate | refuse
-    pipeline_stages: int = 1
+    mesh: MeshConfig = MeshConfig()
+    remat: str = "none"  # none | layer (keep each layer's input, recompute the rest) | save_dots
     scheduler: str = "milp"  # milp | greedy
     solver_time_limit: float = 1.0
     checkpoint_every: int = 50  # microbatches
@@ -53,15 +74,21 @@ class TrainConfig:
     unroll_layers: bool = False  # unrolled layer scan: faster GPU steps, longer compile (README)
     seed: int = 0
     progress: bool = True
+    tensorboard: bool = True  # event files in output_dir/tensorboard (tensorboardX)
+    peak_tflops: float | None = None  # per device, for MFU; default: a table of known devices
 
     @property
     def sample_limit(self) -> int:
         return min(self.max_seq_len or self.capacity, self.capacity)
 
 
+_MESH_KEYS = {f.name for f in dataclasses.fields(MeshConfig)}
+_RETIRED = {"pipeline_stages": "replaced by mesh.pipeline (mesh: {pipeline: N})"}
+_SECTIONS = ("mesh",)  # mappings an override may create (`mesh.data=4` with no mesh: in the file)
 _LORA_KEYS = {"r", "alpha", "dropout", "targets", "use_rslora", "rank_pattern", "alpha_pattern"}
 _CHOICES = {"schedule": ("constant", "linear", "cosine"), "overlong": ("truncate", "refuse"),
-            "scheduler": ("milp", "greedy"), "dtype": ("float32", "bfloat16"), "lora_backend": backends.names(trains=True)}
+            "scheduler": ("milp", "greedy"), "dtype": ("float32", "bfloat16"), "lora_backend": backends.names(trains=True),
+            "remat": REMAT_POLICIES}
 
 
 def load_train_config(path: str, overrides: list[str] = ()) -> TrainConfig:
@@ -109,6 +136,8 @@ def _apply_override(raw: dict, override: str) -> None:
     parts = [int(p) if p.isdigit() else p for p in key.split(".")]
     target = raw
     for part in parts[:-1]:
+        if target is raw and part in _SECTIONS and part not in raw:
+            raw[part] = {}
         try:
             target = target[part]
         except (KeyError, IndexError, TypeError):
@@ -122,6 +151,8 @@ def _build(raw: dict, lines: dict, path: str) -> TrainConfig:
 
     top_fields = {f.name for f in dataclasses.fields(TrainConfig)}
     for key in raw:
+        if key in _RETIRED:
+            raise ConfigError(f"{where(key)}: {key!r} is {_RETIRED[key]}")
         if key not in top_fields:
             raise ConfigError(f"{where(key)}: unknown key {key!r} (known: {', '.join(sorted(top_fields))})")
     jobs_raw = raw.get("jobs")
@@ -135,6 +166,10 @@ def _build(raw: dict, lines: dict, path: str) -> TrainConfig:
             raise ConfigError(f"{where('jobs', index, 'name')}: duplicate job name {name!r}")
     settings = {key: value for key, value in raw.items() if key != "jobs"}
     _check_choices(settings, where)
+    settings["mesh"] = _build_mesh(settings.get("mesh") or {}, where)
+    if settings.get("tokenizer") is not None and not os.path.isabs(str(settings["tokenizer"])) \
+            and settings["tokenizer"] != "default":
+        settings["tokenizer"] = os.path.join(os.path.dirname(path), str(settings["tokenizer"]))
     output_dir = str(settings.get("output_dir", TrainConfig.output_dir))
     settings["output_dir"] = output_dir if os.path.isabs(output_dir) else os.path.join(os.path.dirname(path), output_dir)
     try:
@@ -168,6 +203,20 @@ def _build_job(job: Any, where, base_dir: str) -> JobConfig:
         raise ConfigError(f"{where()}: {err}") from None
 
 
+def _build_mesh(raw, where) -> MeshConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where('mesh')}: 'mesh' must be a mapping like {{data: 4, tensor: 2}}")
+    for key, value in raw.items():
+        if key not in _MESH_KEYS:
+            raise ConfigError(f"{where('mesh', key)}: unknown mesh key {key!r} (known: {', '.join(sorted(_MESH_KEYS))})")
+        if key == "fsdp":
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where('mesh', key)}: mesh.fsdp must be true or false")
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{where('mesh', key)}: mesh.{key} must be a positive integer, not {value!r}")
+    return MeshConfig(**raw)
+
+
 def _build_lora(raw: dict, where) -> LoraConfig:
     for key in raw:
         if key not in _LORA_KEYS:
@@ -191,7 +240,7 @@ def _check_choices(values: dict, where) -> None:
 
 
 def _check_positive(config: TrainConfig, where) -> None:
-    for key in ("capacity", "pipeline_stages", "checkpoint_every"):
+    for key in ("capacity", "checkpoint_every"):
         if not isinstance(getattr(config, key), int) or getattr(config, key) < 1:
             raise ConfigError(f"{where(key)}: {key} must be a positive integer")
     for index, job in enumerate(config.jobs):
@@ -201,3 +250,5 @@ def _check_positive(config: TrainConfig, where) -> None:
             raise ConfigError(f"{where('jobs', index)}: give a positive 'epochs' or 'steps'")
         if job.learning_rate <= 0:
             raise ConfigError(f"{where('jobs', index, 'learning_rate')}: learning_rate must be > 0")
+    if config.peak_tflops is not None and not (isinstance(config.peak_tflops, (int, float)) and config.peak_tflops > 0):
+        raise ConfigError(f"{where('peak_tflops')}: peak_tflops must be a positive number (TFLOP/s per device)")

@@ -54,8 +54,18 @@ def pack_microbatch(entries, capacity: int, num_slots: int) -> MicrobatchArrays:
     return MicrobatchArrays(tokens, positions, segment_ids, targets, weights, token_slot, adapter_tokens)
 
 
+def pack_rows(rows, capacity: int, num_slots: int) -> MicrobatchArrays:
+    """rows: one entries list (as for `pack_microbatch`) per row; arrays [len(rows), capacity]
+    (an empty list is an empty row: no tokens, zero weights, slot -1)."""
+    packed = [pack_microbatch(entries, capacity, num_slots) for entries in rows]
+    fields = {f.name: np.concatenate([getattr(p, f.name) for p in packed]) for f in dataclasses.fields(MicrobatchArrays)
+              if f.name != "adapter_tokens"}
+    return MicrobatchArrays(**fields, adapter_tokens=sum(p.adapter_tokens for p in packed))
+
+
 def device_batch(arrays: MicrobatchArrays, num_slots: int) -> tuple[dict, LoraPlan]:
-    """The jit inputs of a microbatch; the plan's segment count is fixed by the pool size."""
+    """The jit inputs of a microbatch ([B, T] arrays and the plan over their B*T tokens); the
+    plan's segment count is fixed by the pool size."""
     batch = {"tokens": arrays.tokens, "positions": arrays.positions, "segment_ids": arrays.segment_ids,
              "targets": arrays.targets, "weights": arrays.weights}
     return batch, build_plan(arrays.token_slot, num_segments=bucket(num_slots + 1, 4))

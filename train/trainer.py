@@ -1,34 +1,44 @@
-"""The multi-adapter training loop: every job's adapter lives in one device pool over one frozen base
+"""The multi-adapter training loop: every job's adapter lives in one pool over one frozen base
 model; microbatches from the scheduler mix samples of several jobs; each adapter steps its own
-optimizer when its own global batch is complete; Orbax checkpoints make `resume` exact."""
+optimizer when its own global batch is complete; Orbax checkpoints make `resume` exact, on the
+same mesh or another.
+
+The job file's `mesh:` decides where steps run (`train.mesh`, `train.executors`): one device,
+GSPMD data/tensor parallel (one packed row per data shard and step, `train.groups`), or the MPMD
+1F1B pipeline. Every process of a multi-host run executes this same loop; process 0 computes the
+schedule (shared with the others) and writes metrics, adapters and the schedule file."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from jaxlora.lora.adapter import LoraAdapter, ModuleLora, empty_module
 from jaxlora.lora.peft_io import save_peft_adapter
 from jaxlora.lora.pool import AdapterPool
-from jaxlora.lora.trainable import apply_adapter_update, slot_params, split_pool
+from jaxlora.lora.trainable import split_pool
 from jaxlora.models.config import PROJECTIONS
-from jaxlora.parallel.step import make_grad_step
-from jaxlora.scheduler.training.data import TrainingData
+from jaxlora.scheduler.training.data import Sample, TrainingData
 from jaxlora.scheduler.training.schedule import SchedulerConfig
-from jaxlora.weights import load_model
+from train.base_model import base_model_config, load_base_model
 from train.checkpoint import Checkpointer
 from train.config import TrainConfig
 from train.data import load_job_samples, sample_order
-from train.optim import init_lora_a, make_optimizer
+from train.executors import PipelineExecutor, SpmdExecutor
+from train.flops import peak_tflops, sample_flops
+from train.groups import StepGroup, step_groups
+from train.mesh import build_meshes, check_mesh
+from train.metrics import MetricsLog
+from train.optim import init_lora_a, learning_rate_schedule, make_optimizer
 from train.schedule_stream import ScheduleStream
-from train.step import add_trees, device_batch, pack_microbatch
+from train.step import device_batch, pack_rows
 
 
 @dataclasses.dataclass
@@ -48,25 +58,37 @@ class JobState:
 class Trainer:
     """Trains all jobs of a `TrainConfig` together; `run()` returns each job's per-step losses."""
 
-    def __init__(self, config: TrainConfig, model=None, tokenizer=None):
+    def __init__(self, config: TrainConfig, model=None, tokenizer=None, devices=None):
+        """devices: what `config.mesh` spans (default: every device of every process)."""
         self.config = config
-        dtype = jnp.dtype(config.dtype)
+        self.primary = jax.process_index() == 0
+        self.devices = jax.devices() if devices is None else list(devices)
+        check_mesh(config, model.config if model is not None else base_model_config(config.base_model),
+                   len(self.devices), jax.process_count())
         if model is None:
-            model, tokenizer = load_model(config.base_model, dtype=dtype)
+            model, tokenizer = load_base_model(config.base_model, jnp.dtype(config.dtype), config.seed, config.tokenizer)
         self.model, self.tokenizer = model, tokenizer
         self.jobs = [self._job_state(job) for job in config.jobs]
         modules = [m for m in PROJECTIONS if any(m in job.lora.target_modules for job in config.jobs)]
-        self.pool = AdapterPool(model.config, len(self.jobs), max(j.rank for j in self.jobs), modules, dtype)
-        self.trainable, self.frozen = self._initial_pool()
-        self.grads_acc = jax.tree.map(jnp.zeros_like, self.trainable)
-        self.loss_acc = jnp.zeros(len(self.jobs), jnp.float32)
-        self.opt_states = [job.optimizer.init(slot_params(self.trainable, i, job.rank))
-                           for i, job in enumerate(self.jobs)]
-        self.grad_step = make_grad_step(model, len(self.jobs), config.lora_backend,
-                                         unroll_layers=config.unroll_layers)
-        self.dropout_rate = jnp.asarray([job.lora.lora_dropout for job in config.jobs], jnp.float32)
-        os.makedirs(config.output_dir, exist_ok=True)
-        self.checkpointer = Checkpointer(os.path.join(config.output_dir, "checkpoints"))
+        self.pool = AdapterPool(model.config, len(self.jobs), max(j.rank for j in self.jobs), modules,
+                                jnp.dtype(config.dtype))
+        self.executor = self._executor(*self._initial_pool())
+        self.loss_acc = np.zeros(len(self.jobs), np.float32)
+        if self.primary:
+            os.makedirs(config.output_dir, exist_ok=True)
+        self.checkpointer = Checkpointer(os.path.join(config.output_dir, "checkpoints"), self.primary)
+
+    def _executor(self, trainable, frozen):
+        optimizers, ranks = [job.optimizer for job in self.jobs], [job.rank for job in self.jobs]
+        mesh = self.config.mesh
+        if mesh.pipeline > 1:
+            meshes = build_meshes(self.config, self.devices)
+            return PipelineExecutor(self.config, self.model, trainable, frozen, optimizers, ranks, meshes)
+        if mesh.size == 1:
+            with jax.default_device(self.devices[0]):
+                return SpmdExecutor(self.config, self.model, trainable, frozen, optimizers, ranks)
+        spmd_mesh = build_meshes(self.config, self.devices)[0]
+        return SpmdExecutor(self.config, self.model, trainable, frozen, optimizers, ranks, spmd_mesh)
 
     def _job_state(self, job) -> JobState:
         samples = load_job_samples(job, self.tokenizer, self.config.sample_limit, self.config.overlong)
@@ -88,82 +110,119 @@ class Trainer:
             trainable = init_lora_a(trainable, index, ranks, seed=job.seed)
         return trainable, frozen
 
-    def _schedule(self) -> ScheduleStream:
+    def _schedule(self):
+        """The microbatches in order: this process's `ScheduleStream`, or with several processes
+        process 0's schedule (computed whole, then sent to all), so every process runs the same."""
         lengths = {i: tuple(len(job.samples[s].tokens) for s in job.order) for i, job in enumerate(self.jobs)}
         sizes = {i: job.global_batch_size for i, job in enumerate(self.config.jobs)}
         data = TrainingData.from_lengths(lengths, sizes)
-        config = SchedulerConfig(capacity=self.config.capacity, num_stages=self.config.pipeline_stages,
+        config = SchedulerConfig(capacity=self.config.capacity, num_stages=self.config.mesh.pipeline,
                                  padding_multiple=1, time_limit_s=self.config.solver_time_limit,
                                  use_milp=self.config.scheduler == "milp")
-        return ScheduleStream(data, config, os.path.join(self.config.output_dir, "schedule.json"))
+        path = os.path.join(self.config.output_dir, "schedule.json")
+        if jax.process_count() == 1:
+            return ScheduleStream(data, config, path)
+        microbatches = list(ScheduleStream(data, config, path)) if self.primary else []
+        return _SharedSchedule(_broadcast_schedule(microbatches))
 
     def run(self, resume: bool = False) -> dict[str, list[float]]:
         start = self._restore() if resume else 0
         if not resume:
             self.checkpointer.clear()
-            _remove(os.path.join(self.config.output_dir, "schedule.json"))
-        metrics = MetricsLog(self.config, start)
+            if self.primary:
+                _remove(os.path.join(self.config.output_dir, "schedule.json"))
+        device_kind = self.devices[0].device_kind
+        metrics = MetricsLog(self.config, start, self.config.peak_tflops or peak_tflops(device_kind),
+                             len(self.devices), writer=self.primary)
         stream = self._schedule()
         bars = self._progress_bars()
-        completions = _Completions(self.config)
-        index = -1
-        for index, microbatch in enumerate(stream):
-            completed = completions.completed(microbatch)
-            if index < start:
-                continue  # already trained before the checkpoint we resumed from
-            self._train_microbatch(index, microbatch)
-            for slot, _ in completed:
-                self._step_adapter(slot, index, metrics, bars)
-            if (index + 1) % self.config.checkpoint_every == 0 and stream.saved.is_set():
-                self._save(index + 1)
-        if index + 1 > start and stream.saved.is_set():
-            self._save(index + 1)
-        for bar in bars:
-            bar.close()
+        sizes = {i: job.global_batch_size for i, job in enumerate(self.config.jobs)}
+        groups = step_groups(stream, self.config.mesh.data, sizes, self.config.checkpoint_every, start)
+        stop = start
+        try:
+            for window in self._windows(groups):
+                self._train_window(window, metrics, bars)
+                stop = window[-1].stop
+                if stop % self.config.checkpoint_every == 0 and stream.saved.is_set():
+                    self._save(stop)
+            if stop > start and stream.saved.is_set():
+                self._save(stop)
+        finally:
+            for bar in bars:
+                bar.close()
+            metrics.close()
         self.export()
         return metrics.losses()
 
-    def _train_microbatch(self, index: int, microbatch) -> None:
-        entries = []
-        for sample in microbatch:
-            job = self.jobs[sample.adapter_id]
-            batch = sample.sample_index // self.config.jobs[sample.adapter_id].global_batch_size
-            entries.append((sample.adapter_id, job.samples[job.order[sample.sample_index]],
-                            job.batch_weights[batch]))
-        if not entries:
-            return  # a no-op microbatch (pipeline bubble filler)
-        arrays = pack_microbatch(entries, self.config.capacity, len(self.jobs))
-        batch, plan = device_batch(arrays, len(self.jobs))
-        key = jax.random.fold_in(jax.random.key(self.config.seed), index)
-        per_slot, grads = self.grad_step(self.trainable, self.frozen, batch, plan, self.dropout_rate, key)
-        self.grads_acc = add_trees(self.grads_acc, grads)
-        self.loss_acc = self.loss_acc + per_slot
+    def _windows(self, groups):
+        """Steps handed to the executor at once: one (GSPMD), or up to a checkpoint (pipeline)."""
+        window: list[StepGroup] = []
+        for group in groups:
+            window.append(group)
+            if self.config.mesh.pipeline == 1 or group.stop % self.config.checkpoint_every == 0:
+                yield window
+                window = []
+        if window:
+            yield window
+
+    def _train_window(self, window: list[StepGroup], metrics: MetricsLog, bars) -> None:
+        inputs, tokens, flops = [], 0, 0.0
+        for group in window:
+            arrays, group_flops = self._group_arrays(group)
+            inputs.append(None if arrays is None else device_batch(arrays, len(self.jobs)))
+            tokens += 0 if arrays is None else int(arrays.adapter_tokens.sum())
+            flops += group_flops
+        started = time.perf_counter()
+        losses = self.executor.run(window, inputs, [job.steps_done for job in self.jobs])
+        seconds = time.perf_counter() - started
+        for group, loss in zip(window, losses):
+            self.loss_acc = self.loss_acc + loss
+            for slot in group.completed:
+                self._log_adapter_step(slot, group.stop - 1, metrics, bars)
+        if tokens:
+            metrics.log_step(window[-1].stop - 1, seconds, tokens, flops)
+
+    def _group_arrays(self, group: StepGroup):
+        """(packed [width, capacity] arrays or None for a step without samples, model FLOPs)."""
+        if not group.rows:
+            return None, 0.0
+        rows, flops = [], 0.0
+        for microbatch in group.rows:
+            rows.append([self._entry(sample) for sample in microbatch])
+            flops += sum(sample_flops(self.model.config, self.config.jobs[s.adapter_id].lora, s.num_tokens)
+                         for s in microbatch)
+        rows += [[] for _ in range(self.config.mesh.data - len(rows))]
+        arrays = pack_rows(rows, self.config.capacity, len(self.jobs))
         for slot, count in enumerate(arrays.adapter_tokens):
             self.jobs[slot].tokens_since_log += int(count)
+        return arrays, flops
 
-    def _step_adapter(self, slot: int, index: int, metrics, bars) -> None:
+    def _entry(self, sample: Sample):
+        job = self.jobs[sample.adapter_id]
+        batch = sample.sample_index // self.config.jobs[sample.adapter_id].global_batch_size
+        return sample.adapter_id, job.samples[job.order[sample.sample_index]], job.batch_weights[batch]
+
+    def _log_adapter_step(self, slot: int, microbatch: int, metrics: MetricsLog, bars) -> None:
         job = self.jobs[slot]
-        self.trainable, self.grads_acc, self.opt_states[slot] = apply_adapter_update(
-            job.optimizer, self.trainable, self.grads_acc, slot, job.rank, self.opt_states[slot])
         loss = float(self.loss_acc[slot])
-        self.loss_acc = self.loss_acc.at[slot].set(0.0)
+        self.loss_acc[slot] = 0.0
         job.steps_done += 1
-        metrics.log(slot, job.steps_done, index, loss, job.tokens_since_log)
+        rate = float(learning_rate_schedule(self.config.jobs[slot], job.total_steps)(job.steps_done - 1))
+        metrics.log_job(slot, job.steps_done, microbatch, loss, rate, job.tokens_since_log)
         job.tokens_since_log = 0
         if bars:
             bars[slot].update(1)
-            bars[slot].set_postfix(loss=f"{loss:.3f}", tok_s=f"{metrics.tokens_per_second(slot):.0f}")
+            bars[slot].set_postfix(loss=f"{loss:.3f}", tok_s=f"{metrics.last_throughput:.0f}")
 
     def _progress_bars(self) -> list:
-        if not self.config.progress:
+        if not self.config.progress or not self.primary:
             return []
         return [tqdm(total=job.total_steps, initial=job.steps_done, desc=cfg.name, position=i, leave=True)
                 for i, (job, cfg) in enumerate(zip(self.jobs, self.config.jobs))]
 
     def _state(self, microbatch: int) -> dict:
-        return {"microbatch": np.asarray(microbatch, np.int64), "trainable": self.trainable, "grads_acc": self.grads_acc,
-                "loss_acc": self.loss_acc, "opt_states": list(self.opt_states),
-                "steps_done": np.asarray([job.steps_done for job in self.jobs], np.int64)}
+        return {"microbatch": np.asarray(microbatch, np.int64), **self.executor.state(),
+                "loss_acc": self.loss_acc, "steps_done": np.asarray([job.steps_done for job in self.jobs], np.int64)}
 
     def _save(self, microbatch: int) -> None:
         self.checkpointer.save(microbatch, self._state(microbatch))
@@ -172,87 +231,65 @@ class Trainer:
         state = self.checkpointer.restore_latest(self._state(0))
         if state is None:
             return 0
-        self.trainable, self.grads_acc = state["trainable"], state["grads_acc"]
-        self.loss_acc, self.opt_states = state["loss_acc"], list(state["opt_states"])
+        self.executor.load(state)
+        self.loss_acc = np.asarray(state["loss_acc"], np.float32)
         for job, done in zip(self.jobs, np.asarray(state["steps_done"])):
             job.steps_done = int(done)
         return int(state["microbatch"])
 
     def adapters(self) -> list[LoraAdapter]:
-        """Each job's trained adapter (float32, host memory)."""
+        """Each job's trained adapter (float32, host memory); with several processes, all take part."""
+        trainable = self.executor.host_trainable()
         out = []
         for slot, job in enumerate(self.config.jobs):
             modules = {}
             for module in job.lora.target_modules:
                 template = empty_module(self.model.config, job.lora, module)
                 width = template.a.shape[2]
-                a = np.asarray(self.trainable[module]["a"][:, slot, :, :width], np.float32)
-                b = np.asarray(self.trainable[module]["b"][:, slot, :width, :], np.float32)
+                a = np.asarray(trainable[module]["a"][:, slot, :, :width], np.float32)
+                b = np.asarray(trainable[module]["b"][:, slot, :width, :], np.float32)
                 modules[module] = ModuleLora(a, b, template.rank, template.scale)
             out.append(LoraAdapter(job.name, job.lora, modules))
         return out
 
     def export(self) -> None:
-        """Writes each job's adapter in PEFT format to `output_dir/<job name>/`."""
-        for adapter in self.adapters():
+        """Writes each job's adapter in PEFT format to `output_dir/<job name>/` (process 0)."""
+        adapters = self.adapters()
+        if not self.primary:
+            return
+        for adapter in adapters:
             save_peft_adapter(adapter, os.path.join(self.config.output_dir, adapter.name),
                               base_model_name=str(self.config.base_model))
 
 
-class _Completions:
-    """Knows after which microbatch each adapter's global batch is complete, from sample counts."""
+class _SharedSchedule:
+    """A whole schedule received from process 0 (iterable like a finished `ScheduleStream`)."""
 
-    def __init__(self, config: TrainConfig):
-        self.sizes = [job.global_batch_size for job in config.jobs]
-        self.seen = [0] * len(config.jobs)
+    def __init__(self, microbatches):
+        self.microbatches = microbatches
+        self.saved = _Done()
 
-    def completed(self, microbatch):
-        done = []
-        for sample in microbatch:
-            self.seen[sample.adapter_id] += 1
-            if self.seen[sample.adapter_id] % self.sizes[sample.adapter_id] == 0:
-                done.append((sample.adapter_id, self.seen[sample.adapter_id] // self.sizes[sample.adapter_id] - 1))
-        return done
+    def __iter__(self):
+        return iter(self.microbatches)
 
 
-class MetricsLog:
-    """Per job `metrics.jsonl` (step, microbatch, loss, tokens); truncated to `start` on resume."""
-
-    def __init__(self, config: TrainConfig, start: int):
-        self.paths = []
-        self.records: list[list[dict]] = []
-        self.started = time.time()
-        self.tokens = [0] * len(config.jobs)
-        for job in config.jobs:
-            path = os.path.join(config.output_dir, job.name, "metrics.jsonl")
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            kept = [r for r in _read_metrics(path) if r["microbatch"] < start] if start else []
-            with open(path, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in kept)
-            self.paths.append(path)
-            self.records.append(kept)
-
-    def log(self, slot: int, step: int, microbatch: int, loss: float, tokens: int) -> None:
-        self.tokens[slot] += tokens
-        record = {"step": step, "microbatch": microbatch, "loss": loss, "tokens": tokens,
-                  "elapsed_s": round(time.time() - self.started, 3)}
-        self.records[slot].append(record)
-        with open(self.paths[slot], "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-    def tokens_per_second(self, slot: int) -> float:
-        return self.tokens[slot] / max(time.time() - self.started, 1e-9)
-
-    def losses(self) -> dict[str, list[float]]:
-        names = [os.path.basename(os.path.dirname(p)) for p in self.paths]
-        return {name: [r["loss"] for r in records] for name, records in zip(names, self.records)}
+class _Done:
+    @staticmethod
+    def is_set() -> bool:
+        return True
 
 
-def _read_metrics(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+def _broadcast_schedule(microbatches: list) -> list:
+    """Process 0's microbatches on every process: rows (microbatch, adapter, sample, tokens)."""
+    rows = np.asarray([(i, s.adapter_id, s.sample_index, s.num_tokens) for i, mb in enumerate(microbatches) for s in mb]
+                      + [(len(microbatches), -1, -1, -1)], np.int64)  # the last row carries the count
+    count = int(multihost_utils.broadcast_one_to_all(np.asarray(len(rows), np.int64)))
+    rows = multihost_utils.broadcast_one_to_all(rows if len(rows) == count else np.zeros((count, 4), np.int64))
+    rows = np.asarray(rows)
+    out: list[list[Sample]] = [[] for _ in range(int(rows[-1, 0]))]
+    for index, adapter, sample, tokens in rows[:-1]:
+        out[index].append(Sample(int(adapter), int(sample), int(tokens)))
+    return [tuple(mb) for mb in out]
 
 
 def _remove(path: str) -> None:

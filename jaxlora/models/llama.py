@@ -66,6 +66,14 @@ def _random_weight(key: jax.Array, name: str, shape: tuple[int, ...], dtype) -> 
     return (jax.random.normal(key, shape, jnp.float32) * fan_in**-0.5).astype(dtype)
 
 
+# remat name -> None (no rematerialisation) or a function returning the `jax.checkpoint` policy.
+REMAT_POLICIES = {
+    "none": None,
+    "layer": lambda: jax.checkpoint_policies.nothing_saveable,
+    "save_dots": lambda: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
 class Llama(nnx.Module):
     """Llama-family causal LM. Weights live in `self.weights[name]` (an `nnx.Param` each)."""
 
@@ -117,6 +125,7 @@ class Llama(nnx.Module):
         lora_backend: str = "gather",
         attention: str = "auto",
         unroll_layers: bool | int = 1,
+        remat: str = "none",
     ) -> tuple[jax.Array, KVCache | None]:
         """Runs the decoder.
 
@@ -134,6 +143,9 @@ class Llama(nnx.Module):
           unroll_layers: layers per iteration of the layer scan (True: all). Unrolled, XLA slices
             each layer's weights statically instead of copying them out of the stack every
             iteration (faster GPU training steps: bench/NOTES_train.md); compiles slower.
+          remat: what the backward keeps of each layer (`REMAT_POLICIES`): "none" everything,
+            "layer" only its input (the rest recomputed), "save_dots" its input and the
+            matmul outputs (attention and elementwise ops recomputed).
 
         Returns:
           (logits [B, T, vocab] or [B, vocab] float32, the updated cache or None).
@@ -153,6 +165,8 @@ class Llama(nnx.Module):
             hidden, kv = decoder_layer(config, weights, hidden, positions, inv_freq, kv, layer_lora)
             return hidden, (None if cache is None else (kv.k, kv.v))
 
+        if REMAT_POLICIES[remat] is not None:
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat](), prevent_cse=False)
         per_layer_cache = None if cache is None else (cache.k, cache.v)
         per_layer_pool = None if lora is None else lora.pool
         hidden, new_cache = jax.lax.scan(

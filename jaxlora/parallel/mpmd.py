@@ -29,7 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxlora import sharding
 from jaxlora.lora.plan import LoraPlan
+from jaxlora.models.axes import ShardingRules, weight_axes
 from jaxlora.models.config import LlamaConfig
 from jaxlora.models.layers import dense, rms_norm, rope_inverse_frequencies
 from jaxlora.lora.project import layer_lora as make_layer_lora
@@ -73,11 +77,14 @@ def stage_orders(segments: Sequence[Sequence[int]], num_stages: int, completions
 
 
 def check_update_order(orders: Sequence[Sequence[Op]], microbatches: Sequence[Microbatch],
-                       global_batch_size: Mapping[int, int], slot_of: Mapping[int, int]) -> None:
+                       global_batch_size: Mapping[int, int], slot_of: Mapping[int, int],
+                       steps_before: Mapping[int, int] | None = None) -> None:
     """Raises ValueError if on some stage a forward uses an adapter whose previous global batch
-    has not had its optimizer step there yet (the bubble lemma, checked on the real op order)."""
+    has not had its optimizer step there yet (the bubble lemma, checked on the real op order).
+
+    steps_before: optimizer steps each slot took before these orders (a run issued in pieces)."""
     for stage, ops in enumerate(orders):
-        updates = {slot: 0 for slot in slot_of.values()}
+        updates = {slot: (steps_before or {}).get(slot, 0) for slot in slot_of.values()}
         for op in ops:
             if op.kind == "U":
                 updates[op.index] += 1
@@ -282,9 +289,53 @@ class _RunState:
             return table.pop(key)
 
 
+@dataclasses.dataclass(frozen=True)
+class StagePlacement:
+    """Where one stage lives: one device, or a (data, 1, tensor) sub-mesh on which its programs run
+    under GSPMD (batch rows split on `data`; weights and adapters in the Megatron / S-LoRA layout of
+    `jaxlora.sharding`, the frozen weights by `weight_rules`, e.g. `embed` on `data` for FSDP)."""
+
+    target: jax.Device | Mesh
+    weight_rules: ShardingRules = ShardingRules()
+
+    def _put(self, tree, axes_of):
+        if isinstance(self.target, jax.Device):
+            return jax.device_put(tree, self.target)
+        return {name: sharding.put(value, self.target, self.weight_rules.spec(axes_of(name)))
+                for name, value in tree.items()}
+
+    def weights(self, tree: dict) -> dict:
+        """`stage_weights`' {"layers": ..., "head": ...} placed."""
+        return {"layers": self._put(tree["layers"], lambda name: weight_axes(f"layers.{name}")),
+                "head": self._put(tree["head"], weight_axes)}
+
+    def pool(self, tree: dict) -> dict:
+        if isinstance(self.target, jax.Device):
+            return jax.device_put(tree, self.target)
+        return sharding.shard_pool(tree, self.target)
+
+    def rows(self, value) -> jax.Array:
+        """An array with leading batch rows [B, ...] (tokens, activations, their gradients)."""
+        if isinstance(self.target, jax.Device):
+            return jax.device_put(value, self.target)
+        return sharding.put(value, self.target, P("data"))
+
+    def scalars(self, tree):
+        """`tree` with its 0-d leaves (e.g. optimizer step counts) committed to this stage."""
+        target = self.target if isinstance(self.target, jax.Device) else NamedSharding(self.target, P())
+        return jax.tree.map(lambda leaf: jax.device_put(leaf, target) if np.ndim(leaf) == 0 else leaf, tree)
+
+    def microbatch(self, batch: dict, plan: LoraPlan) -> tuple:
+        """(tokens, batch, plan) on this stage: rows on `data`, the plan's grouping replicated."""
+        if isinstance(self.target, jax.Device):
+            return jax.device_put((batch["tokens"], batch, plan), self.target)
+        placed = sharding.shard_batch(batch, self.target)
+        return placed["tokens"], placed, sharding.shard_plan(plan, self.target)
+
+
 @dataclasses.dataclass
 class Stage:
-    device: jax.Device
+    placement: StagePlacement
     program: StageProgram
     weights: dict
     trainable: dict
@@ -294,27 +345,33 @@ class Stage:
 
 
 class MpmdPipeline:
-    """A model's layers split over `devices` (one stage each), with the adapters of a pool.
+    """A model's layers split over `devices` (one stage each: a device, or a `StagePlacement`
+    such as a sub-mesh), with the adapters of a pool.
 
     trainable {module: {a [L, slots, k, r], b [L, slots, r, n]}}, frozen {module: {scale, rank}}
     (see `jaxlora.lora.trainable.split_pool`); optimizer: an optax transformation applied per slot
-    with `jaxlora.lora.trainable.apply_adapter_update` (its state per stage and slot)."""
+    with `jaxlora.lora.trainable.apply_adapter_update` (its state per stage and slot), or a list
+    of one per slot; rank: the rank every slot trains, or one per slot."""
 
-    def __init__(self, model: Llama, trainable: dict, frozen: dict, devices: Sequence[jax.Device], optimizer,
-                 rank: int, backend: str = "onehot"):
-        self.devices = list(devices)
-        self.optimizer, self.rank = optimizer, rank
+    def __init__(self, model: Llama, trainable: dict, frozen: dict, devices: Sequence[jax.Device | StagePlacement],
+                 optimizer, rank: int | list[int], backend: str = "onehot"):
         num_slots = next(iter(trainable.values()))["a"].shape[1]
-        ranges = split_layers(model.config.num_layers, len(self.devices))
+        # One optimizer (an optax NamedTuple, itself a sequence) for all slots, or a list of them.
+        self.optimizers = list(optimizer) if isinstance(optimizer, list) else [optimizer] * num_slots
+        self.ranks = list(rank) if isinstance(rank, (list, tuple)) else [rank] * num_slots
+        placements = [d if isinstance(d, StagePlacement) else StagePlacement(d) for d in devices]
+        self.devices = [p.target for p in placements]
+        self.layer_ranges = split_layers(model.config.num_layers, len(placements))
         self.stages: list[Stage] = []
-        for index, (device, (start, stop)) in enumerate(zip(self.devices, ranges)):
-            first, last = index == 0, index == len(self.devices) - 1
+        for index, (placement, (start, stop)) in enumerate(zip(placements, self.layer_ranges)):
+            first, last = index == 0, index == len(placements) - 1
             program = StageProgram(model.config, first, last, start, num_slots, backend)
-            put = functools.partial(jax.device_put, device=device)
-            weights = put(stage_weights(model, start, stop, first, last))
-            own = put(_slice_layers(trainable, start, stop))
-            opt_states = {slot: self.optimizer.init(slot_params(own, slot, rank)) for slot in range(num_slots)}
-            self.stages.append(Stage(device, program, weights, own, put(_slice_layers(frozen, start, stop)),
+            weights = placement.weights(stage_weights(model, start, stop, first, last))
+            own = placement.pool(_slice_layers(trainable, start, stop))
+            opt_states = {slot: placement.scalars(self.optimizers[slot].init(slot_params(own, slot, self.ranks[slot])))
+                          for slot in range(num_slots)}
+            self.stages.append(Stage(placement, program, weights, own,
+                                     placement.pool(_slice_layers(frozen, start, stop)),
                                      jax.tree.map(jnp.zeros_like, own), opt_states))
 
     @property
@@ -323,7 +380,7 @@ class MpmdPipeline:
 
     def place(self, batch: dict, plan: LoraPlan) -> list[tuple]:
         """A microbatch's (tokens, batch, plan) on every stage's device."""
-        return [jax.device_put((batch["tokens"], batch, plan), stage.device) for stage in self.stages]
+        return [stage.placement.microbatch(batch, plan) for stage in self.stages]
 
     def run(self, orders: Sequence[Sequence[Op]], inputs: Sequence[Sequence[tuple]],
             threaded: bool = False) -> dict[int, jax.Array]:
@@ -354,7 +411,8 @@ class MpmdPipeline:
         stage, last = self.stages[stage_index], self.num_stages - 1
         if op.kind == "U":
             stage.trainable, stage.grads_acc, stage.opt_states[op.index] = apply_adapter_update(
-                self.optimizer, stage.trainable, stage.grads_acc, op.index, self.rank, stage.opt_states[op.index])
+                self.optimizers[op.index], stage.trainable, stage.grads_acc, op.index, self.ranks[op.index],
+                stage.opt_states[op.index])
             return
         tokens, batch, plan = inputs[op.index][stage_index]
         key = (op.index, stage_index)
@@ -365,7 +423,7 @@ class MpmdPipeline:
                 state.losses[op.index] = out
             else:
                 state.put(state.activations, (op.index, stage_index + 1),
-                          jax.device_put(out, self.stages[stage_index + 1].device))
+                          self.stages[stage_index + 1].placement.rows(out))
         else:
             cotangent = None if stage_index == last else state.take(state.cotangents, key, wait)
             stage.grads_acc, grad_in = stage.program.backward(
@@ -373,7 +431,7 @@ class MpmdPipeline:
                 batch, plan)
             if stage_index > 0:
                 state.put(state.cotangents, (op.index, stage_index - 1),
-                          jax.device_put(grad_in, self.stages[stage_index - 1].device))
+                          self.stages[stage_index - 1].placement.rows(grad_in))
 
     def wait(self) -> None:
         jax.block_until_ready([(s.trainable, s.grads_acc, s.opt_states) for s in self.stages])
@@ -386,3 +444,30 @@ class MpmdPipeline:
     def grads(self) -> dict:
         parts = [jax.device_get(s.grads_acc) for s in self.stages]
         return jax.tree.map(lambda *leaves: np.concatenate(leaves), *parts)
+
+    def opt_states(self) -> list:
+        """Each slot's optimizer state over all layers (host): per-layer leaves joined in layer
+        order, scalars (step counts, the same on every stage) taken from the first stage."""
+        return [_join_layers([jax.device_get(s.opt_states[slot]) for s in self.stages])
+                for slot in range(len(self.optimizers))]
+
+    def load(self, trainable: dict, grads: dict, opt_states: Sequence) -> None:
+        """Replaces adapters, gradient accumulators and optimizer states with all-layer values
+        (as `trainable()`, `grads()` and `opt_states()` return them), split over the stages."""
+        for stage, (start, stop) in zip(self.stages, self.layer_ranges):
+            place = stage.placement.pool
+            stage.trainable, stage.grads_acc = place(_slice_layers(trainable, start, stop)), place(
+                _slice_layers(grads, start, stop))
+            stage.opt_states = {slot: jax.tree.map(lambda new, old: place_like(new, old, start, stop), state,
+                                                   stage.opt_states[slot])
+                                for slot, state in enumerate(opt_states)}
+
+
+def _join_layers(parts: Sequence):
+    return jax.tree.map(lambda *leaves: leaves[0] if np.ndim(leaves[0]) == 0 else np.concatenate(leaves), *parts)
+
+
+def place_like(value, like: jax.Array, start: int, stop: int) -> jax.Array:
+    """`value` (all layers, or a scalar) cut to layers [start, stop) and placed as `like` is."""
+    value = np.asarray(value)
+    return jax.device_put(value if value.ndim == 0 else value[start:stop], like.sharding)

@@ -28,7 +28,7 @@ from jaxlora.parallel.layer_stack import pipeline_stack, tensor_parallel_stack
 
 def make_grad_step(model: Llama, num_slots: int, lora_backend: str = "gather", *, mesh: Mesh | None = None,
                    rules: ShardingRules = ShardingRules(), pipeline: bool = False, attention: str = "auto",
-                   unroll_layers: bool = False):
+                   unroll_layers: bool = False, remat: str = "none"):
     """A jitted (trainable, frozen, batch, plan, dropout_rate=None, dropout_key=None) ->
     (per-slot loss sums [num_slots], grads of trainable) over `model`'s current weights.
 
@@ -36,13 +36,16 @@ def make_grad_step(model: Llama, num_slots: int, lora_backend: str = "gather", *
     from `jaxlora.lora.trainable.split_pool`; batch: tokens, positions, segment_ids, targets,
     weights, each [B, T] ([M, B, T] with `pipeline`); plan: the `LoraPlan` of the B*T tokens, or
     with a mesh the per-data-shard plans of `jaxlora.parallel.plans.local_plans`. Without a mesh:
-    LoRA dropout (rate [S], key), the model's packed `attention` and `unroll_layers` (see `Llama`).
+    LoRA dropout (rate [S], key), the model's packed `attention`, `unroll_layers` and `remat`
+    (see `Llama`).
     With a mesh: place the model with `shard_model(model, mesh, rules)` (`rules.pipelined()` for
     a pipeline). The base weights enter the jitted function as an argument, not as captured
     constants (those would be embedded in the program: gigabytes for an 8B model, a slow compile)."""
+    if mesh is not None and remat != "none":
+        raise ValueError("remat applies to the model's own layer scan: make the grad step without a mesh")
     graphdef, state = nnx.split(model)
     if mesh is None:
-        forward = _model_forward(lora_backend, attention, unroll_layers)
+        forward = _model_forward(lora_backend, attention, unroll_layers, remat)
     else:
         forward = _stack_forward(model.config, mesh, rules, lora_backend, pipeline)
 
@@ -65,13 +68,13 @@ def make_grad_step(model: Llama, num_slots: int, lora_backend: str = "gather", *
     return grad_step
 
 
-def _model_forward(lora_backend: str, attention: str, unroll_layers: bool):
+def _model_forward(lora_backend: str, attention: str, unroll_layers: bool, remat: str):
     """(model, pool, batch, plan, dropout rate, key) -> logits [B, T, vocab] of the whole model."""
 
     def forward(model, pool, batch, plan, dropout_rate, dropout_key):
         logits, _ = model(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"],
                           lora=LoraInputs(pool, plan, dropout_rate, dropout_key), lora_backend=lora_backend,
-                          attention=attention, unroll_layers=unroll_layers)
+                          attention=attention, unroll_layers=unroll_layers, remat=remat)
         return logits
 
     return forward

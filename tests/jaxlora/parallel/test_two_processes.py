@@ -2,45 +2,26 @@
 run the sharded training steps and agree with one device."""
 
 import os
-import pathlib
-import socket
-import subprocess
 import sys
 
 import jax
 import numpy as np
-import pytest
 
 from jaxlora.buckets import bucket
 from jaxlora.lora.plan import build_plan
 from jaxlora.lora.trainable import split_pool
 from jaxlora.parallel.step import make_grad_step
 from tests.jaxlora.parallel.fixtures import NUM_SLOTS, packed_batch, random_pool, tiny_model
-
-ROOT = pathlib.Path(__file__).resolve().parents[3]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.multidevice import ROOT, SKIP, free_port, run_processes
 
 
-@pytest.mark.skipif(os.environ.get("JAXLORA_SKIP_MULTIDEVICE") == "1", reason="JAXLORA_SKIP_MULTIDEVICE=1")
+@SKIP
 def test_two_processes_match_one_device(tmp_path):
-    out, port = tmp_path / "results.npz", _free_port()
+    out, port = tmp_path / "results.npz", free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)
-    workers = [subprocess.Popen([sys.executable, str(ROOT / "tests/jaxlora/parallel/two_process_worker.py"),
-                                 str(pid), str(port), str(out)], cwd=ROOT, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
-    try:
-        logs = [worker.communicate(timeout=600)[0] for worker in workers]
-    finally:
-        for worker in workers:
-            if worker.poll() is None:
-                worker.kill()
-    assert all(worker.returncode == 0 for worker in workers), "\n".join(log[-3000:] for log in logs)
+    worker = str(ROOT / "tests/jaxlora/parallel/two_process_worker.py")
+    run_processes([[sys.executable, worker, str(pid), str(port), str(out)] for pid in (0, 1)], env)
 
     batch, token_slot = packed_batch(adapters=(0, 1, 2, 3, -1))
     trainable, frozen = split_pool(random_pool())

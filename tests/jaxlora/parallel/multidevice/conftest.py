@@ -1,14 +1,8 @@
-"""These tests need 8 (simulated) devices: `tests/jaxlora/parallel/test_multidevice.py` runs them in
+"""These tests need 8 (simulated) devices: the `test_multidevice.py` beside this folder runs them in
 a subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8; elsewhere they skip."""
 
-import jax
-import pytest
+from tests.multidevice import skip_without_eight_devices
 
 
 def pytest_collection_modifyitems(config, items):
-    if jax.device_count() >= 8:
-        return
-    skip = pytest.mark.skip(reason="needs 8 devices (run via tests/jaxlora/parallel/test_multidevice.py)")
-    for item in items:
-        if "/multidevice/" in str(item.fspath):
-            item.add_marker(skip)
+    skip_without_eight_devices(items)
