@@ -195,10 +195,11 @@ def _serving_kernels(y, rows, module_pool, plan: ServingPlan, style: str):
 
 # ---- the segment GEMM (hybrid on a mixed ServingPlan) -------------------------------------------
 
-# Prefill segments a mixed step's segment GEMM covers; the rest go through BGMV row by row. A full
-# 2048-token step of prompts 8-512 tokens long holds ~8 segments: with 4, half its prefill rows ran
-# through BGMV (a distinct-adapter mixed step 119 ms against 53 for base, H200: bench/NOTES_serve.md).
-SEGMENT_WINDOW = 16
+# Prefill segments a mixed step's segment GEMM covers; the rest go through BGMV row by row. 16
+# measured worse than 4 on the H200 trace (2048-token mixed steps 82-87 ms against 69-75 for one
+# to 12 adapters, 119 either way for 64: the wider GEMM's cost, not the overflow rows, which BGMV
+# takes cheaply; bench/NOTES_serve.md, session 9).
+SEGMENT_WINDOW = 4
 
 
 def _stack(module_pool):
