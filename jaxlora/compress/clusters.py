@@ -1,12 +1,17 @@
 """Grouping adapters before joint compression (Compress-then-Serve clusters large collections and
-gives each cluster its own bases): k-means on the normalised products vec(ΔW_i), one assignment
-per adapter over all its layers and modules.
+gives each cluster its own bases): k-means over the adapters' subspaces, one assignment per adapter
+over all its layers and modules.
 
-The products are never formed: each (layer, module) contributes a Gaussian sketch
-G_in^T ΔW_i G_out (s x s, E||sketch||^2 = ||ΔW_i||^2, so inner products of the normalised
-products are kept up to Johnson-Lindenstrauss error), normalised per (layer, module) so that each
-counts equally, and the concatenation is normalised again. k-means is a small Lloyd's algorithm
-with k-means++ seeding and a few restarts (a dozen lines: scikit-learn is not a dependency)."""
+What a cluster shares is a pair of bases, so adapters belong together when their products span
+the same column and row spaces, whatever their cores: the feature of a product ΔW_i is its two
+energy-weighted subspaces, the Grams ΔW_i ΔW_i^T and ΔW_i^T ΔW_i (adapters with similar vec(ΔW_i),
+the paper's criterion, have similar Grams too). The Grams are never formed: each is sketched as
+G^T Gram G (s x s, Gaussian G shared by all adapters) from the factors, and only the off-diagonal
+entries are kept (the diagonal carries a bias tr(Gram_i) tr(Gram_j) / s; the rest has
+E<sketch_i, sketch_j> proportional to <Gram_i, Gram_j>). Each (layer, module) is normalised so that
+each counts equally, and the concatenation again. k-means is a small Lloyd's algorithm with
+k-means++ seeding and a few restarts (a dozen lines: scikit-learn is not a dependency).
+"""
 
 from __future__ import annotations
 
@@ -16,18 +21,25 @@ import numpy as np
 
 from jaxlora.compress.factored import mm
 
-SKETCH_SIZE = 16
+SKETCH_SIZE = 24
 
 
 def sketch(a: jax.Array, b: jax.Array, key: jax.Array, size: int = SKETCH_SIZE) -> np.ndarray:
-    """[N, size*size] unit-norm sketches of the products a_i @ b_i (a [N, k, r], b [N, r, n]);
-    zero rows for zero products."""
+    """[N, size*(size-1)] features of the products a_i @ b_i (a [N, k, r], b [N, r, n]): the
+    off-diagonal sketches of the input-side and output-side Grams, each half unit-norm (zero for
+    zero products)."""
     key_in, key_out = jax.random.split(key)
     g_in = jax.random.normal(key_in, (a.shape[1], size)) / np.sqrt(size)
     g_out = jax.random.normal(key_out, (b.shape[2], size)) / np.sqrt(size)
-    sketches = mm(mm(g_in.T, a), mm(b, g_out)).reshape(a.shape[0], -1)
-    norms = jnp.linalg.norm(sketches, axis=1, keepdims=True)
-    return np.asarray(jnp.where(norms > 0, sketches / jnp.maximum(norms, 1e-30), 0.0))
+    left = mm(mm(g_in.T, a), b)  # [N, s, n]: G_in^T ΔW_i
+    right = mm(a, mm(b, g_out))  # [N, k, s]: ΔW_i G_out
+    upper = np.triu_indices(size, 1)
+    halves = []
+    for factor in (left, jnp.swapaxes(right, 1, 2)):
+        gram = mm(factor, jnp.swapaxes(factor, 1, 2))[:, upper[0], upper[1]]
+        norms = jnp.linalg.norm(gram, axis=1, keepdims=True)
+        halves.append(jnp.where(norms > 0, gram / jnp.maximum(norms, 1e-30), 0.0))
+    return np.asarray(jnp.concatenate(halves, axis=1))
 
 
 def normalise_rows(features: np.ndarray) -> np.ndarray:

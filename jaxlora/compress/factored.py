@@ -54,8 +54,7 @@ def top_subspace(apply_gram: Callable, dim: int, rank: int, key: jax.Array, iter
     step a Rayleigh-Ritz refinement."""
     width = min(dim, rank + oversample)
     basis, _ = jnp.linalg.qr(jax.random.normal(key, (dim, width), jnp.float32))
-    for _ in range(iters):
-        basis = rayleigh_ritz(apply_gram, basis, width)
+    basis = jax.lax.fori_loop(0, iters, lambda _, basis: rayleigh_ritz(apply_gram, basis, width), basis)
     return basis[:, :rank]
 
 

@@ -134,12 +134,16 @@ def _diag_step(a, b, params):
     return basis_in, basis_out, _solve(gram, rhs)
 
 
-@functools.partial(jax.jit, static_argnames=("rank", "iters"))
 def jd_diag(a: jax.Array, b: jax.Array, rank: int, key: jax.Array, iters: int = 30) -> JointResult:
     """JD-Diag at shared rank `rank` (see the module doc)."""
-    start = jd_full(a, b, rank, key, iters)
-    s = jnp.diagonal(start.sigma, axis1=1, axis2=2)
-    params = (start.basis_in, start.basis_out, s)
+    start = jd_full(a, b, rank, key, iters)  # compiled once per shape, shared with JD-Full
+    return _refine_diag(a, b, start.basis_in, start.basis_out, jnp.diagonal(start.sigma, axis1=1, axis2=2), iters)
+
+
+@functools.partial(jax.jit, static_argnames="iters")
+def _refine_diag(a, b, basis_in, basis_out, s, iters: int) -> JointResult:
+    """`iters` rounds of `_diag_step` from (P, Q, s) and the final errors."""
+    params = (basis_in, basis_out, s)
     basis_in, basis_out, s = jax.lax.fori_loop(0, iters, lambda _, p: _diag_step(a, b, p), params)
     gram, rhs = _diag_terms(a, b, basis_in, basis_out)
     error = products_norm_sq(a, b) - 2 * jnp.sum(s * rhs, axis=1) + jnp.einsum("nr,rs,ns->n", s, gram, s)
