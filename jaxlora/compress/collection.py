@@ -26,6 +26,7 @@ import numpy as np
 from jaxlora.compress import clusters as clustering
 from jaxlora.compress import methods
 from jaxlora.lora.adapter import LoraAdapter, ModuleLora
+from jaxlora.lora.compressed import SharedBasisSet
 from jaxlora.lora.config import AdapterError, LoraConfig
 from jaxlora.models.config import PROJECTIONS, LlamaConfig, projection_shapes
 
@@ -104,6 +105,15 @@ class CompressedCollection:
                                          np.full(self.num_layers, self.rank, np.int32),
                                          np.ones(self.num_layers, np.float32))
         return LoraAdapter(name, config, modules)
+
+    def serving_set(self) -> SharedBasisSet:
+        """The shared bases and cores for the `compressed` LoRA backend (JD methods; an SVD
+        collection has no shared basis: serve `as_adapter`s)."""
+        if self.method not in JOINT:
+            raise ValueError(f"a {self.method} collection has no shared bases; serve its adapters as ordinary ones")
+        modules = {m: {part: self.tensors[f"{m}.{part}"] for part in ("basis_in", "basis_out", "sigma")}
+                   for m in self.modules}
+        return SharedBasisSet(tuple(self.names), self.cluster.astype(np.int32), modules)
 
     def parameter_count(self) -> int:
         """Numbers stored for the adapters' weights (all tensors)."""
@@ -239,10 +249,20 @@ def _compress_layer(a, b, method, rank, cluster, key, iters) -> tuple[dict, np.n
     error = np.zeros(a.shape[0])
     for c in range(count):
         members = np.flatnonzero(cluster == c)
-        result = solve(a[members], b[members], rank, jax.random.fold_in(key, c), iters)
+        padded = _padded(members)  # zero adapters change no Gram: one compile per size bucket
+        a_c = jnp.where((padded >= 0)[:, None, None], a[np.maximum(padded, 0)], 0.0)
+        b_c = jnp.where((padded >= 0)[:, None, None], b[np.maximum(padded, 0)], 0.0)
+        result = solve(a_c, b_c, rank, jax.random.fold_in(key, c), iters)
         basis_in[c], basis_out[c] = np.asarray(result.basis_in), np.asarray(result.basis_out)
-        sigma[members], error[members] = np.asarray(result.sigma), np.asarray(result.error)
+        count_c = len(members)
+        sigma[members], error[members] = np.asarray(result.sigma)[:count_c], np.asarray(result.error)[:count_c]
     return {"basis_in": basis_in, "basis_out": basis_out, "sigma": sigma}, error
+
+
+def _padded(members: np.ndarray) -> np.ndarray:
+    """`members` padded with -1 (a zero adapter) to a power of two."""
+    size = 1 << max(0, int(len(members) - 1).bit_length())
+    return np.concatenate([members, np.full(size - len(members), -1)]).astype(np.int64)
 
 
 def _relative_errors(errors, norms, modules, sources) -> dict:
