@@ -143,7 +143,8 @@ def weights_sha256(adapter: LoraAdapter) -> str:
 def check_sources(sources: list[Source], base: LlamaConfig, base_model: str = "",
                   modules: tuple[str, ...] | None = None) -> tuple[str, ...]:
     """The target modules all `sources` share; AdapterError naming the first adapter whose base
-    model (when both name one), target modules or shapes differ from the rest (or from `modules`)."""
+    model (when both name one; `base_model` or else the first one named), target modules or shapes
+    differ from the rest (or from `modules`)."""
     if not sources:
         raise AdapterError("no adapters to compress")
     names = [s.name for s in sources]
@@ -151,6 +152,7 @@ def check_sources(sources: list[Source], base: LlamaConfig, base_model: str = ""
         raise AdapterError(f"adapter names repeat: {sorted({n for n in names if names.count(n) > 1})}")
     shapes = projection_shapes(base)
     modules = tuple(sorted(sources[0].adapter.modules, key=PROJECTIONS.index)) if modules is None else modules
+    base_model = base_model or next((s.base_model for s in sources if s.base_model), "")
     for source in sources:
         if base_model and source.base_model and source.base_model != base_model:
             raise AdapterError(f"adapter {source.name!r} was trained on base model {source.base_model!r}, "
@@ -219,6 +221,7 @@ def compress(sources: list[Source], base: LlamaConfig, method: str, rank: int, c
         if progress is not None:
             progress(layer + 1, base.num_layers)
     tensors = {name: np.stack(values) for name, values in tensors.items()}
+    base_model = base_model or next((s.base_model for s in sources if s.base_model), "")
     return CompressedCollection(method, rank, base_model, base.num_layers, shapes, [s.name for s in sources],
                                 cluster, tensors, _relative_errors(errors, norms, modules, sources),
                                 [_source_record(s) for s in sources])
