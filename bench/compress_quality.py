@@ -43,8 +43,8 @@ from train.trainer import Trainer
 
 # (method, rank, clusters): SVD per adapter; JD-Full and JD-Diag over one basis and over clusters.
 CONFIGS = [("svd", 1, 1), ("svd", 2, 1), ("svd", 4, 1),
-           ("jd-full", 8, 1), ("jd-full", 16, 1), ("jd-full", 32, 1), ("jd-full", 8, 4), ("jd-full", 16, 2),
-           ("jd-diag", 16, 1), ("jd-diag", 32, 1), ("jd-diag", 64, 1)]
+           ("jd-full", 8, 1), ("jd-full", 16, 1), ("jd-full", 24, 1), ("jd-full", 32, 1), ("jd-full", 8, 4), ("jd-full", 16, 2),
+           ("jd-diag", 16, 1), ("jd-diag", 24, 1), ("jd-diag", 32, 1)]
 NEW_TOKENS = 8
 
 

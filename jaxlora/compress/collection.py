@@ -184,18 +184,43 @@ def stack_factors(adapters: list[LoraAdapter], module: str, layer: int) -> tuple
     return jnp.asarray(a), jnp.asarray(b)
 
 
-def cluster_adapters(adapters: list[LoraAdapter], modules, num_layers: int, clusters: int, seed: int) -> np.ndarray:
-    """k-means labels [N] over the sketches of all layers and modules (`jaxlora.compress.clusters`)."""
+def cluster_adapters(stack, modules, num_layers: int, clusters: int, seed: int) -> np.ndarray:
+    """k-means labels [N] over the sketches of all layers and modules (`jaxlora.compress.clusters`);
+    stack(module, layer) -> (a [N, k, r], b [N, r, n]) as `stack_factors`."""
     if clusters == 1:
-        return np.zeros(len(adapters), np.int32)
+        return np.zeros(stack(modules[0], 0)[0].shape[0], np.int32)
     key = jax.random.key(seed)
     parts = []
     for layer in range(num_layers):
         for module in modules:
             key, sub = jax.random.split(key)
-            parts.append(clustering.sketch(*stack_factors(adapters, module, layer), sub))
+            parts.append(clustering.sketch(*stack(module, layer), sub))
     features = clustering.normalise_rows(np.concatenate(parts, axis=1))
     return clustering.kmeans(features, clusters, seed).astype(np.int32)
+
+
+def compress_stacks(stack, modules, num_layers: int, method: str, rank: int, cluster: np.ndarray, iters: int = 30,
+                    seed: int = 0, progress=None) -> tuple[dict, np.ndarray, np.ndarray]:
+    """The compression loop over layers and modules, from stack(module, layer) -> (a [N, k, r],
+    b [N, r, n]) (scales folded in; e.g. `stack_factors`, or arrays made on the device): (tensors
+    {"<module>.<part>": [L, ...]}, squared errors [modules, L, N], squared norms [modules, L, N]).
+    One layer and module is in memory at a time."""
+    tensors, errors, norms = {}, None, None
+    key = jax.random.key(seed)
+    for layer in range(num_layers):
+        for m, module in enumerate(modules):
+            a, b = stack(module, layer)
+            if errors is None:
+                errors = np.zeros((len(modules), num_layers, a.shape[0]))
+                norms = np.zeros_like(errors)
+            key, sub = jax.random.split(key)
+            parts, errors[m, layer] = _compress_layer(a, b, method, rank, cluster, sub, iters)
+            norms[m, layer] = np.asarray(methods.products_norm_sq(a, b))
+            for part, value in parts.items():
+                tensors.setdefault(f"{module}.{part}", []).append(value)
+        if progress is not None:
+            progress(layer + 1, num_layers)
+    return {name: np.stack(values) for name, values in tensors.items()}, errors, norms
 
 
 def compress(sources: list[Source], base: LlamaConfig, method: str, rank: int, clusters: int = 1,
@@ -206,21 +231,10 @@ def compress(sources: list[Source], base: LlamaConfig, method: str, rank: int, c
     shapes = {m: projection_shapes(base)[m] for m in modules}
     _check_options(method, rank, clusters, len(sources), shapes)
     adapters = [s.adapter for s in sources]
-    cluster = cluster_adapters(adapters, modules, base.num_layers, clusters, seed)
-    tensors, errors = {}, np.zeros((len(modules), base.num_layers, len(adapters)))
-    norms = np.zeros_like(errors)
-    key = jax.random.key(seed)
-    for layer in range(base.num_layers):
-        for m, module in enumerate(modules):
-            a, b = stack_factors(adapters, module, layer)
-            key, sub = jax.random.split(key)
-            parts, errors[m, layer] = _compress_layer(a, b, method, rank, cluster, sub, iters)
-            norms[m, layer] = np.asarray(methods.products_norm_sq(a, b))
-            for part, value in parts.items():
-                tensors.setdefault(f"{module}.{part}", []).append(value)
-        if progress is not None:
-            progress(layer + 1, base.num_layers)
-    tensors = {name: np.stack(values) for name, values in tensors.items()}
+    stack = lambda module, layer: stack_factors(adapters, module, layer)
+    cluster = cluster_adapters(stack, modules, base.num_layers, clusters, seed)
+    tensors, errors, norms = compress_stacks(stack, modules, base.num_layers, method, rank, cluster, iters, seed,
+                                             progress)
     base_model = base_model or next((s.base_model for s in sources if s.base_model), "")
     return CompressedCollection(method, rank, base_model, base.num_layers, shapes, [s.name for s in sources],
                                 cluster, tensors, _relative_errors(errors, norms, modules, sources),
