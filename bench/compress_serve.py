@@ -138,6 +138,8 @@ def main() -> None:
     defaults = {"requests": requests, "rate": 4.0, "cv": 1.0, "slora_mode": "throughput", "punica_mode": "throughput"}
     for spec in args.cases:
         case = parse_case(spec, defaults)
+        if case.kind == "slora" and case.n > count:  # --tiny: the adapters there are
+            case = dataclasses.replace(case, n=count)
         trace = make_trace(case, args.seed, 8, max_len, count)
         prompts = [np.random.default_rng([args.seed, 3]).integers(0, config.vocab_size, int(n)).tolist()
                    for n in trace.prompt_lens]
