@@ -371,6 +371,9 @@ def recompress(collection: CompressedCollection, sources: list[Source], new: lis
                iters: int = 30, seed: int = 0) -> CompressedCollection:
     """The collection compressed again from scratch with `new` adapters added: `sources` are its
     members' original adapters, in its order (AdapterError if a name or hash differs)."""
+    taken = sorted(set(collection.names) & {s.name for s in new})
+    if taken:
+        raise AdapterError(f"the collection already has adapters named {taken}")
     if [s.name for s in sources] != collection.names:
         raise AdapterError(f"recompression needs the collection's source adapters in order: {collection.names}")
     for source, record in zip(sources, collection.sources):
