@@ -211,19 +211,21 @@ class Record:
 
 
 def run_trace(model, engine_config: EngineConfig, trace: Trace, prompts: list, factory: AdapterFactory | None,
-              mesh=None, step_fn=None, shapes=None) -> dict:
-    """Serves `trace` on a fresh engine (with its adapters if `factory`, else all on the base model;
+              mesh=None, step_fn=None, shapes=None, compressed=None) -> dict:
+    """Serves `trace` on a fresh engine (with its adapters if `factory`, or from a compressed
+    collection `compressed` (a `SharedBasisSet` naming them adapter<i>), else all on the base model;
     tensor parallel over `mesh` if given), warmed up on `shapes` (default: the greedy steps of its
     kind, `greedy_shapes`) unless `step_fn` replaces its device step (`Engine(step_fn=...)`)."""
     setup_start = time.perf_counter()
-    engine = Engine(model, eos_ids=(), config=engine_config, mesh=mesh, step_fn=step_fn)
+    engine = Engine(model, eos_ids=(), config=engine_config, mesh=mesh, step_fn=step_fn, compressed=compressed)
+    with_adapters = factory is not None or compressed is not None
     if step_fn is None:
-        engine.warmup(greedy_shapes(engine, (factory is not None,)) if shapes is None else shapes)
+        engine.warmup(greedy_shapes(engine, (with_adapters,)) if shapes is None else shapes)
     if factory is not None:
         for index in sorted(set(int(a) for a in trace.adapters)):
             engine.add_adapter(f"adapter{index}", factory(index))
     setup_s = time.perf_counter() - setup_start
-    names = [None if factory is None else f"adapter{int(a)}" for a in trace.adapters]
+    names = [f"adapter{int(a)}" if with_adapters else None for a in trace.adapters]
     count = len(names)
     records = [Record() for _ in range(count)]
     finished = [0]

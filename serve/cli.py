@@ -21,6 +21,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the base model's name in the API")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH", help="a PEFT adapter to serve")
+    p.add_argument("--compressed", default=None, metavar="PATH",
+                   help="a compressed collection (jaxlora-compress): every adapter in it is served by name; JD "
+                        "collections from their shared bases (the compressed LoRA backend, mixed with --adapter "
+                        "adapters), SVD collections as ordinary adapters")
     p.add_argument("--allowed-adapter-dir", action="append", default=[], metavar="DIR",
                    help="directory under which /v1/load_lora_adapter may read adapters (repeatable)")
     p.add_argument("--max-adapters-on-device", type=int, default=4, help="adapter pool slots on the device")
@@ -140,6 +144,7 @@ def build_app(args):
         raise SystemExit("jaxlora-serve: --metrics-require-key needs --api-key (or JAXLORA_API_KEY)")
     import jax
 
+    collection = read_compressed(args)
     args.lora_backend = backends.resolve(args.lora_backend, jax.default_backend(), args.tensor_parallel)
     mesh = tensor_parallel_mesh(args.tensor_parallel, args.lora_backend)
     try:
@@ -147,6 +152,11 @@ def build_app(args):
         adapters = {name: load_peft_adapter(path, model.config, name) for name, path in parse_adapters(args.adapter)}
     except (WeightsError, AdapterError, OSError) as err:
         raise SystemExit(f"jaxlora-serve: {err}")
+    shared = None
+    if collection is not None and collection.method == "svd":
+        adapters |= {name: collection.as_adapter(name) for name in collection.names}
+    elif collection is not None:
+        shared = collection.serving_set()
     max_rank = args.max_lora_rank or max([16] + [a.max_rank for a in adapters.values()])
     context = min(args.max_model_len, model.config.max_position_embeddings)
     try:
@@ -158,7 +168,7 @@ def build_app(args):
             gpu_memory_utilization=args.gpu_memory_utilization)
         if mesh is None:  # packed here so that the separate kernels are freed before the KV cache is sized
             model = pack_projections(model)
-        engine = Engine(model, tokenizer.eos_token_ids, config, adapters, mesh=mesh)
+        engine = Engine(model, tokenizer.eos_token_ids, config, adapters, mesh=mesh, compressed=shared)
     except (AdapterError, ValueError) as err:  # incl. bad sizes, shapes that do not split over --tensor-parallel
         raise SystemExit(f"jaxlora-serve: {err}")
     limits = Limits(max_tokens=args.max_tokens_limit, max_body_bytes=args.max_body_bytes)
@@ -166,6 +176,30 @@ def build_app(args):
                               tuple(args.allowed_adapter_dir), limits, api_key=args.api_key,
                               metrics_require_key=args.metrics_require_key)
     return create_app(engine, tokenizer, settings)
+
+
+def read_compressed(args):
+    """The collection of --compressed (None without it); a JD collection sets --lora-backend to
+    `compressed` (SystemExit for another explicit backend, or an unreadable collection)."""
+    if args.compressed is None:
+        return None
+    from jaxlora.compress import store
+
+    try:
+        collection = store.load(args.compressed)
+    except store.CollectionError as err:
+        raise SystemExit(f"jaxlora-serve: --compressed: {err}")
+    if collection.method != "svd":
+        shared = [n for n in backends.names(serves=True) if backends.get(n).shared_basis]
+        if args.lora_backend not in (backends.AUTO, *shared):
+            raise SystemExit(f"jaxlora-serve: --compressed {collection.method} collections need --lora-backend "
+                             f"{' or '.join(shared)} (or auto), got {args.lora_backend!r}")
+        args.lora_backend = shared[0]
+    if collection.base_model and collection.base_model != args.model:
+        logging.getLogger("jaxlora.serve").warning(
+            "--compressed %s was made for base model %r, serving %r (shapes are checked)", args.compressed,
+            collection.base_model, args.model)
+    return collection
 
 
 def use_compile_cache(directory: str) -> None:

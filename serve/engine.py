@@ -50,6 +50,11 @@ without LoRA inputs (its own compiled variant), so base-only traffic costs exact
 `start()` runs steps in a background thread; `submit`/`abort`/`add_adapter`/`remove_adapter` are
 thread-safe.
 
+A compressed collection (`Engine(..., compressed=SharedBasisSet)`, Compress-then-Serve; needs a
+`shared_basis` LoRA backend) is registered adapter by adapter under its names; its bases and cores
+stay on the device next to the pool's arrays, and adapter j's rows take the fixed slot
+`max_adapters_on_device + j` (never loaded or evicted: `AdapterSlots.fix`).
+
 Tensor parallel: `Engine(..., mesh=jaxlora.sharding.make_mesh(tensor=N, devices=...))` places a
 copy of the weights Megatron-style (`jaxlora.sharding.shard_model`; the caller's model is not
 moved), the adapter pool S-LoRA-style (`AdapterPool(mesh=...)`: slot loads keep the placement),
@@ -82,6 +87,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxlora import sharding
 from jaxlora.lora import backends
 from jaxlora.lora.adapter import LoraAdapter, check_finite
+from jaxlora.lora.compressed import SharedBasisSet, with_compressed
 from jaxlora.lora.config import AdapterError
 from jaxlora.buckets import bucket
 from jaxlora.models.packed import pack_projections
@@ -260,11 +266,13 @@ class Engine:
 
     def __init__(self, model: Llama, eos_ids=(), config: EngineConfig = EngineConfig(),
                  adapters: dict[str, LoraAdapter] | None = None, mesh: Mesh | None = None,
-                 step_fn: Callable[[Step, PagedKVCache], tuple] | None = None):
+                 step_fn: Callable[[Step, PagedKVCache], tuple] | None = None,
+                 compressed: SharedBasisSet | None = None):
         """mesh: serve tensor parallel over `mesh`'s `tensor` axis (see the module doc).
         step_fn(step, cache) -> (sampled tokens: row r's at index r, the cache): runs each step in
         place of `device_step` (e.g. a host-only stub for benchmarks); a public attribute.
-        `self.config` is `config` with its unset sizes filled (see `EngineConfig`)."""
+        `self.config` is `config` with its unset sizes filled (see `EngineConfig`).
+        compressed: a compressed collection to serve (see the module doc)."""
         devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
         config = config.for_platform(devices[0].platform)
         self.config = config
@@ -282,6 +290,7 @@ class Engine:
         # donate: the pool's arrays are written in place; only `build_step` reads them, afresh each step
         self.pool = AdapterPool(model.config, config.max_adapters_on_device, config.max_lora_rank,
                                 dtype=model.dtype, donate=True, mesh=mesh)
+        self._compressed = self._place_compressed(compressed, mesh)  # before the KV pages are sized
         if config.num_pages is None:  # sized now: after the weights and the pool are on the devices
             config = self.config = dataclasses.replace(config, num_pages=self._pages_that_fit(devices))
         self.cache = self._new_cache()
@@ -289,13 +298,14 @@ class Engine:
             num_pages=config.num_pages, page_size=config.page_size,
             num_adapter_slots=config.max_adapters_on_device, max_num_seqs=config.max_num_seqs,
             token_budget=config.token_budget, prefill_chunk=config.prefill_chunk))
-        self._num_segments = bucket(config.max_adapters_on_device + 1, 4)
         self._max_pages = bucket(pages_for(config.max_model_len, config.page_size), 1)
         self.max_rows = bucket(min(config.max_num_seqs, config.token_budget), 8)  # most rows of a step
         self._decode_variant: bool | None = None  # `_has_decode_variant`, once known
         self._min_tokens = config.min_step_tokens  # the smallest token bucket (`_padded_tokens`)
         self._min_lora_mixed = min(bucket(config.min_lora_mixed_tokens, self._min_tokens),
                                    bucket(config.token_budget, self._min_tokens))
+        fixed = 0 if compressed is None else min(len(compressed.names), self.max_rows)  # distinct per step
+        self._num_segments = bucket(config.max_adapters_on_device + 1 + fixed, 4)
         self.programs = Programs(self._graphdef, config.lora_backend, self.max_rows)
         self.sampler_slots = SamplerSlots(config.max_num_seqs, model.config.vocab_size,
                                           None if mesh is None else NamedSharding(mesh, jax.sharding.PartitionSpec()))
@@ -321,6 +331,8 @@ class Engine:
         self.stats = EngineStats()
         for name, adapter in (adapters or {}).items():
             self.add_adapter(name, adapter)
+        for index, name in enumerate(() if compressed is None else compressed.names):
+            self._register_compressed(name, index)
 
     @property
     def tensor_parallel(self) -> int:
@@ -349,6 +361,38 @@ class Engine:
             return PagedKVCache.zeros(*sizes)
         return _placed_zeros_cache(*sizes, NamedSharding(self.mesh, sharding.ShardingRules().spec(
             sharding.KV_CACHE_AXES)))
+
+    def _place_compressed(self, compressed: SharedBasisSet | None, mesh) -> dict | None:
+        """The compressed collection's device arrays, checked against the model, pool and backend."""
+        if compressed is None:
+            return None
+        if not backends.get(self.config.lora_backend).shared_basis:
+            raise ValueError(f"serving a compressed collection needs a shared-basis LoRA backend "
+                             f"({', '.join(n for n in backends.names() if backends.get(n).shared_basis)}), "
+                             f"not {self.config.lora_backend!r}")
+        if mesh is not None:
+            raise ValueError("a compressed collection is served on one device (no tensor parallel)")
+        shapes = projection_shapes(self.model_config)
+        for module, shape in compressed.shapes().items():
+            if shape != (self.model_config.num_layers, *shapes[module]):
+                raise AdapterError(f"the compressed collection's {module} has (layers, in, out) {shape}, the base "
+                                   f"model {(self.model_config.num_layers, *shapes[module])}")
+        arrays = compressed.device_arrays(self._dtype)
+        with_compressed(self.pool.arrays, arrays)  # ValueError for a module the pool does not hold
+        return arrays
+
+    def _register_compressed(self, name: str, index: int) -> None:
+        if name in self._registry:
+            raise ValueError(f"an adapter named {name!r} is already loaded")
+        entry = _Registered(next(self._uids), name, None)
+        self._registry[name] = entry
+        self._by_uid[entry.uid] = entry
+        self.scheduler.slots.fix(entry.uid, self.config.max_adapters_on_device + index)
+
+    def _lora_arrays(self) -> dict:
+        """The LoRA arrays a step reads: the pool's (read afresh: loads replace them), plus the
+        compressed collection's."""
+        return self.pool.arrays if self._compressed is None else with_compressed(self.pool.arrays, self._compressed)
 
     # ---- adapters (any thread) ---------------------------------------------------------
     def add_adapter(self, name: str, adapter: LoraAdapter) -> None:
@@ -643,7 +687,7 @@ class Engine:
                            np.zeros(shape.rows, np.int32))
         lora = None
         if shape.lora:
-            lora = LoraInputs(self.pool.arrays, self._lora_plan(no_rows, np.zeros(tokens, bool), shape.decode_only))
+            lora = LoraInputs(self._lora_arrays(), self._lora_plan(no_rows, np.zeros(tokens, bool), shape.decode_only))
         return self._state, self.cache, batch, lora, self._last_tokens, no_rows
 
     def _build_step(self, plan: StepPlan, phases: "_PhaseClock") -> Step:
@@ -655,7 +699,7 @@ class Engine:
         decode_only = bool(one_token[: plan.num_tokens].all())
         lora = None
         if (token_slot >= 0).any():
-            lora = LoraInputs(self.pool.arrays, self._lora_plan(token_slot, one_token, decode_only))
+            lora = LoraInputs(self._lora_arrays(), self._lora_plan(token_slot, one_token, decode_only))
         else:  # base rows only: the base model's own compiled step, no pool or plan
             self.stats.base_only_steps += 1
         phases.mark("lora_plan")

@@ -38,7 +38,71 @@ def count_words(rng: random.Random) -> tuple[str, str]:
     return f"Words: {' '.join(words)}\nHow many words:", f" {len(words)}"
 
 
-TASKS = {"last_word": last_word, "first_word": first_word, "repeat_twice": repeat_twice, "count_words": count_words}
+def second_word(rng: random.Random) -> tuple[str, str]:
+    words = _words(rng, 3, 6)
+    return f"Words: {' '.join(words)}\nSecond word:", f" {words[1]}"
+
+
+def first_and_last(rng: random.Random) -> tuple[str, str]:
+    words = _words(rng, 3, 6)
+    return f"Words: {' '.join(words)}\nFirst and last:", f" {words[0]} {words[-1]}"
+
+
+def reverse_pair(rng: random.Random) -> tuple[str, str]:
+    first, second = _words(rng, 2, 2)
+    return f"Words: {first} {second}\nReversed:", f" {second} {first}"
+
+
+def repeat_thrice(rng: random.Random) -> tuple[str, str]:
+    word = rng.choice(WORDS)
+    return f"Word: {word}\nSay it three times:", f" {word} {word} {word}"
+
+
+def uppercase(rng: random.Random) -> tuple[str, str]:
+    word = rng.choice(WORDS)
+    return f"Word: {word}\nIn capitals:", f" {word.upper()}"
+
+
+def first_letter(rng: random.Random) -> tuple[str, str]:
+    word = rng.choice(WORDS)
+    return f"Word: {word}\nFirst letter:", f" {word[0]}"
+
+
+def last_letter(rng: random.Random) -> tuple[str, str]:
+    word = rng.choice(WORDS)
+    return f"Word: {word}\nLast letter:", f" {word[-1]}"
+
+
+def word_length(rng: random.Random) -> tuple[str, str]:
+    word = rng.choice(WORDS)
+    return f"Word: {word}\nLetters:", f" {len(word)}"
+
+
+def next_number(rng: random.Random) -> tuple[str, str]:
+    number = rng.randint(1, 98)
+    return f"Number: {number}\nNext:", f" {number + 1}"
+
+
+def previous_number(rng: random.Random) -> tuple[str, str]:
+    number = rng.randint(2, 99)
+    return f"Number: {number}\nPrevious:", f" {number - 1}"
+
+
+def add_numbers(rng: random.Random) -> tuple[str, str]:
+    x, y = rng.randint(1, 9), rng.randint(1, 9)
+    return f"Add: {x} and {y}\nSum:", f" {x + y}"
+
+
+def double_number(rng: random.Random) -> tuple[str, str]:
+    number = rng.randint(1, 49)
+    return f"Number: {number}\nDouble:", f" {2 * number}"
+
+
+TASKS = {"last_word": last_word, "first_word": first_word, "repeat_twice": repeat_twice, "count_words": count_words,
+         "second_word": second_word, "first_and_last": first_and_last, "reverse_pair": reverse_pair,
+         "repeat_thrice": repeat_thrice, "uppercase": uppercase, "first_letter": first_letter,
+         "last_letter": last_letter, "word_length": word_length, "next_number": next_number,
+         "previous_number": previous_number, "add_numbers": add_numbers, "double_number": double_number}
 DEMO_TASKS = ("last_word", "repeat_twice", "first_word")
 
 

@@ -12,7 +12,10 @@ what `auto` means on a platform. No code elsewhere tests a backend by its name.
                                      step's first prefill segments' own A/B (`ops.segment_*`);
                                      the one-hot GEMMs with a `LoraPlan` (bench/NOTES_serve.md);
   fused, fused_tpu                   training: x @ W and the LoRA in one fused kernel, inside
-                                     the projection (`jaxlora.lora.project`).
+                                     the projection (`jaxlora.lora.project`);
+  compressed                         serving: a compressed collection's adapters from shared
+                                     bases (Compress-then-Serve), mixed with the pool's adapters
+                                     (`jaxlora.lora.compressed`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxlora.lora import ops
+from jaxlora.lora import compressed, ops
 from jaxlora.lora.plan import LoraPlan, ServingPlan
 
 AUTO = "auto"
@@ -46,6 +49,7 @@ class LoraBackend:
       (the delta added in place into the projection's output); None: y + delta.
     fused_linear: the fused projection (`ops.fused_linear`), or None.
     route: plan -> the backend that computes that plan (hybrid), or None: itself.
+    shared_basis: it serves the adapters of a compressed collection (`jaxlora.lora.compressed`).
     """
 
     name: str
@@ -59,6 +63,7 @@ class LoraBackend:
     in_place_group: Callable | None = None
     fused_linear: Callable | None = None
     route: Callable | None = None
+    shared_basis: bool = False
 
     @property
     def fused(self) -> bool:
@@ -144,6 +149,8 @@ _REGISTRY: dict[str, LoraBackend] = {backend.name: backend for backend in (
                 route=_hybrid_route),
     _fused("fused", None),
     _fused("fused_tpu", "tpu"),
+    LoraBackend("compressed", LoraPlan, partitionable=False, custom_kernel=False, serves=True, trains=False,
+                row_delta=compressed.compressed_delta, shared_basis=True),
 )}
 
 # What a backend without the fact cannot do, for `get`'s errors.

@@ -3,6 +3,8 @@
 Adapters are identified by a key (any hashable; the engine uses a unique id per registered
 adapter). A slot is *pinned* while running requests use its adapter: pinned slots are never
 evicted. The caller does the actual device copy for every `(slot, key)` this class hands out.
+A *fixed* key (`fix`) lives at a permanent slot outside the N (a compressed collection's adapter,
+always on the device): it is never placed, loaded, pinned or evicted.
 """
 
 from __future__ import annotations
@@ -21,12 +23,21 @@ class AdapterSlots:
         self._pins = [0] * num_slots
         self._last_used = [0] * num_slots
         self._clock = itertools.count(1)
+        self.fixed: dict = {}
+
+    def fix(self, key, slot: int) -> None:
+        """Makes `key` permanently resident at `slot` (>= num_slots: outside the LRU slots)."""
+        if slot < self.num_slots or slot in self.fixed.values():
+            raise ValueError(f"fixed slot {slot} overlaps the LRU slots (0..{self.num_slots - 1}) or another key")
+        self.fixed[key] = slot
 
     def slot_of(self, key) -> int | None:
+        if key in self.fixed:
+            return self.fixed[key]
         return self.keys.index(key) if key in self.keys else None
 
     def resident(self) -> list:
-        return [key for key in self.keys if key is not None]
+        return [key for key in self.keys if key is not None] + list(self.fixed)
 
     def victim(self, protect=()) -> int | None:
         """The slot to fill next: a free one, else the LRU unpinned one whose key is not in `protect`."""
@@ -36,7 +47,7 @@ class AdapterSlots:
         return min(candidates, key=lambda s: self._last_used[s]) if candidates else None
 
     def can_place(self, key) -> bool:
-        return key in self.keys or self.victim() is not None
+        return self.slot_of(key) is not None or self.victim() is not None
 
     def place(self, key, protect=()) -> tuple[int, bool] | None:
         """(slot, whether it must be loaded) for `key`, without pinning; None if no slot can be had."""
@@ -51,26 +62,37 @@ class AdapterSlots:
         return slot, True
 
     def pin(self, key) -> int:
+        if key in self.fixed:
+            return self.fixed[key]
         slot = self.keys.index(key)
         self._pins[slot] += 1
         self.touch(key)
         return slot
 
     def unpin(self, key) -> None:
+        if key in self.fixed:
+            return
         slot = self.keys.index(key)
         if self._pins[slot] == 0:
             raise ValueError(f"adapter {key!r} is not pinned")
         self._pins[slot] -= 1
 
     def touch(self, key) -> None:
+        if key in self.fixed:
+            return
         self._last_used[self.keys.index(key)] = next(self._clock)
 
     def pinned(self, key) -> bool:
+        if key in self.fixed:
+            return False
         slot = self.slot_of(key)
         return slot is not None and self._pins[slot] > 0
 
     def drop(self, key) -> int | None:
-        """Forgets an unpinned adapter (its slot becomes free); returns the slot, or None if absent."""
+        """Forgets an unpinned adapter (its slot becomes free); returns the slot, or None if absent
+        or fixed (a fixed key is forgotten; its slot holds nothing to evict)."""
+        if self.fixed.pop(key, None) is not None:
+            return None
         slot = self.slot_of(key)
         if slot is None:
             return None
