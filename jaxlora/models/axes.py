@@ -53,6 +53,8 @@ def weight_axes(name: str) -> tuple[str, ...]:
     if name == "norm":
         return ("embed",)
     module, _, kind = name.removeprefix("layers.").partition(".")
+    if module in ("q_norm", "k_norm"):  # per-head norms [L, head_dim] (Qwen3): replicated
+        return ("layers", None)
     if not kind:  # a per-layer norm
         return ("layers", "embed")
     fan_in, fan_out = PROJECTION_AXES[module]

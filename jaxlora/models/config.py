@@ -4,9 +4,10 @@ the names, shapes and biases of its LoRA-targetable projections."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Mapping
 
-SUPPORTED_HF_ARCHITECTURES = ("llama", "qwen2", "mistral")
+SUPPORTED_HF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 # The linear projections of a decoder layer (PEFT's module names), where LoRA can go.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Projections of one input that a serving model may hold as one kernel, side by side in this
@@ -49,6 +50,7 @@ class LlamaConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
+    qk_norm: bool = False  # RMSNorm of each head's query and key before RoPE (Qwen3)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -112,6 +114,20 @@ def _rope_scaling_from_hf(raw: Mapping[str, Any] | None) -> RopeScaling | None:
     )
 
 
+def _context_within_window(hf: Mapping[str, Any], source: str) -> int:
+    """max_position_embeddings, capped at a Mistral-style `sliding_window` (every layer windowed):
+    within the window sliding-window attention is full attention, which is what jaxlora runs, so
+    the model is exact on every sequence it then accepts."""
+    context = int(hf.get("max_position_embeddings", 2048))
+    window = hf.get("sliding_window")
+    if hf.get("model_type") == "mistral" and window is not None and int(window) < context:
+        logging.getLogger(__name__).warning(
+            "%s: sliding_window %d < max_position_embeddings %d: context capped at %d (jaxlora runs full attention, "
+            "equal to the window's within it)", source, int(window), context, int(window))
+        return int(window)
+    return context
+
+
 def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> LlamaConfig:
     """Builds a config from the dict of a HF `config.json`; `source` names the file in errors."""
     model_type = hf.get("model_type")
@@ -120,6 +136,9 @@ def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> LlamaC
             f"{source}: unknown architecture model_type={model_type!r}; "
             f"jaxlora supports {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
         )
+    if hf.get("use_sliding_window") or any(kind != "full_attention" for kind in hf.get("layer_types") or ()):
+        raise ConfigError(f"{source}: sliding-window attention layers are not supported yet (use_sliding_window / "
+                          f"layer_types); jaxlora runs full attention only")
     try:
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
@@ -138,13 +157,14 @@ def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> LlamaC
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=_rope_scaling_from_hf(rope_raw),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            max_position_embeddings=_context_within_window(hf, source),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
             o_proj_bias=model_type != "qwen2" and bool(hf.get("attention_bias", False)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=_eos_ids(hf.get("eos_token_id")),
             model_type=model_type,
+            qk_norm=model_type == "qwen3",
         )
     except KeyError as missing:
         raise ConfigError(f"{source}: missing required key {missing}") from None

@@ -28,6 +28,7 @@ from jaxlora.models.layers import (PackedSegments, apply_rope, attend, dense, pa
 # Stacked per-layer weights are `layers.<name>`; kernels are [num_layers, in, out].
 __all__ = ["DenseCacheAttention", "KVCache", "Llama", "PackedAttention", "LoraInputs", "decoder_layer", "weight_shapes"]
 LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
+QK_NORMS = ("q_norm", "k_norm")  # per-head RMSNorm of queries and keys (`LlamaConfig.qk_norm`: Qwen3)
 
 
 class KVCache(NamedTuple):
@@ -48,6 +49,9 @@ def weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"embed_tokens": (config.vocab_size, d), "norm": (d,)}
     for name in LAYER_NORMS:
         shapes[f"layers.{name}"] = (num_layers, d)
+    if config.qk_norm:
+        for name in QK_NORMS:
+            shapes[f"layers.{name}"] = (num_layers, config.head_dim)
     for name, (fan_in, fan_out) in projection_shapes(config).items():
         shapes[f"layers.{name}.kernel"] = (num_layers, fan_in, fan_out)
         if has_bias(config, name):
@@ -242,6 +246,9 @@ def decoder_layer(config, weights, hidden, positions, inv_freq, kv, layer_lora: 
                             (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim))
     q = q.reshape(batch, length, heads, head_dim)
     k, v = k.reshape(batch, length, kv_heads, head_dim), v.reshape(batch, length, kv_heads, head_dim)
+    if config.qk_norm:  # Qwen3: each head's query and key normalised before RoPE
+        q = rms_norm(q, weights["q_norm"], config.rms_norm_eps)
+        k = rms_norm(k, weights["k_norm"], config.rms_norm_eps)
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     attn, kv = kv.attend(q, k, v)
     hidden = hidden + reduce_partial(_project(attn.reshape(batch, length, heads * head_dim), weights, "o_proj",

@@ -14,7 +14,7 @@ from jaxlora.weights.errors import WeightsError
 
 _LAYER_TENSOR = re.compile(
     r"model\.layers\.(\d+)\.(?:self_attn|mlp)?\.?"
-    r"(input_layernorm|post_attention_layernorm|[a-z_]+_proj)\.?(weight|bias)?$"
+    r"(input_layernorm|post_attention_layernorm|q_norm|k_norm|[a-z_]+_proj)\.?(weight|bias)?$"
 )
 
 
@@ -32,7 +32,7 @@ def hf_to_model_name(hf_name: str) -> tuple[str, int | None, bool] | None:
     if not match:
         return None
     layer, module, kind = int(match.group(1)), match.group(2), match.group(3)
-    if module.endswith("layernorm"):
+    if module.endswith("layernorm") or module in ("q_norm", "k_norm"):
         return f"layers.{module}", layer, False
     if kind == "weight":
         return f"layers.{module}.kernel", layer, True

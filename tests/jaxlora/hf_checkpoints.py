@@ -34,6 +34,18 @@ def tiny_qwen2_config(**overrides):
     return Qwen2Config(**values)
 
 
+def tiny_qwen3_config(**overrides):
+    from transformers import Qwen3Config
+
+    values = dict(
+        vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=512,
+        rms_norm_eps=1e-6, tie_word_embeddings=True,
+    )
+    values.update(overrides)
+    return Qwen3Config(**values)
+
+
 def save_random_model(config, directory: str, seed: int = 0):
     """Writes a randomly initialised model with `save_pretrained` (safetensors); returns it."""
     import torch

@@ -8,7 +8,7 @@ import pytest
 from jaxlora.weights import load_llama
 from tests.jaxlora.hf_checkpoints import (
     checkpoint_dir, hf_logits, jax_logits, relative_error, save_random_model, tiny_llama_config,
-    tiny_qwen2_config, write_llama_gguf,
+    tiny_qwen2_config, tiny_qwen3_config, write_llama_gguf,
 )
 
 PROMPTS = [
@@ -46,8 +46,9 @@ def test_smollm2_greedy_answer(smollm2):
 
 @pytest.mark.parametrize(
     "make_config",
-    [tiny_llama_config, tiny_qwen2_config, lambda: tiny_llama_config(attention_bias=True, tie_word_embeddings=True)],
-    ids=["llama3-rope-untied", "qwen2-bias-tied", "llama-attention-bias"],
+    [tiny_llama_config, tiny_qwen2_config, lambda: tiny_llama_config(attention_bias=True, tie_word_embeddings=True),
+     tiny_qwen3_config],
+    ids=["llama3-rope-untied", "qwen2-bias-tied", "llama-attention-bias", "qwen3-qk-norm-head-dim"],
 )
 def test_random_hf_checkpoint_matches_transformers(tmp_path, make_config):
     directory = checkpoint_dir(tmp_path, "model")
@@ -55,6 +56,28 @@ def test_random_hf_checkpoint_matches_transformers(tmp_path, make_config):
     tokens = np.random.default_rng(1).integers(0, 320, size=(2, 37))
     ours = jax_logits(load_llama(directory), tokens)
     assert relative_error(ours, hf_logits(reference, tokens)) <= 1e-4
+
+
+def test_sliding_window_checkpoints_are_refused(tmp_path):
+    """A checkpoint with sliding-window layers would attend differently past its window: refused."""
+    from jaxlora.models.config import ConfigError, config_from_hf
+
+    config = tiny_qwen3_config(use_sliding_window=True, sliding_window=16).to_dict()
+    with pytest.raises(ConfigError, match="sliding-window"):
+        config_from_hf(config)
+
+
+def test_mistral_sliding_window_caps_the_context():
+    """Mistral windows every layer: the context is capped at the window, where the two agree."""
+    from transformers import MistralConfig
+
+    from jaxlora.models.config import config_from_hf
+
+    windowed = MistralConfig(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                             sliding_window=64).to_dict()
+    assert config_from_hf(windowed).max_position_embeddings == 64
+    assert config_from_hf({**windowed, "sliding_window": None}).max_position_embeddings == 512
 
 
 def test_sharded_safetensors_load(tmp_path):
