@@ -80,3 +80,29 @@ def test_jaxlora_adapter_loads_in_peft(tmp_path, smollm2, smollm2_path):
     for module, weights in adapter.modules.items():
         np.testing.assert_array_equal(reloaded.modules[module].a, weights.a)
         np.testing.assert_array_equal(reloaded.modules[module].scale, weights.scale)
+
+
+def test_peft_adapter_on_a_qwen3_checkpoint_gives_peft_logits(tmp_path):
+    """Model families: a PEFT adapter made for a random Qwen3 checkpoint (q/k norms, head_dim !=
+    hidden / heads) loads in jaxlora with PEFT's logits."""
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+
+    from jaxlora.weights import load_llama
+    from tests.jaxlora.hf_checkpoints import checkpoint_dir, save_random_model, tiny_qwen3_config
+
+    import torch
+
+    directory = checkpoint_dir(tmp_path, "qwen3")
+    reference = save_random_model(tiny_qwen3_config(), directory)
+    model = load_llama(directory)
+    torch.manual_seed(1)
+    peft_config = PeftLoraConfig(r=4, lora_alpha=8, target_modules=list(PROJECTIONS), lora_dropout=0.0,
+                                 init_lora_weights=False)
+    peft_model = get_peft_model(reference, peft_config).eval()
+    tokens = np.random.default_rng(2).integers(0, 320, size=(1, 29))
+    expected = _torch_logits(peft_model, tokens)
+    peft_model.save_pretrained(str(tmp_path / "adapter"))
+    adapter = load_peft_adapter(str(tmp_path / "adapter"), model.config)
+    base = np.asarray(model(tokens, np.arange(tokens.shape[1])[None])[0])
+    assert relative_error(expected, base) > 1e-2  # the adapter matters
+    assert relative_error(_jax_logits_with(model, adapter, tokens), expected) <= 1e-4
