@@ -21,12 +21,14 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style RoPE frequency scaling (`rope_type == "llama3"`)."""
+    """RoPE frequency scaling: Llama-3's (`rope_type == "llama3"`, the band factors below) or
+    linear position interpolation (`"linear"`: every frequency divided by `factor`)."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +106,11 @@ def _rope_scaling_from_hf(raw: Mapping[str, Any] | None) -> RopeScaling | None:
     rope_type = raw.get("rope_type", raw.get("type"))
     if rope_type in (None, "default"):
         return None
+    if rope_type == "linear":
+        return RopeScaling(factor=float(raw["factor"]), rope_type="linear")
     if rope_type != "llama3":
-        raise ConfigError(f"unsupported rope_scaling type {rope_type!r} (supported: 'llama3')")
+        raise ConfigError(f"unsupported rope_scaling type {rope_type!r} (supported: 'llama3', 'linear'; "
+                          f"'dynamic' and 'yarn' are not implemented)")
     return RopeScaling(
         factor=float(raw["factor"]),
         low_freq_factor=float(raw["low_freq_factor"]),

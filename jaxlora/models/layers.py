@@ -66,11 +66,13 @@ dense.defvjp(_dense_forward, _dense_backward)
 
 
 def rope_inverse_frequencies(config: LlamaConfig) -> np.ndarray:
-    """[head_dim // 2] float32 inverse frequencies, with Llama-3 scaling if configured."""
+    """[head_dim // 2] float32 inverse frequencies, with Llama-3 or linear scaling if configured."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     scaling = config.rope_scaling
-    if scaling is not None:
+    if scaling is not None and scaling.rope_type == "linear":  # position interpolation
+        inv_freq = inv_freq / scaling.factor
+    elif scaling is not None:
         old_len = scaling.original_max_position_embeddings
         low_wavelen = old_len / scaling.low_freq_factor
         high_wavelen = old_len / scaling.high_freq_factor

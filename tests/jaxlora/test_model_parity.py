@@ -47,8 +47,9 @@ def test_smollm2_greedy_answer(smollm2):
 @pytest.mark.parametrize(
     "make_config",
     [tiny_llama_config, tiny_qwen2_config, lambda: tiny_llama_config(attention_bias=True, tie_word_embeddings=True),
-     tiny_qwen3_config],
-    ids=["llama3-rope-untied", "qwen2-bias-tied", "llama-attention-bias", "qwen3-qk-norm-head-dim"],
+     tiny_qwen3_config,
+     lambda: tiny_llama_config(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})],
+    ids=["llama3-rope-untied", "qwen2-bias-tied", "llama-attention-bias", "qwen3-qk-norm-head-dim", "linear-rope"],
 )
 def test_random_hf_checkpoint_matches_transformers(tmp_path, make_config):
     directory = checkpoint_dir(tmp_path, "model")
