@@ -13,6 +13,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxlora.compress.collection import METHODS, CompressedCollection
+from jaxlora.jsonfile import read_json_file
 
 MANIFEST = "manifest.json"
 TENSORS = "tensors.safetensors"
@@ -65,13 +66,7 @@ def load(path: str) -> CompressedCollection:
 
 def _read_manifest(path: str) -> dict:
     file = os.path.join(path, MANIFEST)
-    if not os.path.exists(file):
-        raise CollectionError(f"{file}: not found (is {path} a compressed collection from jaxlora-compress?)")
-    try:
-        with open(file) as f:
-            info = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CollectionError(f"{file}: not valid JSON: {err}") from err
+    info = read_json_file(file, CollectionError, f"is {path} a compressed collection from jaxlora-compress?")
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise CollectionError(f"{file}: not a {FORMAT} manifest")
     if info.get("method") not in METHODS:

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxlora.lora.adapter import LoraAdapter, check_finite, empty_module
+from jaxlora.jsonfile import read_json_file
 from jaxlora.lora.config import AdapterError, LoraConfig, module_key
 from jaxlora.models.config import LlamaConfig
 from jaxlora.models.config import PROJECTIONS
@@ -45,13 +46,7 @@ def load_peft_adapter(path: str, base: LlamaConfig, name: str | None = None) -> 
 def read_adapter_config(path: str, base: LlamaConfig) -> LoraConfig:
     """Parses and checks `adapter_config.json`; refuses options jaxlora does not support."""
     file = os.path.join(path, CONFIG_FILE)
-    if not os.path.exists(file):
-        raise AdapterError(f"{file}: not found (is {path} a PEFT adapter directory?)")
-    try:
-        with open(file) as f:
-            raw = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise AdapterError(f"{file}: not valid JSON: {err}") from err
+    raw = read_json_file(file, AdapterError, f"is {path} a PEFT adapter directory?")
     if not isinstance(raw, dict):
         raise AdapterError(f"{file}: expected a JSON object")
     _refuse_unsupported(raw, file)

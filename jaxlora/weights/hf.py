@@ -8,6 +8,7 @@ import os
 import numpy as np
 from safetensors import safe_open
 
+from jaxlora.jsonfile import read_json_file
 from jaxlora.models.config import ConfigError, LlamaConfig, config_from_hf
 from jaxlora.weights.errors import WeightsError
 from jaxlora.weights.layout import stack_weights
@@ -15,13 +16,7 @@ from jaxlora.weights.layout import stack_weights
 
 def read_hf_config(path: str) -> LlamaConfig:
     config_file = os.path.join(path, "config.json")
-    if not os.path.exists(config_file):
-        raise WeightsError(f"{config_file}: not found (is {path} a HF model directory?)")
-    try:
-        with open(config_file) as f:
-            raw = json.load(f)
-    except json.JSONDecodeError as err:
-        raise WeightsError(f"{config_file}: not valid JSON: {err}") from err
+    raw = read_json_file(config_file, WeightsError, f"is {path} a HF model directory?")
     try:
         return config_from_hf(raw, source=config_file)
     except ConfigError as err:
