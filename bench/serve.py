@@ -332,10 +332,10 @@ PROFILE_STEPS = {  # rows as (adapter rows first as prefill chunks, tokens per c
 DEFAULT_PROFILE_STEPS = ("decode32", "decode64", "decode256", "mixed")
 
 
-def profile_plan(engine: Engine, chunks: int, chunk_tokens: int, decode_rows: int, context: int, base: bool):
-    """One step's `StepPlan`: `chunks` prefill chunks of `chunk_tokens` (slots 0, 1, ...), then
-    `decode_rows` one-token rows at position `context` (slots chunks, chunks+1, ... modulo the pool:
-    distinct adapters; every row on the base model if `base`); random tokens, each row its own pages."""
+def profile_plan(engine: Engine, chunks: int, chunk_tokens: int, decode_rows: int, context: int, adapters: int):
+    """One step's `StepPlan`: `chunks` prefill chunks of `chunk_tokens`, then `decode_rows`
+    one-token rows at position `context`; row r on pool slot r % adapters (0: every row on the
+    base model); random tokens, each row its own pages."""
     counts = [chunk_tokens] * chunks + [1] * decode_rows
     config = engine.config
     width = pages_for(context + chunk_tokens + 1, config.page_size)
@@ -346,15 +346,33 @@ def profile_plan(engine: Engine, chunks: int, chunk_tokens: int, decode_rows: in
         prompt = rng.integers(0, engine.model_config.vocab_size, start + count).tolist()
         pages = [(row * width + page) % config.num_pages for page in range(width)]
         seq = Sequence(row, prompt, 1, pages=pages, sampling=SamplingParams(1))
-        rows.append(StepRow(seq, start, count, -1 if base else row % config.max_adapters_on_device, True))
+        rows.append(StepRow(seq, start, count, row % adapters if adapters else -1, True))
     return StepPlan(rows, [])
 
 
+def profile_variants(engine_config: EngineConfig, backends, windows) -> dict:
+    """{variant: (engine config, adapters the step's rows spread over)}: "base" (an engine without
+    the adapter window, every row on the base model), "base+window" (the engine of the trace:
+    window columns carried, base rows), each LoRA backend (rows on as many distinct adapters as
+    the pool has: more than the window holds) and "window<W>" for each W of `windows` (rows over
+    W adapters, all in the window). Variants with the trace's engine config reuse its programs."""
+    slots = engine_config.max_adapters_on_device
+    held = min(slots, engine_config.for_platform(jax.default_backend()).adapter_window)  # the engine's window
+    variants = {"base": (dataclasses.replace(engine_config, adapter_window=0), 0)}
+    if held:
+        variants["base+window"] = (engine_config, 0)
+    for backend in backends:  # more adapters than the window holds: the backend's kernels
+        variants[backend] = (dataclasses.replace(engine_config, lora_backend=backend), slots)
+    for window in sorted({min(w, held) for w in windows if held}):
+        variants[f"window{window}"] = (engine_config, window)
+    return variants
+
+
 def profile_steps(model, engine_config: EngineConfig, factory: AdapterFactory, backends, log_dir: str,
-                  calls: int = 5, context: int = 384, names=DEFAULT_PROFILE_STEPS) -> list[dict]:
+                  calls: int = 5, context: int = 384, names=DEFAULT_PROFILE_STEPS, windows=()) -> list[dict]:
     """Per-kernel device time (profiler trace, `bench.timing.kernel_times`) of one engine step
-    (`Engine.build_step` / `run_step`) for each PROFILE_STEPS batch: the base model (no LoRA inputs)
-    and each LoRA backend (an engine each), with every pool slot holding an adapter. Returns one
+    (`Engine.build_step` / `run_step`) for each PROFILE_STEPS batch and each of
+    `profile_variants` (an engine each), with every pool slot holding an adapter. Returns one
     entry per (step, variant); `names`: which of PROFILE_STEPS."""
     from bench.timing import kernel_times, median_call_seconds
 
@@ -365,16 +383,15 @@ def profile_steps(model, engine_config: EngineConfig, factory: AdapterFactory, b
         engine_config, max_num_seqs=max(engine_config.max_num_seqs, most_rows),
         token_budget=max(engine_config.token_budget, most_tokens))
     out = []
-    for variant in ["base"] + list(backends):
-        config = dataclasses.replace(engine_config, lora_backend=backends[0] if variant == "base" else variant)
+    for variant, (config, adapters) in profile_variants(engine_config, backends, windows).items():
         engine = Engine(model, eos_ids=(), config=config)
         prepared = [engine.prepare_adapter(factory(i)) for i in range(len(factory.sets))]
         for slot in range(config.max_adapters_on_device):
             engine.pool.load(prepared[slot % len(prepared)], slot=slot)
         for step_name, (chunks, chunk_tokens, decode_rows) in chosen.items():
-            plan = profile_plan(engine, chunks, chunk_tokens, decode_rows, context, base=variant == "base")
+            plan = profile_plan(engine, chunks, chunk_tokens, decode_rows, context, adapters)
             step = engine.build_step(plan)
-            run = lambda: engine.run_step(step)
+            run = lambda engine=engine, step=step: engine.run_step(step)
             times = kernel_times(run, calls, os.path.join(log_dir, f"{step_name}_{variant}"))
             sync_ms = 1e3 * median_call_seconds(run, 1, rounds=10)  # dispatch + device, one step at a time
             categories, counts = {}, {}
@@ -408,12 +425,12 @@ def print_profile(entries: list[dict]) -> None:
     kernels of each LoRA variant."""
     base = {e["step"]: e for e in entries if e["variant"] == "base"}
     categories = sorted({c for e in entries for c in e["categories"]})
-    print(f"{'step':8} {'variant':8} {'device ms':>9} {'(+base)':>8} {'sync ms':>8} {'kernels':>8}  "
+    print(f"{'step':8} {'variant':11} {'device ms':>9} {'(+base)':>8} {'sync ms':>8} {'kernels':>8}  "
           + "  ".join(f"{c[:14]:>14}" for c in categories), flush=True)
     for e in entries:
         b = base[e["step"]]
         cells = "  ".join(f"{e['categories'].get(c, 0):6.2f}/{e['kernel_counts'].get(c, 0):<7.0f}" for c in categories)
-        print(f"{e['step']:8} {e['variant']:8} {e['device_ms']:9.2f} {e['device_ms'] - b['device_ms']:+8.2f} "
+        print(f"{e['step']:8} {e['variant']:11} {e['device_ms']:9.2f} {e['device_ms'] - b['device_ms']:+8.2f} "
               f"{e['sync_ms']:8.2f} {sum(e['kernel_counts'].values()):8.0f}  {cells}", flush=True)
     for e in entries:
         if e["variant"] == "base":
@@ -506,7 +523,7 @@ def run_profile(args, model, engine_config: EngineConfig, factory: AdapterFactor
     log_dir = os.path.join(os.path.dirname(os.path.abspath(args.out)), "serve_profile_traces")
     context = min(384, engine_config.max_model_len // 2)
     entries = profile_steps(model, engine_config, factory, backends, log_dir, context=context,
-                            names=args.profile_steps)
+                            names=args.profile_steps, windows=args.profile_windows)
     print_profile(entries)
     floor = matmul_floor(model.config, entries)
     report = {"device": device, "jax": jax.__version__,
@@ -559,6 +576,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="instead of the cases: per-kernel device time of one engine step (decode and mixed "
                              "batches) for the base model and each --lora-backend, from a profiler trace")
+    parser.add_argument("--profile-windows", nargs="*", type=int, default=[1, 8],
+                        help="--profile: window variants (rows over W adapters in the adapter window)")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="compile the step programs into --compile-cache and stop (a later call finds them)")
     parser.add_argument("--profile-steps", nargs="+", choices=sorted(PROFILE_STEPS), default=list(DEFAULT_PROFILE_STEPS),
                         help="the step batches --profile times")
     args = parser.parse_args()
@@ -619,6 +640,8 @@ def main() -> None:
         compile_info = compile_all(model, engine_config, args.compile_threads)
     print(f"compiled {compile_info['programs']} step programs in {compile_info['seconds']:.1f} s "
           f"({compile_info['threads']} threads)", flush=True)
+    if args.compile_only:
+        return
     backends = [backend] + [b for b in backends[1:] if b != backend]
     other_configs = {b: dataclasses.replace(engine_config, lora_backend=b) for b in backends[1:]}
     for other, other_config in other_configs.items():  # their LoRA steps (base runs use the first backend's)

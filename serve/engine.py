@@ -90,16 +90,17 @@ from jaxlora.lora.adapter import LoraAdapter, check_finite
 from jaxlora.lora.compressed import SharedBasisSet, with_compressed
 from jaxlora.lora.config import AdapterError
 from jaxlora.buckets import bucket
-from jaxlora.models.packed import pack_projections
-from jaxlora.lora.plan import ServingPlan, build_plan, build_serving_plan, serving_order
+from jaxlora.models.packed import add_adapter_window, fill_window_slot, pack_projections, window_keys, window_layout
+from jaxlora.lora.plan import ServingPlan, build_plan, build_serving_plan, build_window_plan, serving_order
 from jaxlora.lora.pool import AdapterPool, PreparedAdapter
-from jaxlora.models.config import projection_shapes
+from jaxlora.models.config import PROJECTIONS, projection_shapes
 from jaxlora.models.llama import Llama, LoraInputs
 from jaxlora.models.paged import PagedBatch, PagedKVCache
 from jaxlora.sampling import SamplingParams
 from jaxlora.scheduler.serving import PENDING, SchedulerConfig, Sequence, ServingScheduler, StepPlan, pages_for
 from serve.sampler_state import SamplerSlots, step_sampling
 from serve.step import Programs, RowSampling, RowState, Step, StepShape
+from serve.window import WindowSlots
 
 log = logging.getLogger("jaxlora.serve")
 
@@ -147,12 +148,18 @@ class EngineConfig:
     # for the 8B model, so fewer, larger buckets (bench/NOTES_serve.md); powers of two.
     min_step_tokens: int | None = None
     min_lora_mixed_tokens: int | None = None
+    # The adapter window (`jaxlora.models.packed.add_adapter_window`): a step whose rows use at most
+    # this many adapters runs them as extra columns of the packed base GEMMs and one expand GEMM per
+    # group, no LoRA kernel (bench/NOTES_serve.md). None: 8 on a GPU/TPU, 4 on a CPU; 0: off. Capped
+    # by max_adapters_on_device; off with a mesh or a compressed collection.
+    adapter_window: int | None = None
 
     # Bounds of the step sizes (each compiled program is as large as its step; tokens bound rows).
     BOUNDS = {"max_num_seqs": (1, 1024), "token_budget": (1, 65536), "prefill_chunk": (1, 65536)}
-    ACCELERATOR_STEP = {"max_num_seqs": 256, "token_budget": 2048, "min_step_tokens": 32, "min_lora_mixed_tokens": 256}
+    ACCELERATOR_STEP = {"max_num_seqs": 256, "token_budget": 2048, "min_step_tokens": 32, "min_lora_mixed_tokens": 256,
+                        "adapter_window": 8}
     CPU_STEP = {"max_num_seqs": 32, "token_budget": 128, "prefill_chunk": 64, "min_step_tokens": 8,
-                "min_lora_mixed_tokens": 8}
+                "min_lora_mixed_tokens": 8, "adapter_window": 4}
     CPU_CONTEXTS = 8  # KV pages of a device without memory stats: this many full contexts
 
     def __post_init__(self):
@@ -169,6 +176,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not (0 < value <= 65536 and value & (value - 1) == 0):
                 raise ValueError(f"{name} must be a power of two in [1, 65536], got {value}")
+        if self.adapter_window is not None and not 0 <= self.adapter_window <= 64:
+            raise ValueError(f"adapter_window must be in [0, 64] (0: off), got {self.adapter_window}")
         if self.num_pages is not None and self.max_model_len > self.num_pages * self.page_size:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the KV cache "
                              f"({self.num_pages} pages x {self.page_size} tokens)")
@@ -285,6 +294,13 @@ class Engine:
             model = sharding.shard_model(nnx.clone(model), mesh)
         else:  # q/k/v and gate/up as one kernel each: 4 GEMMs a layer instead of 7
             model = pack_projections(model)
+        self.window = None  # the adapter window's layout (`AdapterWindow`), None: off
+        window = min(config.adapter_window or 0, config.max_adapters_on_device)
+        if window and mesh is None and compressed is None:
+            self.window = window_layout(model.config, window, config.max_lora_rank, PROJECTIONS)
+            add_adapter_window(model, self.window)
+            self._window_slots = WindowSlots(window)
+            self._fill_program = None  # `fill_window_slot`, compiled on first use
         self._graphdef, self._state = nnx.split(model)
         self._dtype = model.dtype
         # donate: the pool's arrays are written in place; only `build_step` reads them, afresh each step
@@ -621,6 +637,8 @@ class Engine:
         shapes = [StepShape("forward", t, self._rows(t), w, lora, decode_only)
                   for lora, decode_only in variants for t in tokens if self._has_bucket(t, lora, decode_only)
                   for w in widths]
+        if self.window is not None:
+            shapes += [StepShape("forward", t, self._rows(t), w, True, False, True) for t in tokens for w in widths]
         return shapes + [StepShape(sampler, 0, rows) for sampler in ("sample", "sample_state")
                          for rows in sorted({self._rows(t) for t in tokens})]
 
@@ -686,7 +704,9 @@ class Engine:
         batch = PagedBatch(zeros, zeros, no_rows, np.zeros((shape.rows, shape.width), np.int32),
                            np.zeros(shape.rows, np.int32))
         lora = None
-        if shape.lora:
+        if shape.window:
+            lora = LoraInputs({}, build_window_plan(no_rows, self.window.slots, self.window.rank))
+        elif shape.lora:
             lora = LoraInputs(self._lora_arrays(), self._lora_plan(no_rows, np.zeros(tokens, bool), shape.decode_only))
         return self._state, self.cache, batch, lora, self._last_tokens, no_rows
 
@@ -694,25 +714,60 @@ class Engine:
         order = serving_order([row.slot for row in plan.rows], [row.count for row in plan.rows])
         plan = dataclasses.replace(plan, rows=[plan.rows[i] for i in order])
         phases.mark("order")
-        batch, token_slot, one_token = self._batch_arrays(plan)
+        in_window = self._place_in_window(sorted({row.slot for row in plan.rows if row.slot >= 0}))
+        batch, token_slot, one_token = self._batch_arrays(plan, in_window is not None)
         phases.mark("batch")
         decode_only = bool(one_token[: plan.num_tokens].all())
         lora = None
-        if (token_slot >= 0).any():
+        if in_window is not None:  # every adapter of the step in the window: no LoRA kernel
+            lookup = np.full(self.config.max_adapters_on_device + 1, -1, np.int32)
+            lookup[list(in_window)] = list(in_window.values())
+            lora = LoraInputs({}, build_window_plan(lookup[token_slot], self.window.slots, self.window.rank))
+        elif (token_slot >= 0).any():
             lora = LoraInputs(self._lora_arrays(), self._lora_plan(token_slot, one_token, decode_only))
         else:  # base rows only: the base model's own compiled step, no pool or plan
             self.stats.base_only_steps += 1
         phases.mark("lora_plan")
         rows, width = batch.block_tables.shape
         forward = StepShape("forward", len(batch.tokens), rows, width, lora is not None,
-                            isinstance(lora and lora.plan, ServingPlan) and lora.plan.seg_starts is None)
+                            isinstance(lora and lora.plan, ServingPlan) and lora.plan.seg_starts is None,
+                            in_window is not None)
         sampler = step_sampling(plan.rows, rows, self.sampler_slots, self.eos_ids)
         sampling = None if sampler is None else sampler[1]
         shapes = (forward,) if sampler is None else (forward, StepShape(sampler[0], 0, rows))
         phases.mark("sampling")
-        kind = ("base " if lora is None else "lora ") + ("decode" if decode_only else "mixed")
+        kind = ("base " if lora is None else "window " if in_window is not None else "lora ") + (
+            "decode" if decode_only else "mixed")
         return Step(plan, shapes, kind, batch, lora, self._last_tokens, self._token_sources(plan, batch.tokens),
                     sampling)
+
+    def _place_in_window(self, slots: list[int]) -> dict[int, int] | None:
+        """{pool slot: window slot} for a step whose rows use the pool slots `slots`, copying the
+        adapters not in the window yet into it (on the device, before the step); None when the
+        window is off, the step has no adapter or more adapters than the window holds."""
+        if self.window is None or not slots:
+            return None
+        assigned = self._window_slots.assign([(slot, self.pool.slot_writes[slot]) for slot in slots])
+        if assigned is None:
+            return None
+        placed, fills = assigned
+        for window_slot, pool_slot in fills:
+            self._fill_window(window_slot, pool_slot)
+        return placed
+
+    def _fill_window(self, window_slot: int, pool_slot: int) -> None:
+        """Copies pool slot `pool_slot` into window slot `window_slot` of the model's weights (in
+        place: `fill_window_slot` donates them)."""
+        weights = self._state["weights"]
+        keys = window_keys(self.window)
+        args = (self.window, {key: weights[key][...] for key in keys}, self.pool.arrays,
+                np.int32(window_slot), np.int32(pool_slot))
+        if self._fill_program is None:
+            self._fill_program = fill_window_slot.lower(*args).compile()
+        filled = self._fill_program(*args[1:])
+        for key in keys:
+            weights[key].set_value(filled[key])
+        self.stats.window_fills += 1
 
     def _token_sources(self, plan: StepPlan, tokens: np.ndarray) -> np.ndarray:
         """token_src [T]: for each token that is a PENDING output (its row's last: a decode row's
@@ -743,9 +798,10 @@ class Engine:
             return self._max_pages
         return min(bucket(pages, 4), self._max_pages)
 
-    def _batch_arrays(self, plan: StepPlan):
-        """(PagedBatch, token_slot [T], one_token [T]) of the step's rows in their order."""
-        num_tokens = self._padded_tokens(plan)
+    def _batch_arrays(self, plan: StepPlan, in_window: bool = False):
+        """(PagedBatch, token_slot [T], one_token [T]) of the step's rows in their order (a window
+        step: any token bucket)."""
+        num_tokens = bucket(plan.num_tokens, self._min_tokens) if in_window else self._padded_tokens(plan)
         rows = self._rows(num_tokens)  # a function of the tokens bucket: no variants of its own
         if len(plan.rows) > rows:
             raise ValueError(f"a step of this engine has at most {rows} rows ({num_tokens} tokens, max_num_seqs "
@@ -983,6 +1039,7 @@ class EngineStats:
         self.generated = 0
         self.adapter_loads = 0
         self.base_only_steps = 0
+        self.window_fills = 0  # adapters copied into the adapter window
         self.step_compiles = 0  # programs that steps compiled (not warmed up)
         self.step_seconds = 0.0
         self.last_step_s = 0.0

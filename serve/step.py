@@ -50,8 +50,9 @@ class StepShape(NamedTuple):
     program "forward": the model over `tokens` padded tokens in `rows` padded rows with a block
     table `width` pages wide; `lora`: with LoRA inputs (False: every row on the base model);
     `decode_only`: a `ServingPlan` without prefill segments (a serving-plan backend's BGMV-only
-    step). program "sample" or "sample_state": sampling over `rows` rows' logits (tokens, width 0;
-    lora, decode_only False).
+    step); `window`: a `WindowPlan` (every adapter of the step in the adapter window: no LoRA
+    kernel). program "sample" or "sample_state": sampling over `rows` rows' logits (tokens,
+    width 0; lora, decode_only, window False).
     """
 
     program: str
@@ -60,6 +61,7 @@ class StepShape(NamedTuple):
     width: int = 0
     lora: bool = False
     decode_only: bool = False
+    window: bool = False
 
 
 class Step(NamedTuple):

@@ -7,7 +7,9 @@ padded to a bucket), so a new mix of adapters in the same bucket reuses the comp
 `LoraPlan` (training, generation, any caller): rows in the caller's order plus the permutation that
 groups them, which the kernel backends apply around every projection. `ServingPlan` (the serving
 engine): the engine orders each step's rows once on the host (`serving_order`), so the kernels take
-the rows as they are, one-token rows through BGMV and prefill chunks through SGMV."""
+the rows as they are, one-token rows through BGMV and prefill chunks through SGMV. `WindowPlan`
+(the serving engine, a step whose adapters all sit in the adapter window,
+`jaxlora.models.packed.add_adapter_window`): which window slot each token uses."""
 
 from __future__ import annotations
 
@@ -119,3 +121,25 @@ def build_serving_plan(token_slot, one_token, num_segments: int) -> ServingPlan:
     slots, counts = np.unique(token_slot[:prefix], return_counts=True)
     seg_starts, seg_slot = _segments(slots, counts, num_segments)
     return ServingPlan(token_slot, decode_slot, seg_starts, seg_slot)
+
+
+class WindowPlan(NamedTuple):
+    """A serving step whose adapters all sit in the adapter window (see
+    `jaxlora.models.packed.add_adapter_window`): each LoRA projection's shrink comes out of the
+    base GEMM (the window's A columns), and each row keeps its own slot's columns.
+
+    token_window [N] int32: window slot of each token's adapter, -1 = base model or padding.
+    column_window [W * r] int32: window slot of each shrink column of one projection (c // r).
+    """
+
+    token_window: np.ndarray
+    column_window: np.ndarray
+
+
+def build_window_plan(token_window, window: int, rank: int) -> WindowPlan:
+    """The plan of tokens whose adapters sit in window slots `token_window` [N] (-1: none), for a
+    window of `window` slots of rank `rank`."""
+    token_window = np.asarray(token_window, np.int32).reshape(-1)
+    if token_window.size and (token_window.max() >= window or token_window.min() < -1):
+        raise ValueError(f"window slots must be in -1..{window - 1}")
+    return WindowPlan(token_window, (np.arange(window * rank) // rank).astype(np.int32))

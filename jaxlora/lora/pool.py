@@ -121,6 +121,7 @@ class AdapterPool:
                                                    np.dtype(dtype).name, mesh, rules or ShardingRules(), donate)
             self.arrays = empty()
         self.slot_names: list[str | None] = [None] * num_slots
+        self.slot_writes = [0] * num_slots  # loads and evictions of each slot (copies of it go stale)
         self._empty: dict | None = None
 
     @property
@@ -170,6 +171,7 @@ class AdapterPool:
 
     def _write(self, slot: int, values: dict) -> None:
         self.arrays = self._update(self.arrays, np.int32(slot), values)
+        self.slot_writes[slot] += 1
 
     def _choose_slot(self, adapter, slot: int | None) -> int:
         if slot is None:

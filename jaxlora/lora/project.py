@@ -14,7 +14,7 @@ import numpy as np
 from jaxlora.lora import backends
 from jaxlora.lora.backends import LoraBackend
 from jaxlora.lora.ops import stacked_pool
-from jaxlora.lora.plan import LoraPlan
+from jaxlora.lora.plan import LoraPlan, WindowPlan
 from jaxlora.models.config import PACKED_PROJECTIONS, PROJECTIONS
 from jaxlora.models.layers import dense
 from pallas_kernels.fused_lora_layout import dropout_inv_keep, dropout_mask
@@ -62,13 +62,15 @@ def project(x: jax.Array, weights: dict[str, jax.Array], name: str, layer_lora: 
 
     x [..., k]; weights hold `<name>.kernel` [k, n] (and `<name>.bias` [n]); layer_lora: this
     layer's `LayerLora` or None. Returns [..., n] in x's dtype."""
+    if _window_plan(layer_lora) is not None:
+        return _window_output(x, weights, name, _window_plan(layer_lora)).astype(x.dtype)
     has_lora = layer_lora is not None and name in layer_lora.pool
     if has_lora and layer_lora.backend.fused:
         y = _fused_project(x, weights[f"{name}.kernel"], name, layer_lora)
+        if f"{name}.bias" in weights:
+            y = y + weights[f"{name}.bias"]
     else:
-        y = dense(x, weights[f"{name}.kernel"])
-    if f"{name}.bias" in weights:
-        y = y + weights[f"{name}.bias"]
+        y = _base_output(x, weights, name)
     if has_lora and not layer_lora.backend.fused:
         lora = layer_lora.inputs
         lora_input = x
@@ -107,10 +109,11 @@ def _project_packed(x: jax.Array, weights: dict[str, jax.Array], names: tuple, p
     inputs (dropout, fused backends) need the projections' own kernels."""
     if sizes is None or len(sizes) != len(names):
         raise ValueError(f"packed projections {packed} need the output width of each of {names}")
-    y = _base_output(x, weights, packed)
+    window = _window_plan(layer_lora)
+    y = _base_output(x, weights, packed) if window is None else _window_output(x, weights, packed, window)
     ys = dict(zip(names, jnp.split(y, np.cumsum(sizes)[:-1].tolist(), axis=-1)))
     grouped = [name for name in names if layer_lora is not None and name in layer_lora.pool]
-    if grouped:
+    if grouped and window is None:
         if layer_lora.backend.fused or layer_lora.inputs.dropout_rate is not None:
             raise ValueError(f"packed projections ({packed}) serve only: training needs each projection's kernel")
         pools = [layer_lora.pool[name] for name in grouped]
@@ -120,9 +123,37 @@ def _project_packed(x: jax.Array, weights: dict[str, jax.Array], names: tuple, p
 
 
 def _base_output(x: jax.Array, weights: dict[str, jax.Array], name: str) -> jax.Array:
-    """x @ W (+ bias) in float32."""
+    """x @ W (+ bias) in float32 (without the adapter window's columns, if the kernel has them)."""
     y = dense(x, weights[f"{name}.kernel"])
+    if f"{name}.window_b" in weights:
+        y = y[..., : weights[f"{name}.window_b"].shape[-1]]
     return y + weights[f"{name}.bias"] if f"{name}.bias" in weights else y
+
+
+def _window_plan(layer_lora: LayerLora | None) -> WindowPlan | None:
+    plan = None if layer_lora is None else layer_lora.inputs.plan
+    return plan if isinstance(plan, WindowPlan) else None
+
+
+def _window_output(x: jax.Array, weights: dict[str, jax.Array], name: str, plan: WindowPlan) -> jax.Array:
+    """x @ W (+ bias) plus each row's LoRA from the adapter window
+    (`jaxlora.models.packed.add_adapter_window`), in x's dtype as PEFT adds it: the kernel
+    `<name>.kernel` [k, n + P*W*r] gives the base output and every window slot's shrink in one
+    GEMM; each row keeps its own slot's columns (`plan`: x's rows are its tokens); one GEMM with
+    the block-diagonal `<name>.window_b` [P*W*r, n] (B times the scale) expands them. A kernel
+    without window columns: the base output. x [..., T, k] -> [..., T, n]."""
+    if f"{name}.window_b" not in weights:
+        return _base_output(x, weights, name).astype(x.dtype)
+    window_b = weights[f"{name}.window_b"]
+    width = window_b.shape[-1]
+    y = jnp.dot(x, weights[f"{name}.kernel"].astype(x.dtype))  # f32 accumulation, x's dtype out
+    base, shrink = y[..., :width], y[..., width:]
+    if f"{name}.bias" in weights:
+        base = base + weights[f"{name}.bias"].astype(x.dtype)
+    columns = jnp.tile(plan.column_window, shrink.shape[-1] // plan.column_window.shape[0])
+    own = columns[None, :] == plan.token_window[:, None]  # [T, P*W*r]: the row's slot's columns
+    delta = jnp.dot(jnp.where(own, shrink, 0).astype(window_b.dtype), window_b)
+    return base + delta.astype(x.dtype)
 
 
 def _dropout_seed(lora: LoraInputs, layer_index: jax.Array, name: str) -> jax.Array:

@@ -11,10 +11,15 @@ layouts keep one kernel per projection.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from jaxlora.models.config import PACKED_PROJECTIONS
+from jaxlora.models.config import PACKED_PROJECTIONS, LlamaConfig, projection_shapes
 from jaxlora.models.llama import Llama
 
 
@@ -37,3 +42,92 @@ def pack_projections(model: Llama) -> Llama:
             for key in keys:
                 del weights[key]
     return packed
+
+
+# The adapter window -----------------------------------------------------------------------------
+# Each decoder layer's GEMMs of the packed serving model, by kernel, and the projections whose
+# outputs each one holds side by side (in this order).
+WINDOW_GROUPS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+                 "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterWindow:
+    """Where the adapter window sits in a packed serving model (`add_adapter_window`).
+
+    slots: W, the adapters the window holds; rank: r, each slot's columns per projection.
+    groups: ((kernel, ((projection, output offset, output width), ...)), ...): per packed kernel
+      of `WINDOW_GROUPS`, the projections with window columns, in column order."""
+
+    slots: int
+    rank: int
+    groups: tuple
+
+    def columns(self, group: str) -> int:
+        """Window columns of `group`'s kernel: P projections x W slots x r."""
+        return len(dict(self.groups)[group]) * self.slots * self.rank
+
+
+def window_layout(config: LlamaConfig, slots: int, rank: int, modules) -> AdapterWindow:
+    """The window of `slots` adapters of rank <= `rank` over the projections `modules`."""
+    shapes = projection_shapes(config)
+    groups = []
+    for group, names in WINDOW_GROUPS.items():
+        offsets = np.cumsum([0] + [shapes[name][1] for name in names])
+        placed = tuple((name, int(offsets[i]), shapes[name][1]) for i, name in enumerate(names) if name in modules)
+        if placed:
+            groups.append((group, placed))
+    return AdapterWindow(slots, rank, tuple(groups))
+
+
+def add_adapter_window(model: Llama, window: AdapterWindow) -> None:
+    """Makes room for the window in the packed `model` (in place): each group's kernel
+    `layers.<group>.kernel` [L, k, n] gets P*W*r zero columns (A of each window slot and
+    projection: column (p*W + w)*r + i is rank component i of slot w's projection p), and
+    `layers.<group>.window_b` [L, P*W*r, n] holds the window's B, block-diagonal (rows of
+    projection p only in p's output columns), zero until `fill_window_slot` writes a slot.
+
+    A step with a `WindowPlan` then gets each row's LoRA shrink out of the base GEMM and adds one
+    expand GEMM per group (`jaxlora.lora.project`); other steps drop the window's columns."""
+    weights = model.weights
+    for group, _ in window.groups:
+        key = f"layers.{group}.kernel"
+        if key not in weights:
+            raise ValueError(f"the adapter window needs the packed serving model ({key} is missing)")
+        kernel = weights[key][...]
+        layers, _, width = kernel.shape
+        extra = window.columns(group)
+        weights[key] = nnx.Param(jnp.concatenate([kernel, jnp.zeros((*kernel.shape[:2], extra), kernel.dtype)], -1))
+        weights[f"layers.{group}.window_b"] = nnx.Param(jnp.zeros((layers, extra, width), kernel.dtype))
+
+
+def window_keys(window: AdapterWindow) -> list[str]:
+    """The weights `fill_window_slot` writes."""
+    return [f"layers.{group}.{part}" for group, _ in window.groups for part in ("kernel", "window_b")]
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
+def fill_window_slot(window: AdapterWindow, weights: dict, pool: dict, window_slot, pool_slot) -> dict:
+    """`weights` (the `window_keys` arrays, donated: written in place) with window slot
+    `window_slot` holding the adapter in slot `pool_slot` of the adapter pool `pool`
+    (`jaxlora.lora.pool` arrays: a [L, slots, k, r], b [L, slots, r, n], scale [L, slots]):
+    its A into the kernels' window columns, its B scaled by its per-layer scale into the
+    block-diagonal `window_b`. The pool's rank padding is zeros, so an adapter of lower rank
+    leaves zero columns. One compile serves every (window slot, pool slot)."""
+    weights = dict(weights)
+    w, r = window.slots, window.rank
+    for group, placed in window.groups:
+        kernel_key, b_key = f"layers.{group}.kernel", f"layers.{group}.window_b"
+        kernel, window_b = weights[kernel_key], weights[b_key]
+        base_width = window_b.shape[-1]
+        for p, (name, offset, _) in enumerate(placed):
+            module = pool[name]
+            a = jax.lax.dynamic_index_in_dim(module["a"], pool_slot, axis=1, keepdims=False)  # [L, k, r]
+            b = jax.lax.dynamic_index_in_dim(module["b"], pool_slot, axis=1, keepdims=False)  # [L, r, n_p]
+            scale = jax.lax.dynamic_index_in_dim(module["scale"], pool_slot, axis=1, keepdims=False)
+            column = base_width + (p * w + window_slot) * r
+            kernel = jax.lax.dynamic_update_slice(kernel, a.astype(kernel.dtype), (0, 0, column))
+            b = (b.astype(jnp.float32) * scale[:, None, None]).astype(window_b.dtype)
+            window_b = jax.lax.dynamic_update_slice(window_b, b, (0, (p * w + window_slot) * r, offset))
+        weights[kernel_key], weights[b_key] = kernel, window_b
+    return weights

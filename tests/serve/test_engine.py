@@ -69,6 +69,23 @@ def test_continuous_batching_equals_merged_generation(smollm2, adapters8, expect
         assert engine.stats.adapter_loads >= 8 + 9 - slots
 
 
+@pytest.mark.parametrize("slots, window", [(4, 2), (2, 2)])
+def test_adapter_window_steps_equal_merged_generation(smollm2, adapters8, expected, slots, window):
+    """Steps whose adapters fit the adapter window run through it (no LoRA kernel), the others
+    through the LoRA backend; with as many pool slots as window slots, every adapter load rewrites
+    a pool slot the window holds a copy of (the stale copy is replaced before use). Greedy tokens
+    of the merged weights either way."""
+    model, tokenizer = smollm2
+    requests, outputs = expected
+    config = EngineConfig(max_adapters_on_device=slots, adapter_window=window, **SMALL_ENGINE)
+    engine = Engine(model, tokenizer.eos_token_ids, config, adapters8)
+    assert engine.window is not None and engine.window.slots == window
+    assert _serve_all(engine, requests) == outputs
+    kinds = {kind.split()[0] for kind in engine.stats.kind_steps}
+    assert "window" in kinds and ("lora" in kinds) == (slots > window)
+    assert engine.stats.window_fills >= (8 if slots == window else 1)
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(smollm2, adapters8):
     model, tokenizer = smollm2
     requests = _requests(tokenizer)[:6]
@@ -225,7 +242,8 @@ def test_pallas_steps_use_the_serving_plan_without_recompiling(smollm2, adapters
     requests, outputs = expected
     picked = [0, 8, 3, 12, 17, 5, 26]  # ad0, base, ad3, ad3, base, ad5, base
     engine = Engine(model, tokenizer.eos_token_ids,
-                    EngineConfig(max_adapters_on_device=4, lora_backend="pallas", **SMALL_ENGINE), adapters8)
+                    EngineConfig(max_adapters_on_device=4, lora_backend="pallas", adapter_window=0, **SMALL_ENGINE),
+                    adapters8)
     real_step, seen = engine.step_fn, []
     lora_programs = lambda: sum(shape.lora for shape in engine.programs.shapes())
 
