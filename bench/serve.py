@@ -369,11 +369,14 @@ def profile_variants(engine_config: EngineConfig, backends, windows) -> dict:
 
 
 def profile_steps(model, engine_config: EngineConfig, factory: AdapterFactory, backends, log_dir: str,
-                  calls: int = 5, context: int = 384, names=DEFAULT_PROFILE_STEPS, windows=()) -> list[dict]:
+                  calls: int = 5, context: int = 384, names=DEFAULT_PROFILE_STEPS, windows=(),
+                  only=None) -> list[dict]:
     """Per-kernel device time (profiler trace, `bench.timing.kernel_times`) of one engine step
     (`Engine.build_step` / `run_step`) for each PROFILE_STEPS batch and each of
     `profile_variants` (an engine each), with every pool slot holding an adapter. Returns one
-    entry per (step, variant); `names`: which of PROFILE_STEPS."""
+    entry per (step, variant); `names`: which of PROFILE_STEPS; `only`: which variants (None: all).
+    The KV pool is sized to half the device memory: the programs compile with the engine in place
+    (GEMM autotuning needs room) and one step needs few pages."""
     from bench.timing import kernel_times, median_call_seconds
 
     chosen = {name: PROFILE_STEPS[name] for name in names}
@@ -381,9 +384,11 @@ def profile_steps(model, engine_config: EngineConfig, factory: AdapterFactory, b
     most_tokens = max(chunks * tokens + decode_rows for chunks, tokens, decode_rows in chosen.values())
     engine_config = dataclasses.replace(  # room for the largest profiled step (--tiny's engine is smaller)
         engine_config, max_num_seqs=max(engine_config.max_num_seqs, most_rows),
-        token_budget=max(engine_config.token_budget, most_tokens))
+        token_budget=max(engine_config.token_budget, most_tokens), gpu_memory_utilization=0.5)
     out = []
     for variant, (config, adapters) in profile_variants(engine_config, backends, windows).items():
+        if only and variant not in only:
+            continue
         engine = Engine(model, eos_ids=(), config=config)
         prepared = [engine.prepare_adapter(factory(i)) for i in range(len(factory.sets))]
         for slot in range(config.max_adapters_on_device):
@@ -523,7 +528,7 @@ def run_profile(args, model, engine_config: EngineConfig, factory: AdapterFactor
     log_dir = os.path.join(os.path.dirname(os.path.abspath(args.out)), "serve_profile_traces")
     context = min(384, engine_config.max_model_len // 2)
     entries = profile_steps(model, engine_config, factory, backends, log_dir, context=context,
-                            names=args.profile_steps, windows=args.profile_windows)
+                            names=args.profile_steps, windows=args.profile_windows, only=args.profile_variants)
     print_profile(entries)
     floor = matmul_floor(model.config, entries)
     report = {"device": device, "jax": jax.__version__,
@@ -578,6 +583,8 @@ def main() -> None:
                              "batches) for the base model and each --lora-backend, from a profiler trace")
     parser.add_argument("--profile-windows", nargs="*", type=int, default=[1, 8],
                         help="--profile: window variants (rows over W adapters in the adapter window)")
+    parser.add_argument("--profile-variants", nargs="*", default=None,
+                        help="--profile: only these variants (base, base+window, a backend, window<W>)")
     parser.add_argument("--compile-only", action="store_true",
                         help="compile the step programs into --compile-cache and stop (a later call finds them)")
     parser.add_argument("--profile-steps", nargs="+", choices=sorted(PROFILE_STEPS), default=list(DEFAULT_PROFILE_STEPS),

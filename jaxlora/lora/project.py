@@ -62,15 +62,17 @@ def project(x: jax.Array, weights: dict[str, jax.Array], name: str, layer_lora: 
 
     x [..., k]; weights hold `<name>.kernel` [k, n] (and `<name>.bias` [n]); layer_lora: this
     layer's `LayerLora` or None. Returns [..., n] in x's dtype."""
-    if _window_plan(layer_lora) is not None:
-        return _window_output(x, weights, name, _window_plan(layer_lora)).astype(x.dtype)
+    window = _window_plan(layer_lora)
+    if window is not None:
+        y, delta = _window_output(x, weights, name, window)
+        return y if delta is None else y + delta
     has_lora = layer_lora is not None and name in layer_lora.pool
     if has_lora and layer_lora.backend.fused:
         y = _fused_project(x, weights[f"{name}.kernel"], name, layer_lora)
         if f"{name}.bias" in weights:
             y = y + weights[f"{name}.bias"]
-    else:
-        y = _base_output(x, weights, name)
+    else:  # a serving kernel with window columns: x's dtype out (no LoRA here to add in float32)
+        y = _base_output(x, weights, name, jnp.float32 if has_lora else x.dtype)
     if has_lora and not layer_lora.backend.fused:
         lora = layer_lora.inputs
         lora_input = x
@@ -110,9 +112,17 @@ def _project_packed(x: jax.Array, weights: dict[str, jax.Array], names: tuple, p
     if sizes is None or len(sizes) != len(names):
         raise ValueError(f"packed projections {packed} need the output width of each of {names}")
     window = _window_plan(layer_lora)
-    y = _base_output(x, weights, packed) if window is None else _window_output(x, weights, packed, window)
-    ys = dict(zip(names, jnp.split(y, np.cumsum(sizes)[:-1].tolist(), axis=-1)))
     grouped = [name for name in names if layer_lora is not None and name in layer_lora.pool]
+    delta = None
+    if window is not None:
+        y, delta = _window_output(x, weights, packed, window)
+    else:
+        y = _base_output(x, weights, packed, jnp.float32 if grouped else x.dtype)
+    ys = dict(zip(names, jnp.split(y, np.cumsum(sizes)[:-1].tolist(), axis=-1)))
+    if delta is not None and delta.ndim > y.ndim:  # one delta per projection: [P, ..., T, n_p]
+        ys = {name: ys[name] + delta[p] for p, name in enumerate(names)}
+    elif delta is not None:
+        ys = dict(zip(names, jnp.split(y + delta, np.cumsum(sizes)[:-1].tolist(), axis=-1)))
     if grouped and window is None:
         if layer_lora.backend.fused or layer_lora.inputs.dropout_rate is not None:
             raise ValueError(f"packed projections ({packed}) serve only: training needs each projection's kernel")
@@ -122,12 +132,22 @@ def _project_packed(x: jax.Array, weights: dict[str, jax.Array], names: tuple, p
     return [ys[name].astype(x.dtype) for name in names]
 
 
-def _base_output(x: jax.Array, weights: dict[str, jax.Array], name: str) -> jax.Array:
-    """x @ W (+ bias) in float32 (without the adapter window's columns, if the kernel has them)."""
-    y = dense(x, weights[f"{name}.kernel"])
-    if f"{name}.window_b" in weights:
-        y = y[..., : weights[f"{name}.window_b"].shape[-1]]
-    return y + weights[f"{name}.bias"] if f"{name}.bias" in weights else y
+def _base_output(x: jax.Array, weights: dict[str, jax.Array], name: str, dtype=jnp.float32) -> jax.Array:
+    """x @ W (+ bias) in float32; a serving kernel with the adapter window's columns: without
+    them, in `dtype` (x's for a projection without LoRA: the GEMM writes x's dtype, as the base
+    model's own step does after its cast, with no float32 copy of the window's columns)."""
+    if f"{name}.window_b" not in weights:
+        y = dense(x, weights[f"{name}.kernel"])
+        return y + weights[f"{name}.bias"] if f"{name}.bias" in weights else y
+    y = jnp.dot(x, weights[f"{name}.kernel"], preferred_element_type=dtype)[..., : _window_width(weights, name)]
+    return y + weights[f"{name}.bias"].astype(dtype) if f"{name}.bias" in weights else y
+
+
+def _window_width(weights: dict[str, jax.Array], name: str) -> int:
+    """The base output width of a kernel with window columns: `<name>.window_b` is [P*W*r, n]
+    (block-diagonal) or [P, W*r, n_p] (one block per projection, all P of width n_p)."""
+    window_b = weights[f"{name}.window_b"]
+    return window_b.shape[-1] * (window_b.shape[0] if window_b.ndim == 3 else 1)
 
 
 def _window_plan(layer_lora: LayerLora | None) -> WindowPlan | None:
@@ -135,25 +155,32 @@ def _window_plan(layer_lora: LayerLora | None) -> WindowPlan | None:
     return plan if isinstance(plan, WindowPlan) else None
 
 
-def _window_output(x: jax.Array, weights: dict[str, jax.Array], name: str, plan: WindowPlan) -> jax.Array:
-    """x @ W (+ bias) plus each row's LoRA from the adapter window
-    (`jaxlora.models.packed.add_adapter_window`), in x's dtype as PEFT adds it: the kernel
-    `<name>.kernel` [k, n + P*W*r] gives the base output and every window slot's shrink in one
-    GEMM; each row keeps its own slot's columns (`plan`: x's rows are its tokens); one GEMM with
-    the block-diagonal `<name>.window_b` [P*W*r, n] (B times the scale) expands them. A kernel
-    without window columns: the base output. x [..., T, k] -> [..., T, n]."""
+def _window_output(x: jax.Array, weights: dict[str, jax.Array], name: str,
+                   plan: WindowPlan) -> tuple[jax.Array, jax.Array | None]:
+    """(x @ W (+ bias), each row's LoRA delta from the adapter window), both in x's dtype as PEFT
+    adds them (`jaxlora.models.packed.add_adapter_window`): the kernel `<name>.kernel`
+    [k, n + P*W*r] gives the base output and every window slot's shrink in one GEMM; each row
+    keeps its own slot's columns (`plan`: x's rows are its tokens); one GEMM with
+    `<name>.window_b` (B times the scale) expands them: block-diagonal [P*W*r, n] -> delta
+    [..., T, n]; or one block per projection [P, W*r, n_p] (a batched GEMM, no zero blocks) ->
+    delta [P, ..., T, n_p]. A kernel without window columns: (the base output, None).
+    x [..., T, k]."""
     if f"{name}.window_b" not in weights:
-        return _base_output(x, weights, name).astype(x.dtype)
+        return _base_output(x, weights, name, x.dtype).astype(x.dtype), None
     window_b = weights[f"{name}.window_b"]
-    width = window_b.shape[-1]
-    y = jnp.dot(x, weights[f"{name}.kernel"].astype(x.dtype))  # f32 accumulation, x's dtype out
+    width = _window_width(weights, name)
+    y = jnp.dot(x, weights[f"{name}.kernel"], preferred_element_type=x.dtype)  # f32 accumulation
     base, shrink = y[..., :width], y[..., width:]
     if f"{name}.bias" in weights:
         base = base + weights[f"{name}.bias"].astype(x.dtype)
     columns = jnp.tile(plan.column_window, shrink.shape[-1] // plan.column_window.shape[0])
     own = columns[None, :] == plan.token_window[:, None]  # [T, P*W*r]: the row's slot's columns
-    delta = jnp.dot(jnp.where(own, shrink, 0).astype(window_b.dtype), window_b)
-    return base + delta.astype(x.dtype)
+    shrink = jnp.where(own, shrink, 0).astype(window_b.dtype)
+    if window_b.ndim == 2:
+        return base, jnp.dot(shrink, window_b, preferred_element_type=x.dtype)
+    per_projection = jnp.moveaxis(shrink.reshape(*shrink.shape[:-1], *window_b.shape[:2]), -2, 0)
+    return base, jnp.matmul(per_projection, window_b[(slice(None),) + (None,) * (x.ndim - 2)],
+                            preferred_element_type=x.dtype)
 
 
 def _dropout_seed(lora: LoraInputs, layer_index: jax.Array, name: str) -> jax.Array:

@@ -56,8 +56,10 @@ class AdapterWindow:
     """Where the adapter window sits in a packed serving model (`add_adapter_window`).
 
     slots: W, the adapters the window holds; rank: r, each slot's columns per projection.
-    groups: ((kernel, ((projection, output offset, output width), ...)), ...): per packed kernel
-      of `WINDOW_GROUPS`, the projections with window columns, in column order."""
+    groups: ((kernel, ((projection, output offset, output width), ...), batched), ...): per packed
+      kernel of `WINDOW_GROUPS`, the projections with window columns, in column order; batched:
+      they are all of the kernel's projections and of one width, so B is held one block per
+      projection [P, W*r, n_p] (a batched expand GEMM) instead of block-diagonal [P*W*r, n]."""
 
     slots: int
     rank: int
@@ -65,7 +67,8 @@ class AdapterWindow:
 
     def columns(self, group: str) -> int:
         """Window columns of `group`'s kernel: P projections x W slots x r."""
-        return len(dict(self.groups)[group]) * self.slots * self.rank
+        placed = {name: projections for name, projections, _ in self.groups}[group]
+        return len(placed) * self.slots * self.rank
 
 
 def window_layout(config: LlamaConfig, slots: int, rank: int, modules) -> AdapterWindow:
@@ -75,8 +78,9 @@ def window_layout(config: LlamaConfig, slots: int, rank: int, modules) -> Adapte
     for group, names in WINDOW_GROUPS.items():
         offsets = np.cumsum([0] + [shapes[name][1] for name in names])
         placed = tuple((name, int(offsets[i]), shapes[name][1]) for i, name in enumerate(names) if name in modules)
+        batched = len(placed) == len(names) > 1 and len({width for _, _, width in placed}) == 1
         if placed:
-            groups.append((group, placed))
+            groups.append((group, placed, batched))
     return AdapterWindow(slots, rank, tuple(groups))
 
 
@@ -85,12 +89,13 @@ def add_adapter_window(model: Llama, window: AdapterWindow) -> None:
     `layers.<group>.kernel` [L, k, n] gets P*W*r zero columns (A of each window slot and
     projection: column (p*W + w)*r + i is rank component i of slot w's projection p), and
     `layers.<group>.window_b` [L, P*W*r, n] holds the window's B, block-diagonal (rows of
-    projection p only in p's output columns), zero until `fill_window_slot` writes a slot.
+    projection p only in p's output columns), or [L, P, W*r, n_p] for a batched group (see
+    `AdapterWindow`), zero until `fill_window_slot` writes a slot.
 
     A step with a `WindowPlan` then gets each row's LoRA shrink out of the base GEMM and adds one
     expand GEMM per group (`jaxlora.lora.project`); other steps drop the window's columns."""
     weights = model.weights
-    for group, _ in window.groups:
+    for group, placed, batched in window.groups:
         key = f"layers.{group}.kernel"
         if key not in weights:
             raise ValueError(f"the adapter window needs the packed serving model ({key} is missing)")
@@ -98,12 +103,13 @@ def add_adapter_window(model: Llama, window: AdapterWindow) -> None:
         layers, _, width = kernel.shape
         extra = window.columns(group)
         weights[key] = nnx.Param(jnp.concatenate([kernel, jnp.zeros((*kernel.shape[:2], extra), kernel.dtype)], -1))
-        weights[f"layers.{group}.window_b"] = nnx.Param(jnp.zeros((layers, extra, width), kernel.dtype))
+        shape = (layers, len(placed), extra // len(placed), width // len(placed)) if batched else (layers, extra, width)
+        weights[f"layers.{group}.window_b"] = nnx.Param(jnp.zeros(shape, kernel.dtype))
 
 
 def window_keys(window: AdapterWindow) -> list[str]:
     """The weights `fill_window_slot` writes."""
-    return [f"layers.{group}.{part}" for group, _ in window.groups for part in ("kernel", "window_b")]
+    return [f"layers.{group}.{part}" for group, _, _ in window.groups for part in ("kernel", "window_b")]
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
@@ -116,10 +122,10 @@ def fill_window_slot(window: AdapterWindow, weights: dict, pool: dict, window_sl
     leaves zero columns. One compile serves every (window slot, pool slot)."""
     weights = dict(weights)
     w, r = window.slots, window.rank
-    for group, placed in window.groups:
+    for group, placed, batched in window.groups:
         kernel_key, b_key = f"layers.{group}.kernel", f"layers.{group}.window_b"
         kernel, window_b = weights[kernel_key], weights[b_key]
-        base_width = window_b.shape[-1]
+        base_width = kernel.shape[-1] - window.columns(group)
         for p, (name, offset, _) in enumerate(placed):
             module = pool[name]
             a = jax.lax.dynamic_index_in_dim(module["a"], pool_slot, axis=1, keepdims=False)  # [L, k, r]
@@ -128,6 +134,9 @@ def fill_window_slot(window: AdapterWindow, weights: dict, pool: dict, window_sl
             column = base_width + (p * w + window_slot) * r
             kernel = jax.lax.dynamic_update_slice(kernel, a.astype(kernel.dtype), (0, 0, column))
             b = (b.astype(jnp.float32) * scale[:, None, None]).astype(window_b.dtype)
-            window_b = jax.lax.dynamic_update_slice(window_b, b, (0, (p * w + window_slot) * r, offset))
+            if batched:  # [L, P, W*r, n_p]: projection p's block, rows of the slot
+                window_b = jax.lax.dynamic_update_slice(window_b, b[:, None], (0, p, window_slot * r, 0))
+            else:  # [L, P*W*r, n]: rows of (p, slot), p's output columns
+                window_b = jax.lax.dynamic_update_slice(window_b, b, (0, (p * w + window_slot) * r, offset))
         weights[kernel_key], weights[b_key] = kernel, window_b
     return weights

@@ -34,6 +34,7 @@ def windowed(model, pool, pool_slots):
     window slot})."""
     packed = pack_projections(model)
     layout = window_layout(CONFIG, WINDOW, 16, PROJECTIONS)
+    assert {batched for _, _, batched in layout.groups} == {True, False}  # gate/up batched, q/k/v block-diagonal
     add_adapter_window(packed, layout)
     keys = window_keys(layout)
     weights = {key: packed.weights[key][...] for key in keys}

@@ -303,12 +303,12 @@ def test_prefetched_adapters_copy_in_the_background(smollm2, adapters8, expected
 
 def test_accelerator_token_buckets_pad_steps_and_serve_the_same_tokens(smollm2, adapters8, expected, monkeypatch):
     """With the GPU/TPU bucket minimums (here 16 tokens a step, 32 for a LoRA step with a prefill
-    row) every step pads up to them, runs a program of `step_shapes()`, and the greedy tokens are
+    row; no adapter window, so that LoRA steps run the kernels) every step pads up to them, runs a program of `step_shapes()`, and the greedy tokens are
     those of the merged weights."""
     model, tokenizer = smollm2
     requests, outputs = expected
     config = EngineConfig(max_adapters_on_device=8, lora_backend="hybrid", min_step_tokens=16,
-                          min_lora_mixed_tokens=32, **SMALL_ENGINE)
+                          min_lora_mixed_tokens=32, adapter_window=0, **SMALL_ENGINE)
     engine = Engine(model, tokenizer.eos_token_ids, config, adapters8)
     shapes = set(engine.step_shapes())
     forwards = [shape for shape in shapes if shape.program == "forward"]

@@ -156,7 +156,7 @@ def test_rows_with_different_parameters_batched_get_what_they_get_alone(client, 
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         together = list(pool.map(run, range(len(jobs))))
     assert [t for t, _ in together] == [t for t, _ in alone]
-    np.testing.assert_allclose(together[-1][1], alone[-1][1], rtol=1e-5)
+    np.testing.assert_allclose(together[-1][1], alone[-1][1], rtol=1e-4)  # f32 GEMMs of other shapes
     assert len({t for t, _ in alone}) > 4
 
 
