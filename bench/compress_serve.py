@@ -42,6 +42,7 @@ import numpy as np
 from flax import nnx
 
 from bench.serve import make_trace, parse_case, print_row, run_trace
+from jaxlora.compress import store
 from jaxlora.compress.collection import Source, compress, source_parameter_count
 from jaxlora.lora.adapter import LoraAdapter, ModuleLora
 from jaxlora.lora.config import LoraConfig
@@ -75,6 +76,42 @@ def synthetic_adapters(config, count: int, groups: int, noise: float, seed: int)
     return adapters
 
 
+def made_and_compressed(args, config, count: int):
+    """(the compressed collection, {make_seconds, compress_seconds, parameters_before,
+    bytes_float32}): made and compressed now (and saved to --collection if given), or read from
+    --collection with the figures of the run that made it."""
+    timing_file = None if args.collection is None else os.path.join(args.collection, "bench_timing.json")
+    if timing_file and os.path.exists(timing_file) and not args.make_only:
+        with open(timing_file) as f:
+            info = json.load(f)
+        if info["settings"] != _make_settings(args, count):
+            raise SystemExit(f"{args.collection} was made with other settings: {info['settings']}")
+        print(f"compressed collection reused from {args.collection}", flush=True)
+        return store.load(args.collection), {**info, "reused_from": args.collection}
+    started = time.perf_counter()
+    adapters = synthetic_adapters(config, count, args.groups, args.noise, args.seed)
+    made = time.perf_counter()
+    sources = [Source(a) for a in adapters]
+    collection = compress(sources, config, "jd-full", args.rank, args.clusters, iters=args.iters, seed=args.seed)
+    info = {"make_seconds": made - started, "compress_seconds": time.perf_counter() - made,
+            "parameters_before": source_parameter_count(sources), "settings": _make_settings(args, count),
+            "bytes_float32": sum(m.a.nbytes + m.b.nbytes for a in adapters for m in a.modules.values())}
+    errors = [np.mean(list(e.values())) for e in collection.errors.values()]
+    print(f"{count} adapters made in {info['make_seconds']:.0f} s, compressed (jd-full r={args.rank} "
+          f"k={args.clusters}) in {info['compress_seconds']:.0f} s: parameters {info['parameters_before']:,} -> "
+          f"{collection.parameter_count():,}, mean relative error {np.mean(errors):.3f}", flush=True)
+    if args.collection:
+        store.save(collection, args.collection)
+        with open(timing_file, "w") as f:
+            json.dump(info, f)
+    return collection, info
+
+
+def _make_settings(args, count: int) -> dict:
+    return {"layers": args.layers, "tiny": args.tiny, "count": count, "groups": args.groups, "noise": args.noise,
+            "rank": args.rank, "clusters": args.clusters, "iters": args.iters, "seed": args.seed}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny model, 24 adapters, short sequences (CPU smoke)")
@@ -93,6 +130,10 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=None, help="tokens per step (default 256; --tiny 32)")
     parser.add_argument("--lora-backend", default=None, help="uncompressed runs (default hybrid on a GPU, else gather)")
     parser.add_argument("--skip-uncompressed", action="store_true", help="only the single and compressed runs")
+    parser.add_argument("--collection", default=None,
+                        help="directory: reuse the compressed collection saved there by an earlier run with the same "
+                             "settings (then only adapter 0 is made), else save it there (with --make-only: and stop)")
+    parser.add_argument("--make-only", action="store_true", help="make, compress and save --collection, then stop")
     parser.add_argument("--compile-cache", default="/tmp/jaxlora_serve_jit_cache")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench/results/compress_serve.json")
@@ -109,16 +150,12 @@ def main() -> None:
     started = time.perf_counter()
     config = llama8b_config(layers, args.tiny)
     model = Llama(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
-    adapters = synthetic_adapters(config, count, args.groups, args.noise, args.seed)
-    made = time.perf_counter()
-    sources = [Source(a) for a in adapters]
-    collection = compress(sources, config, "jd-full", args.rank, args.clusters, iters=args.iters, seed=args.seed)
-    compress_s = time.perf_counter() - made
+    collection, made_info = made_and_compressed(args, config, count)
+    if args.make_only:
+        return
+    adapters = synthetic_adapters(config, 1, args.groups, args.noise, args.seed)  # adapter 0: the single run's
     errors = [np.mean(list(e.values())) for e in collection.errors.values()]
     shared = collection.serving_set()
-    print(f"{count} adapters made in {made - started:.0f} s, compressed (jd-full r={args.rank} k={args.clusters}) in "
-          f"{compress_s:.0f} s: parameters {source_parameter_count(sources):,} -> {collection.parameter_count():,}, "
-          f"mean relative error {np.mean(errors):.3f}", flush=True)
     max_model_len = 2 * (max_len - 1)
     engine = EngineConfig(max_adapters_on_device=slots, max_lora_rank=LORA.r, page_size=16,
                           num_pages=max_num_seqs * pages_for(max_model_len, 16), max_model_len=max_model_len,
@@ -130,11 +167,13 @@ def main() -> None:
               "model": {"shape": "tiny" if args.tiny else "Llama-3.1-8B", "layers": layers, "dtype": "bfloat16"},
               "adapters": {"count": count, "r": LORA.r, "target_modules": list(LORA.target_modules),
                            "construction": f"{args.groups} shared components + {args.noise} x individual (module doc)",
-                           "bytes_float32": sum(m.a.nbytes + m.b.nbytes for a in adapters for m in a.modules.values())},
+                           "bytes_float32": made_info["bytes_float32"], "make_seconds": made_info["make_seconds"]},
               "compression": {"method": "jd-full", "rank": args.rank, "clusters": args.clusters, "iters": args.iters,
-                              "seconds": compress_s, "parameters_before": source_parameter_count(sources),
+                              "seconds": made_info["compress_seconds"],
+                              "parameters_before": made_info["parameters_before"],
                               "parameters_after": collection.parameter_count(),
-                              "mean_relative_error": float(np.mean(errors))},
+                              "mean_relative_error": float(np.mean(errors)),
+                              "reused_from": made_info.get("reused_from")},
               "engine": dataclasses.asdict(engine), "settings": vars(args), "results": []}
     defaults = {"requests": requests, "rate": 4.0, "cv": 1.0, "slora_mode": "throughput", "punica_mode": "throughput"}
     for spec in args.cases:
@@ -146,6 +185,9 @@ def main() -> None:
                    for n in trace.prompt_lens]
         single_trace = dataclasses.replace(trace, adapters=np.zeros_like(trace.adapters))
         runs = {"single": run_trace(model, engine, single_trace, prompts, lambda i: adapters[i])}
+        if not args.skip_uncompressed:  # every adapter (made here if the collection was reused)
+            adapters = adapters if len(adapters) == count else synthetic_adapters(
+                config, count, args.groups, args.noise, args.seed)
         print_row(case.name, "single", runs["single"])
         runs["compressed"] = run_trace(model, compressed_engine, trace, prompts, None, compressed=shared)
         print_row("", "compressed", runs["compressed"])
