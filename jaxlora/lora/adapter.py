@@ -25,7 +25,8 @@ class ModuleLora:
 
 @dataclasses.dataclass
 class LoraAdapter:
-    """A named adapter: its config and its per-module weights (float32 numpy)."""
+    """A named adapter: its config and its per-module weights (numpy; float32, or the dtype it was
+    stored in when read with `load_peft_adapter(..., keep_dtype=True)`)."""
 
     name: str
     config: LoraConfig
@@ -41,16 +42,16 @@ class LoraAdapter:
         return lora.scale[layer] * (lora.a[layer] @ lora.b[layer])
 
 
-def empty_module(base: LlamaConfig, lora: LoraConfig, module: str) -> ModuleLora:
-    """Zero weights with the right shapes, ranks and scales for `module`."""
+def empty_module(base: LlamaConfig, lora: LoraConfig, module: str, dtype=np.float32) -> ModuleLora:
+    """Zero weights (of `dtype`) with the right shapes, ranks and scales for `module`."""
     fan_in, fan_out = projection_shapes(base)[module]
     layers = range(base.num_layers)
     ranks = np.array([lora.rank(l, module) if lora.targets(l, module) else 0 for l in layers], np.int32)
     scales = np.array([lora.scale(l, module) if lora.targets(l, module) else 0.0 for l in layers], np.float32)
     width = int(ranks.max())
     return ModuleLora(
-        a=np.zeros((base.num_layers, fan_in, width), np.float32),
-        b=np.zeros((base.num_layers, width, fan_out), np.float32),
+        a=np.zeros((base.num_layers, fan_in, width), dtype),
+        b=np.zeros((base.num_layers, width, fan_out), dtype),
         rank=ranks,
         scale=scales,
     )

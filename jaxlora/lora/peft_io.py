@@ -24,13 +24,17 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 _KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.([a-z_]+)\.lora_([AB])\.weight$")
 
 
-def load_peft_adapter(path: str, base: LlamaConfig, name: str | None = None) -> LoraAdapter:
-    """Reads a PEFT LoRA adapter directory for the base model `base`; AdapterError if unusable."""
+def load_peft_adapter(path: str, base: LlamaConfig, name: str | None = None,
+                      keep_dtype: bool = False) -> LoraAdapter:
+    """Reads a PEFT LoRA adapter directory for the base model `base`; AdapterError if unusable.
+    The weights are float32, or with `keep_dtype` in the dtype they are stored in (float16 or
+    bfloat16 stay so: a host cache of many adapters holds their own bytes) when all share one."""
     config = read_adapter_config(path, base)
     adapter = LoraAdapter(name or os.path.basename(os.path.normpath(path)), config, {})
-    tensors = _read_tensors(os.path.join(path, WEIGHTS_FILE))
+    tensors = _read_tensors(os.path.join(path, WEIGHTS_FILE), keep_dtype)
+    dtype = _common_float_dtype(tensors) if keep_dtype else np.float32
     for module in config.target_modules:
-        adapter.modules[module] = empty_module(base, config, module)
+        adapter.modules[module] = empty_module(base, config, module, dtype)
     seen = set()
     for key, tensor in tensors.items():
         layer, module, part = _parse_key(key, path)
@@ -113,16 +117,24 @@ def _targets(target_modules, layers_to_transform, base: LlamaConfig, file: str):
     return tuple(sorted(set(names), key=PROJECTIONS.index)), layers
 
 
-def _read_tensors(file: str) -> dict[str, np.ndarray]:
+def _common_float_dtype(tensors: dict[str, np.ndarray]):
+    """The one dtype of `tensors` if it is float16, bfloat16 or float32, else float32."""
+    dtypes = {t.dtype for t in tensors.values()}
+    dtype = dtypes.pop() if len(dtypes) == 1 else np.float32
+    return dtype if dtype.name in ("float16", "bfloat16", "float32") else np.float32
+
+
+def _read_tensors(file: str, keep_dtype: bool = False) -> dict[str, np.ndarray]:
     if not os.path.exists(file):
         other = os.path.join(os.path.dirname(file), "adapter_model.bin")
         hint = " (only safetensors is read, not adapter_model.bin)" if os.path.exists(other) else ""
         raise AdapterError(f"{file}: not found{hint}")
     try:
         with safe_open(file, framework="numpy") as handle:
-            return {key: handle.get_tensor(key).astype(np.float32) for key in handle.keys()}
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
     except Exception as err:
         raise AdapterError(f"{file}: cannot read safetensors (truncated or corrupt?): {err}") from err
+    return tensors if keep_dtype else {key: t.astype(np.float32) for key, t in tensors.items()}
 
 
 def _parse_key(key: str, path: str) -> tuple[int, str, str]:

@@ -7,9 +7,10 @@ scans with the model's stacked layer weights.
 Loading a slot is one jitted update of every module's arrays with the slot as a traced argument,
 so one compile serves every slot (and eviction). With `donate=True` the pool's arrays are donated
 to that update and written in place: arrays taken from `pool.arrays` before a load or eviction
-are then invalid (read `pool.arrays` again after each). `prepare` validates an adapter and pads
-it into host arrays of the pool's dtype once; loading a `PreparedAdapter` skips that host work
-(a server prepares every adapter at registration and loads it many times).
+are then invalid (read `pool.arrays` again after each). `prepare` validates an adapter once and
+keeps it compact (`PreparedAdapter`: each module at its own rank, in the dtype it was stored in);
+it is padded to the pool's max rank and cast to the pool's dtype only when written into a slot
+(`padded`), so a host that holds many adapters holds their own bytes, not max-rank copies.
 
 With a `mesh` the arrays are placed by their logical axes (`jaxlora.models.axes.pool_axes`;
 S-LoRA: A of row-parallel layers split by input rows, B of column-parallel layers by output
@@ -82,8 +83,10 @@ def _placed_pool_fns(base: LlamaConfig, num_slots: int, max_rank: int, modules: 
 
 @dataclasses.dataclass(frozen=True)
 class PreparedAdapter:
-    """An adapter validated for one pool layout and padded to its slot arrays (host, pool dtype):
-    values {module: {a [L, k, r_max], b [L, r_max, n], scale [L], rank [L]}} for every pool module."""
+    """An adapter validated for one pool layout, compact (host arrays, no max-rank padding):
+    values {module: {a [L, k, r_m], b [L, r_m, n] (r_m: the module's largest rank over layers, in
+    the adapter's stored dtype), scale [L] float32, rank [L] int32}} for the modules it targets.
+    `AdapterPool.padded` makes the slot arrays from it."""
 
     name: str
     values: dict
@@ -126,8 +129,9 @@ class AdapterPool:
 
     @property
     def layout(self) -> tuple:
-        """What a PreparedAdapter must match to be loaded here without checks."""
-        return (self.base, self.max_rank, self.target_modules, np.dtype(self.dtype).name)
+        """What a PreparedAdapter must match to be loaded here without checks (not the dtype: a
+        prepared adapter keeps its own, cast when written)."""
+        return (self.base, self.max_rank, self.target_modules)
 
     def slot_of(self, name: str) -> int | None:
         return self.slot_names.index(name) if name in self.slot_names else None
@@ -136,13 +140,21 @@ class AdapterPool:
         return self.slot_of(None) if None in self.slot_names else None
 
     def prepare(self, adapter: LoraAdapter, check: bool = True) -> PreparedAdapter:
-        """Validates `adapter` for this pool (AdapterError naming the problem) and pads it into host
-        arrays of the pool's dtype, ready for any number of `load`s. check=False skips the
-        validation, for callers that ran equivalent checks themselves."""
+        """Validates `adapter` for this pool (AdapterError naming the problem) and keeps its arrays
+        as they are (own rank, own dtype; not copied), ready for any number of `load`s.
+        check=False skips the validation, for callers that ran equivalent checks themselves."""
         if check:
             self._validate(adapter)
-        values = {module: self._slot_values(adapter, module) for module in self.target_modules}
+        values = {module: {"a": w.a, "b": w.b, "scale": np.asarray(w.scale, np.float32),
+                           "rank": np.asarray(w.rank, np.int32)} for module, w in adapter.modules.items()}
         return PreparedAdapter(adapter.name, values, self.layout)
+
+    def padded(self, prepared: PreparedAdapter | None) -> dict:
+        """One slot's host arrays for every pool module from `prepared` (None: an empty slot):
+        {module: {a [L, k, r_max], b [L, r_max, n] in the pool's dtype, scale [L], rank [L]}}, zeros
+        past each module's rank and for modules it does not target. Made per write, then dropped."""
+        values = {} if prepared is None else prepared.values
+        return {module: self._slot_values(values.get(module), module) for module in self.target_modules}
 
     def load(self, adapter: LoraAdapter | PreparedAdapter, slot: int | None = None) -> int:
         """Puts `adapter` (or one `prepare`d for this pool) in `slot` (default: a free one) and
@@ -156,16 +168,22 @@ class AdapterPool:
             prepared = adapter
         else:
             prepared = self.prepare(adapter)
-        self._write(slot, prepared.values)
-        self.slot_names[slot] = prepared.name
+        self.write_padded(slot, prepared.name, self.padded(prepared))
         return slot
+
+    def write_padded(self, slot: int, name: str, values: dict) -> None:
+        """Writes `values` (`padded`'s arrays, on the host or already on the device) into `slot`
+        under `name`, unchecked: for callers that padded a prepared adapter themselves (a
+        background copy to the device)."""
+        self._write(slot, values)
+        self.slot_names[slot] = name
 
     def evict(self, slot: int) -> None:
         """Empties `slot` (rank 0, zero weights)."""
         if not 0 <= slot < self.num_slots:
             raise AdapterError(f"slot {slot} is outside the pool (0..{self.num_slots - 1})")
         if self._empty is None:
-            self._empty = {module: self._slot_values(None, module) for module in self.target_modules}
+            self._empty = self.padded(None)
         self._write(slot, self._empty)
         self.slot_names[slot] = None
 
@@ -199,17 +217,17 @@ class AdapterPool:
                                    f"{weights.b.shape}, which do not fit the base model")
         check_finite(adapter, f"adapter {adapter.name!r}")
 
-    def _slot_values(self, adapter: LoraAdapter | None, module: str) -> dict:
-        """One slot's host arrays for `module` (zeros where `adapter` is None or does not target it)."""
+    def _slot_values(self, compact: dict | None, module: str) -> dict:
+        """One slot's host arrays for `module` from its compact arrays (`PreparedAdapter.values[
+        module]`; None: zeros), padded to the pool's max rank in the pool's dtype."""
         layers, shapes = self.base.num_layers, projection_shapes(self.base)[module]
         dtype = np.dtype(self.dtype)
         a = np.zeros((layers, shapes[0], self.max_rank), dtype)
         b = np.zeros((layers, self.max_rank, shapes[1]), dtype)
         scale = np.zeros(layers, np.float32)
         rank = np.zeros(layers, np.int32)
-        if adapter is not None and module in adapter.modules:
-            weights = adapter.modules[module]
-            width = weights.a.shape[2]
-            a[:, :, :width], b[:, :width] = weights.a, weights.b
-            scale, rank = np.asarray(weights.scale, np.float32), np.asarray(weights.rank, np.int32)
+        if compact is not None:
+            width = compact["a"].shape[2]
+            a[:, :, :width], b[:, :width] = compact["a"], compact["b"]
+            scale, rank = compact["scale"], compact["rank"]
         return {"a": a, "b": b, "scale": scale, "rank": rank}

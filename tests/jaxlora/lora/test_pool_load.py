@@ -1,6 +1,8 @@
 """Loading a slot is one jitted update (the slot traced, so one compile serves every slot and
 eviction); a prepared adapter loads the same values as a raw one; a donating pool writes in place."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -78,12 +80,27 @@ def test_prepared_adapter_is_checked_against_the_pool_layout():
             np.testing.assert_array_equal(np.asarray(pool.arrays[module][key]), value)
 
 
-def test_bfloat16_pool_prepares_in_its_dtype():
+def test_prepared_adapter_is_compact_and_padded_only_when_written():
+    """A prepared adapter keeps each module at its own rank in its own dtype (bf16 stays bf16, never
+    padded to the pool's max rank); a float32 one written into a bfloat16 pool is cast there."""
+    import ml_dtypes
+
     pool = AdapterPool(CONFIG, 2, RANK, MODULES, dtype=jnp.bfloat16, donate=True)
-    adapter = _adapters(1)[0]
+    adapter = _adapters(1)[0]  # rank 4 < RANK
+    stored = adapter.modules["q_proj"]
+    adapter.modules["q_proj"] = dataclasses.replace(stored, a=stored.a.astype(ml_dtypes.bfloat16),
+                                                    b=stored.b.astype(ml_dtypes.bfloat16))
     prepared = pool.prepare(adapter)
-    assert prepared.values["q_proj"]["a"].dtype == jnp.bfloat16
+    assert set(prepared.values) == {"q_proj"}
+    assert prepared.values["q_proj"]["a"].shape == stored.a.shape and stored.a.shape[2] == 4
+    assert prepared.values["q_proj"]["a"].dtype == ml_dtypes.bfloat16
+    assert prepared.nbytes == stored.a.nbytes // 2 + stored.b.nbytes // 2 + stored.scale.nbytes + stored.rank.nbytes
     pool.load(prepared, slot=1)
     assert pool.arrays["q_proj"]["a"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(pool.arrays["q_proj"]["a"][:, 1, :, :4]),
-                                  np.asarray(jnp.asarray(adapter.modules["q_proj"].a, jnp.bfloat16)))
+                                  np.asarray(jnp.asarray(stored.a, jnp.bfloat16)))
+    assert not np.asarray(pool.arrays["q_proj"]["a"][:, 1, :, 4:], np.float32).any()
+    f32 = AdapterPool(CONFIG, 2, RANK, MODULES, dtype=jnp.float32)
+    f32.load(prepared, slot=0)  # bf16 host copy -> float32 slot
+    np.testing.assert_array_equal(np.asarray(f32.arrays["q_proj"]["b"][:, 0, :4]),
+                                  stored.b.astype(ml_dtypes.bfloat16).astype(np.float32))
