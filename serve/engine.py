@@ -43,9 +43,17 @@ step without multi-token rows (decode only, so at most `max_num_seqs` tokens) ru
 its own compiled variant of the buckets up to that size. Sampled tokens map back to requests by
 row on the host. The other backends get the usual `LoraPlan`.
 
-All known adapters live in host memory, validated and padded for the pool once at registration
-(`PreparedAdapter`); the device `AdapterPool` holds N of them and writes a slot in place (one
-donated jitted update serves every slot). A step whose rows all use the base model runs the model
+Adapters (S-LoRA's tiers): `serve.adapter_store.AdapterStore` knows every adapter by name and
+holds the disk and host tiers: adapters registered with a path or found in
+`EngineConfig.adapter_dir` on first request are read by a background thread into a host cache
+bounded by `max_host_adapter_bytes` / `max_host_adapters` (LRU; compact `PreparedAdapter`s: own
+rank, stored dtype), and read again when evicted; adapters given without a path are held. Each
+step the engine tells the store which adapters the queued requests need (`want`: disk reads
+overlap the steps) and the scheduler admits a request only once its adapter is on the host or on
+the device, so one whose adapter is still being read waits without holding others back; a
+failed read ends the requests naming it (finish reason "adapter_error"). The device `AdapterPool`
+holds N adapters and writes a slot in place (one donated jitted update serves every slot),
+padding the host copy to its max rank only for that write. A step whose rows all use the base model runs the model
 without LoRA inputs (its own compiled variant), so base-only traffic costs exactly the base model.
 `start()` runs steps in a background thread; `submit`/`abort`/`add_adapter`/`remove_adapter` are
 thread-safe.
@@ -71,7 +79,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
-import itertools
 import logging
 import os
 import threading
@@ -89,6 +96,7 @@ from jaxlora.lora import backends
 from jaxlora.lora.adapter import LoraAdapter, check_finite
 from jaxlora.lora.compressed import SharedBasisSet, with_compressed
 from jaxlora.lora.config import AdapterError
+from jaxlora.lora.peft_io import load_peft_adapter
 from jaxlora.buckets import bucket
 from jaxlora.models.packed import add_adapter_window, fill_window_slot, pack_projections, window_keys, window_layout
 from jaxlora.lora.plan import ServingPlan, build_plan, build_serving_plan, build_window_plan, serving_order
@@ -98,6 +106,7 @@ from jaxlora.models.llama import Llama, LoraInputs
 from jaxlora.models.paged import PagedBatch, PagedKVCache
 from jaxlora.sampling import SamplingParams
 from jaxlora.scheduler.serving import PENDING, SchedulerConfig, Sequence, ServingScheduler, StepPlan, pages_for
+from serve.adapter_store import AdapterStore
 from serve.sampler_state import SamplerSlots, step_sampling
 from serve.step import Programs, RowSampling, RowState, Step, StepShape
 from serve.window import WindowSlots
@@ -153,6 +162,11 @@ class EngineConfig:
     # group, no LoRA kernel (bench/NOTES_serve.md). None: 8 on a GPU/TPU, 4 on a CPU; 0: off. Capped
     # by max_adapters_on_device; off with a mesh or a compressed collection.
     adapter_window: int | None = None
+    # The disk and host tiers (serve.adapter_store): a directory of PEFT adapter folders served by
+    # folder name, and the host cache's bounds (None: unbounded).
+    adapter_dir: str | None = None
+    max_host_adapter_bytes: int | None = None
+    max_host_adapters: int | None = None
 
     # Bounds of the step sizes (each compiled program is as large as its step; tokens bound rows).
     BOUNDS = {"max_num_seqs": (1, 1024), "token_budget": (1, 65536), "prefill_chunk": (1, 65536)}
@@ -231,14 +245,6 @@ class _InFlight(NamedTuple):
     tokens: object
     launched: float
     logprobs: tuple | None = None
-
-
-@dataclasses.dataclass
-class _Registered:
-    uid: int
-    name: str
-    adapter: PreparedAdapter
-    removed: bool = False
 
 
 def check_mesh(mesh: Mesh, model_config, lora_backend: str) -> None:
@@ -331,11 +337,11 @@ class Engine:
         self._in_flight: _InFlight | None = None  # launched, tokens not read yet (async scheduling)
         self._last_done = 0.0  # when the last step's tokens were read
         self._lock = threading.Lock()
-        self._registry: dict[str, _Registered] = {}
-        self._by_uid: dict[int, _Registered] = {}
-        self._uids = itertools.count()
+        self.adapters = AdapterStore(self._read_adapter, config.adapter_dir, config.max_host_adapter_bytes,
+                                     config.max_host_adapters)
+        self.scheduler.is_ready = self.adapters.on_host  # admit a request once its adapter is on the host
         self._commands: collections.deque = collections.deque()
-        self._staged: dict[int, tuple] = {}  # slot -> (uid, Future of the adapter's device copy)
+        self._staged: dict[int, tuple] = {}  # slot -> (uid, host copy, Future of its device copy)
         # Background copies need a device apart from the host (on a CPU backend the copy is a memcpy
         # on the cores that run the step) and a pool without a mesh (see `_stage`).
         self.background_prefetch = mesh is None and jax.default_backend() != "cpu"
@@ -398,11 +404,7 @@ class Engine:
         return arrays
 
     def _register_compressed(self, name: str, index: int) -> None:
-        if name in self._registry:
-            raise ValueError(f"an adapter named {name!r} is already loaded")
-        entry = _Registered(next(self._uids), name, None)
-        self._registry[name] = entry
-        self._by_uid[entry.uid] = entry
+        entry = self.adapters.add(name, fixed=True)
         self.scheduler.slots.fix(entry.uid, self.config.max_adapters_on_device + index)
 
     def _lora_arrays(self) -> dict:
@@ -411,32 +413,37 @@ class Engine:
         return self.pool.arrays if self._compressed is None else with_compressed(self.pool.arrays, self._compressed)
 
     # ---- adapters (any thread) ---------------------------------------------------------
-    def add_adapter(self, name: str, adapter: LoraAdapter) -> None:
-        """Registers `adapter` under `name` (host memory); AdapterError if the pool cannot hold it,
-        ValueError if the name is taken. The adapter is validated and padded for the pool here, once."""
-        with self._lock:
-            if name in self._registry:
-                raise ValueError(f"an adapter named {name!r} is already loaded")
-        prepared = self.prepare_adapter(adapter)
-        with self._lock:
-            if name in self._registry:
-                raise ValueError(f"an adapter named {name!r} is already loaded")
-            entry = _Registered(next(self._uids), name, prepared)
-            self._registry[name] = entry
-            self._by_uid[entry.uid] = entry
+    def add_adapter(self, name: str, adapter: LoraAdapter, path: str | None = None) -> None:
+        """Registers `adapter` under `name`; AdapterError if the pool cannot hold it, ValueError if
+        the name is taken. With `path` (the folder it was read from) it goes into the bounded host
+        cache and is read from there again after an eviction; without, it is held in host memory."""
+        if name in self.adapters.names():
+            raise ValueError(f"an adapter named {name!r} is already loaded")
+        self.adapters.add(name, self.prepare_adapter(adapter), path)
 
     def remove_adapter(self, name: str) -> None:
         """Forgets `name` (UnknownAdapter if absent). Requests already submitted still finish."""
-        with self._lock:
-            entry = self._registry.pop(name, None)
-            if entry is None:
-                raise UnknownAdapter(name)
-            entry.removed = True
+        try:
+            self.adapters.remove(name)
+        except LookupError:
+            raise UnknownAdapter(name) from None
         self._wake.set()
 
     def adapter_names(self) -> list[str]:
-        with self._lock:
-            return list(self._registry)
+        """Registered adapters (those of `adapter_dir` once requested)."""
+        return self.adapters.names()
+
+    def resolve_adapter(self, name: str):
+        """The store entry of `name` (a directory adapter is registered now): UnknownAdapter if there
+        is none, AdapterError for a name the directory refuses (`AdapterStore.resolve`)."""
+        try:
+            return self.adapters.resolve(name)
+        except LookupError:
+            raise UnknownAdapter(name) from None
+
+    def _read_adapter(self, path: str, name: str) -> PreparedAdapter:
+        """Reads and checks one adapter folder for the store's reader thread (stored dtype kept)."""
+        return self.prepare_adapter(load_peft_adapter(path, self.model_config, name, keep_dtype=True))
 
     def check_adapter(self, adapter: LoraAdapter) -> None:
         """AdapterError unless `adapter` fits this engine's pool (modules, rank, shapes, finite)."""
@@ -455,7 +462,7 @@ class Engine:
         check_finite(adapter, "adapter")
 
     def prepare_adapter(self, adapter: LoraAdapter) -> PreparedAdapter:
-        """`check_adapter`, then the adapter padded into the pool's slot layout (host arrays)."""
+        """`check_adapter`, then the adapter as the pool loads it (compact host arrays)."""
         self.check_adapter(adapter)
         return self.pool.prepare(adapter, check=False)  # check_adapter covers the pool's checks
 
@@ -477,17 +484,13 @@ class Engine:
         sampled row draws from key(seed) folded with the token's index, so a seeded request gives
         the same tokens whatever else is in the batch); `callback(Event)` is called from the engine
         thread for every new token and once with a finish reason. Raises RequestError,
-        UnknownAdapter or EngineBusy."""
+        UnknownAdapter, AdapterError (a name the adapter directory refuses) or EngineBusy."""
         self.validate(len(prompt), sampling.max_new_tokens)
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in [t for t, _ in sampling.logit_bias] + list(sampling.stop_token_ids)):
             raise RequestError(f"logit_bias and stop_token_ids take token ids in [0, {vocab})")
+        uid = None if adapter is None else self.resolve_adapter(adapter).uid
         with self._lock:
-            uid = None
-            if adapter is not None:
-                if adapter not in self._registry:
-                    raise UnknownAdapter(adapter)
-                uid = self._registry[adapter].uid
             waiting = self._num_waiting_submitted + len(self.scheduler.waiting)
             if waiting >= self.config.max_waiting:
                 raise EngineBusy(f"{waiting} requests are waiting; try again later")
@@ -509,7 +512,7 @@ class Engine:
         with self._lock:
             self._num_waiting_submitted -= 1
         uid = request.seq.adapter
-        if uid is not None and uid not in self._by_uid:
+        if uid is not None and self.adapters.by_uid(uid) is None:
             self._deliver(request, Event(None, "error", "the adapter was unloaded"))
             return
         self._requests[request.seq.seq_id] = request
@@ -533,6 +536,7 @@ class Engine:
             self._commands.popleft()()
         self._drop_removed_adapters()
         self._drop_late_requests()
+        self._want_adapters()
         if not self.scheduler.has_work() and self._in_flight is None:
             return False
         launched = self._launch(phases)
@@ -872,12 +876,37 @@ class Engine:
         if self.cache.k.is_deleted():
             self.cache = self._new_cache()
 
+    def _want_adapters(self) -> None:
+        """Tells the store which adapters the queued requests need (queue order, those not on the
+        device: it starts their disk reads) and ends the queued requests whose adapter failed to
+        read (finish reason "adapter_error", the read's message)."""
+        slots, store = self.scheduler.slots, self.adapters
+        wanted = [seq.adapter for seq in self.scheduler.waiting
+                  if seq.adapter is not None and slots.slot_of(seq.adapter) is None]
+        store.want(wanted)
+        for seq in [seq for seq in self.scheduler.waiting if seq.adapter in set(wanted)]:
+            error = store.error(seq.adapter)
+            if error is not None:
+                self.scheduler.finish(seq, "adapter_error")
+                request = self._requests.pop(seq.seq_id, None)
+                if request is not None:
+                    self._deliver(request, Event(None, "adapter_error", error))
+
+    def _host_copy(self, uid) -> PreparedAdapter:
+        """The host copy of an adapter the scheduler placed (admitted or prefetched only when on
+        the host, and kept there by `AdapterStore.want` until this step copies it)."""
+        prepared = self.adapters.host(uid)
+        if prepared is None:
+            raise RuntimeError(f"adapter uid {uid} was placed in a device slot but is not on the host")
+        return prepared
+
     def _load(self, loads) -> None:
         """Copies the adapters of `loads` [(slot, uid)] into their slots now (synchronously)."""
         for slot, uid in loads:
             self._staged.pop(slot, None)
-            self.pool.load(self._by_uid[uid].adapter, slot=slot)
-            self.stats.adapter_loads += 1
+            started = time.perf_counter()
+            self.pool.load(self._host_copy(uid), slot=slot)
+            self.stats.record_device_load(time.perf_counter() - started)
 
     def _stage(self, loads) -> None:
         """Prefetch: starts the host -> device copies of the adapters of `loads` [(slot, uid)] on a
@@ -888,26 +917,25 @@ class Engine:
             self._load(loads)
             return
         for slot, uid in loads:
-            self._staged[slot] = uid, _prefetch_thread().submit(_to_device, self._by_uid[uid].adapter)
-            self.stats.adapter_loads += 1
+            prepared = self._host_copy(uid)
+            self._staged[slot] = uid, prepared, _prefetch_thread().submit(_to_device, self.pool, prepared,
+                                                                         self.stats)
 
     def _commit_staged(self, needed) -> None:
         """Writes staged adapters into their slots: every copy that is done, and those of the slots
         in `needed` (the step's rows use them: waits for their copies). A failed copy: the host
         arrays are loaded instead."""
-        for slot in [slot for slot, (_, copy) in self._staged.items() if slot in needed or copy.done()]:
-            uid, copy = self._staged.pop(slot)
+        for slot in [slot for slot, (_, _, copy) in self._staged.items() if slot in needed or copy.done()]:
+            uid, prepared, copy = self._staged.pop(slot)
             try:
-                adapter = copy.result()
+                self.pool.write_padded(slot, prepared.name, copy.result())
             except Exception:
                 log.exception("prefetch copy failed; loading from host memory")
-                adapter = self._by_uid[uid].adapter
-            self.pool.load(adapter, slot=slot)
+                self.pool.load(prepared, slot=slot)
 
     def _drop_removed_adapters(self) -> None:
         """Frees the slots and host copies of removed adapters that no request still uses."""
-        with self._lock:
-            removed = [e for e in self._by_uid.values() if e.removed]
+        removed = self.adapters.removed()
         if not removed:
             return
         in_use = {s.adapter for s in self.scheduler.running + self.scheduler.waiting}
@@ -918,8 +946,7 @@ class Engine:
             if slot is not None:
                 self._staged.pop(slot, None)
                 self.pool.evict(slot)
-            with self._lock:
-                del self._by_uid[entry.uid]
+            self.adapters.drop(entry.uid)
 
     # ---- thread ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -965,9 +992,8 @@ class Engine:
     def slot_adapters(self) -> list[str | None]:
         """The name of the adapter in each device pool slot (None: free), as the scheduler last
         placed them (read without stopping the engine; may be one step stale)."""
-        with self._lock:
-            names = {uid: entry.name for uid, entry in self._by_uid.items()}
-        return [None if key is None else names.get(key) for key in list(self.scheduler.slots.keys)]
+        entries = [None if key is None else self.adapters.by_uid(key) for key in list(self.scheduler.slots.keys)]
+        return [None if entry is None else entry.name for entry in entries]
 
     def snapshot(self) -> dict:
         """Counts for /metrics and /health (read without locking; values may be one step stale)."""
@@ -976,7 +1002,10 @@ class Engine:
             "running": len(scheduler.running),
             "waiting": len(scheduler.waiting) + self._num_waiting_submitted,
             "adapters_on_device": len(scheduler.slots.resident()),
-            "adapters_known": len(self._registry),
+            "adapters_known": len(self.adapters.names()),
+            "adapters_on_host": self.adapters.on_host_count(),
+            "adapters_on_disk": self.adapters.disk_count(),
+            "host_adapter_bytes": self.adapters.cached_bytes(),
             "free_pages": scheduler.pages.num_free,
             "total_pages": self.config.num_pages,
             "tokens_per_second": self.stats.tokens_per_second(),
@@ -1000,9 +1029,12 @@ def _prefetch_thread() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxlora-prefetch")
 
 
-def _to_device(adapter: PreparedAdapter) -> PreparedAdapter:
-    """`adapter` with its host arrays copied to the default device (on the prefetch thread)."""
-    return dataclasses.replace(adapter, values=jax.block_until_ready(jax.device_put(adapter.values)))
+def _to_device(pool: AdapterPool, adapter: PreparedAdapter, stats: "EngineStats") -> dict:
+    """`adapter`'s slot arrays (`pool.padded`) copied to the default device (on the prefetch thread)."""
+    started = time.perf_counter()
+    values = jax.block_until_ready(jax.device_put(pool.padded(adapter)))
+    stats.record_device_load(time.perf_counter() - started)
+    return values
 
 
 class _PhaseClock:
@@ -1037,7 +1069,9 @@ class EngineStats:
         self.steps = 0
         self.step_tokens = 0
         self.generated = 0
-        self.adapter_loads = 0
+        self.adapter_loads = 0  # host -> device copies into pool slots
+        self.adapter_load_seconds = 0.0  # their total and longest seconds
+        self.adapter_load_max_s = 0.0
         self.base_only_steps = 0
         self.window_fills = 0  # adapters copied into the adapter window
         self.step_compiles = 0  # programs that steps compiled (not warmed up)
@@ -1077,6 +1111,12 @@ class EngineStats:
         self._recent.append((now, generated))
         while self._recent and self._recent[0][0] < now - self.window_s:
             self._recent.popleft()
+
+    def record_device_load(self, seconds: float) -> None:
+        """Counts one host -> device adapter copy of `seconds`."""
+        self.adapter_loads += 1
+        self.adapter_load_seconds += seconds
+        self.adapter_load_max_s = max(self.adapter_load_max_s, seconds)
 
     def tokens_per_second(self) -> float:
         now = time.monotonic()

@@ -277,10 +277,10 @@ def test_prefetched_adapters_copy_in_the_background(smollm2, adapters8, expected
     requests, outputs = expected
     real_copy, copies, waited, release = engine_module._to_device, [], [], threading.Event()
 
-    def held_copy(adapter):
+    def held_copy(pool, adapter, stats):
         release.wait(timeout=60)
         copies.append(adapter.name)
-        return real_copy(adapter)
+        return real_copy(pool, adapter, stats)
 
     monkeypatch.setattr(engine_module, "_to_device", held_copy)
     config = EngineConfig(**{**SMALL_ENGINE, "max_adapters_on_device": slots, "max_num_seqs": rows})
@@ -289,7 +289,7 @@ def test_prefetched_adapters_copy_in_the_background(smollm2, adapters8, expected
     real_commit = engine._commit_staged
 
     def commit(needed):
-        pending = [slot for slot, (_, copy) in engine._staged.items() if slot in needed and not copy.done()]
+        pending = [slot for slot, (_, _, copy) in engine._staged.items() if slot in needed and not copy.done()]
         waited.extend(pending)
         if pending:
             release.set()

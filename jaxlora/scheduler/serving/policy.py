@@ -15,7 +15,10 @@ adapter's slot; admitting a request whose adapter is not on the device takes a f
 evicts the least recently used unpinned adapter (the caller copies the weights before the step).
 If the head of the queue cannot get a slot (all pinned), later requests whose adapters are
 already on the device may go first (adapter-aware skipping); if it lacks pages, admission stops,
-so long requests are not starved.
+so long requests are not starved. A request whose adapter is neither on the device nor ready to
+copy there (`is_ready(key)`: the caller's host tier holds it; default always) is passed over until
+it is, as is its adapter by `prefetch`: a request whose adapter is still read from disk waits
+without holding the queue.
 
 Async scheduling (vLLM/SGLang): `schedule()` commits its plan at once, as if the step had run:
 each row's tokens count as computed, and a row that samples appends a `PENDING` placeholder to
@@ -38,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 from jaxlora.scheduler.serving.adapters import AdapterSlots
 from jaxlora.scheduler.serving.pages import PageAllocator, pages_for
@@ -153,6 +156,7 @@ class ServingScheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self._order = itertools.count()
+        self.is_ready: Callable[[Hashable], bool] = lambda key: True  # adapter copyable to the device now
 
     # ---- requests in and out -------------------------------------------------------------
     def pages_needed(self, seq: Sequence) -> int:
@@ -234,6 +238,8 @@ class ServingScheduler:
             if not self.pages.can_allocate(self.pages_needed(seq)):
                 break
             if seq.adapter is not None:
+                if self.slots.slot_of(seq.adapter) is None and not self.is_ready(seq.adapter):
+                    continue  # its adapter is still on its way to the host
                 placed = self.slots.place(seq.adapter)
                 if placed is None:
                     continue  # every slot pinned: let requests for resident adapters pass
@@ -258,7 +264,7 @@ class ServingScheduler:
             if key is None or key in wanted:
                 continue
             wanted.append(key)
-            if self.slots.slot_of(key) is not None:
+            if self.slots.slot_of(key) is not None or not self.is_ready(key):
                 continue
             placed = self.slots.place(key, protect=wanted)
             if placed is None:
