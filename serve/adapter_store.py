@@ -41,9 +41,12 @@ import threading
 import time
 from typing import Callable
 
+import numpy as np
+
 from jaxlora.lora.config import AdapterError
 from jaxlora.lora.peft_io import CONFIG_FILE, WEIGHTS_FILE
-from jaxlora.lora.pool import PreparedAdapter
+from jaxlora.lora.pool import AdapterPool, PreparedAdapter
+from jaxlora.models.config import projection_shapes
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a folder name: no separators, no leading dot
 DISK_COUNT_TTL_S = 30.0  # how long a count of the directory's adapter folders is reused (/metrics)
@@ -79,6 +82,14 @@ class TierStats:
         self.disk_reads += 1
         self.disk_read_seconds += seconds
         self.disk_read_max_s = max(self.disk_read_max_s, seconds)
+
+
+def largest_adapter_bytes(pool: AdapterPool, dtype) -> int:
+    """Host bytes of the largest adapter `pool` accepts held in `dtype`: rank `max_rank` on every
+    module of the pool and every layer (A, B, per-layer float32 scale and int32 rank)."""
+    layers, itemsize = pool.base.num_layers, np.dtype(dtype).itemsize
+    shapes = projection_shapes(pool.base)
+    return sum(layers * ((shapes[m][0] + shapes[m][1]) * pool.max_rank * itemsize + 8) for m in pool.target_modules)
 
 
 class AdapterStore:
@@ -186,14 +197,14 @@ class AdapterStore:
         return path
 
     def disk_count(self) -> int:
-        """Adapter folders (with an adapter_config.json) directly under the directory; recounted at
-        most every DISK_COUNT_TTL_S seconds."""
+        """Adapter folders (with an adapter_config.json; not symlinks) directly under the directory;
+        recounted at most every DISK_COUNT_TTL_S seconds."""
         if self.directory is None:
             return 0
         now = time.monotonic()
         if self._disk_count is None or now - self._disk_count[0] > DISK_COUNT_TTL_S:
             with os.scandir(self.directory) as items:
-                count = sum(1 for item in items if item.is_dir() and os.path.isfile(
+                count = sum(1 for item in items if item.is_dir(follow_symlinks=False) and os.path.isfile(
                     os.path.join(item.path, CONFIG_FILE)))
             self._disk_count = (now, count)
         return self._disk_count[1]

@@ -5,7 +5,9 @@ Endpoints: /v1/completions, /v1/chat/completions (JSON or SSE streaming), /v1/mo
 /health, /metrics. With an API key (`ServerSettings.api_key`) every route but /health and
 /metrics (those too with `metrics_require_key`) needs `Authorization: Bearer <key>`
 (`serve.auth`).
-`model` names the base model or a registered adapter. Handlers tokenize, submit one engine
+`model` names the base model, a registered adapter or a folder of the engine's adapter directory
+(read on first request: the handler awaits that first read, so a corrupt or mismatched adapter
+fails its request with 400 and the reason, an unknown name 404). Handlers tokenize, submit one engine
 sequence per (prompt, choice), and await the engine's events through an asyncio queue; a request
 that ends early (client gone, stop string, error) aborts its sequences so their KV pages are freed.
 
@@ -112,7 +114,8 @@ class Generation:
                 if self.done[index]:
                     continue
                 if event.error is not None:  # "overloaded": dropped by early abort, retry later
-                    raise ApiError(503 if event.finish_reason == "overloaded" else 500, event.error)
+                    status = {"overloaded": 503, "adapter_error": 400}.get(event.finish_reason, 500)
+                    raise ApiError(status, event.error)
                 if event.token is not None and self.first_token_at is None:
                     self.first_token_at = time.monotonic()
                 if event.logprobs is not None:
@@ -189,9 +192,29 @@ class Server:
         """The adapter a `model` field names (None: the base model); ApiError 404 if unknown."""
         if model == self.settings.model_name:
             return None
-        if model in self.engine.adapter_names():
-            return model
-        raise ApiError(404, f"The model `{model}` does not exist.", "model", "not_found_error")
+        try:
+            self.engine.resolve_adapter(model)
+        except UnknownAdapter:
+            raise ApiError(404, f"The model `{model}` does not exist.", "model", "not_found_error") from None
+        except AdapterError as err:
+            raise ApiError(400, str(err), "model") from err
+        return model
+
+    async def read_adapter(self, model: str) -> None:
+        """Awaits the first read of the adapter `model` names, if it was never read (a directory
+        adapter's first request; other requests go on meanwhile): ApiError 400 with the reason if
+        it cannot be used, 404 if there is no such adapter."""
+        if model == self.settings.model_name:
+            return
+        self.resolve_model(model)
+        try:
+            future = self.engine.adapters.ensure(model)
+            if future is not None:
+                await asyncio.wrap_future(future)
+        except LookupError:  # unloaded meanwhile
+            raise ApiError(404, f"The model `{model}` does not exist.", "model", "not_found_error") from None
+        except AdapterError as err:
+            raise ApiError(400, f"cannot load adapter {model!r}: {err}", "model") from err
 
     def max_tokens_for(self, prompt_len: int, requested: int | None, default: int) -> int:
         context = self.engine.config.max_model_len
@@ -451,6 +474,7 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         check_common(body, server.limits)
         check_completion(body)
         prompts = server.completion_prompts(body)
+        await server.read_adapter(body.model)
         generation = server.start(server.specs(body, prompts, server.limits.default_max_tokens, body.logprobs))
         cid, created = f"cmpl-{generation.request_id}", int(time.time())
         echoes = [text if body.echo else "" for text in server.prompt_texts(body) for _ in range(body.n)]
@@ -483,6 +507,7 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         check_common(body, server.limits)
         check_chat(body, server.limits)
         prompt = server.chat_prompt(body)
+        await server.read_adapter(body.model)
         top = (body.top_logprobs or 0) if body.logprobs else None
         generation = server.start(server.specs(body, [prompt], server.limits.max_tokens, top))
 
@@ -575,8 +600,8 @@ def _add_admin_routes(app: FastAPI, server: Server) -> None:
             raise ApiError(400, f"the adapter {name!r} is already loaded", "lora_name")
         path = server.check_adapter_path(body.lora_path)
         try:
-            adapter = await run_in_threadpool(load_peft_adapter, path, server.engine.model_config, name)
-            server.engine.add_adapter(name, adapter)
+            adapter = await run_in_threadpool(load_peft_adapter, path, server.engine.model_config, name, True)
+            server.engine.add_adapter(name, adapter, path)
         except (AdapterError, ValueError) as err:
             raise ApiError(400, f"cannot load adapter {name!r}: {err}", "lora_path") from err
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")

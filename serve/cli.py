@@ -25,6 +25,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a compressed collection (jaxlora-compress): every adapter in it is served by name; JD "
                         "collections from their shared bases (the compressed LoRA backend, mixed with --adapter "
                         "adapters), SVD collections as ordinary adapters")
+    p.add_argument("--adapter-dir", default=None, metavar="DIR",
+                   help="serve every PEFT adapter folder directly under DIR by its folder name, read on the first "
+                        "request that names it (thousands of adapters: see --max-cpu-adapter-memory)")
+    p.add_argument("--max-cpu-adapter-memory", default=None, metavar="BYTES",
+                   help="bound of the host cache of adapters read from disk, e.g. 8G, 512M (LRU; evicted adapters "
+                        "are read again when needed); default unbounded")
+    p.add_argument("--max-cpu-adapters", type=int, default=None, metavar="N",
+                   help="bound of the host cache in adapters (with or instead of --max-cpu-adapter-memory)")
     p.add_argument("--allowed-adapter-dir", action="append", default=[], metavar="DIR",
                    help="directory under which /v1/load_lora_adapter may read adapters (repeatable)")
     p.add_argument("--max-adapters-on-device", type=int, default=4, help="adapter pool slots on the device")
@@ -81,6 +89,38 @@ def parse_adapters(specs: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
+_BYTE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str | None) -> int | None:
+    """Bytes of "123", "512M", "8G", "1.5GiB" (binary units); SystemExit if unreadable or < 1."""
+    if text is None:
+        return None
+    value = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = value[-1:] if value[-1:] in _BYTE_UNITS and not value[-1:].isdigit() else ""
+    try:
+        number = float(value[: len(value) - len(unit)]) * _BYTE_UNITS[unit]
+    except ValueError:
+        number = -1
+    if not number >= 1:
+        raise SystemExit(f"jaxlora-serve: --max-cpu-adapter-memory expects bytes such as 8G or 512M, got {text!r}")
+    return int(number)
+
+
+def check_host_bound(bound: int | None, adapters: dict, largest_servable: int | None) -> None:
+    """SystemExit unless every start-up adapter (name -> compact `PreparedAdapter` bytes) and, with
+    --adapter-dir, the largest adapter the server accepts (`largest_servable` bytes) fit in the host
+    cache bound: a bound smaller than one adapter could never serve it."""
+    if bound is None:
+        return
+    sizes = dict(adapters) | ({} if largest_servable is None else {"the largest --adapter-dir adapter": largest_servable})
+    for name, size in sizes.items():
+        if size > bound:
+            raise SystemExit(f"jaxlora-serve: --max-cpu-adapter-memory {bound} bytes is smaller than one adapter: "
+                             f"{name} needs {size} bytes (for --adapter-dir: rank --max-lora-rank on every "
+                             "projection in the served dtype)")
+
+
 def tensor_parallel_mesh(n: int, lora_backend: str):
     """The (tensor=n) mesh over the first n devices, None for n == 1; SystemExit with the reason when
     it cannot be built (the model's shapes are checked by the engine)."""
@@ -134,6 +174,7 @@ def build_app(args):
 
     from jaxlora.lora.config import AdapterError
     from jaxlora.lora.peft_io import load_peft_adapter
+    from serve.adapter_store import largest_adapter_bytes
     from jaxlora.models.packed import pack_projections
     from jaxlora.weights import WeightsError, load_model
     from serve.app import ServerSettings, create_app
@@ -144,12 +185,18 @@ def build_app(args):
         raise SystemExit("jaxlora-serve: --metrics-require-key needs --api-key (or JAXLORA_API_KEY)")
     import jax
 
+    host_bound = parse_bytes(args.max_cpu_adapter_memory)
+    if args.max_cpu_adapters is not None and args.max_cpu_adapters < 1:
+        raise SystemExit(f"jaxlora-serve: --max-cpu-adapters must be >= 1, got {args.max_cpu_adapters}")
+    if args.adapter_dir is not None and not os.path.isdir(args.adapter_dir):
+        raise SystemExit(f"jaxlora-serve: --adapter-dir {args.adapter_dir} is not a directory")
     collection = read_compressed(args)
     args.lora_backend = backends.resolve(args.lora_backend, jax.default_backend(), args.tensor_parallel)
     mesh = tensor_parallel_mesh(args.tensor_parallel, args.lora_backend)
     try:
         model, tokenizer = load_model(args.model, jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
-        adapters = {name: load_peft_adapter(path, model.config, name) for name, path in parse_adapters(args.adapter)}
+        paths = dict(parse_adapters(args.adapter))
+        adapters = {name: load_peft_adapter(path, model.config, name, keep_dtype=True) for name, path in paths.items()}
     except (WeightsError, AdapterError, OSError) as err:
         raise SystemExit(f"jaxlora-serve: {err}")
     shared = None
@@ -165,10 +212,16 @@ def build_app(args):
             num_pages=args.num_kv_pages, max_model_len=context, max_num_seqs=args.max_num_seqs,
             token_budget=args.max_num_batched_tokens, prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting,
             lora_backend=args.lora_backend, ttft_slo_s=None if args.ttft_slo_ms is None else args.ttft_slo_ms / 1e3,
-            gpu_memory_utilization=args.gpu_memory_utilization)
+            gpu_memory_utilization=args.gpu_memory_utilization, adapter_dir=args.adapter_dir,
+            max_host_adapter_bytes=host_bound, max_host_adapters=args.max_cpu_adapters)
         if mesh is None:  # packed here so that the separate kernels are freed before the KV cache is sized
             model = pack_projections(model)
-        engine = Engine(model, tokenizer.eos_token_ids, config, adapters, mesh=mesh, compressed=shared)
+        engine = Engine(model, tokenizer.eos_token_ids, config, mesh=mesh, compressed=shared)
+        prepared = {name: engine.prepare_adapter(adapter) for name, adapter in adapters.items()}
+        largest = None if args.adapter_dir is None else largest_adapter_bytes(engine.pool, model.dtype)
+        check_host_bound(host_bound, {name: p.nbytes for name, p in prepared.items()}, largest)
+        for name, adapter in adapters.items():  # from their folders (evictable); SVD ones held
+            engine.add_adapter(name, adapter, paths.get(name))
     except (AdapterError, ValueError) as err:  # incl. bad sizes, shapes that do not split over --tensor-parallel
         raise SystemExit(f"jaxlora-serve: {err}")
     limits = Limits(max_tokens=args.max_tokens_limit, max_body_bytes=args.max_body_bytes)

@@ -27,6 +27,23 @@ class Metrics:
         self.generation_tokens = Counter("jaxlora_generation_tokens", "Tokens generated", registry=registry)
         self.adapter_loads = Gauge("jaxlora_adapter_device_loads", "Adapter copies into device slots so far",
                                    registry=registry)
+        self.adapters_on_host = Gauge("jaxlora_adapters_on_host", "Adapters in the host cache (and held ones)",
+                                      registry=registry)
+        self.adapters_on_disk = Gauge("jaxlora_adapters_on_disk", "Adapter folders in the adapter directory",
+                                      registry=registry)
+        self.host_bytes = Gauge("jaxlora_adapter_host_bytes", "Bytes of adapters in host memory", registry=registry)
+        self.host_bound = Gauge("jaxlora_adapter_host_bytes_limit", "The host cache's bound in bytes (0: none)",
+                                registry=registry)
+        self.tier_loads = Gauge("jaxlora_adapter_loads", "Adapter loads so far, per tier (disk: disk -> host, "
+                                "device: host -> device)", ["tier"], registry=registry)
+        self.tier_seconds = Gauge("jaxlora_adapter_load_seconds_sum", "Total seconds of those loads, per tier",
+                                  ["tier"], registry=registry)
+        self.tier_max = Gauge("jaxlora_adapter_load_seconds_max", "The longest of those loads, per tier",
+                              ["tier"], registry=registry)
+        self.read_errors = Gauge("jaxlora_adapter_read_errors", "Adapter reads from disk that failed",
+                                 registry=registry)
+        self.host_evictions = Gauge("jaxlora_adapter_host_evictions", "Adapters evicted from the host cache",
+                                    registry=registry)
         self.dropped = Gauge("jaxlora_requests_dropped_overloaded",
                              "Requests dropped before their first token by early abort (TTFT objective)",
                              registry=registry)
@@ -47,5 +64,22 @@ class Metrics:
         self.total_pages.set(snap["total_pages"])
         self.tokens_per_second.set(snap["tokens_per_second"])
         self.adapter_loads.set(self.engine.stats.adapter_loads)
+        self._render_tiers(snap)
         self.dropped.set(snap["dropped_overloaded"])
         return generate_latest(self.registry)
+
+    def _render_tiers(self, snap: dict) -> None:
+        """The adapter tiers' gauges (serve.adapter_store; host -> device loads from the engine)."""
+        store, stats = self.engine.adapters, self.engine.stats
+        self.adapters_on_host.set(snap["adapters_on_host"])
+        self.adapters_on_disk.set(snap["adapters_on_disk"])
+        self.host_bytes.set(snap["host_adapter_bytes"])
+        self.host_bound.set(store.max_bytes or 0)
+        tiers = {"disk": (store.stats.disk_reads, store.stats.disk_read_seconds, store.stats.disk_read_max_s),
+                 "device": (stats.adapter_loads, stats.adapter_load_seconds, stats.adapter_load_max_s)}
+        for tier, (count, seconds, longest) in tiers.items():
+            self.tier_loads.labels(tier).set(count)
+            self.tier_seconds.labels(tier).set(seconds)
+            self.tier_max.labels(tier).set(longest)
+        self.read_errors.set(store.stats.disk_read_errors)
+        self.host_evictions.set(store.stats.host_evictions)
