@@ -1,6 +1,5 @@
-"""Shared test set-up: pytest markers for accelerator-only tests, float32 matmuls, model fixtures."""
-
-import os
+"""Shared test set-up: pytest markers for accelerator-only tests, float32 matmuls, model fixtures
+(the embedded SmolLM2, a tiny random Llama directory with its vocabulary)."""
 
 import jax
 import pytest
@@ -34,3 +33,11 @@ def smollm2_path():
     from jaxlora.weights import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smollm2):
+    """A 2-layer random Llama (SmolLM2's vocabulary) saved as a HF directory with tokenizer.json."""
+    from tests.jaxlora.hf_checkpoints import write_tiny_model_dir
+
+    return write_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_model")), smollm2[1])

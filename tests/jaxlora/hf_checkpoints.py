@@ -62,6 +62,23 @@ def save_random_model(config, directory: str, seed: int = 0):
     return model
 
 
+def write_tiny_model_dir(directory: str, tokenizer, num_layers: int = 2, seed: int = 0) -> str:
+    """A random Llama of `num_layers` layers (hidden 64) with `tokenizer`'s vocabulary (e.g.
+    SmolLM2's), saved as a HF directory with tokenizer.json and tokenizer_config.json: a model a
+    server or trainer loads by path, small enough for fast CPU tests."""
+    import json
+
+    config = tiny_llama_config(vocab_size=tokenizer.vocab_size, num_hidden_layers=num_layers, hidden_size=64,
+                               intermediate_size=128, eos_token_id=list(tokenizer.eos_token_ids),
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    save_random_model(config, directory, seed)
+    tokenizer.backend.save(os.path.join(directory, "tokenizer.json"))
+    eos = tokenizer.token_text(tokenizer.eos_token_ids[0])
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": eos, "chat_template": tokenizer.chat_template}, f)
+    return directory
+
+
 def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
     import torch
 

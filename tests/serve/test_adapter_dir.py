@@ -1,0 +1,126 @@
+"""`jaxlora-serve --adapter-dir` over the tiny random model: adapters served by folder name on first
+request; bad input fails only the requests that name it (a corrupt or mismatched adapter: 400 with
+the reason, also when found corrupt on a later read from disk; an unknown name or a folder that is
+not an adapter: 404; a name escaping the directory: 400) while the server keeps serving; /metrics
+reports the tiers; a host bound smaller than one adapter is a start-up error."""
+
+import json
+import os
+import shutil
+
+import httpx
+import pytest
+
+from jaxlora.lora.adapter import random_adapter
+from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.peft_io import WEIGHTS_FILE, save_peft_adapter
+from jaxlora.weights import load_config
+from serve.cli import build_app, build_parser
+from tests.serve.adapter_dirs import SERVER_OPTIONS, adapter_name, write_adapter
+from tests.serve.conftest import LiveServer
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory, tiny_model_dir):
+    """task-0000..0005, a truncated copy ("corrupt"), one made for another model ("mismatch"), bad
+    JSON ("bad_json"), a folder without a config and a plain file."""
+    root = str(tmp_path_factory.mktemp("adapter_dir"))
+    base = load_config(tiny_model_dir)
+    for index in range(6):
+        write_adapter(root, base, index)
+    shutil.copytree(os.path.join(root, adapter_name(0)), os.path.join(root, "corrupt"))
+    weights = os.path.join(root, "corrupt", WEIGHTS_FILE)
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    other = load_config("default")  # SmolLM2's shapes
+    save_peft_adapter(random_adapter("mismatch", other, LoraConfig(r=4, target_modules=("q_proj",))),
+                      os.path.join(root, "mismatch"))
+    os.makedirs(os.path.join(root, "bad_json"))
+    with open(os.path.join(root, "bad_json", "adapter_config.json"), "w") as f:
+        f.write("{not json")
+    os.makedirs(os.path.join(root, "no_config"))
+    with open(os.path.join(root, "notes.txt"), "w") as f:
+        f.write("not an adapter")
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, adapter_dir):
+    """A live server over `adapter_dir` whose host cache holds one adapter."""
+    args = build_parser().parse_args(["--model", tiny_model_dir, "--adapter-dir", adapter_dir, "--max-cpu-adapters",
+                                      "1", "--compile-cache", "", "--served-model-name", "base"] + SERVER_OPTIONS)
+    with LiveServer(build_app(args), None) as live:
+        live.wait_ready()
+        yield live
+
+
+def _complete(server, model, stream=False):
+    return httpx.post(server.url + "/v1/completions", json={"model": model, "prompt": "Once upon a time",
+                                                            "max_tokens": 4, "temperature": 0, "stream": stream},
+                      timeout=120)
+
+
+def test_directory_adapters_and_bad_ones_fail_only_their_requests(server):
+    good = _complete(server, adapter_name(0))
+    assert good.status_code == 200, good.text
+    base = _complete(server, "base")
+    for name, reason in (("corrupt", "truncated or corrupt"), ("mismatch", "expected (4, 64)"),
+                         ("bad_json", "not valid JSON"), ("../task-0000", "not an adapter folder name")):
+        for stream in (False, True):
+            response = _complete(server, name, stream)
+            assert response.status_code == 400 and reason in response.json()["error"]["message"], response.text
+    for name in ("no_config", "notes.txt", "task-9999"):
+        response = _complete(server, name)
+        assert response.status_code == 404 and "does not exist" in response.text
+    assert _complete(server, adapter_name(0)).json()["choices"] == good.json()["choices"]  # still serving
+    assert _complete(server, adapter_name(1)).json()["choices"] != good.json()["choices"]
+    assert base.status_code == 200
+
+
+def test_adapter_found_corrupt_on_a_later_read_fails_its_requests(server, adapter_dir):
+    """task-0002 is read fine, evicted from the host (bound: one adapter) and from the device slots,
+    then corrupted on disk: the engine's next read fails the request naming it (400), not others."""
+    name = adapter_name(2)
+    assert _complete(server, name).status_code == 200
+    for index in (0, 1, 3, 4, 5):  # 4 device slots: task-0002's is evicted too
+        assert _complete(server, adapter_name(index)).status_code == 200
+    weights = os.path.join(adapter_dir, name, WEIGHTS_FILE)
+    saved = open(weights, "rb").read()
+    try:
+        with open(weights, "wb") as f:
+            f.write(saved[: len(saved) // 3])
+        response = _complete(server, name)
+        assert response.status_code == 400 and "corrupt" in response.text, response.text
+        assert _complete(server, adapter_name(3)).status_code == 200
+    finally:
+        with open(weights, "wb") as f:
+            f.write(saved)
+    assert _complete(server, name).status_code == 200  # fixed on disk: read again
+
+
+def test_metrics_report_the_adapter_tiers(server):
+    assert _complete(server, adapter_name(3)).status_code == 200
+    text = httpx.get(server.url + "/metrics").text
+    metrics = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+               if line and not line.startswith("#")}
+    assert metrics["jaxlora_adapters_on_disk"] == 9  # folders with an adapter_config.json
+    assert metrics["jaxlora_adapters_on_host"] == 1
+    assert 0 < metrics["jaxlora_adapter_host_bytes"]
+    assert metrics['jaxlora_adapter_loads{tier="disk"}'] >= 4 and metrics['jaxlora_adapter_loads{tier="device"}'] >= 4
+    assert metrics['jaxlora_adapter_load_seconds_sum{tier="disk"}'] > 0
+    assert metrics["jaxlora_adapter_read_errors"] >= 3
+
+
+def test_host_bound_smaller_than_one_adapter_is_a_startup_error(tiny_model_dir, adapter_dir):
+    args = build_parser().parse_args(["--model", tiny_model_dir, "--adapter-dir", adapter_dir,
+                                      "--max-cpu-adapter-memory", "64K"] + SERVER_OPTIONS)
+    with pytest.raises(SystemExit, match="smaller than one adapter"):
+        build_app(args)
+    path = os.path.join(adapter_dir, adapter_name(0))
+    args = build_parser().parse_args(["--model", tiny_model_dir, "--adapter", f"a={path}",
+                                      "--max-cpu-adapter-memory", "1K"] + SERVER_OPTIONS)
+    with pytest.raises(SystemExit, match="a needs"):
+        build_app(args)
+    with pytest.raises(SystemExit, match="expects bytes"):
+        build_app(build_parser().parse_args(["--max-cpu-adapter-memory", "lots"]))
+    assert json.load(open(os.path.join(path, "adapter_config.json")))["r"] == 4
