@@ -1,0 +1,150 @@
+"""Unified paging (jaxlora/scheduler/serving/unified.py): KV blocks and adapters of different ranks
+in one page budget. A randomized sequence of allocations, frees, adapter loads, uses and removals is
+checked against a model after every operation (every page owned by exactly one of free / KV /
+one adapter, nothing leaked, success exactly when the model says it fits, no adapter in use ever
+evicted); rank 8 takes a quarter of rank 32's pages; idle adapters go before KV runs short."""
+
+import random
+
+import pytest
+
+from jaxlora.scheduler.serving.unified import UnifiedPages, adapter_pages
+
+PAGE_BYTES = 4096
+RANK_ROW_BYTES = 1024  # one rank's A and B rows over every module and layer: 4 ranks fill a page
+
+
+def _pages(rank: int) -> int:
+    return adapter_pages(rank * RANK_ROW_BYTES, PAGE_BYTES)
+
+
+def test_rank_8_takes_a_quarter_of_rank_32():
+    assert (_pages(8), _pages(32)) == (2, 8)
+    pool = UnifiedPages(16, page_size=16)
+    assert len(pool.add_adapter("r8", _pages(8))) * 4 == len(pool.add_adapter("r32", _pages(32)))
+    assert pool.adapter_pages_used == 10 and pool.num_free == 6
+    assert adapter_pages(1, PAGE_BYTES) == 1 and adapter_pages(PAGE_BYTES + 1, PAGE_BYTES) == 2
+
+
+def test_kv_evicts_idle_adapters_first_and_never_one_in_use():
+    used = {"busy"}
+    pool = UnifiedPages(10, page_size=16, in_use=lambda key: key in used)
+    pool.add_adapter("old", 3)
+    pool.add_adapter("busy", 3)
+    pool.add_adapter("new", 2)
+    assert pool.num_free == 2 and pool.can_allocate(7) and not pool.can_allocate(8)
+    kv = pool.allocate(5)  # needs 3 more: "old" (least recently used, idle) goes, not "busy"
+    assert pool.evicted == ["old"] and pool.holds("busy") and pool.holds("new") and len(kv) == 5
+    with pytest.raises(ValueError, match="pages requested"):
+        pool.allocate(4)  # 0 free + "new"'s 2: not enough; nothing changes
+    assert pool.holds("new") and pool.kv_pages == 5
+    assert pool.add_adapter("wide", 4) is None  # would need "busy"'s pages
+    with pytest.raises(ValueError, match="in use"):
+        pool.remove_adapter("busy")
+    used.clear()
+    assert len(pool.add_adapter("wide", 4)) == 4 and pool.evicted == ["old", "busy", "new"]
+    pool.free(kv)
+    assert pool.num_free == 6 and pool.kv_pages == 0
+
+
+def _check(pool: UnifiedPages, model: dict, num_pages: int, in_use: set) -> None:
+    """Every page in exactly one place; the pool's view equals the model's."""
+    owners = {}
+    for page in pool._free:
+        assert page not in owners
+        owners[page] = "free"
+    for page in pool._kv:
+        assert page not in owners
+        owners[page] = "kv"
+    for key, pages in pool._adapters.items():
+        for page in pages:
+            assert page not in owners
+            owners[page] = key
+    assert sorted(owners) == list(range(num_pages))
+    assert {key: len(pages) for key, pages in pool._adapters.items()} == model["adapters"]
+    assert sorted(p for pages in model["seqs"].values() for p in pages) == sorted(pool._kv)
+    assert in_use <= set(model["adapters"])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_randomized_allocations_match_the_model(seed):
+    rng = random.Random(seed)
+    num_pages = 64
+    in_use: set = set()
+    pool = UnifiedPages(num_pages, page_size=16, in_use=lambda key: key in in_use)
+    model = {"seqs": {}, "adapters": {}, "lru": []}  # lru: resident adapter keys, least recent first
+    ops = {"kv": 0, "kv_refused": 0, "adapter": 0, "adapter_refused": 0, "evicted": 0}
+
+    def idle(keep=()):
+        return sum(n for key, n in model["adapters"].items() if key not in in_use and key not in keep)
+
+    def evict_for(count):
+        free = num_pages - sum(model["adapters"].values()) - sum(len(p) for p in model["seqs"].values())
+        gone = []
+        for key in list(model["lru"]):
+            if free >= count:
+                break
+            if key not in in_use:
+                free += model["adapters"].pop(key)
+                model["lru"].remove(key)
+                gone.append(key)
+        return gone
+
+    for step in range(600):
+        free = num_pages - sum(model["adapters"].values()) - sum(len(p) for p in model["seqs"].values())
+        op = rng.random()
+        pool.evicted.clear()
+        if op < 0.3:  # a sequence's KV pages
+            count = rng.randint(1, 12)
+            fits = count <= free + idle()
+            assert pool.can_allocate(count) == fits
+            if fits:
+                gone = evict_for(count)
+                model["seqs"][step] = pool.allocate(count)
+                assert pool.evicted == gone and len(model["seqs"][step]) == count
+                ops["kv"] += 1
+                ops["evicted"] += len(gone)
+            else:
+                with pytest.raises(ValueError):
+                    pool.allocate(count)
+                ops["kv_refused"] += 1
+        elif op < 0.5 and model["seqs"]:  # a sequence finishes
+            pool.free(model["seqs"].pop(rng.choice(sorted(model["seqs"]))))
+        elif op < 0.75:  # an adapter of rank 8, 16 or 32 is loaded (or used again)
+            key = rng.randrange(12)
+            rank = {0: 8, 1: 16, 2: 32}[key % 3]  # an adapter keeps its rank
+            count = _pages(rank)
+            if key in model["adapters"]:
+                assert pool.add_adapter(key, count) is not None
+                model["lru"].remove(key)
+                model["lru"].append(key)
+            elif count <= free + idle(keep=(key,)):
+                gone = evict_for(count)
+                assert len(pool.add_adapter(key, count)) == count and pool.evicted == gone
+                model["adapters"][key] = count
+                model["lru"].append(key)
+                ops["adapter"] += 1
+                ops["evicted"] += len(gone)
+            else:
+                assert pool.add_adapter(key, count) is None
+                ops["adapter_refused"] += 1
+        elif op < 0.9 and model["adapters"]:  # a request starts or stops using an adapter
+            key = rng.choice(sorted(model["adapters"]))
+            in_use.symmetric_difference_update({key})
+        elif model["adapters"]:  # an idle adapter is unloaded
+            key = rng.choice(sorted(model["adapters"]))
+            if key in in_use:
+                with pytest.raises(ValueError):
+                    pool.remove_adapter(key)
+            else:
+                pool.remove_adapter(key)
+                del model["adapters"][key]
+                model["lru"].remove(key)
+        _check(pool, model, num_pages, in_use)
+    assert min(ops.values()) > 0, ops  # every path was taken
+    for pages in model["seqs"].values():
+        pool.free(pages)
+    in_use.clear()
+    for key in list(model["adapters"]):
+        pool.remove_adapter(key)
+    assert pool.num_free == num_pages  # nothing leaked
