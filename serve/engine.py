@@ -105,7 +105,10 @@ from jaxlora.models.config import PROJECTIONS, projection_shapes
 from jaxlora.models.llama import Llama, LoraInputs
 from jaxlora.models.paged import PagedBatch, PagedKVCache
 from jaxlora.sampling import SamplingParams
-from jaxlora.scheduler.serving import PENDING, SchedulerConfig, Sequence, ServingScheduler, StepPlan, pages_for
+from jaxlora.scheduler.serving import (
+    PENDING, SchedulerConfig, Sequence, ServingScheduler, StepPlan, adapter_pages, pages_for,
+)
+
 from serve.adapter_store import AdapterStore
 from serve.sampler_state import SamplerSlots, step_sampling
 from serve.step import Programs, RowSampling, RowState, Step, StepShape
@@ -167,6 +170,10 @@ class EngineConfig:
     adapter_dir: str | None = None
     max_host_adapter_bytes: int | None = None
     max_host_adapters: int | None = None
+    # Unified paging (S-LoRA): KV pages and resident adapters' pages (own rank) in one budget, idle
+    # adapters evicted when KV runs short (jaxlora.scheduler.serving.unified). Accounting only: the
+    # device still holds adapters in the pool's max-rank slots until the LoRA kernels read pages.
+    unified_paging: bool = False
 
     # Bounds of the step sizes (each compiled program is as large as its step; tokens bound rows).
     BOUNDS = {"max_num_seqs": (1, 1024), "token_budget": (1, 65536), "prefill_chunk": (1, 65536)}
@@ -319,7 +326,9 @@ class Engine:
         self.scheduler = ServingScheduler(SchedulerConfig(
             num_pages=config.num_pages, page_size=config.page_size,
             num_adapter_slots=config.max_adapters_on_device, max_num_seqs=config.max_num_seqs,
-            token_budget=config.token_budget, prefill_chunk=config.prefill_chunk))
+            token_budget=config.token_budget, prefill_chunk=config.prefill_chunk,
+            unified_paging=config.unified_paging))
+        self.scheduler.adapter_pages = self._adapter_pages
         self._max_pages = bucket(pages_for(config.max_model_len, config.page_size), 1)
         self.max_rows = bucket(min(config.max_num_seqs, config.token_budget), 8)  # most rows of a step
         self._decode_variant: bool | None = None  # `_has_decode_variant`, once known
@@ -362,11 +371,10 @@ class Engine:
 
     def _pages_that_fit(self, devices) -> int:
         """KV pages for `num_pages=None` (see `EngineConfig`); ValueError if not one context fits."""
-        config, model = self.config, self.model_config
+        config = self.config
         context_pages = pages_for(config.max_model_len, config.page_size)
-        page_bytes = (2 * model.num_layers * config.page_size * model.num_kv_heads * model.head_dim
-                      * np.dtype(self._dtype).itemsize // self.tensor_parallel)  # KV heads split over tensor
-        pages = kv_pages_that_fit([d.memory_stats() for d in devices], config.gpu_memory_utilization, page_bytes)
+        pages = kv_pages_that_fit([d.memory_stats() for d in devices], config.gpu_memory_utilization,
+                                  self._page_bytes())
         if pages is None:
             return config.CPU_CONTEXTS * context_pages
         if pages < context_pages:
@@ -375,6 +383,20 @@ class Engine:
                              f"{config.max_model_len} needs {context_pages}: raise gpu_memory_utilization, or "
                              f"lower max_model_len or the adapter pool")
         return pages
+
+    def _page_bytes(self) -> int:
+        """Bytes of one KV page on one device (keys and values of `page_size` tokens, every layer;
+        KV heads split over tensor)."""
+        model = self.model_config
+        return (2 * model.num_layers * self.config.page_size * model.num_kv_heads * model.head_dim
+                * np.dtype(self._dtype).itemsize // self.tensor_parallel)
+
+    def _adapter_pages(self, uid) -> int:
+        """Unified paging: pages of adapter `uid` at its own rank in the pool's dtype (r rows of A
+        and of B per target module and layer), in units of a KV page."""
+        values = self._host_copy(uid).values
+        rows = sum(parts["a"].size + parts["b"].size for parts in values.values())
+        return adapter_pages(rows * np.dtype(self._dtype).itemsize // self.tensor_parallel, self._page_bytes())
 
     def _new_cache(self) -> PagedKVCache:
         """Zeroed KV pages; with a mesh, made in place split by KV heads."""
@@ -942,7 +964,7 @@ class Engine:
         for entry in removed:
             if entry.uid in in_use or self.scheduler.slots.pinned(entry.uid):  # pinned: an unfinished step reads it
                 continue
-            slot = self.scheduler.slots.drop(entry.uid)
+            slot = self.scheduler.drop_adapter(entry.uid)
             if slot is not None:
                 self._staged.pop(slot, None)
                 self.pool.evict(slot)
@@ -1007,6 +1029,7 @@ class Engine:
             "adapters_on_disk": self.adapters.disk_count(),
             "host_adapter_bytes": self.adapters.cached_bytes(),
             "free_pages": scheduler.pages.num_free,
+            "pages": scheduler.page_split(),
             "total_pages": self.config.num_pages,
             "tokens_per_second": self.stats.tokens_per_second(),
             "dropped_overloaded": self.stats.dropped,

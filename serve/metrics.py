@@ -40,6 +40,8 @@ class Metrics:
                                   ["tier"], registry=registry)
         self.tier_max = Gauge("jaxlora_adapter_load_seconds_max", "The longest of those loads, per tier",
                               ["tier"], registry=registry)
+        self.page_split = Gauge("jaxlora_pages", "Device pages by holder (kv, adapters: unified paging, free)",
+                                ["holder"], registry=registry)
         self.read_errors = Gauge("jaxlora_adapter_read_errors", "Adapter reads from disk that failed",
                                  registry=registry)
         self.host_evictions = Gauge("jaxlora_adapter_host_evictions", "Adapters evicted from the host cache",
@@ -82,4 +84,6 @@ class Metrics:
             self.tier_seconds.labels(tier).set(seconds)
             self.tier_max.labels(tier).set(longest)
         self.read_errors.set(store.stats.disk_read_errors)
+        for holder, pages in snap["pages"].items():
+            self.page_split.labels(holder).set(pages)
         self.host_evictions.set(store.stats.host_evictions)

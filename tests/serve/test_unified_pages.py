@@ -148,3 +148,70 @@ def test_randomized_allocations_match_the_model(seed):
     for key in list(model["adapters"]):
         pool.remove_adapter(key)
     assert pool.num_free == num_pages  # nothing leaked
+
+
+def _finish_all(scheduler, seqs):
+    for seq in seqs:
+        scheduler.finish(seq, "stop")
+
+
+def test_scheduler_admits_kv_and_adapters_from_one_budget():
+    """The serving scheduler with unified paging: an adapter's pages count against KV room; a request
+    that needs room evicts idle adapters (slots dropped with them), never one a running request uses,
+    and waits when that is not enough."""
+    from jaxlora.scheduler.serving import SchedulerConfig, Sequence, ServingScheduler
+
+    scheduler = ServingScheduler(SchedulerConfig(num_pages=11, page_size=4, num_adapter_slots=3, max_num_seqs=8,
+                                                 token_budget=64, prefill_chunk=16, unified_paging=True))
+    scheduler.adapter_pages = {"r8": 2, "r32": 8, "r16": 4}.__getitem__
+    first = Sequence("a", [1] * 4, 4, adapter="r8")  # 2 KV pages + 2 adapter pages
+    second = Sequence("b", [1] * 4, 4, adapter="r32")  # 2 + 8 > 7 free while "a" runs
+    scheduler.add(first)
+    scheduler.add(second)
+    plan = scheduler.schedule()
+    assert [row.seq.seq_id for row in plan.rows] == ["a"] and scheduler.page_split() == {"kv": 2, "adapters": 2,
+                                                                                         "free": 7}
+    _finish_all(scheduler, [first])  # "r8" idle now: evicted to make room for "b"'s KV
+    plan = scheduler.schedule()
+    assert [row.seq.seq_id for row in plan.rows] == ["b"] and scheduler.slots.slot_of("r8") is None
+    assert scheduler.page_split() == {"kv": 2, "adapters": 8, "free": 1}
+    third = Sequence("c", [1] * 12, 4, adapter=None)  # 4 KV pages: 1 free and "r32" is in use
+    scheduler.add(third)
+    assert [row.seq.seq_id for row in scheduler.schedule().rows] == ["b"] and third in scheduler.waiting
+    _finish_all(scheduler, [second])
+    assert [row.seq.seq_id for row in scheduler.schedule().rows] == ["c"]  # KV evicted the idle "r32"
+    assert scheduler.page_split() == {"kv": 4, "adapters": 0, "free": 7} and scheduler.slots.resident() == []
+
+
+def test_engine_with_unified_paging_gives_the_same_answers(tiny_model_dir):
+    """The engine over the tiny model, 6 adapters and a page budget too small for all of them and
+    the KV at once: with unified paging idle adapters are evicted for KV (and loaded again), every
+    request gets the same greedy tokens as with separate pools, and no page leaks."""
+    from jaxlora.lora.adapter import random_adapter
+    from jaxlora.lora.config import LoraConfig
+    from jaxlora.sampling import SamplingParams
+    from jaxlora.weights import load_model
+    from serve.engine import Engine, EngineConfig
+
+    model, tokenizer = load_model(tiny_model_dir)
+    adapters = {f"u{i}": random_adapter(f"u{i}", model.config, LoraConfig(r=(4, 8)[i % 2], target_modules=(
+        "q_proj", "v_proj")), seed=i, b_std=0.5) for i in range(6)}
+    requests = [(tokenizer.encode(f"Request number {i} says"), f"u{i % 6}") for i in range(18)]
+    answers = {}
+    for unified in (False, True):
+        config = EngineConfig(max_adapters_on_device=4, page_size=8, num_pages=12, max_model_len=64, max_num_seqs=8,
+                              token_budget=32, prefill_chunk=16, max_lora_rank=8, unified_paging=unified)
+        engine = Engine(model, tokenizer.eos_token_ids, config, adapters)
+        evicted = []
+        drop = engine.scheduler.slots.drop
+        engine.scheduler.slots.drop = lambda key: evicted.append(key) or drop(key)
+        got = {i: [] for i in range(len(requests))}
+        for i, (prompt, name) in enumerate(requests):
+            engine.submit(i, prompt, name, SamplingParams(6), lambda e, i=i: got[i].append(e.token))
+        engine.run_until_idle()
+        answers[unified] = [[t for t in got[i] if t is not None] for i in range(len(requests))]
+        split = engine.scheduler.page_split()
+        assert split["kv"] == 0 and split["free"] + split["adapters"] == 12
+        if unified:
+            assert evicted and split["adapters"] > 0  # KV made room by evicting idle adapters
+    assert answers[True] == answers[False] and len({tuple(a) for a in answers[True]}) > 6

@@ -1,9 +1,10 @@
-"""The serving policy: continuous batching under a token budget, KV-page admission control, and the
-LRU device adapter slots with prefetch (docs/architecture.md, "The serving engine's step").
-Host-side only (no JAX)."""
+"""The serving policy: continuous batching under a token budget, KV-page admission control (KV and
+adapter pages in one budget with unified paging), and the LRU device adapter slots with prefetch
+(docs/architecture.md, "The serving engine's step"). Host-side only (no JAX)."""
 
 from jaxlora.scheduler.serving.adapters import AdapterSlots
 from jaxlora.scheduler.serving.pages import PageAllocator, pages_for
+from jaxlora.scheduler.serving.unified import UnifiedPages, adapter_pages
 from jaxlora.scheduler.serving.policy import (
     PENDING,
     SchedulerConfig,
@@ -16,5 +17,5 @@ from jaxlora.scheduler.serving.policy import (
 
 __all__ = [
     "AdapterSlots", "PENDING", "PageAllocator", "SchedulerConfig", "Sequence", "ServingScheduler", "Status",
-    "StepPlan", "StepRow", "pages_for",
+    "StepPlan", "StepRow", "UnifiedPages", "adapter_pages", "pages_for",
 ]

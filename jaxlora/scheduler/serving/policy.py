@@ -28,6 +28,14 @@ the sampled tokens, one step late. A sequence whose output (placeholders include
 max_tokens gets no more rows; one that turns out to have sampled EOS is finished then (its
 placeholders past the EOS dropped), and a row of it already planned is skipped at completion.
 
+Unified paging (S-LoRA §5.1, `SchedulerConfig.unified_paging`): KV pages and the pages of resident
+adapters come from one budget (`jaxlora.scheduler.serving.unified.UnifiedPages`; an adapter's page
+count from `adapter_pages(key)`, the caller's, at its own rank). A request is admitted when its KV
+pages plus its adapter's (if not resident) fit in the free pages and those of idle adapters (its
+own kept); KV allocation evicts idle adapters first (their slots are dropped too), a slot's LRU
+victim frees its pages, and an adapter in use (its slot pinned) is never evicted. The device slots
+stay as they are: the pages are the accounting the kernels will read through a page table.
+
 Early abort (S-LoRA): with a time-to-first-token objective, `expire(now, ttft_slo_s, next_step_s)`
 drops every waiting request that can no longer meet it (waited so far + at least one more step >
 the objective) instead of serving it late at the cost of the requests behind it; running
@@ -45,6 +53,7 @@ from typing import Any, Callable, Hashable
 
 from jaxlora.scheduler.serving.adapters import AdapterSlots
 from jaxlora.scheduler.serving.pages import PageAllocator, pages_for
+from jaxlora.scheduler.serving.unified import UnifiedPages
 
 
 PENDING = -1  # an output token sampled by a step whose result is not read yet
@@ -116,6 +125,7 @@ class SchedulerConfig:
     max_num_seqs: int = 32
     token_budget: int = 128
     prefill_chunk: int = 64
+    unified_paging: bool = False  # KV and adapter pages in one budget (module doc)
 
     def __post_init__(self):
         if min(self.max_num_seqs, self.token_budget, self.prefill_chunk) < 1:
@@ -151,8 +161,10 @@ class ServingScheduler:
 
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.pages = PageAllocator(config.num_pages, config.page_size)
         self.slots = AdapterSlots(config.num_adapter_slots)
+        self.pages = (UnifiedPages(config.num_pages, config.page_size, in_use=self.slots.pinned)
+                      if config.unified_paging else PageAllocator(config.num_pages, config.page_size))
+        self.adapter_pages: Callable[[Hashable], int] = lambda key: 1  # unified paging: an adapter's pages
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self._order = itertools.count()
@@ -235,12 +247,12 @@ class ServingScheduler:
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if not self.pages.can_allocate(self.pages_needed(seq)):
+            if not self._fits(seq):
                 break
             if seq.adapter is not None:
                 if self.slots.slot_of(seq.adapter) is None and not self.is_ready(seq.adapter):
                     continue  # its adapter is still on its way to the host
-                placed = self.slots.place(seq.adapter)
+                placed = self._place(seq.adapter)
                 if placed is None:
                     continue  # every slot pinned: let requests for resident adapters pass
                 if placed[1]:
@@ -248,6 +260,7 @@ class ServingScheduler:
                 self.slots.pin(seq.adapter)
             self.waiting.remove(seq)
             seq.pages = self.pages.allocate(self.pages_needed(seq))
+            self._drop_evicted()
             seq.status = Status.RUNNING
             self.running.append(seq)
             row = self._row(seq, budget)
@@ -266,11 +279,63 @@ class ServingScheduler:
             wanted.append(key)
             if self.slots.slot_of(key) is not None or not self.is_ready(key):
                 continue
-            placed = self.slots.place(key, protect=wanted)
+            placed = self._place(key, protect=wanted)
             if placed is None:
                 break
             loads.append((placed[0], key))
         return loads
+
+    # ---- adapter residency (slots, and pages with unified paging) ------------------------------------
+    @property
+    def unified(self) -> bool:
+        return isinstance(self.pages, UnifiedPages)
+
+    def _fits(self, seq: Sequence) -> bool:
+        """Whether `seq`'s KV pages (and, with unified paging, its adapter's pages if it is not
+        resident) can be had now, evicting only idle adapters other than its own."""
+        needed = self.pages_needed(seq)
+        if not self.unified:
+            return self.pages.can_allocate(needed)
+        key = seq.adapter
+        if key is not None and key not in self.slots.fixed and not self.pages.holds(key):
+            needed += self.adapter_pages(key)
+        return needed <= self.pages.num_free + self.pages.idle_pages(keep=(key,))
+
+    def _place(self, key, protect=()) -> tuple[int, bool] | None:
+        """`slots.place(key, protect)` and, with unified paging, the adapter's pages (the slot's
+        LRU victim's pages freed); None (no slot or no pages) changes nothing but that victim."""
+        before = set(self.slots.keys)
+        placed = self.slots.place(key, protect)
+        if placed is None or not self.unified or key in self.slots.fixed:
+            return placed
+        for gone in before - set(self.slots.keys):
+            self.pages.remove_adapter(gone)
+        if self.pages.add_adapter(key, self.adapter_pages(key)) is None:
+            self.slots.drop(key)
+            return None
+        self._drop_evicted()
+        return placed
+
+    def _drop_evicted(self) -> None:
+        """Drops the slots of adapters whose pages unified paging evicted (they were idle)."""
+        if self.unified:
+            for key in self.pages.evicted:
+                self.slots.drop(key)
+            self.pages.evicted.clear()
+
+    def drop_adapter(self, key) -> int | None:
+        """Forgets an unpinned adapter: its slot (returned, None if it had none) and its pages."""
+        slot = self.slots.drop(key)
+        if self.unified:
+            self.pages.remove_adapter(key)
+        return slot
+
+    def page_split(self) -> dict:
+        """{"kv": pages held by sequences, "adapters": pages held by resident adapters (unified
+        paging; else 0), "free": free pages}."""
+        free = self.pages.num_free
+        adapters = self.pages.adapter_pages_used if self.unified else 0
+        return {"kv": self.config.num_pages - free - adapters, "adapters": adapters, "free": free}
 
     def complete(self, plan: StepPlan, sampled: dict) -> list[tuple[Sequence, int, str | None]]:
         """Applies a finished step: puts the sampled tokens (`sampled[seq_id]`) in place of its
