@@ -247,11 +247,11 @@ class ServingScheduler:
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if seq.adapter is not None and self.slots.slot_of(seq.adapter) is None and not self.is_ready(seq.adapter):
+                continue  # its adapter is still on its way to the host
             if not self._fits(seq):
                 break
             if seq.adapter is not None:
-                if self.slots.slot_of(seq.adapter) is None and not self.is_ready(seq.adapter):
-                    continue  # its adapter is still on its way to the host
                 placed = self._place(seq.adapter)
                 if placed is None:
                     continue  # every slot pinned: let requests for resident adapters pass

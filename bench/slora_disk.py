@@ -1,0 +1,301 @@
+"""S-LoRA's thousands of adapters through the disk tier: 2000 PEFT adapter folders on disk served by
+`serve.engine.Engine` with `adapter_dir` and a host cache bound far below their total, against the
+same trace on one adapter, with and without unified paging, in one run.
+
+    PYTHONPATH=. python bench/slora_disk.py --write-only            # write the adapters (resumable)
+    PYTHONPATH=. python bench/slora_disk.py --cases slora:n=2000,alpha=1 [--runs disk separate one]
+    PYTHONPATH=. python bench/slora_disk.py --tiny                   # CPU smoke test (tiny model)
+
+Adapters (Done-when 3 of issue 20): `--adapters` folders `task-0000`.. under `--dir`, PEFT format
+(adapter_config.json + adapter_model.safetensors, bfloat16), ranks cycling over `--ranks` on
+`--targets` (default q_proj, v_proj at ranks 4/8/16: ~8 MB each on the Llama-3.1-8B shape, ~16 GB
+for 2000; the script prints the total and refuses more than `--max-disk-gb`). Adapter i's A/B are
+slices of one random buffer at an offset of its own, so every adapter holds different weights
+without generating 16 GB of random numbers. Folders already written are kept (resumable).
+
+Runs per case (`--runs`; each on a fresh engine, warmed up, nothing compiled while timed):
+  disk      every request names its adapter by folder name: the engine reads it from disk on
+            first use (`EngineConfig.adapter_dir`; no adapter is registered beforehand) into a host
+            cache bounded by `--host-bound-gb`, then into the device pool; unified paging on;
+  separate  the same with unified paging off (separate KV and adapter pools);
+  one       the same trace with every request on one adapter (task-0000, read once).
+Cases are bench/serve.py's (`--cases`): the S-LoRA generator `slora:n=2000,alpha=1` /
+`alpha=0.3`, Punica `punica:distinct` (adapter i for request i). Reported per run (JSON at --out
+after every run): tokens/s, TTFT/TPOT percentiles (bench/serve.py's summary), throughput relative
+to `one`, peak host RSS during the run (VmHWM, reset before it), adapter loads per tier (disk ->
+host reads, host -> device copies), host cache bytes, device pages by holder (KV vs adapters:
+their peaks over the run's steps), the disk and host bounds in bytes.
+
+The device pool still holds adapters in max-rank slots (the LoRA kernels read slots, not pages):
+unified paging here is the admission accounting of one shared budget (README, docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import platform
+import sys
+import time
+
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from bench.serve import Record, greedy_shapes, make_trace, parse_case, summarize
+from jaxlora.lora.adapter import LoraAdapter, ModuleLora
+from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.peft_io import save_peft_adapter
+from jaxlora.models.config import LlamaConfig, projection_shapes
+from jaxlora.models.llama import Llama
+from jaxlora.models.presets import llama8b_config
+from jaxlora.sampling import SamplingParams
+from jaxlora.scheduler.serving import pages_for
+from serve.engine import Engine, EngineConfig, Event
+
+DEFAULT_CASES = ["slora:n=2000,alpha=1", "slora:n=2000,alpha=0.3", "punica:distinct"]
+
+
+# ---- adapters on disk ---------------------------------------------------------------------------
+
+def adapter_name(index: int) -> str:
+    return f"task-{index:04d}"
+
+
+def adapter_bytes(config: LlamaConfig, rank: int, targets) -> int:
+    """Bytes of one bf16 adapter of `rank` on `targets` (A and B of every layer)."""
+    shapes = projection_shapes(config)
+    return sum(2 * config.num_layers * rank * (shapes[m][0] + shapes[m][1]) for m in targets)
+
+
+def write_adapters(root: str, config: LlamaConfig, count: int, ranks, targets, seed: int = 0) -> dict:
+    """Writes adapters 0..count-1 under `root` (folders already there are kept); returns {"written",
+    "kept", "bytes_on_disk", "seconds"}."""
+    started = time.perf_counter()
+    os.makedirs(root, exist_ok=True)
+    largest = adapter_bytes(config, max(ranks), targets) // 2
+    buffer = (np.random.default_rng(seed).standard_normal(largest + 4 * count + 1, np.float32) * 0.02).astype(
+        ml_dtypes.bfloat16)
+    written = kept = 0
+    for index in range(count):
+        path = os.path.join(root, adapter_name(index))
+        if os.path.isfile(os.path.join(path, "adapter_model.safetensors")):
+            kept += 1
+            continue
+        save_peft_adapter(_adapter(config, index, ranks[index % len(ranks)], targets, buffer), path + ".tmp")
+        os.replace(path + ".tmp", path)  # a folder appears complete or not at all
+        written += 1
+    total = sum(os.path.getsize(os.path.join(root, name, f)) for name in os.listdir(root)
+                for f in os.listdir(os.path.join(root, name)))
+    return {"written": written, "kept": kept, "bytes_on_disk": total, "seconds": time.perf_counter() - started}
+
+
+def _adapter(config: LlamaConfig, index: int, rank: int, targets, buffer: np.ndarray) -> LoraAdapter:
+    """Adapter `index`: its A/B are consecutive slices of `buffer` from offset 4 * index."""
+    lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=tuple(targets))
+    shapes, layers = projection_shapes(config), config.num_layers
+    offset, modules = 4 * index, {}
+    for module in targets:
+        fan_in, fan_out = shapes[module]
+        a = buffer[offset: offset + layers * fan_in * rank].reshape(layers, fan_in, rank)
+        offset += a.size
+        b = buffer[offset: offset + layers * rank * fan_out].reshape(layers, rank, fan_out)
+        offset += b.size
+        modules[module] = ModuleLora(a, b, np.full(layers, rank, np.int32), np.full(layers, 2.0, np.float32))
+    return LoraAdapter(adapter_name(index), lora, modules)
+
+
+# ---- one run --------------------------------------------------------------------------------------
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(field + ":")).split()[1])
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def run_trace(model, config: EngineConfig, trace, prompts: list, names: list) -> dict:
+    """Serves `trace` (request i on adapter `names[i]`) on a fresh engine of `config`, warmed up;
+    returns bench/serve.py's summary plus the tiers' counts, peak RSS and page split."""
+    engine = Engine(model, eos_ids=(), config=config)
+    engine.warmup(greedy_shapes(engine, (True,)))
+    gc.collect()
+    _reset_peak_rss()
+    rss_before = _status_kb("VmRSS")
+    records = [Record() for _ in names]
+    finished = [0]
+
+    def callback_for(record: Record):
+        def callback(event: Event):
+            now = time.perf_counter()
+            if event.token is not None:
+                record.tokens += 1
+                record.first = record.first or now
+            if event.finish_reason is not None:
+                record.end, record.reason, record.error = now, event.finish_reason, event.error
+                finished[0] += 1
+        return callback
+
+    peak_pages = {"kv": 0, "adapters": 0}
+    start, submitted, count = time.perf_counter(), 0, len(names)
+    while finished[0] < count:
+        now = time.perf_counter() - start
+        while submitted < count and trace.arrivals[submitted] <= now:
+            records[submitted].submitted = start + trace.arrivals[submitted]
+            engine.submit(submitted, prompts[submitted], names[submitted],
+                          SamplingParams(int(trace.output_lens[submitted])), callback_for(records[submitted]))
+            submitted += 1
+        busy = engine.step()
+        split = engine.scheduler.page_split()
+        for holder in peak_pages:
+            peak_pages[holder] = max(peak_pages[holder], split[holder])
+        if not busy and finished[0] < count:
+            time.sleep(0.001 if submitted >= count else
+                       max(0.0, min(0.05, start + trace.arrivals[submitted] - time.perf_counter())))
+    result = summarize(records, start, max(r.end for r in records))
+    store, stats = engine.adapters, engine.stats
+    result.update({
+        "peak_rss_bytes": _status_kb("VmHWM") << 10, "rss_before_bytes": rss_before << 10,
+        "disk_reads": store.stats.disk_reads, "disk_read_seconds": store.stats.disk_read_seconds,
+        "disk_read_max_s": store.stats.disk_read_max_s, "disk_read_errors": store.stats.disk_read_errors,
+        "host_evictions": store.stats.host_evictions, "host_cache_bytes_end": store.cached_bytes(),
+        "device_loads": stats.adapter_loads, "device_load_seconds": stats.adapter_load_seconds,
+        "peak_pages": peak_pages, "total_pages": config.num_pages, "steps": stats.steps,
+        "compiles_in_run": stats.step_compiles, "phase_ms_per_step": stats.phase_ms_per_step(),
+        "adapter_loads": stats.adapter_loads,
+    })
+    engine.adapters.close()
+    del engine
+    gc.collect()
+    return result
+
+
+def print_run(case: str, label: str, r: dict) -> None:
+    print(f"{case:40} {label:9} {r['tokens_per_s']:8.0f} tok/s  TTFT p50 {r['ttft_p50_ms']:6.0f} ms  "
+          f"disk reads {r['disk_reads']:5d}  device loads {r['device_loads']:5d}  peak RSS "
+          f"{r['peak_rss_bytes'] / 2**30:6.2f} GiB  pages kv/adapters {r['peak_pages']['kv']}/"
+          f"{r['peak_pages']['adapters']}" + (f"  errors {r['errors']}" if r["errors"] else ""), flush=True)
+
+
+# ---- main -------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny model, 40 adapters, 24 requests (CPU smoke test)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 32; --tiny: 2)")
+    parser.add_argument("--dir", default=None, help="adapter directory (default /tmp/slora_adapters[_tiny])")
+    parser.add_argument("--adapters", type=int, default=None, help="adapter folders (default 2000; --tiny: 40)")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--targets", nargs="+", default=["q_proj", "v_proj"])
+    parser.add_argument("--max-disk-gb", type=float, default=24.0, help="refuse to write more than this")
+    parser.add_argument("--write-only", action="store_true", help="write the adapters and stop")
+    parser.add_argument("--host-bound-gb", type=float, default=None,
+                        help="host cache bound (default 2 GiB; --tiny: 8 adapters' worth)")
+    parser.add_argument("--cases", nargs="+", default=None, help=f"bench/serve.py case specs (default {DEFAULT_CASES})")
+    parser.add_argument("--runs", nargs="+", choices=("disk", "separate", "one"), default=["disk", "separate", "one"])
+    parser.add_argument("--requests", type=int, default=None, help="requests per case (default 1000; --tiny: 24)")
+    parser.add_argument("--rate", type=float, default=None, help="requests/s in replay mode (default 8; --tiny: 50)")
+    parser.add_argument("--mode", choices=("replay", "throughput"), default="replay")
+    parser.add_argument("--min-len", type=int, default=None, help="lengths in [min, max) (default 8; --tiny: 4)")
+    parser.add_argument("--max-len", type=int, default=None, help="(default 512; --tiny: 16)")
+    parser.add_argument("--adapter-slots", type=int, default=None, help="device pool slots (default 64; --tiny: 4)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="(default 64; --tiny: 8)")
+    parser.add_argument("--token-budget", type=int, default=None, help="(default 256; --tiny: 32)")
+    parser.add_argument("--num-pages", type=int, default=None, help="KV pages (default: max-num-seqs contexts)")
+    parser.add_argument("--lora-backend", default=None, help="default: pallas on a GPU, gather elsewhere")
+    parser.add_argument("--compile-cache", default="/tmp/jaxlora_serve_jit_cache")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="JSON (default bench/results/slora_disk[_tiny].json)")
+    args = parser.parse_args(argv)
+    tiny = args.tiny
+    pick = lambda value, default, tiny_default: value if value is not None else (tiny_default if tiny else default)
+    args.layers = pick(args.layers, 32, 2)
+    args.adapters = pick(args.adapters, 2000, 40)
+    args.requests = pick(args.requests, 1000, 24)
+    args.rate = pick(args.rate, 8.0, 50.0)
+    args.min_len, args.max_len = pick(args.min_len, 8, 4), pick(args.max_len, 512, 16)
+    args.adapter_slots = pick(args.adapter_slots, 64, 4)
+    args.max_num_seqs = pick(args.max_num_seqs, 64, 8)
+    args.token_budget = pick(args.token_budget, 256, 32)
+    args.dir = args.dir or ("/tmp/slora_adapters_tiny" if tiny else "/tmp/slora_adapters")
+    args.out = args.out or f"bench/results/slora_disk{'_tiny' if tiny else ''}.json"
+    args.cases = args.cases or [c.replace("n=2000", f"n={args.adapters}") for c in DEFAULT_CASES]
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    config = llama8b_config(args.layers, args.tiny)
+    sizes = [adapter_bytes(config, args.ranks[i % len(args.ranks)], args.targets) for i in range(args.adapters)]
+    print(f"{args.adapters} adapters (ranks {args.ranks} on {args.targets}, bf16): {sum(sizes) / 2**30:.2f} GiB "
+          f"on disk, {min(sizes) / 2**20:.1f}-{max(sizes) / 2**20:.1f} MiB each", flush=True)
+    if sum(sizes) > args.max_disk_gb * 2**30:
+        raise SystemExit(f"{sum(sizes) / 2**30:.1f} GiB > --max-disk-gb {args.max_disk_gb}: fewer ranks or targets")
+    disk = write_adapters(args.dir, config, args.adapters, args.ranks, args.targets)
+    print(f"adapters in {args.dir}: {disk['written']} written, {disk['kept']} kept, "
+          f"{disk['bytes_on_disk'] / 2**30:.2f} GiB ({disk['seconds']:.0f} s)", flush=True)
+    if args.write_only:
+        return
+    if args.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    host_bound = int(args.host_bound_gb * 2**30) if args.host_bound_gb else (
+        8 * max(sizes) if args.tiny else 2 << 30)
+    max_model_len = 2 * (args.max_len - 1)
+    engine_config = EngineConfig(
+        max_adapters_on_device=args.adapter_slots, max_lora_rank=max(args.ranks), page_size=16,
+        num_pages=args.num_pages or args.max_num_seqs * pages_for(max_model_len, 16), max_model_len=max_model_len,
+        max_num_seqs=args.max_num_seqs, token_budget=args.token_budget, prefill_chunk=min(128, args.token_budget),
+        max_waiting=1 << 30, lora_backend=args.lora_backend or ("pallas" if jax.default_backend() == "gpu"
+                                                                else "gather"),
+        adapter_dir=args.dir, max_host_adapter_bytes=host_bound, unified_paging=True)
+    model = Llama(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    device = jax.devices()[0].device_kind
+    report = {"device": device, "jax": jax.__version__, "host": platform.node(),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "model": {"shape": "tiny" if args.tiny else "Llama-3.1-8B", "layers": args.layers, "dtype": "bfloat16"},
+              "adapters": {"count": args.adapters, "ranks": args.ranks, "targets": args.targets, "dtype": "bfloat16",
+                           "bytes_on_disk": disk["bytes_on_disk"], "host_bound_bytes": host_bound},
+              "engine": dataclasses.asdict(engine_config), "settings": vars(args), "results": []}
+    defaults = {"requests": args.requests, "rate": args.rate, "cv": 1.0, "slora_mode": args.mode,
+                "punica_mode": args.mode}
+    for spec in args.cases:
+        case = parse_case(spec, defaults)
+        trace = make_trace(case, args.seed, args.min_len, args.max_len, args.adapters)
+        prompts = [np.random.default_rng([args.seed, i]).integers(0, config.vocab_size, int(n)).tolist()
+                   for i, n in enumerate(trace.prompt_lens)]
+        entry = {"case": case.name, "spec": dataclasses.asdict(case),
+                 "distinct_adapters": int(len(set(trace.adapters.tolist())))}
+        for run in args.runs:
+            names = [adapter_name(0 if run == "one" else int(a)) for a in trace.adapters]
+            run_config = dataclasses.replace(engine_config, unified_paging=run != "separate")
+            entry[run] = run_trace(model, run_config, trace, prompts, names)
+            print_run(case.name, run, entry[run])
+        if "one" in entry:
+            for run in ("disk", "separate"):
+                if run in entry:
+                    entry[f"{run}_vs_one"] = entry[run]["tokens_per_s"] / entry["one"]["tokens_per_s"]
+        report["results"].append(entry)
+        _write(args.out, report)
+    print(f"device {device}, jax {jax.__version__}; wrote {args.out}", flush=True)
+
+
+def _write(path: str, report: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
