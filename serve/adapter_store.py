@@ -12,8 +12,8 @@ Tiers (the device tier is the engine's pool slots, `jaxlora.lora.pool`):
     (`add(name, prepared)`, e.g. a library caller's `Engine(adapters=...)`) is held for good,
     outside the bound; every other one may be evicted and is read from disk again when needed.
 
-Reads from disk run on one background reader thread (`read(path, name) -> PreparedAdapter`, the
-engine's PEFT loader and checks). The engine calls `want(uids)` every step with the adapters its
+Reads from disk run on `readers` background threads (`read(path, name) -> PreparedAdapter`, the
+engine's PEFT loader and checks; several, so that one slow read does not hold the others). The engine calls `want(uids)` every step with the adapters its
 queued requests need, in queue order: that protects those already on the host (in order, while
 they fit in the bound) from eviction and starts reads for the next ones that fit, so disk reads
 overlap the steps and a request whose adapter is still being read waits without holding others
@@ -23,7 +23,7 @@ corrupt or mismatched adapter fails its request with the reason, before any resp
 A read that fails marks the entry (`error`); the engine fails the requests naming it, and the
 next lookup of that name reads it from disk afresh.
 
-The bound holds for what the cache holds, with the reads in flight (at most one at a time) on top;
+The bound holds for what the cache holds, with the reads in flight (at most `readers`) on top;
 the size of an adapter not read yet is estimated from its safetensors file, so an adapter larger
 than its file (PEFT `layers_to_transform`, `rank_pattern`) can exceed the bound by the difference
 until the next insert evicts. Thread-safe.
@@ -96,7 +96,7 @@ class AdapterStore:
     """Names -> entries, the LRU host cache over them and the background disk reader (module doc)."""
 
     def __init__(self, read: Callable[[str, str], PreparedAdapter], directory: str | None = None,
-                 max_bytes: int | None = None, max_adapters: int | None = None):
+                 max_bytes: int | None = None, max_adapters: int | None = None, readers: int = 4):
         for label, bound in (("max_bytes", max_bytes), ("max_adapters", max_adapters)):
             if bound is not None and bound < 1:
                 raise ValueError(f"{label} must be >= 1 (or None: unbounded), got {bound}")
@@ -115,7 +115,7 @@ class AdapterStore:
         self._protected: set[int] = set()
         self._reads: dict[int, concurrent.futures.Future] = {}
         self._reserved: dict[int, int] = {}  # uid -> estimated bytes of a read in flight
-        self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxlora-adapter-reader")
+        self._reader = concurrent.futures.ThreadPoolExecutor(readers, thread_name_prefix="jaxlora-adapter-reader")
         self._disk_count: tuple[float, int] | None = None
 
     # ---- registry -------------------------------------------------------------------------
@@ -341,5 +341,5 @@ class AdapterStore:
             self._cached_bytes -= prepared.nbytes
 
     def close(self) -> None:
-        """Stops the reader thread (reads in flight finish first)."""
+        """Stops the reader threads (reads in flight finish first)."""
         self._reader.shutdown(wait=True, cancel_futures=True)

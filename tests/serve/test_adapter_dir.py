@@ -124,3 +124,47 @@ def test_host_bound_smaller_than_one_adapter_is_a_startup_error(tiny_model_dir, 
     with pytest.raises(SystemExit, match="expects bytes"):
         build_app(build_parser().parse_args(["--max-cpu-adapter-memory", "lots"]))
     assert json.load(open(os.path.join(path, "adapter_config.json")))["r"] == 4
+
+
+def test_request_waits_for_its_adapter_read_without_holding_others(tiny_model_dir, adapter_dir):
+    """The engine in this thread: while task-0004 is still being read (the reader is held), a request
+    for task-0005 queued behind it is admitted and finishes; task-0004's then runs with its weights."""
+    import threading
+    import time
+
+    from jaxlora.sampling import SamplingParams
+    from jaxlora.weights import load_model
+    from serve.engine import Engine, EngineConfig
+
+    model, tokenizer = load_model(tiny_model_dir)
+    config = EngineConfig(max_adapters_on_device=2, page_size=8, num_pages=32, max_model_len=64, max_num_seqs=4,
+                          token_budget=32, prefill_chunk=16, max_lora_rank=32, adapter_dir=adapter_dir,
+                          max_host_adapter_bytes=4 << 20)
+    engine = Engine(model, tokenizer.eos_token_ids, config)
+    release, read = threading.Event(), engine.adapters._read
+
+    def held_read(path, name):
+        if name == adapter_name(4):
+            release.wait(60)
+        return read(path, name)
+
+    engine.adapters._read = held_read
+    events = {0: [], 1: []}
+    prompt = tokenizer.encode("Once upon a time")
+    for i, name in enumerate((adapter_name(4), adapter_name(5))):
+        engine.submit(i, prompt, name, SamplingParams(4), events[i].append)
+    deadline = time.monotonic() + 120
+    while not (events[1] and events[1][-1].finish_reason) and time.monotonic() < deadline:
+        if not engine.step():
+            time.sleep(0.01)  # task-0005's read is on its way
+    assert events[1][-1].finish_reason == "length" and not events[0]
+    assert [seq.seq_id for seq in engine.scheduler.waiting] == [0]
+    release.set()
+    engine.run_until_idle()
+    assert events[0][-1].finish_reason == "length"
+    alone = Engine(model, tokenizer.eos_token_ids, config)
+    again = []
+    alone.submit(0, prompt, adapter_name(4), SamplingParams(4), again.append)
+    alone.run_until_idle()
+    assert [e.token for e in events[0]] == [e.token for e in again]
+    assert engine.adapters.stats.disk_reads == 2 and engine.snapshot()["adapters_on_host"] == 2

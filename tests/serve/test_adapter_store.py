@@ -93,7 +93,7 @@ def test_want_protects_queued_adapters_and_reads_the_next_that_fit(tmp_path):
     for name in names:
         _folder(str(tmp_path), name, size=1000)
     reader = FakeReader()
-    store = AdapterStore(reader, str(tmp_path), max_bytes=3000)
+    store = AdapterStore(reader, str(tmp_path), max_bytes=3000, readers=1)  # reads in order
     uids = [store.resolve(name).uid for name in names]
     _wait(store, names[:2])
     store.want([uids[1], uids[0], uids[4], uids[5]])  # ad0, ad1 protected; ad4 read; ad5 does not fit

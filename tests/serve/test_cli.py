@@ -74,3 +74,16 @@ def test_compile_cache_option_turns_on_jax_persistent_cache(tmp_path):
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "jit")
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_host_cache_bound_options():
+    from serve.cli import parse_bytes
+
+    assert [parse_bytes(v) for v in ("4096", "512M", "8G", "1.5GiB", "64kb")] == [4096, 512 << 20, 8 << 30,
+                                                                                 3 << 29, 64 << 10]
+    assert parse_bytes(None) is None
+    for bad in ("lots", "-1G", "0", "G"):
+        with pytest.raises(SystemExit, match="expects bytes"):
+            parse_bytes(bad)
+    args = build_parser().parse_args(["--adapter-dir", "/tmp", "--max-cpu-adapters", "100"])
+    assert (args.adapter_dir, args.max_cpu_adapters, args.max_cpu_adapter_memory) == ("/tmp", 100, None)
