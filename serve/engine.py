@@ -906,13 +906,12 @@ class Engine:
         wanted = [seq.adapter for seq in self.scheduler.waiting
                   if seq.adapter is not None and slots.slot_of(seq.adapter) is None]
         store.want(wanted)
-        for seq in [seq for seq in self.scheduler.waiting if seq.adapter in set(wanted)]:
-            error = store.error(seq.adapter)
-            if error is not None:
-                self.scheduler.finish(seq, "adapter_error")
-                request = self._requests.pop(seq.seq_id, None)
-                if request is not None:
-                    self._deliver(request, Event(None, "adapter_error", error))
+        errors = {uid: error for uid in set(wanted) if (error := store.error(uid)) is not None}
+        for seq in [seq for seq in self.scheduler.waiting if seq.adapter in errors] if errors else ():
+            self.scheduler.finish(seq, "adapter_error")
+            request = self._requests.pop(seq.seq_id, None)
+            if request is not None:
+                self._deliver(request, Event(None, "adapter_error", errors[seq.adapter]))
 
     def _host_copy(self, uid) -> PreparedAdapter:
         """The host copy of an adapter the scheduler placed (admitted or prefetched only when on
