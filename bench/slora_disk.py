@@ -4,6 +4,7 @@ same trace on one adapter, with and without unified paging, in one run.
 
     PYTHONPATH=. python bench/slora_disk.py --write-only            # write the adapters (resumable)
     PYTHONPATH=. python bench/slora_disk.py --cases slora:n=2000,alpha=1 [--runs disk separate one]
+    PYTHONPATH=. python bench/slora_disk.py --cases punica:distinct --mode throughput --runs disk one
     PYTHONPATH=. python bench/slora_disk.py --tiny                   # CPU smoke test (tiny model)
 
 Adapters (Done-when 3 of issue 20): `--adapters` folders `task-0000`.. under `--dir`, PEFT format
@@ -13,7 +14,8 @@ for 2000; the script prints the total and refuses more than `--max-disk-gb`). Ad
 slices of one random buffer at an offset of its own, so every adapter holds different weights
 without generating 16 GB of random numbers. Folders already written are kept (resumable).
 
-Runs per case (`--runs`; each on a fresh engine, warmed up, nothing compiled while timed):
+Runs per case (`--runs`; each on a fresh engine, warmed up, nothing compiled while timed; an
+untimed warm-up run of 8 requests on the last adapters comes first):
   disk      every request names its adapter by folder name: the engine reads it from disk on
             first use (`EngineConfig.adapter_dir`; no adapter is registered beforehand) into a host
             cache bounded by `--host-bound-gb`, then into the device pool; unified paging on;
@@ -270,6 +272,11 @@ def main(argv=None) -> None:
               "engine": dataclasses.asdict(engine_config), "settings": vars(args), "results": []}
     defaults = {"requests": args.requests, "rate": args.rate, "cv": 1.0, "slora_mode": args.mode,
                 "punica_mode": args.mode}
+    # Warm-up (untimed): programs compiled on first use (the adapter window's fill), adapter reads.
+    warm = make_trace(parse_case("punica:distinct,requests=8,mode=throughput", defaults), args.seed + 1,
+                      args.min_len, args.max_len, args.adapters)
+    run_trace(model, engine_config, warm, [[1] * int(n) for n in warm.prompt_lens],
+              [adapter_name(args.adapters - 1 - int(a)) for a in warm.adapters])
     for spec in args.cases:
         case = parse_case(spec, defaults)
         trace = make_trace(case, args.seed, args.min_len, args.max_len, args.adapters)
