@@ -348,7 +348,8 @@ class Engine:
         self._lock = threading.Lock()
         self.adapters = AdapterStore(self._read_adapter, config.adapter_dir, config.max_host_adapter_bytes,
                                      config.max_host_adapters)
-        self.scheduler.is_ready = self.adapters.on_host  # admit a request once its adapter is on the host
+        self.scheduler.is_ready = self._adapter_ready  # admit a request once its adapter is on the host
+        self._host_copies: dict = {}  # uid -> host copy of an adapter found ready this step
         self._commands: collections.deque = collections.deque()
         self._staged: dict[int, tuple] = {}  # slot -> (uid, host copy, Future of its device copy)
         # Background copies need a device apart from the host (on a CPU backend the copy is a memcpy
@@ -554,6 +555,7 @@ class Engine:
         there was nothing to do. Host time per phase accumulates in `stats.phase_seconds` (see
         `EngineStats.PHASES`)."""
         phases = self.stats.phases()
+        self._host_copies.clear()  # last step's: copied to the device by now
         while self._commands:
             self._commands.popleft()()
         self._drop_removed_adapters()
@@ -576,6 +578,7 @@ class Engine:
         if not self.scheduler.has_work():
             return None
         plan = self.scheduler.schedule()
+        self._tell_refused()
         phases.mark("schedule")
         self._load(plan.loads)
         self._commit_staged({row.slot for row in plan.rows})
@@ -913,10 +916,30 @@ class Engine:
             if request is not None:
                 self._deliver(request, Event(None, "adapter_error", errors[seq.adapter]))
 
-    def _host_copy(self, uid) -> PreparedAdapter:
-        """The host copy of an adapter the scheduler placed (admitted or prefetched only when on
-        the host, and kept there by `AdapterStore.want` until this step copies it)."""
+    def _adapter_ready(self, uid) -> bool:
+        """The scheduler's `is_ready`: whether `uid` is on the host; if so its host copy is kept for
+        this step (`_host_copy`), so a reader thread evicting it meanwhile cannot take it away
+        between admission and the copy to the device."""
         prepared = self.adapters.host(uid)
+        if prepared is not None:
+            self._host_copies[uid] = prepared
+        return prepared is not None
+
+    def _tell_refused(self) -> None:
+        """Ends the requests the scheduler refused at admission (unified paging: their KV pages and
+        their adapter's exceed the whole page pool)."""
+        for seq in self.scheduler.refused:
+            request = self._requests.pop(seq.seq_id, None)
+            if request is not None:
+                self._deliver(request, Event(None, "adapter_error", (
+                    f"the request's KV pages and its adapter's pages exceed the device page pool "
+                    f"({self.config.num_pages} pages of {self.config.page_size} tokens)")))
+        self.scheduler.refused.clear()
+
+    def _host_copy(self, uid) -> PreparedAdapter:
+        """The host copy of an adapter the scheduler placed this step (admitted or prefetched only
+        when `_adapter_ready`)."""
+        prepared = self._host_copies.get(uid) or self.adapters.host(uid)
         if prepared is None:
             raise RuntimeError(f"adapter uid {uid} was placed in a device slot but is not on the host")
         return prepared

@@ -134,12 +134,10 @@ def test_request_waits_for_its_adapter_read_without_holding_others(tiny_model_di
 
     from jaxlora.sampling import SamplingParams
     from jaxlora.weights import load_model
-    from serve.engine import Engine, EngineConfig
+    from serve.engine import Engine
 
     model, tokenizer = load_model(tiny_model_dir)
-    config = EngineConfig(max_adapters_on_device=2, page_size=8, num_pages=32, max_model_len=64, max_num_seqs=4,
-                          token_budget=32, prefill_chunk=16, max_lora_rank=32, adapter_dir=adapter_dir,
-                          max_host_adapter_bytes=4 << 20)
+    config = _engine_config(adapter_dir)
     engine = Engine(model, tokenizer.eos_token_ids, config)
     release, read = threading.Event(), engine.adapters._read
 
@@ -168,3 +166,61 @@ def test_request_waits_for_its_adapter_read_without_holding_others(tiny_model_di
     alone.run_until_idle()
     assert [e.token for e in events[0]] == [e.token for e in again]
     assert engine.adapters.stats.disk_reads == 2 and engine.snapshot()["adapters_on_host"] == 2
+
+
+def _engine_config(adapter_dir, **changes):
+    from serve.engine import EngineConfig
+
+    return EngineConfig(**{**dict(max_adapters_on_device=2, page_size=8, num_pages=32, max_model_len=64,
+                                  max_num_seqs=4, token_budget=32, prefill_chunk=16, max_lora_rank=32,
+                                  adapter_dir=adapter_dir, max_host_adapter_bytes=4 << 20), **changes})
+
+
+@pytest.mark.parametrize("unified", [False, True])
+def test_adapter_evicted_from_the_host_after_admission_is_still_copied(tiny_model_dir, adapter_dir, unified):
+    """A reader thread may evict an adapter from the host cache right after the scheduler found it
+    ready: the engine keeps the copy it found for that step, and the request gets its own answer."""
+    from jaxlora.sampling import SamplingParams
+    from jaxlora.weights import load_model
+    from serve.engine import Engine
+
+    model, tokenizer = load_model(tiny_model_dir)
+    prompt = tokenizer.encode("Once upon a time")
+    answers = []
+    for racing in (False, True):
+        engine = Engine(model, tokenizer.eos_token_ids, _engine_config(adapter_dir, unified_paging=unified,
+                                                                       num_pages=128))
+        ready = engine._adapter_ready
+
+        def ready_then_evicted(uid):
+            found = ready(uid)
+            if racing and found:
+                engine.adapters._evict(uid)
+            return found
+
+        engine.scheduler.is_ready = ready_then_evicted
+        engine.adapters.ensure(adapter_name(3)).result(60)
+        events = []
+        engine.submit(0, prompt, adapter_name(3), SamplingParams(4), events.append)
+        engine.run_until_idle()
+        assert events[-1].finish_reason == "length" and not engine.adapters.on_host(
+            engine.adapters.resolve(adapter_name(3)).uid) == racing
+        answers.append([e.token for e in events])
+    assert answers[0] == answers[1]
+
+
+def test_unified_paging_refuses_an_adapter_larger_than_the_page_pool(tiny_model_dir, adapter_dir):
+    """task-0003 (rank 32 on every projection) takes 64 pages of 4 KiB; with 32 pages in all, its
+    request ends with the reason instead of waiting forever, and a smaller adapter's still runs."""
+    from jaxlora.sampling import SamplingParams
+    from jaxlora.weights import load_model
+    from serve.engine import Engine
+
+    model, tokenizer = load_model(tiny_model_dir)
+    engine = Engine(model, tokenizer.eos_token_ids, _engine_config(adapter_dir, unified_paging=True))
+    events = {0: [], 1: []}
+    for i, index in enumerate((3, 0)):  # rank 32, rank 4
+        engine.submit(i, tokenizer.encode("Once upon a time"), adapter_name(index), SamplingParams(4), events[i].append)
+    engine.run_until_idle()
+    assert events[0][-1].finish_reason == "adapter_error" and "exceed the device page pool" in events[0][-1].error
+    assert events[1][-1].finish_reason == "length"

@@ -215,3 +215,20 @@ def test_engine_with_unified_paging_gives_the_same_answers(tiny_model_dir):
         if unified:
             assert evicted and split["adapters"] > 0  # KV made room by evicting idle adapters
     assert answers[True] == answers[False] and len({tuple(a) for a in answers[True]}) > 6
+
+
+def test_resident_adapter_is_not_sized_again():
+    """A request for an adapter already on the device reuses its pages: its size is not asked for
+    (its host copy may be gone by then)."""
+    from jaxlora.scheduler.serving import SchedulerConfig, Sequence, ServingScheduler
+
+    scheduler = ServingScheduler(SchedulerConfig(num_pages=16, page_size=4, num_adapter_slots=2, max_num_seqs=4,
+                                                 token_budget=64, prefill_chunk=16, unified_paging=True))
+    asked = []
+    scheduler.adapter_pages = lambda key: asked.append(key) or 3
+    scheduler.add(Sequence("a", [1] * 4, 4, adapter="x"))
+    scheduler.schedule()
+    sized = len(asked)
+    scheduler.add(Sequence("b", [1] * 4, 4, adapter="x"))
+    assert len(scheduler.schedule().rows) == 2
+    assert sized >= 1 and len(asked) == sized and scheduler.page_split()["adapters"] == 3

@@ -165,6 +165,7 @@ class ServingScheduler:
         self.pages = (UnifiedPages(config.num_pages, config.page_size, in_use=self.slots.pinned)
                       if config.unified_paging else PageAllocator(config.num_pages, config.page_size))
         self.adapter_pages: Callable[[Hashable], int] = lambda key: 1  # unified paging: an adapter's pages
+        self.refused: list[Sequence] = []  # finished "too_large" by admission; the caller tells them
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self._order = itertools.count()
@@ -250,6 +251,10 @@ class ServingScheduler:
             if seq.adapter is not None and self.slots.slot_of(seq.adapter) is None and not self.is_ready(seq.adapter):
                 continue  # its adapter is still on its way to the host
             if not self._fits(seq):
+                if self._unified_pages_needed(seq) > self.config.num_pages:  # its adapter's pages: never
+                    self.finish(seq, "too_large")
+                    self.refused.append(seq)
+                    continue
                 break
             if seq.adapter is not None:
                 placed = self._place(seq.adapter)
@@ -293,13 +298,16 @@ class ServingScheduler:
     def _fits(self, seq: Sequence) -> bool:
         """Whether `seq`'s KV pages (and, with unified paging, its adapter's pages if it is not
         resident) can be had now, evicting only idle adapters other than its own."""
-        needed = self.pages_needed(seq)
         if not self.unified:
-            return self.pages.can_allocate(needed)
-        key = seq.adapter
-        if key is not None and key not in self.slots.fixed and not self.pages.holds(key):
+            return self.pages.can_allocate(self.pages_needed(seq))
+        return self._unified_pages_needed(seq) <= self.pages.num_free + self.pages.idle_pages(keep=(seq.adapter,))
+
+    def _unified_pages_needed(self, seq: Sequence) -> int:
+        """`seq`'s KV pages plus, with unified paging, its adapter's if that is not resident."""
+        needed, key = self.pages_needed(seq), seq.adapter
+        if self.unified and key is not None and key not in self.slots.fixed and not self.pages.holds(key):
             needed += self.adapter_pages(key)
-        return needed <= self.pages.num_free + self.pages.idle_pages(keep=(key,))
+        return needed
 
     def _place(self, key, protect=()) -> tuple[int, bool] | None:
         """`slots.place(key, protect)` and, with unified paging, the adapter's pages (the slot's
@@ -310,7 +318,8 @@ class ServingScheduler:
             return placed
         for gone in before - set(self.slots.keys):
             self.pages.remove_adapter(gone)
-        if self.pages.add_adapter(key, self.adapter_pages(key)) is None:
+        count = 0 if self.pages.holds(key) else self.adapter_pages(key)  # resident: its pages, touched
+        if self.pages.add_adapter(key, count) is None:
             self.slots.drop(key)
             return None
         self._drop_evicted()
