@@ -79,25 +79,33 @@ def adapter_bytes(config: LlamaConfig, rank: int, targets) -> int:
 
 
 def write_adapters(root: str, config: LlamaConfig, count: int, ranks, targets, seed: int = 0) -> dict:
-    """Writes adapters 0..count-1 under `root` (folders already there are kept); returns {"written",
-    "kept", "bytes_on_disk", "seconds"}."""
+    """Writes adapters 0..count-1 under `root` (folders already there are kept), in worker processes
+    (one per core); returns {"written", "kept", "bytes_on_disk", "seconds"}."""
+    import concurrent.futures
+
     started = time.perf_counter()
     os.makedirs(root, exist_ok=True)
+    todo = [i for i in range(count) if not os.path.isfile(os.path.join(root, adapter_name(i),
+                                                                       "adapter_model.safetensors"))]
+    workers = max(1, min(os.cpu_count() or 1, 16, len(todo)))
+    with concurrent.futures.ProcessPoolExecutor(workers) as pool:
+        list(pool.map(_write_some, [(root, config, todo[w::workers], ranks, targets, seed) for w in range(workers)]))
+    total = sum(os.path.getsize(os.path.join(root, adapter_name(i), f)) for i in range(count)
+                for f in os.listdir(os.path.join(root, adapter_name(i))))
+    return {"written": len(todo), "kept": count - len(todo), "bytes_on_disk": total,
+            "seconds": time.perf_counter() - started}
+
+
+def _write_some(job) -> None:
+    """Writes the adapters `indices` (a worker process; see `write_adapters`)."""
+    root, config, indices, ranks, targets, seed = job
     largest = adapter_bytes(config, max(ranks), targets) // 2
-    buffer = (np.random.default_rng(seed).standard_normal(largest + 4 * count + 1, np.float32) * 0.02).astype(
-        ml_dtypes.bfloat16)
-    written = kept = 0
-    for index in range(count):
+    buffer = (np.random.default_rng(seed).standard_normal(largest + 4 * (max(indices, default=0) + 1),
+                                                          np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+    for index in indices:
         path = os.path.join(root, adapter_name(index))
-        if os.path.isfile(os.path.join(path, "adapter_model.safetensors")):
-            kept += 1
-            continue
         save_peft_adapter(_adapter(config, index, ranks[index % len(ranks)], targets, buffer), path + ".tmp")
         os.replace(path + ".tmp", path)  # a folder appears complete or not at all
-        written += 1
-    total = sum(os.path.getsize(os.path.join(root, name, f)) for name in os.listdir(root)
-                for f in os.listdir(os.path.join(root, name)))
-    return {"written": written, "kept": kept, "bytes_on_disk": total, "seconds": time.perf_counter() - started}
 
 
 def _adapter(config: LlamaConfig, index: int, rank: int, targets, buffer: np.ndarray) -> LoraAdapter:

@@ -114,6 +114,7 @@ def _complete(url, model, prompt):
     return response.json()["choices"][0]["text"]
 
 
+@pytest.mark.slow  # ~60 s alone on 2 cores (1000 adapters written, a server warmed up, 200 requests)
 def test_200_of_1000_directory_adapters_match_alone_within_the_host_bound(server, adapter_dir, model_dir, smollm2):
     url, pid = server
     root, disk_bytes = adapter_dir
