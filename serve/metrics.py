@@ -16,7 +16,8 @@ class Metrics:
         self.running = Gauge("jaxlora_requests_running", "Sequences in the running batch", registry=registry)
         self.waiting = Gauge("jaxlora_requests_waiting", "Sequences waiting for admission", registry=registry)
         self.adapters_on_device = Gauge("jaxlora_adapters_on_device", "Adapters in device slots", registry=registry)
-        self.adapters_known = Gauge("jaxlora_adapters_known", "Adapters registered (host memory)", registry=registry)
+        self.adapters_known = Gauge("jaxlora_adapters_known", "Adapters registered (at start, loaded, or "
+                                    "requested from the adapter directory)", registry=registry)
         self.free_pages = Gauge("jaxlora_kv_pages_free", "Free KV-cache pages", registry=registry)
         self.total_pages = Gauge("jaxlora_kv_pages_total", "KV-cache pages", registry=registry)
         self.tokens_per_second = Gauge("jaxlora_generation_tokens_per_second",
