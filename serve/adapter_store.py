@@ -13,11 +13,14 @@ Tiers (the device tier is the engine's pool slots, `jaxlora.lora.pool`):
     outside the bound; every other one may be evicted and is read from disk again when needed.
 
 Reads from disk run on `readers` background threads (`read(path, name) -> PreparedAdapter`, the
-engine's PEFT loader and checks; several, so that one slow read does not hold the others). The engine calls `want(uids)` every step with the adapters its
-queued requests need, in queue order: that protects those already on the host (in order, while
-they fit in the bound) from eviction and starts reads for the next ones that fit, so disk reads
-overlap the steps and a request whose adapter is still being read waits without holding others
-back (the scheduler admits only requests whose adapter is `on_host` or on the device). `ensure`
+engine's PEFT loader and checks; several, so that one slow read does not hold the others). The
+engine calls `want(uids)` every step with the adapters its queued requests need, in queue order:
+that protects those already on the host (in order, while they fit in the bound) from eviction and
+starts reads for the next ones that fit, so disk reads overlap the steps and a request whose
+adapter is still being read waits without holding others back (the scheduler admits only requests
+whose adapter is on the host or on the device; the engine keeps the host copy it found for the
+step, so an eviction meanwhile cannot take it away). An adapter larger than `max_bytes` fails
+with that reason. `ensure`
 reads an adapter that has never been read (the HTTP handler awaits it before submitting, so a
 corrupt or mismatched adapter fails its request with the reason, before any response is sent).
 A read that fails marks the entry (`error`); the engine fails the requests naming it, and the
