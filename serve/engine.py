@@ -673,7 +673,7 @@ class Engine:
 
     def warmup(self, shapes: list[StepShape] | None = None, threads: int | None = None) -> dict:
         """Compiles the programs of `shapes` (default: all of `step_shapes()`), `threads` at a time
-        (default: one per CPU core, at most 8), and the adapter pool's slot update; changes nothing
+        (default: one per CPU core, at most 8), the adapter pool's slot update and the adapter window's fill; changes nothing
         the engine serves from (nothing runs but an update of an empty slot with zeros). Returns
         {"programs": compiled now, "seconds": wall time}."""
         started = time.perf_counter()
@@ -686,6 +686,8 @@ class Engine:
         free = self.pool.free_slot()
         if free is not None:  # an empty slot written with zeros: compiles the update, changes nothing
             self.pool.evict(free)
+        if self.window is not None:  # the window's fill: compiled, not run
+            self._window_fill_program()
         return {"programs": len(self.programs) - before, "seconds": time.perf_counter() - started}
 
     def _has_bucket(self, tokens: int, lora: bool, decode_only: bool) -> bool:
@@ -788,15 +790,22 @@ class Engine:
         """Copies pool slot `pool_slot` into window slot `window_slot` of the model's weights (in
         place: `fill_window_slot` donates them)."""
         weights = self._state["weights"]
-        keys = window_keys(self.window)
-        args = (self.window, {key: weights[key][...] for key in keys}, self.pool.arrays,
-                np.int32(window_slot), np.int32(pool_slot))
-        if self._fill_program is None:
-            self._fill_program = fill_window_slot.lower(*args).compile()
-        filled = self._fill_program(*args[1:])
-        for key in keys:
+        filled = self._window_fill_program()(*self._window_fill_args(window_slot, pool_slot))
+        for key in window_keys(self.window):
             weights[key].set_value(filled[key])
         self.stats.window_fills += 1
+
+    def _window_fill_args(self, window_slot: int, pool_slot: int) -> tuple:
+        """`fill_window_slot`'s dynamic arguments: the window's weights, the pool, the two slots."""
+        weights = self._state["weights"]
+        return ({key: weights[key][...] for key in window_keys(self.window)}, self.pool.arrays,
+                np.int32(window_slot), np.int32(pool_slot))
+
+    def _window_fill_program(self):
+        """`fill_window_slot` compiled for this engine (once; `warmup` compiles it ahead)."""
+        if self._fill_program is None:
+            self._fill_program = fill_window_slot.lower(self.window, *self._window_fill_args(0, 0)).compile()
+        return self._fill_program
 
     def _token_sources(self, plan: StepPlan, tokens: np.ndarray) -> np.ndarray:
         """token_src [T]: for each token that is a PENDING output (its row's last: a decode row's
