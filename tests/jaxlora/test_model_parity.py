@@ -7,8 +7,8 @@ import pytest
 
 from jaxlora.weights import load_llama
 from tests.jaxlora.hf_checkpoints import (
-    checkpoint_dir, hf_logits, jax_logits, relative_error, save_random_model, tiny_llama_config,
-    tiny_qwen2_config, tiny_qwen3_config, write_llama_gguf,
+    checkpoint_dir, hf_logits, jax_logits, relative_error, save_random_model, tiny_gemma2_config, tiny_gemma3_config,
+    tiny_llama_config, tiny_mistral_config, tiny_phi3_config, tiny_qwen2_config, tiny_qwen3_config, write_llama_gguf,
 )
 
 PROMPTS = [
@@ -59,26 +59,44 @@ def test_random_hf_checkpoint_matches_transformers(tmp_path, make_config):
     assert relative_error(ours, hf_logits(reference, tokens)) <= 1e-4
 
 
-def test_sliding_window_checkpoints_are_refused(tmp_path):
-    """A checkpoint with sliding-window layers would attend differently past its window: refused."""
+FAMILIES = {
+    "mistral-sliding-window": tiny_mistral_config,
+    "qwen2-sliding-layers": lambda: tiny_qwen2_config(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    "gemma2": tiny_gemma2_config,
+    "gemma3-text": tiny_gemma3_config,
+    "phi3": tiny_phi3_config,
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_model_family_matches_transformers(tmp_path, family):
+    """A random checkpoint of each family, with a sliding window (8) shorter than the sequence
+    (37): full forward logits equal transformers' (eager attention, f32)."""
+    directory = checkpoint_dir(tmp_path, "model")
+    reference = save_random_model(FAMILIES[family](), directory)
+    model = load_llama(directory)
+    assert any(model.config.layer_windows())
+    tokens = np.random.default_rng(1).integers(0, 320, size=(2, 37))
+    assert relative_error(jax_logits(model, tokens), hf_logits(reference, tokens)) <= 1e-4
+
+
+def test_unsupported_model_options_are_refused_by_name():
     from jaxlora.models.config import ConfigError, config_from_hf
 
-    config = tiny_qwen3_config(use_sliding_window=True, sliding_window=16).to_dict()
-    with pytest.raises(ConfigError, match="sliding-window"):
-        config_from_hf(config)
-
-
-def test_mistral_sliding_window_caps_the_context():
-    """Mistral windows every layer: the context is capped at the window, where the two agree."""
-    from transformers import MistralConfig
-
-    from jaxlora.models.config import config_from_hf
-
-    windowed = MistralConfig(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                             sliding_window=64).to_dict()
-    assert config_from_hf(windowed).max_position_embeddings == 64
-    assert config_from_hf({**windowed, "sliding_window": None}).max_position_embeddings == 512
+    refused = {
+        "longrope": tiny_phi3_config(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                      "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                                                      "original_max_position_embeddings": 256}),
+        "partial_rotary_factor": tiny_phi3_config(partial_rotary_factor=0.5),
+        "use_bidirectional_attention": tiny_gemma3_config(use_bidirectional_attention=True),
+    }
+    for name, config in refused.items():
+        with pytest.raises(ConfigError, match=name):
+            config_from_hf(config.to_dict())
+    with pytest.raises(ConfigError, match="gemma3_text"):
+        config_from_hf({"model_type": "gemma3"})
+    with pytest.raises(ConfigError, match="hidden_act 'relu'"):
+        config_from_hf(tiny_llama_config(hidden_act="relu").to_dict())
 
 
 def test_sharded_safetensors_load(tmp_path):
