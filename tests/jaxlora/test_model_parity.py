@@ -80,6 +80,42 @@ def test_model_family_matches_transformers(tmp_path, family):
     assert relative_error(jax_logits(model, tokens), hf_logits(reference, tokens)) <= 1e-4
 
 
+@pytest.mark.parametrize("make_config", [
+    lambda: tiny_llama_config(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 3.0},
+                              max_position_embeddings=24),
+    lambda: tiny_llama_config(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                               "original_max_position_embeddings": 16, "beta_fast": 16.0}),
+    lambda: tiny_qwen2_config(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
+                                               "original_max_position_embeddings": 16, "mscale": 0.8,
+                                               "mscale_all_dim": 0.5, "truncate": False}),
+], ids=["dynamic-past-max-position", "yarn", "yarn-mscale-untruncated"])
+def test_rope_scaling_types_match_transformers(tmp_path, make_config):
+    """'dynamic' (NTK, base recomputed from the call's longest position: 37 > 24) and 'yarn'."""
+    directory = checkpoint_dir(tmp_path, "model")
+    reference = save_random_model(make_config(), directory)
+    tokens = np.random.default_rng(1).integers(0, 320, size=(2, 37))
+    assert relative_error(jax_logits(load_llama(directory), tokens), hf_logits(reference, tokens)) <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3-text"])
+def test_cached_decoding_with_windows_equals_full_forward(tmp_path, family):
+    """The dense KV cache (generation) masks keys older than each layer's window like the full forward."""
+    from jaxlora.models.llama import KVCache
+
+    directory = checkpoint_dir(tmp_path, "model")
+    save_random_model(FAMILIES[family](), directory)
+    model = load_llama(directory)
+    tokens = np.random.default_rng(4).integers(0, 320, size=(1, 30))
+    full = jax_logits(model, tokens)
+    cache = KVCache.zeros(model.config, 1, 32)
+    logits, cache = model(tokens[:, :20], np.arange(20)[None], cache=cache)
+    steps = [np.asarray(logits)[0]]
+    for t in range(20, 30):
+        logits, cache = model(tokens[:, t:t + 1], np.array([[t]]), cache=cache)
+        steps.append(np.asarray(logits)[0])
+    assert relative_error(np.concatenate(steps), full[0]) <= 1e-4
+
+
 def test_unsupported_model_options_are_refused_by_name():
     from jaxlora.models.config import ConfigError, config_from_hf
 
