@@ -116,6 +116,18 @@ def test_cached_decoding_with_windows_equals_full_forward(tmp_path, family):
     assert relative_error(np.concatenate(steps), full[0]) <= 1e-4
 
 
+def test_layer_windows_follow_each_family():
+    """Qwen2.5's files say sliding_window 131072 with use_sliding_window false: no window; Gemma 2
+    alternates, Gemma 3 windows all but every pattern-th layer."""
+    from jaxlora.models.config import config_from_hf
+
+    qwen = {**tiny_qwen2_config().to_dict(), "sliding_window": 131072, "use_sliding_window": False}
+    assert config_from_hf(qwen).layer_windows() == (None, None, None)
+    assert config_from_hf(tiny_gemma2_config().to_dict()).layer_windows() == (8, None, 8)
+    gemma3 = {k: v for k, v in tiny_gemma3_config().to_dict().items() if k != "layer_types"}
+    assert config_from_hf({**gemma3, "sliding_window_pattern": 3}).layer_windows() == (8, 8, None)
+
+
 def test_unsupported_model_options_are_refused_by_name():
     from jaxlora.models.config import ConfigError, config_from_hf
 
@@ -131,13 +143,14 @@ def test_unsupported_model_options_are_refused_by_name():
             config_from_hf(config.to_dict())
     with pytest.raises(ConfigError, match="gemma3_text"):
         config_from_hf({"model_type": "gemma3"})
+    with pytest.raises(ConfigError, match="rope_scaling type 'mrope'"):
+        config_from_hf(tiny_llama_config(rope_parameters={"rope_type": "mrope", "rope_theta": 1.0}).to_dict())
     with pytest.raises(ConfigError, match="hidden_act 'relu'"):
         config_from_hf(tiny_llama_config(hidden_act="relu").to_dict())
 
 
 def test_sharded_safetensors_load(tmp_path):
     import torch
-    from transformers import AutoModelForCausalLM
 
     directory = checkpoint_dir(tmp_path, "sharded")
     reference = save_random_model(tiny_llama_config(), directory)
