@@ -194,8 +194,10 @@ def _tile(row, start, end, item, kv_head, split, refs, out_refs, *, tile, group,
     token, head, valid, q, pos = _tile_queries(q_ref, pos_ref, start, end, kv_head, tile, group)
     span = jnp.minimum(jnp.max(pos) + 1, bt_ref.shape[1] * k_ref.shape[1])
     span = jnp.where(row < num_rows, span, 0)  # the padding pseudo-row reads no page
-    lo = split * split_kv
-    hi = jnp.minimum(lo + split_kv, span)
+    # keys before the tile's earliest window start are never visible: skip them (window: layer_ref[1])
+    first_visible = jnp.min(jnp.where(valid, pos, jnp.iinfo(jnp.int32).max)) - layer_ref[1] + 1
+    lo = jnp.maximum(split * split_kv, first_visible)
+    hi = jnp.minimum(split * split_kv + split_kv, span)
     acc, m, l = _attend(q, pos, row, lo, hi, kv_head, bt_ref, layer_ref, k_ref, v_ref, layer_pages=layer_pages,
                         sm_scale=sm_scale, blocks=blocks, precision=precision, softcap=softcap)
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]

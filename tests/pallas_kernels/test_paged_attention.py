@@ -173,6 +173,17 @@ def test_gpu_tiles_and_splits(blocks):
     assert rel_err(out, expected) <= 1e-5
 
 
+@pytest.mark.parametrize("num_splits,merge", [(3, "xla"), (2, "kernel")])
+def test_gpu_window_skips_keys_across_splits(num_splits, merge):
+    """With KV splits, a split wholly before every window start reads nothing and merges as empty."""
+    step = make_step(14, ROWS, 8, 2, jnp.float32)
+    blocks = PagedBlocks(block_kv=16, num_splits=num_splits, merge=merge)
+    out = paged_attention_gpu(step.q, step.k, step.v, step.tables, step.starts, step.positions,
+                              interpret=True, blocks=blocks, window=5)
+    expected = paged_attention_reference(step.q, step.k, step.v, step.tables, step.starts, step.positions, window=5)
+    assert rel_err(out, expected) <= 1e-5
+
+
 def test_decode_only_step_without_padding():
     rows = [(1, c) for c in (0, 3, 17, 40, 63)]
     step = make_step(9, rows, 8, 2, jnp.float32, padding=0)
