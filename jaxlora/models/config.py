@@ -97,6 +97,10 @@ class LlamaConfig:
                                   f"layers, got {self.layer_types}")
             if "sliding_attention" in self.layer_types and not (self.sliding_window and self.sliding_window > 0):
                 raise ConfigError(f"sliding_attention layers need a positive sliding_window, got {self.sliding_window}")
+        scaled_cos = self.rope_scaling is not None and self.rope_scaling.attention_factor != 1.0
+        if scaled_cos and self.local_rope_theta is not None and len(set(self.layer_types or ())) > 1:
+            raise ConfigError("yarn's attention factor on global layers beside local-RoPE sliding layers "
+                              "(Gemma 3 with yarn) is not supported")
 
     def layer_windows(self) -> tuple[int | None, ...]:
         """Each layer's attention window (None: full attention)."""

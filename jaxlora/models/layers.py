@@ -148,8 +148,6 @@ def rope_frequencies(config: LlamaConfig, positions: jax.Array, layer_index=None
     local = jnp.asarray(_default_frequencies(config.local_rope_theta, dim).astype(np.float32))
     if set(config.layer_types) == {"sliding_attention"}:
         return local, 1.0
-    if attention_factor != 1.0:
-        raise ValueError("a cos/sin scale (yarn) on global layers with local sliding layers is not supported")
     sliding = jnp.asarray(np.array([kind == "sliding_attention" for kind in config.layer_types]))
     return jnp.where(sliding[_required(layer_index)], local, inv_freq), 1.0
 
