@@ -15,6 +15,10 @@ a row's pages are never read); row_starts [R+1] int32 nondecreasing with row_sta
 positions [T] int32. H = Hkv * G (grouped-query attention: query head h reads KV head h // G;
 K/V are never repeated per query head). Softmax in float32, output [T, H, Dh] in q's dtype.
 
+Options (defaults: plain causal attention): `sm_scale` (None: Dh ** -0.5); `softcap` (static
+float: scores -> softcap * tanh(scores / softcap), Gemma 2); `window` (None, or an int / traced
+int32 scalar: token t sees only positions > positions[t] - window, a sliding window).
+
 Kernels (`kernel`): "reference" (pure jnp: gathers each token's pages, dense masked softmax),
 "gpu" (`paged_attention_gpu`, Pallas -> Triton), "tpu" (`paged_attention_tpu`, Pallas ->
 Mosaic, the design of JAX's ragged paged attention with this cache layout), "auto" (the local
@@ -33,7 +37,7 @@ KERNELS = ("auto", "reference", "gpu", "tpu")
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, row_starts, positions, *, layer=None,
-                    sm_scale=None, kernel="auto", interpret=None):
+                    sm_scale=None, kernel="auto", interpret=None, softcap=None, window=None):
     """Causal attention of a step's tokens over their rows' KV pages (module docstring: shapes).
 
     kernel: "auto" | "reference" | "gpu" | "tpu"; interpret: None (True when the kernel's backend
@@ -44,13 +48,14 @@ def paged_attention(q, k_pages, v_pages, block_tables, row_starts, positions, *,
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     args = (q, k_pages, v_pages, block_tables.astype(jnp.int32), row_starts.astype(jnp.int32),
             positions.astype(jnp.int32))
+    options = dict(layer=layer, sm_scale=sm_scale, softcap=softcap, window=window)
     if style == "reference":
-        return paged_attention_reference(*args, layer=layer, sm_scale=sm_scale)
+        return paged_attention_reference(*args, **options)
     if style == "gpu":
         from pallas_kernels.paged_attention_gpu import paged_attention_gpu
-        return paged_attention_gpu(*args, layer=layer, sm_scale=sm_scale, interpret=interpret)
+        return paged_attention_gpu(*args, **options, interpret=interpret)
     from pallas_kernels.paged_attention_tpu import paged_attention_tpu
-    return paged_attention_tpu(*args, layer=layer, sm_scale=sm_scale, interpret=interpret)
+    return paged_attention_tpu(*args, **options, interpret=interpret)
 
 
 def _resolve(kernel: str, interpret):
@@ -99,8 +104,18 @@ def token_rows(row_starts, tokens: int):
     return jnp.where((index < row_starts[-1]) & (row >= 0), row, row_starts.shape[0] - 1)
 
 
+def window_array(window) -> jax.Array:
+    """The kernels' window input: int32 [1], int32 max (masks nothing) for None."""
+    return jnp.reshape(jnp.asarray(jnp.iinfo(jnp.int32).max if window is None else window, jnp.int32), (1,))
+
+
+def cap_scores(scores, softcap):
+    """softcap * tanh(scores / softcap), or scores for None."""
+    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
+
+
 def paged_attention_reference(q, k_pages, v_pages, block_tables, row_starts, positions, *, layer=None,
-                              sm_scale=None):
+                              sm_scale=None, softcap=None, window=None):
     """Pure jnp: gathers every token's row pages [T, P*page_size, Hkv, Dh] and runs a dense
     masked softmax in float32. Same contract as `paged_attention`."""
     group, kv_heads = check_shapes(q, k_pages, v_pages, block_tables, row_starts, positions)
@@ -115,6 +130,8 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, row_starts, pos
     tables = block_tables[jnp.minimum(row, num_rows - 1)]  # [T, P]
     span = pages_per_row * page_size
     visible = (jnp.arange(span)[None, :] <= positions[:, None]) & valid[:, None]  # [T, span]
+    if window is not None:
+        visible = visible & (positions[:, None] - jnp.arange(span)[None, :] < window)
     # Pages past a row's last visible position may hold any id: point them at page 0 (masked).
     needed = jnp.arange(pages_per_row)[None, :] <= positions[:, None] // page_size
     tables = jnp.where(needed & valid[:, None], tables, 0)
@@ -122,7 +139,8 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, row_starts, pos
     values = v_pages[tables].reshape(tokens, span, kv_heads, head_dim).astype(jnp.float32)
     values = jnp.where(visible[:, :, None, None], values, 0.0)  # unwritten slots may hold NaN
     qg = q.astype(jnp.float32).reshape(tokens, kv_heads, group, head_dim)
-    scores = jnp.einsum("tkgd,tskd->tkgs", qg, keys, precision=jax.lax.Precision.HIGHEST) * sm_scale
+    scores = cap_scores(jnp.einsum("tkgd,tskd->tkgs", qg, keys, precision=jax.lax.Precision.HIGHEST) * sm_scale,
+                        softcap)
     scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
     scores = jnp.where(valid[:, None, None, None], scores, 0.0)
     probs = jax.nn.softmax(scores, axis=-1)

@@ -41,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.paged_attention import check_shapes, flat_layer_pages
+from pallas_kernels.paged_attention import cap_scores, check_shapes, flat_layer_pages, window_array
 
 _F32 = jnp.float32
 _LOG2E = math.log2(math.e)
@@ -135,14 +135,15 @@ def _load_kv(ref, pages, slots, kv_head, live):
 
 
 def _attend(q, pos, row, lo, hi, kv_head, bt_ref, layer_ref, k_ref, v_ref, *, layer_pages, sm_scale, blocks,
-            precision):
+            precision, softcap):
     """Online softmax of q [M, Dh] over keys lo..hi-1 of `row` (key j visible to query row m iff
-    j <= pos[m]). Returns (acc [M, Dh] f32 unnormalized, m [M] base-2 max, l [M] sum).
+    j <= pos[m] and pos[m] - j < window, the window being layer_ref[1]). Returns (acc [M, Dh] f32 unnormalized, m [M] base-2 max, l [M] sum).
     With blocks.prefetch_pages the next block's page ids are loaded one iteration ahead (the
     K/V addresses of an iteration then depend on no load of that iteration)."""
     page_size, pages_per_row = k_ref.shape[1], bt_ref.shape[1]
     block_kv, scale = blocks.block_kv, sm_scale * _LOG2E
     offset = layer_ref[0] * layer_pages  # the layer's first page in the flat stack
+    window = layer_ref[1]
 
     def block_keys(i):
         keys = lo + i * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
@@ -163,8 +164,9 @@ def _attend(q, pos, row, lo, hi, kv_head, bt_ref, layer_ref, k_ref, v_ref, *, la
         slots = keys % page_size
         k = _load_kv(k_ref, pages, slots, kv_head, live).astype(q.dtype)
         v = _load_kv(v_ref, pages, slots, kv_head, live).astype(q.dtype)
-        s = jnp.dot(q, k.T, preferred_element_type=_F32, precision=precision) * scale
-        visible = (keys[None, :] <= pos[:, None]) & live[None, :]
+        s = jnp.dot(q, k.T, preferred_element_type=_F32, precision=precision)
+        s = s * scale if softcap is None else cap_scores(s * sm_scale, softcap) * _LOG2E
+        visible = (keys[None, :] <= pos[:, None]) & live[None, :] & (pos[:, None] - keys[None, :] < window)
         s = jnp.where(visible, s, MASK_VALUE)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         alpha = jnp.exp2(m_prev - m_next)
@@ -183,7 +185,7 @@ def _attend(q, pos, row, lo, hi, kv_head, bt_ref, layer_ref, k_ref, v_ref, *, la
 
 
 def _tile(row, start, end, item, kv_head, split, refs, out_refs, *, tile, group, split_kv, splits, layer_pages,
-          sm_scale, blocks, precision, interpret):
+          sm_scale, blocks, precision, interpret, softcap):
     """One program's tile: tokens start..min(start + tile, end) - 1 of `row`, one KV head, one
     KV split; writes the output (one split), or the split's partial output and log-sum-exp (and,
     with the in-kernel merge, the last split of the tile to finish merges them)."""
@@ -192,10 +194,12 @@ def _tile(row, start, end, item, kv_head, split, refs, out_refs, *, tile, group,
     token, head, valid, q, pos = _tile_queries(q_ref, pos_ref, start, end, kv_head, tile, group)
     span = jnp.minimum(jnp.max(pos) + 1, bt_ref.shape[1] * k_ref.shape[1])
     span = jnp.where(row < num_rows, span, 0)  # the padding pseudo-row reads no page
-    lo = split * split_kv
-    hi = jnp.minimum(lo + split_kv, span)
+    # keys before the tile's earliest window start are never visible: skip them (window: layer_ref[1])
+    first_visible = jnp.min(jnp.where(valid, pos, jnp.iinfo(jnp.int32).max)) - layer_ref[1] + 1
+    lo = jnp.maximum(split * split_kv, first_visible)
+    hi = jnp.minimum(split * split_kv + split_kv, span)
     acc, m, l = _attend(q, pos, row, lo, hi, kv_head, bt_ref, layer_ref, k_ref, v_ref, layer_pages=layer_pages,
-                        sm_scale=sm_scale, blocks=blocks, precision=precision)
+                        sm_scale=sm_scale, blocks=blocks, precision=precision, softcap=softcap)
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]
     at = lambda ref, *lead: ref.at[(*lead, token[:, None], head[:, None], _dims(q)[None, :])]
     if splits == 1:
@@ -271,7 +275,7 @@ def merge_splits(partial, lse, dtype):
 
 
 def paged_attention_gpu(q, k_pages, v_pages, block_tables, row_starts, positions, *, layer=None,
-                        sm_scale=None, interpret=False, blocks: PagedBlocks | None = None):
+                        sm_scale=None, interpret=False, blocks: PagedBlocks | None = None, softcap=None, window=None):
     """Paged attention (contract of `pallas_kernels.paged_attention.paged_attention`) as one
     Triton launch (+ a small XLA merge when KV splits are used, unless blocks.merge == "kernel").
     Dh must be a power of two >= 16 and G a power of two."""
@@ -282,6 +286,7 @@ def paged_attention_gpu(q, k_pages, v_pages, block_tables, row_starts, positions
         raise ValueError(f"the GPU kernel needs a power-of-two head_dim >= 16 and G; got {head_dim}, {group}")
     sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
     k_flat, v_flat, layer, layer_pages = flat_layer_pages(k_pages, v_pages, layer)
+    layer = jnp.concatenate([layer, window_array(window)])  # [layer, window]
     num_rows, pages_per_row = block_tables.shape
     span = pages_per_row * k_flat.shape[1]
     small, large = _tile_sizes(blocks, group, tokens, num_rows)
@@ -302,7 +307,7 @@ def paged_attention_gpu(q, k_pages, v_pages, block_tables, row_starts, positions
         out_shape.append(jax.ShapeDtypeStruct((num_items, kv_heads), jnp.int32))
     kernel = functools.partial(_kernel, small=small, large=large, num_outputs=len(out_shape), group=group,
                                split_kv=split_kv, splits=splits, layer_pages=layer_pages, sm_scale=sm_scale,
-                               blocks=blocks,
+                               blocks=blocks, softcap=softcap,
                                precision=precision, interpret=bool(interpret))
     outs = pl.pallas_call(
         kernel,

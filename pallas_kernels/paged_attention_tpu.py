@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.paged_attention import check_shapes, flat_layer_pages
+from pallas_kernels.paged_attention import cap_scores, check_shapes, flat_layer_pages, window_array
 
 _F32 = jnp.float32
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -76,7 +76,7 @@ def _copies(r, kb, slot, keys, tables, offset, k_hbm, v_hbm, k_buf, v_buf, sems,
 
 
 def _update(j, q_ref, k, v, m_ref, l_ref, acc_ref, *, keys0, keys, q0, start, end, shift, group,
-            sm_scale, precision):
+            sm_scale, precision, softcap, window):
     """Online-softmax update of KV head j's query rows with keys keys0.. (k, v [bk, Dh]); only
     the rows of tokens start..end-1 (one request) change."""
     block_q = q_ref.shape[0]
@@ -87,8 +87,9 @@ def _update(j, q_ref, k, v, m_ref, l_ref, acc_ref, *, keys0, keys, q0, start, en
     token = q0 + lax.broadcasted_iota(jnp.int32, (q.shape[0], 1), 0) // group
     in_row = (token >= start) & (token < end)
     key_row = keys0 + lax.broadcasted_iota(jnp.int32, (1, k.shape[0]), 1)
-    visible = in_row & (key_row <= token + shift) & (key_row < keys)
-    s = jnp.einsum("md,kd->mk", q, k, preferred_element_type=_F32, precision=precision) * sm_scale
+    visible = in_row & (key_row <= token + shift) & (key_row < keys) & (token + shift - key_row < window)
+    s = cap_scores(jnp.einsum("md,kd->mk", q, k, preferred_element_type=_F32, precision=precision) * sm_scale,
+                   softcap)
     s = jnp.where(visible, s, MASK_VALUE)
     m_prev, l_prev = m_ref[j][:, :1], l_ref[j][:, :1]
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -102,7 +103,8 @@ def _update(j, q_ref, k, v, m_ref, l_ref, acc_ref, *, keys0, keys, q0, start, en
 
 
 def _kernel(bounds, first_row, tables, positions, layer, q_ref, k_hbm, v_hbm, o_ref,
-            k_buf, v_buf, sems, m_ref, l_ref, acc_ref, *, group, pages_per_row, layer_pages, sm_scale, precision):
+            k_buf, v_buf, sems, m_ref, l_ref, acc_ref, *, group, pages_per_row, layer_pages, sm_scale, precision,
+            softcap):
     head_block, q_block = pl.program_id(0), pl.program_id(1)
     block_q, heads = q_ref.shape[0], k_buf.shape[1]
     num_rows = bounds.shape[0] - 1
@@ -139,7 +141,8 @@ def _kernel(bounds, first_row, tables, positions, layer, q_ref, k_hbm, v_hbm, o_
                 k = k_buf[slot, j].reshape(block_keys, k_buf.shape[-1])
                 v = v_buf[slot, j].reshape(block_keys, v_buf.shape[-1])
                 _update(j, q_ref, k, v, m_ref, l_ref, acc_ref, keys0=kb * block_keys, keys=keys, q0=q0,
-                        start=start, end=end, shift=shift, group=group, sm_scale=sm_scale, precision=precision)
+                        start=start, end=end, shift=shift, group=group, sm_scale=sm_scale, precision=precision,
+                        softcap=softcap, window=layer[1])
             return carry
 
         lax.fori_loop(0, num_blocks, kv_body, 0)
@@ -154,7 +157,8 @@ def _kernel(bounds, first_row, tables, positions, layer, q_ref, k_hbm, v_hbm, o_
 
 
 def paged_attention_tpu(q, k_pages, v_pages, block_tables, row_starts, positions, *, layer=None,
-                        sm_scale=None, interpret=False, block_q: int = 32, pages_per_block: int | None = None):
+                        sm_scale=None, interpret=False, block_q: int = 32, pages_per_block: int | None = None,
+                        softcap=None, window=None):
     """Paged attention (contract of `pallas_kernels.paged_attention.paged_attention`) in one
     Mosaic launch. block_q: tokens per query block (T is padded to a multiple);
     pages_per_block: pages per KV block (None: 128 keys' worth, at most the table's width)."""
@@ -162,6 +166,7 @@ def paged_attention_tpu(q, k_pages, v_pages, block_tables, row_starts, positions
     tokens, heads, head_dim = q.shape
     sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
     k_flat, v_flat, layer, layer_pages = flat_layer_pages(k_pages, v_pages, layer)
+    layer = jnp.concatenate([layer, window_array(window)])  # scalar prefetch [layer, window]
     num_rows, pages_per_row = block_tables.shape
     page_size = k_flat.shape[1]
     pages_per_block = min(pages_per_block or max(1, 128 // page_size), pages_per_row)
@@ -176,7 +181,7 @@ def paged_attention_tpu(q, k_pages, v_pages, block_tables, row_starts, positions
     buf = pltpu.VMEM((2, kv_block, pages_per_block, page_size, head_dim), k_flat.dtype)
     state = pltpu.VMEM((kv_block, block_q * group, _LANES), _F32)
     kernel = functools.partial(_kernel, group=group, pages_per_row=pages_per_row, layer_pages=layer_pages,
-                               sm_scale=sm_scale,
+                               sm_scale=sm_scale, softcap=softcap,
                                precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None)
     out = pl.pallas_call(
         kernel,

@@ -1,5 +1,7 @@
 """PEFT-format adapters in and out: `adapter_config.json` + `adapter_model.safetensors`, with PEFT's
 key names (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`), for our Llama family.
+On a model whose checkpoint fuses projections (Phi-3's `qkv_proj`, `gate_up_proj`), PEFT's LoRA on
+the fused module is LoRA on each part with the same A and its rows of B: loaded that way.
 
 Loading validates everything before returning, so a refused adapter changes nothing anywhere."""
 
@@ -16,8 +18,7 @@ from safetensors.numpy import save_file
 from jaxlora.lora.adapter import LoraAdapter, check_finite, empty_module
 from jaxlora.jsonfile import read_json_file
 from jaxlora.lora.config import AdapterError, LoraConfig, module_key
-from jaxlora.models.config import LlamaConfig
-from jaxlora.models.config import PROJECTIONS
+from jaxlora.models.config import FUSED_CHECKPOINT_PROJECTIONS, PROJECTIONS, LlamaConfig, fused_parts
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -37,23 +38,26 @@ def load_peft_adapter(path: str, base: LlamaConfig, name: str | None = None,
         adapter.modules[module] = empty_module(base, config, module, dtype)
     seen = set()
     for key, tensor in tensors.items():
-        layer, module, part = _parse_key(key, path)
-        if not (layer < base.num_layers and config.targets(layer, module)):
-            raise AdapterError(f"{path}: tensor {key} is for a module the adapter config does not target")
-        _place(adapter, layer, module, part, tensor, key, path)
-        seen.add((layer, module, part))
+        layer, name, part = _parse_key(key, path, base)
+        for module, piece in _pieces(base, name, part, tensor, key, path):
+            if not (layer < base.num_layers and config.targets(layer, module)):
+                raise AdapterError(f"{path}: tensor {key} is for a module the adapter config does not target")
+            _place(adapter, layer, module, part, piece, key, path)
+            seen.add((layer, module, part))
     _check_all_present(config, base, seen, path)
     check_finite(adapter, path)
     return adapter
 
 
 def read_adapter_config(path: str, base: LlamaConfig) -> LoraConfig:
-    """Parses and checks `adapter_config.json`; refuses options jaxlora does not support."""
+    """Parses and checks `adapter_config.json`; refuses options jaxlora does not support. Fused
+    module names (Phi-3) become their parts in targets and patterns."""
     file = os.path.join(path, CONFIG_FILE)
     raw = read_json_file(file, AdapterError, f"is {path} a PEFT adapter directory?")
     if not isinstance(raw, dict):
         raise AdapterError(f"{file}: expected a JSON object")
     _refuse_unsupported(raw, file)
+    raw = _unfused(raw, base)
     target_modules, layers = _targets(raw.get("target_modules"), raw.get("layers_to_transform"), base, file)
     try:
         return LoraConfig(
@@ -87,6 +91,32 @@ def _refuse_unsupported(raw: dict, file: str) -> None:
     for option in ("use_qalora", "use_bdlora", "lora_bias"):
         if raw.get(option):
             raise AdapterError(f"{file}: {option}=true is not supported")
+
+
+def _fused_names(base: LlamaConfig) -> dict[str, tuple[str, ...]]:
+    """Fused module name -> its projections, for a base whose checkpoint fuses them (Phi-3)."""
+    return dict(FUSED_CHECKPOINT_PROJECTIONS) if base.model_type == "phi3" else {}
+
+
+def _unfused(raw: dict, base: LlamaConfig) -> dict:
+    """The adapter config with fused module names replaced by their parts: target_modules list
+    entries, and in a target regex or rank/alpha pattern the name becomes an alternation."""
+    fused = _fused_names(base)
+    if not fused:
+        return raw
+
+    def regex(pattern: str) -> str:
+        for name, parts in fused.items():
+            pattern = pattern.replace(name, f"(?:{'|'.join(parts)})")
+        return pattern
+
+    targets = raw.get("target_modules")
+    if isinstance(targets, list):
+        targets = [part for t in targets for part in fused.get(str(t).split(".")[-1], (t,))]
+    elif isinstance(targets, str):
+        targets = regex(targets)
+    patterns = {key: {regex(k): v for k, v in (raw.get(key) or {}).items()} for key in ("rank_pattern", "alpha_pattern")}
+    return {**raw, "target_modules": targets, **patterns}
 
 
 def _targets(target_modules, layers_to_transform, base: LlamaConfig, file: str):
@@ -137,11 +167,28 @@ def _read_tensors(file: str, keep_dtype: bool = False) -> dict[str, np.ndarray]:
     return tensors if keep_dtype else {key: t.astype(np.float32) for key, t in tensors.items()}
 
 
-def _parse_key(key: str, path: str) -> tuple[int, str, str]:
+def _parse_key(key: str, path: str, base: LlamaConfig) -> tuple[int, str, str]:
     match = _KEY.match(key)
-    if not match or match.group(2) not in PROJECTIONS:
-        raise AdapterError(f"{path}: unexpected tensor {key!r} (jaxlora reads LoRA A/B of {', '.join(PROJECTIONS)})")
+    names = PROJECTIONS + tuple(_fused_names(base))
+    if not match or match.group(2) not in names:
+        raise AdapterError(f"{path}: unexpected tensor {key!r} (jaxlora reads LoRA A/B of {', '.join(names)})")
     return int(match.group(1)), match.group(2), match.group(3)
+
+
+def _pieces(base: LlamaConfig, name: str, part: str, tensor: np.ndarray, key: str, path: str):
+    """[(projection, tensor)] of one PEFT tensor: itself, or for a fused module the same A for
+    every part and B [sum of parts' outputs, r] split by rows."""
+    parts = fused_parts(base, name) if name in _fused_names(base) else None
+    if parts is None:
+        return [(name, tensor)]
+    if part == "A":
+        return [(module, tensor) for module, _ in parts]
+    total = sum(size for _, size in parts)
+    if tensor.ndim != 2 or tensor.shape[0] != total:
+        raise AdapterError(f"{path}: tensor {key} has shape {tensor.shape}, expected ({total}, rank): "
+                           f"{name} is {' + '.join(f'{m} ({n})' for m, n in parts)}")
+    bounds = np.cumsum([0] + [size for _, size in parts])
+    return [(module, tensor[start:stop]) for (module, _), start, stop in zip(parts, bounds[:-1], bounds[1:])]
 
 
 def _place(adapter, layer, module, part, tensor, key, path) -> None:

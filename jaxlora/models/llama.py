@@ -1,4 +1,9 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) in Flax NNX.
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/3, Gemma 2/3, Phi-3) in Flax NNX.
+
+The families differ only by `LlamaConfig` fields: q/k norms (Qwen3, Gemma 3), sliding-window
+layers (Mistral, Qwen2/3 with use_sliding_window, Phi-3, Gemma 2/3's alternating layers), Gemma's
+norms after attention and MLP with (1 + weight), embedding scale, query scale, soft-capping, GeGLU
+and Gemma 3's local RoPE base. Phi-3's fused qkv/gate_up checkpoint tensors are split on load.
 
 The decoder layers' weights are stacked along a leading layer axis and run with `jax.lax.scan`,
 so a 30- or 32-layer model compiles once per shape, and per-layer state (KV cache, the LoRA
@@ -22,12 +27,16 @@ from flax import nnx
 
 from jaxlora.lora.project import LayerLora, LoraInputs, layer_lora as make_layer_lora, project as _project, project_group
 from jaxlora.models.config import LlamaConfig, has_bias, projection_shapes
-from jaxlora.models.layers import (PackedSegments, apply_rope, attend, dense, packed_attention, rms_norm,
-                                  rope_inverse_frequencies)
+from jaxlora.models.layers import (ACTIVATION_FUNCTIONS, AttentionSpec, PackedSegments, apply_rope, attend, dense,
+                                   layer_window, packed_attention, rms_norm, rope_frequencies, softcap,
+                                   window_mask)
 
 # Stacked per-layer weights are `layers.<name>`; kernels are [num_layers, in, out].
 __all__ = ["DenseCacheAttention", "KVCache", "Llama", "PackedAttention", "LoraInputs", "decoder_layer", "weight_shapes"]
 LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
+# Gemma 2/3 (`LlamaConfig.sandwich_norms`): post_attention_layernorm normalises the attention output,
+# these the MLP's input and output.
+FEEDFORWARD_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 QK_NORMS = ("q_norm", "k_norm")  # per-head RMSNorm of queries and keys (`LlamaConfig.qk_norm`: Qwen3)
 
 
@@ -47,7 +56,7 @@ def weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """The shape of every weight of the model, keyed by its flat name (see `Llama`)."""
     num_layers, d = config.num_layers, config.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"embed_tokens": (config.vocab_size, d), "norm": (d,)}
-    for name in LAYER_NORMS:
+    for name in LAYER_NORMS + (FEEDFORWARD_NORMS if config.sandwich_norms else ()):
         shapes[f"layers.{name}"] = (num_layers, d)
     if config.qk_norm:
         for name in QK_NORMS:
@@ -61,9 +70,9 @@ def weight_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _random_weight(key: jax.Array, name: str, shape: tuple[int, ...], dtype) -> jax.Array:
-    if name.endswith("norm"):
-        return jnp.ones(shape, dtype)
+def _random_weight(key: jax.Array, name: str, shape: tuple[int, ...], dtype, norm_offset: float = 0.0) -> jax.Array:
+    if name.endswith("norm"):  # a unit scale: weight 1, or 0 where the norm adds 1 (Gemma)
+        return jnp.full(shape, 1.0 - norm_offset, dtype)
     if name.endswith(".bias"):
         return jnp.zeros(shape, dtype)
     fan_in = shape[-2] if len(shape) >= 2 and name != "embed_tokens" else shape[-1]
@@ -94,7 +103,8 @@ class Llama(nnx.Module):
         shapes = weight_shapes(config)
         if weights is None:
             rngs = rngs or nnx.Rngs(0)
-            weights = {name: _random_weight(rngs.params(), name, s, dtype) for name, s in shapes.items()}
+            weights = {name: _random_weight(rngs.params(), name, s, dtype, config.norm_offset)
+                       for name, s in shapes.items()}
         missing = sorted(set(shapes) - set(weights))
         if missing:
             raise ValueError(f"weights missing: {missing}")
@@ -108,14 +118,13 @@ class Llama(nnx.Module):
         return {name[len("layers."):]: self._w(name) for name in self.weights if name.startswith("layers.")}
 
     def embed(self, tokens: jax.Array) -> jax.Array:
-        """tokens [B, T] int -> hidden [B, T, d]."""
-        return jnp.take(self._w("embed_tokens"), tokens, axis=0)
+        """tokens [B, T] int -> hidden [B, T, d] (`embed_tokens`)."""
+        return embed_tokens(self.config, self._w("embed_tokens"), tokens)
 
     def unembed(self, hidden: jax.Array) -> jax.Array:
-        """hidden [..., d] -> logits [..., vocab] (float32)."""
-        hidden = rms_norm(hidden, self._w("norm"), self.config.rms_norm_eps)
+        """hidden [..., d] -> logits [..., vocab] float32 (`final_logits`)."""
         head = self._w("embed_tokens").T if self.config.tie_word_embeddings else self._w("lm_head")
-        return dense(hidden, head)
+        return final_logits(self.config, self._w("norm"), head, hidden)
 
     def __call__(
         self,
@@ -155,10 +164,9 @@ class Llama(nnx.Module):
           (logits [B, T, vocab] or [B, vocab] float32, the updated cache or None).
         """
         config = self.config
-        inv_freq = rope_inverse_frequencies(config)
         hidden = self.embed(tokens)
         if cache is None:
-            packed = PackedAttention(_packed_mask(tokens.shape, segment_ids, config.head_dim, attention))
+            packed = PackedAttention(_packed_mask(tokens.shape, segment_ids, config, attention))
         else:
             mask = jnp.arange(cache.k.shape[2])[None, None, :] <= positions[:, :, None]
 
@@ -166,7 +174,7 @@ class Llama(nnx.Module):
             weights, layer_cache, layer_pool, layer_index = per_layer
             kv = packed if cache is None else DenseCacheAttention(*layer_cache, positions, mask)
             layer_lora = make_layer_lora(lora, layer_pool, lora_backend, layer_index)
-            hidden, kv = decoder_layer(config, weights, hidden, positions, inv_freq, kv, layer_lora)
+            hidden, kv = decoder_layer(config, weights, hidden, positions, layer_index, kv, layer_lora)
             return hidden, (None if cache is None else (kv.k, kv.v))
 
         if REMAT_POLICIES[remat] is not None:
@@ -183,13 +191,29 @@ class Llama(nnx.Module):
         return logits, (None if cache is None else KVCache(*new_cache))
 
 
-def _packed_mask(shape: tuple[int, int], segment_ids: jax.Array | None, head_dim: int,
+def embed_tokens(config: LlamaConfig, table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """tokens [B, T] int -> hidden [B, T, d]: rows of table [vocab, d], times `embed_scale` in the
+    table's dtype (Gemma; as HF rounds it)."""
+    hidden = jnp.take(table, tokens, axis=0)
+    return hidden if config.embed_scale is None else hidden * jnp.asarray(config.embed_scale, table.dtype)
+
+
+def final_logits(config: LlamaConfig, norm: jax.Array, head: jax.Array, hidden: jax.Array) -> jax.Array:
+    """hidden [..., d] -> logits [..., vocab] float32: the final norm [d], head [d, vocab], then
+    soft-capped if configured (Gemma 2)."""
+    hidden = rms_norm(hidden, norm, config.rms_norm_eps, config.norm_offset)
+    return softcap(dense(hidden, head), config.final_logit_softcap)
+
+
+def _packed_mask(shape: tuple[int, int], segment_ids: jax.Array | None, config: LlamaConfig,
                  impl: str = "auto"):
     """Causal by index, only within the same segment (one segment a row when segment_ids is None):
-    a [B, T, T] bool mask or the flash kernel's `PackedSegments` (`packed_attention`)."""
+    a [B, T, T] bool mask or the flash kernel's `PackedSegments` (`packed_attention`). Sliding
+    windows are applied per layer by `PackedAttention.attend`."""
     if segment_ids is None:
         segment_ids = jnp.zeros(shape, jnp.int32)
-    return packed_attention(segment_ids, head_dim, impl)
+    return packed_attention(segment_ids, config.head_dim, impl, windowed=any(config.layer_windows()),
+                            softcapped=config.attn_logit_softcap is not None)
 
 
 class PackedAttention(NamedTuple):
@@ -198,9 +222,14 @@ class PackedAttention(NamedTuple):
 
     mask: jax.Array | PackedSegments
 
-    def attend(self, q, k, v):
-        """q [B, T, H, Dh], k/v [B, T, Hkv, Dh] -> ([B, T, H, Dh], self)."""
-        return attend(q, k, v, self.mask), self
+    def attend(self, q, k, v, spec: AttentionSpec | None = None):
+        """q [B, T, H, Dh], k/v [B, T, Hkv, Dh] -> ([B, T, H, Dh], self). A window counts by index
+        (a packed sample's tokens are contiguous)."""
+        mask = self.mask
+        if spec is not None and spec.window is not None and not isinstance(mask, PackedSegments):
+            index = jnp.arange(q.shape[1])[None]
+            mask = mask & window_mask(index, index, spec.window)
+        return attend(q, k, v, mask, spec), self
 
 
 class DenseCacheAttention(NamedTuple):
@@ -212,24 +241,31 @@ class DenseCacheAttention(NamedTuple):
     positions: jax.Array
     mask: jax.Array
 
-    def attend(self, q, k, v):
-        """Writes k/v [B, T, Hkv, Dh] at their positions, then attends over the whole cache."""
+    def attend(self, q, k, v, spec: AttentionSpec | None = None):
+        """Writes k/v [B, T, Hkv, Dh] at their positions, then attends over the whole cache (cache
+        slot = position; a window masks slots <= position - window)."""
         rows = jnp.arange(q.shape[0])[:, None]
         k_all = self.k.at[rows, self.positions].set(k.astype(self.k.dtype), mode="drop")
         v_all = self.v.at[rows, self.positions].set(v.astype(self.v.dtype), mode="drop")
-        out = attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), self.mask)
+        mask = self.mask
+        if spec is not None and spec.window is not None:
+            mask = mask & window_mask(self.positions, jnp.arange(self.k.shape[1])[None], spec.window)
+        out = attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask, spec)
         return out, self._replace(k=k_all, v=v_all)
 
 
-def decoder_layer(config, weights, hidden, positions, inv_freq, kv, layer_lora: LayerLora | None = None,
+def decoder_layer(config, weights, hidden, positions, layer_index, kv, layer_lora: LayerLora | None = None,
                   reduce_partial=None):
-    """One pre-norm decoder layer, for every cache kind.
+    """One decoder layer (pre-norm; with Gemma's norms after attention and MLP too), for every
+    cache kind.
 
     Args:
       hidden: [B, T, d]; positions: [B, T] (RoPE).
+      layer_index: the layer's index (int or traced int32): picks its window and RoPE base where
+        layers differ (Gemma 2/3, Qwen's max_window_layers).
       kv: where attention's keys and values live, an object with `attend(q [B, T, H, Dh],
-        k [B, T, Hkv, Dh], v) -> (out [B, T, H, Dh], kv')`: `PackedAttention` (no cache),
-        `DenseCacheAttention`, or the serving engine's paged cache
+        k [B, T, Hkv, Dh], v, spec: AttentionSpec) -> (out [B, T, H, Dh], kv')`: `PackedAttention`
+        (no cache), `DenseCacheAttention`, or the serving engine's paged cache
         (`jaxlora.models.paged.PagedCacheAttention`).
       layer_lora: this layer's `LayerLora` or None.
       reduce_partial: tensor parallel inside shard_map: sums the row-parallel o_proj/down_proj
@@ -239,22 +275,26 @@ def decoder_layer(config, weights, hidden, positions, inv_freq, kv, layer_lora: 
       (hidden [B, T, d], kv' with the step's keys/values written).
     """
     reduce_partial = reduce_partial or (lambda y: y)
+    norm = lambda x, name: rms_norm(x, weights[name], config.rms_norm_eps, config.norm_offset)
     batch, length, _ = hidden.shape
     heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-    x = rms_norm(hidden, weights["input_layernorm"], config.rms_norm_eps)
+    x = norm(hidden, "input_layernorm")
     q, k, v = project_group(x, weights, ("q_proj", "k_proj", "v_proj"), layer_lora,
                             (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim))
     q = q.reshape(batch, length, heads, head_dim)
     k, v = k.reshape(batch, length, kv_heads, head_dim), v.reshape(batch, length, kv_heads, head_dim)
-    if config.qk_norm:  # Qwen3: each head's query and key normalised before RoPE
-        q = rms_norm(q, weights["q_norm"], config.rms_norm_eps)
-        k = rms_norm(k, weights["k_norm"], config.rms_norm_eps)
-    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-    attn, kv = kv.attend(q, k, v)
-    hidden = hidden + reduce_partial(_project(attn.reshape(batch, length, heads * head_dim), weights, "o_proj",
-                                              layer_lora))
-    x = rms_norm(hidden, weights["post_attention_layernorm"], config.rms_norm_eps)
+    if config.qk_norm:  # Qwen3, Gemma 3: each head's query and key normalised before RoPE
+        q, k = norm(q, "q_norm"), norm(k, "k_norm")
+    inv_freq, rope_scale = rope_frequencies(config, positions, layer_index)
+    q, k = apply_rope(q, positions, inv_freq, rope_scale), apply_rope(k, positions, inv_freq, rope_scale)
+    spec = AttentionSpec(config.scores_scale, config.attn_logit_softcap, layer_window(config, layer_index))
+    attn, kv = kv.attend(q, k, v, spec)
+    out = reduce_partial(_project(attn.reshape(batch, length, heads * head_dim), weights, "o_proj", layer_lora))
+    hidden = hidden + (norm(out, "post_attention_layernorm") if config.sandwich_norms else out)
+    x = norm(hidden, "pre_feedforward_layernorm" if config.sandwich_norms else "post_attention_layernorm")
     gate, up = project_group(x, weights, ("gate_proj", "up_proj"), layer_lora,
                              (config.intermediate_size, config.intermediate_size))
-    hidden = hidden + reduce_partial(_project(jax.nn.silu(gate) * up, weights, "down_proj", layer_lora))
+    act = ACTIVATION_FUNCTIONS[config.hidden_act]
+    out = reduce_partial(_project(act(gate) * up, weights, "down_proj", layer_lora))
+    hidden = hidden + (norm(out, "post_feedforward_layernorm") if config.sandwich_norms else out)
     return hidden, kv

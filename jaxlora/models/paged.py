@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jaxlora.lora.plan import ServingPlan
 from jaxlora.lora.project import LoraInputs, layer_lora as make_layer_lora
 from jaxlora.models.config import LlamaConfig
-from jaxlora.models.layers import rope_inverse_frequencies
+from jaxlora.models.layers import AttentionSpec
 from jaxlora.models.llama import Llama, decoder_layer
 from pallas_kernels.paged_attention import paged_attention
 
@@ -102,14 +102,17 @@ class PagedCacheAttention(NamedTuple):
     positions: jax.Array
     kernel: str = "auto"
 
-    def attend(self, q, k, v):
+    def attend(self, q, k, v, spec: AttentionSpec | None = None):
         """Writes k/v [1, T, Hkv, Dh] into their pages of this layer, then q [1, T, H, Dh] attends
-        to its row's pages in place. Returns ([1, T, H, Dh], the cache with the writes)."""
+        to its row's pages in place (spec: scale, soft-cap, sliding window). Returns ([1, T, H, Dh],
+        the cache with the writes)."""
+        spec = spec or AttentionSpec(q.shape[-1] ** -0.5)
         at = (self.layer, self.write_page, self.write_offset)
         k_pages = self.k_pages.at[at].set(k[0].astype(self.k_pages.dtype), mode="drop")
         v_pages = self.v_pages.at[at].set(v[0].astype(self.v_pages.dtype), mode="drop")
         out = paged_attention(q[0], k_pages, v_pages, self.block_tables, self.row_starts, self.positions,
-                              layer=self.layer, kernel=self.kernel)
+                              layer=self.layer, kernel=self.kernel, sm_scale=spec.scale, softcap=spec.softcap,
+                              window=spec.window)
         return out[None], self._replace(k_pages=k_pages, v_pages=v_pages)
 
 
@@ -142,7 +145,6 @@ def paged_forward(
     config = model.config
     batch = jax.tree.map(jnp.asarray, batch)
     unroll = jax.default_backend() in ("gpu", "tpu") if unroll_layers is None else unroll_layers
-    inv_freq = rope_inverse_frequencies(config)
     positions = batch.positions[None]
     write_page, write_offset = write_slots(batch, cache.page_size, cache.num_pages)
     starts = row_starts(batch)
@@ -153,7 +155,7 @@ def paged_forward(
         kv = PagedCacheAttention(k_pages, v_pages, layer_index, write_page, write_offset, batch.block_tables,
                                  starts, batch.positions, attention)
         layer_lora = make_layer_lora(lora, layer_pool, lora_backend, layer_index)
-        hidden, kv = decoder_layer(config, weights, hidden, positions, inv_freq, kv, layer_lora)
+        hidden, kv = decoder_layer(config, weights, hidden, positions, layer_index, kv, layer_lora)
         return (hidden, kv.k_pages, kv.v_pages), None
 
     # A ServingPlan's kernels take the pool stack whole (layer_pool None); the XLA backends get

@@ -22,7 +22,6 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxlora.lora import backends
 from jaxlora.lora.plan import LoraPlan
 from jaxlora.models.config import LlamaConfig
-from jaxlora.models.layers import rope_inverse_frequencies
 from jaxlora.lora.project import layer_lora as make_layer_lora
 from jaxlora.models.llama import LoraInputs, PackedAttention, decoder_layer
 from jaxlora.models.axes import ShardingRules, weight_axes
@@ -54,7 +53,6 @@ def _bias_once(layer_weights: dict) -> dict:
 
 def run_local_layers(config, layer_weights, pool, hidden, positions, mask, plan, first_layer, backend):
     """This shard's layers (scan), with LoRA from `pool` (or None) on this shard's `plan`."""
-    inv_freq = rope_inverse_frequencies(config)
     layer_weights = _bias_once(layer_weights)
 
     def reduce_partial(partial):
@@ -63,7 +61,7 @@ def run_local_layers(config, layer_weights, pool, hidden, positions, mask, plan,
     def layer(hidden, per_layer):
         weights, layer_pool, index = per_layer
         layer_lora = None if pool is None else make_layer_lora(LoraInputs(pool, plan), layer_pool, backend, index)
-        hidden, _ = decoder_layer(config, weights, hidden, positions, inv_freq, PackedAttention(mask), layer_lora,
+        hidden, _ = decoder_layer(config, weights, hidden, positions, index, PackedAttention(mask), layer_lora,
                                   reduce_partial)
         return hidden, None
 

@@ -35,10 +35,10 @@ from jaxlora import sharding
 from jaxlora.lora.plan import LoraPlan
 from jaxlora.models.axes import ShardingRules, weight_axes
 from jaxlora.models.config import LlamaConfig
-from jaxlora.models.layers import dense, rms_norm, rope_inverse_frequencies
 from jaxlora.lora.project import layer_lora as make_layer_lora
 from jaxlora.lora.trainable import apply_adapter_update, join_pool, slot_params
-from jaxlora.models.llama import Llama, LoraInputs, PackedAttention, _packed_mask, decoder_layer
+from jaxlora.models.llama import (Llama, LoraInputs, PackedAttention, _packed_mask, decoder_layer, embed_tokens,
+                                  final_logits)
 from jaxlora.models.loss import per_slot_loss
 from jaxlora.parallel.bubble import stage_order
 from jaxlora.scheduler.training.data import Microbatch
@@ -176,18 +176,17 @@ def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     return [(int(bounds[s]), int(bounds[s + 1])) for s in range(num_stages)]
 
 
-def _layer_call(config, backend, inv_freq, weights, trainable, frozen, hidden, batch, plan, mask, index):
+def _layer_call(config, backend, weights, trainable, frozen, hidden, batch, plan, mask, index):
     pool = join_pool(trainable, frozen)
-    hidden, _ = decoder_layer(config, weights, hidden, batch["positions"], inv_freq, PackedAttention(mask),
+    hidden, _ = decoder_layer(config, weights, hidden, batch["positions"], index, PackedAttention(mask),
                               make_layer_lora(LoraInputs(pool, plan), pool, backend, index))
     return hidden
 
 
 def _head_loss(config: LlamaConfig, head: dict, hidden, batch, token_slot, num_slots: int):
     """(weighted nll sum, per-slot sums [num_slots]) of the last stage's output."""
-    hidden = rms_norm(hidden, head["norm"], config.rms_norm_eps)
     matrix = head["embed_tokens"].T if config.tie_word_embeddings else head["lm_head"]
-    logits = dense(hidden, matrix)
+    logits = final_logits(config, head["norm"], matrix, hidden)
     return per_slot_loss(logits, batch, token_slot, num_slots)
 
 
@@ -203,14 +202,14 @@ class StageProgram:
     backend: str
 
     def _layers(self):
-        return functools.partial(_layer_call, self.config, self.backend, rope_inverse_frequencies(self.config))
+        return functools.partial(_layer_call, self.config, self.backend)
 
     @functools.partial(jax.jit, static_argnums=0)
     def forward(self, weights, trainable, frozen, x, batch, plan):
         """x: tokens [B, T] (first stage) or hidden [B, T, d]. Returns (output, saved): output is
         the hidden [B, T, d] for the next stage, or on the last stage the per-slot loss sums."""
-        hidden = jnp.take(weights["head"]["embed_tokens"], x, axis=0) if self.first else x
-        mask = _packed_mask(batch["segment_ids"].shape, batch["segment_ids"], self.config.head_dim)
+        hidden = embed_tokens(self.config, weights["head"]["embed_tokens"], x) if self.first else x
+        mask = _packed_mask(batch["segment_ids"].shape, batch["segment_ids"], self.config)
         layer = self._layers()
 
         def step(hidden, per_layer):
@@ -232,7 +231,7 @@ class StageProgram:
         if self.last:
             cotangent = jax.grad(lambda h: _head_loss(self.config, weights["head"], h, batch, plan.token_slot,
                                                       self.num_slots)[0])(out)
-        mask = _packed_mask(batch["segment_ids"].shape, batch["segment_ids"], self.config.head_dim)
+        mask = _packed_mask(batch["segment_ids"].shape, batch["segment_ids"], self.config)
         layer = self._layers()
 
         def step(cotangent, per_layer):

@@ -88,7 +88,7 @@ def _stack_forward(config: LlamaConfig, mesh: Mesh, rules: ShardingRules, lora_b
     def forward(model, pool, batch, plans, dropout_rate, dropout_key):
         tokens = batch["tokens"]
         rows = tokens.reshape(-1, tokens.shape[-1]).shape
-        mask = _packed_mask(rows, batch["segment_ids"].reshape(rows), config.head_dim, "masked")  # GSPMD: no kernels
+        mask = _packed_mask(rows, batch["segment_ids"].reshape(rows), config, "masked")  # GSPMD: no kernels
         mask = mask.reshape(*tokens.shape, tokens.shape[-1])
         hidden = stack(model.embed(tokens), batch["positions"], mask, model.layer_weights(), pool, plans)
         return model.unembed(hidden)

@@ -1,4 +1,5 @@
-"""Maps HF tensor names to the model's stacked weight names and assembles the stacked arrays."""
+"""Maps HF tensor names to the model's stacked weight names and assembles the stacked arrays
+(Phi-3's fused qkv_proj / gate_up_proj split into the q/k/v and gate/up kernels)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ from typing import Callable, Iterable
 import ml_dtypes
 import numpy as np
 
-from jaxlora.models.config import LlamaConfig
+from jaxlora.models.config import LlamaConfig, fused_parts
 from jaxlora.models.llama import weight_shapes
 from jaxlora.weights.errors import WeightsError
 
 _LAYER_TENSOR = re.compile(
     r"model\.layers\.(\d+)\.(?:self_attn|mlp)?\.?"
-    r"(input_layernorm|post_attention_layernorm|q_norm|k_norm|[a-z_]+_proj)\.?(weight|bias)?$"
+    r"(input_layernorm|post_attention_layernorm|pre_feedforward_layernorm|post_feedforward_layernorm|q_norm|k_norm"
+    r"|[a-z_]+_proj)\.?(weight|bias)?$"
 )
 
 
@@ -60,32 +62,51 @@ def stack_weights(
         mapped = hf_to_model_name(hf_name)
         if mapped is None:
             continue
-        name, layer, transpose = mapped
-        if name == "lm_head" and config.tie_word_embeddings:
+        if mapped[0] == "lm_head" and config.tie_word_embeddings:
             continue
-        if name not in expected:
-            raise WeightsError(f"{file_of(hf_name)}: tensor {hf_name} is not part of a {config.model_type} model "
-                               "with this config (e.g. a bias the config does not declare)")
-        tensor = read(hf_name)
-        want = expected[name] if layer is None else expected[name][1:]
-        want = tuple(reversed(want)) if transpose else tuple(want)
-        if tuple(tensor.shape) != want:
-            raise WeightsError(f"{file_of(hf_name)}: tensor {hf_name} has shape {tuple(tensor.shape)}, "
-                               f"but the config implies {want}")
-        tensor = tensor.T if transpose else tensor
-        if layer is None:
-            stacked[name] = np.asarray(tensor, np_dtype)
-            continue
-        if not 0 <= layer < config.num_layers:
-            raise WeightsError(f"{file_of(hf_name)}: tensor {hf_name} names layer {layer}, "
-                               f"but the config has {config.num_layers} layers")
-        if name not in stacked:
-            stacked[name] = np.empty(expected[name], np_dtype)
-            seen[name] = set()
-        stacked[name][layer] = tensor
-        seen[name].add(layer)
+        for name, layer, tensor in _checked_tensors(config, expected, hf_name, mapped, read, file_of):
+            _place(config, stacked, seen, expected, name, layer, tensor, np_dtype, hf_name, file_of)
     _check_complete(expected, stacked, seen, config.num_layers, source)
     return stacked
+
+
+def _checked_tensors(config, expected, hf_name, mapped, read, file_of):
+    """[(model name, layer, tensor in the model's layout)] of one HF tensor: itself, or the parts
+    of a fused projection (rows split in `fused_parts` order)."""
+    name, layer, transpose = mapped
+    parts = fused_parts(config, name[len("layers."):-len(".kernel")]) if name.endswith(".kernel") else None
+    if parts is None and name not in expected:
+        raise WeightsError(f"{file_of(hf_name)}: tensor {hf_name} is not part of a {config.model_type} model "
+                           "with this config (e.g. a bias the config does not declare)")
+    tensor = read(hf_name)
+    if parts is None:
+        want = expected[name] if layer is None else expected[name][1:]
+        want = tuple(reversed(want)) if transpose else tuple(want)
+    else:
+        want = (sum(size for _, size in parts), config.hidden_size)
+    if tuple(tensor.shape) != want:
+        raise WeightsError(f"{file_of(hf_name)}: tensor {hf_name} has shape {tuple(tensor.shape)}, "
+                           f"but the config implies {want}")
+    if parts is None:
+        return [(name, layer, tensor.T if transpose else tensor)]
+    bounds = np.cumsum([0] + [size for _, size in parts])
+    return [(f"layers.{part}.kernel", layer, tensor[start:stop].T)
+            for (part, _), start, stop in zip(parts, bounds[:-1], bounds[1:])]
+
+
+def _place(config, stacked, seen, expected, name, layer, tensor, np_dtype, hf_name, file_of):
+    """Puts one tensor into the flat dict (a layer's slice of its stack)."""
+    if layer is None:
+        stacked[name] = np.asarray(tensor, np_dtype)
+        return
+    if not 0 <= layer < config.num_layers:
+        raise WeightsError(f"{file_of(hf_name)}: tensor {hf_name} names layer {layer}, "
+                           f"but the config has {config.num_layers} layers")
+    if name not in stacked:
+        stacked[name] = np.empty(expected[name], np_dtype)
+        seen[name] = set()
+    stacked[name][layer] = tensor
+    seen[name].add(layer)
 
 
 def _check_complete(expected, stacked, seen, num_layers, source):

@@ -46,13 +46,54 @@ def tiny_qwen3_config(**overrides):
     return Qwen3Config(**values)
 
 
+def _tiny(config_class, **values):
+    """A 3-layer, hidden-64 config of `config_class` (GQA 4/2, vocab 320) with `values` on top."""
+    base = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512)
+    return config_class(**{**base, **values})
+
+
+def tiny_mistral_config(**overrides):
+    """Mistral with a sliding window (8) shorter than the test sequences: every layer windowed."""
+    from transformers import MistralConfig
+
+    return _tiny(MistralConfig, sliding_window=8, **overrides)
+
+
+def tiny_gemma2_config(**overrides):
+    """Gemma 2: every other layer windowed (8), both soft-caps, query_pre_attn_scalar != head_dim."""
+    from transformers import Gemma2Config
+
+    return _tiny(Gemma2Config, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                 attn_logit_softcapping=3.0, final_logit_softcapping=5.0, **overrides)
+
+
+def tiny_gemma3_config(**overrides):
+    """Gemma 3 (text): layers 0-1 windowed with the local RoPE base, layer 2 global (pattern 3) with
+    linear RoPE scaling; q/k norms."""
+    from transformers import Gemma3TextConfig
+
+    values = dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=24, sliding_window_pattern=3,
+                  rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}})
+    return _tiny(Gemma3TextConfig, **{**values, **overrides})
+
+
+def tiny_phi3_config(**overrides):
+    """Phi-3: fused qkv_proj and gate_up_proj, a sliding window (8) on every layer."""
+    from transformers import Phi3Config
+
+    return _tiny(Phi3Config, sliding_window=8, pad_token_id=0, eos_token_id=2, **overrides)
+
+
 def save_random_model(config, directory: str, seed: int = 0):
     """Writes a randomly initialised model with `save_pretrained` (safetensors); returns it."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # eager: soft-capping and sliding windows exactly as transformers defines them
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():  # make norms and biases non-trivial so a mix-up would show
         for name, param in model.named_parameters():
             if "norm" in name or name.endswith("bias"):

@@ -51,6 +51,26 @@ def test_flash_logits_equal_masked():
     assert rel_err(flash, masked) <= 1e-5
 
 
+def test_flash_with_sliding_window_layers_equals_masked():
+    """Gemma-style alternating layers (window 16, then full): each layer's traced window goes into
+    the GPU kernel (interpret mode); a soft-capped model is refused by the flash path."""
+    import dataclasses
+
+    config = dataclasses.replace(CONFIG, sliding_window=16, layer_types=("sliding_attention", "full_attention"),
+                                 query_scale=0.2)
+    model = Llama(config, rngs=nnx.Rngs(0))
+    batch, _ = microbatch(2)
+    args = (batch["tokens"], batch["positions"])
+    masked, _ = model(*args, segment_ids=batch["segment_ids"], attention="masked")
+    flash, _ = model(*args, segment_ids=batch["segment_ids"], attention="flash")
+    full_config = dataclasses.replace(config, sliding_window=None, layer_types=None)
+    unwindowed, _ = Llama(full_config, rngs=nnx.Rngs(0))(*args, segment_ids=batch["segment_ids"], attention="masked")
+    assert rel_err(flash, masked) <= 1e-5 and rel_err(masked, unwindowed) > 1e-3
+    capped = Llama(dataclasses.replace(config, attn_logit_softcap=20.0), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="soft-cap"):
+        capped(*args, segment_ids=batch["segment_ids"], attention="flash")
+
+
 def test_flash_training_step_equals_masked():
     model = Llama(CONFIG, rngs=nnx.Rngs(0))
     pool = AdapterPool(CONFIG, num_slots=3, max_rank=LORA.r)

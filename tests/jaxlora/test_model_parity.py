@@ -7,8 +7,8 @@ import pytest
 
 from jaxlora.weights import load_llama
 from tests.jaxlora.hf_checkpoints import (
-    checkpoint_dir, hf_logits, jax_logits, relative_error, save_random_model, tiny_llama_config,
-    tiny_qwen2_config, tiny_qwen3_config, write_llama_gguf,
+    checkpoint_dir, hf_logits, jax_logits, relative_error, save_random_model, tiny_gemma2_config, tiny_gemma3_config,
+    tiny_llama_config, tiny_mistral_config, tiny_phi3_config, tiny_qwen2_config, tiny_qwen3_config, write_llama_gguf,
 )
 
 PROMPTS = [
@@ -59,31 +59,98 @@ def test_random_hf_checkpoint_matches_transformers(tmp_path, make_config):
     assert relative_error(ours, hf_logits(reference, tokens)) <= 1e-4
 
 
-def test_sliding_window_checkpoints_are_refused(tmp_path):
-    """A checkpoint with sliding-window layers would attend differently past its window: refused."""
-    from jaxlora.models.config import ConfigError, config_from_hf
+FAMILIES = {
+    "mistral-sliding-window": tiny_mistral_config,
+    "qwen2-sliding-layers": lambda: tiny_qwen2_config(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    "gemma2": tiny_gemma2_config,
+    "gemma3-text": tiny_gemma3_config,
+    "phi3": tiny_phi3_config,
+}
 
-    config = tiny_qwen3_config(use_sliding_window=True, sliding_window=16).to_dict()
-    with pytest.raises(ConfigError, match="sliding-window"):
-        config_from_hf(config)
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_model_family_matches_transformers(tmp_path, family):
+    """A random checkpoint of each family, with a sliding window (8) shorter than the sequence
+    (37): full forward logits equal transformers' (eager attention, f32)."""
+    directory = checkpoint_dir(tmp_path, "model")
+    reference = save_random_model(FAMILIES[family](), directory)
+    model = load_llama(directory)
+    assert any(model.config.layer_windows())
+    tokens = np.random.default_rng(1).integers(0, 320, size=(2, 37))
+    assert relative_error(jax_logits(model, tokens), hf_logits(reference, tokens)) <= 1e-4
 
 
-def test_mistral_sliding_window_caps_the_context():
-    """Mistral windows every layer: the context is capped at the window, where the two agree."""
-    from transformers import MistralConfig
+@pytest.mark.parametrize("make_config", [
+    lambda: tiny_llama_config(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 3.0},
+                              max_position_embeddings=24),
+    lambda: tiny_llama_config(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                               "original_max_position_embeddings": 16, "beta_fast": 16.0}),
+    lambda: tiny_qwen2_config(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
+                                               "original_max_position_embeddings": 16, "mscale": 0.8,
+                                               "mscale_all_dim": 0.5, "truncate": False}),
+], ids=["dynamic-past-max-position", "yarn", "yarn-mscale-untruncated"])
+def test_rope_scaling_types_match_transformers(tmp_path, make_config):
+    """'dynamic' (NTK, base recomputed from the call's longest position: 37 > 24) and 'yarn'."""
+    directory = checkpoint_dir(tmp_path, "model")
+    reference = save_random_model(make_config(), directory)
+    tokens = np.random.default_rng(1).integers(0, 320, size=(2, 37))
+    assert relative_error(jax_logits(load_llama(directory), tokens), hf_logits(reference, tokens)) <= 1e-4
 
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3-text"])
+def test_cached_decoding_with_windows_equals_full_forward(tmp_path, family):
+    """The dense KV cache (generation) masks keys older than each layer's window like the full forward."""
+    from jaxlora.models.llama import KVCache
+
+    directory = checkpoint_dir(tmp_path, "model")
+    save_random_model(FAMILIES[family](), directory)
+    model = load_llama(directory)
+    tokens = np.random.default_rng(4).integers(0, 320, size=(1, 30))
+    full = jax_logits(model, tokens)
+    cache = KVCache.zeros(model.config, 1, 32)
+    logits, cache = model(tokens[:, :20], np.arange(20)[None], cache=cache)
+    steps = [np.asarray(logits)[0]]
+    for t in range(20, 30):
+        logits, cache = model(tokens[:, t:t + 1], np.array([[t]]), cache=cache)
+        steps.append(np.asarray(logits)[0])
+    assert relative_error(np.concatenate(steps), full[0]) <= 1e-4
+
+
+def test_layer_windows_follow_each_family():
+    """Qwen2.5's files say sliding_window 131072 with use_sliding_window false: no window; Gemma 2
+    alternates, Gemma 3 windows all but every pattern-th layer."""
     from jaxlora.models.config import config_from_hf
 
-    windowed = MistralConfig(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                             sliding_window=64).to_dict()
-    assert config_from_hf(windowed).max_position_embeddings == 64
-    assert config_from_hf({**windowed, "sliding_window": None}).max_position_embeddings == 512
+    qwen = {**tiny_qwen2_config().to_dict(), "sliding_window": 131072, "use_sliding_window": False}
+    assert config_from_hf(qwen).layer_windows() == (None, None, None)
+    assert config_from_hf(tiny_gemma2_config().to_dict()).layer_windows() == (8, None, 8)
+    gemma3 = {k: v for k, v in tiny_gemma3_config().to_dict().items() if k != "layer_types"}
+    assert config_from_hf({**gemma3, "sliding_window_pattern": 3}).layer_windows() == (8, 8, None)
+
+
+def test_unsupported_model_options_are_refused_by_name():
+    from jaxlora.models.config import ConfigError, config_from_hf
+
+    refused = {
+        "longrope": tiny_phi3_config(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                      "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                                                      "original_max_position_embeddings": 256}),
+        "partial_rotary_factor": tiny_phi3_config(partial_rotary_factor=0.5),
+        "use_bidirectional_attention": tiny_gemma3_config(use_bidirectional_attention=True),
+    }
+    for name, config in refused.items():
+        with pytest.raises(ConfigError, match=name):
+            config_from_hf(config.to_dict())
+    with pytest.raises(ConfigError, match="gemma3_text"):
+        config_from_hf({"model_type": "gemma3"})
+    with pytest.raises(ConfigError, match="rope_scaling type 'mrope'"):
+        config_from_hf(tiny_llama_config(rope_parameters={"rope_type": "mrope", "rope_theta": 1.0}).to_dict())
+    with pytest.raises(ConfigError, match="hidden_act 'relu'"):
+        config_from_hf(tiny_llama_config(hidden_act="relu").to_dict())
 
 
 def test_sharded_safetensors_load(tmp_path):
     import torch
-    from transformers import AutoModelForCausalLM
 
     directory = checkpoint_dir(tmp_path, "sharded")
     reference = save_random_model(tiny_llama_config(), directory)

@@ -53,7 +53,24 @@ def test_segments_that_are_not_contiguous(impl):
                              FlashBlocks(block_q=64, block_k=32, block_backward=32))
 
 
-def assert_matches_reference(q, k, v, ids, impl, blocks):
+@pytest.mark.parametrize("window", [40, 100])
+def test_gpu_kernel_sliding_window_matches_reference(window):
+    """A sliding window (traced, as a layer scan passes it) and a non-default scale, forward and
+    gradients, in the GPU "spans" kernel: the loops skip the blocks the window cannot reach."""
+    q, k, v, ids = packed_inputs(4, SEGMENTS["odd samples and padding"], jnp.float32)
+    blocks = FlashBlocks(block_q=64, block_k=32, block_backward=32)
+    assert_matches_reference(q, k, v, ids, "gpu", blocks, sm_scale=0.1, window=jnp.int32(window))
+    full = segment_attention_reference(q, k, v, ids, 0.1)
+    assert rel_err(segment_attention_reference(q, k, v, ids, 0.1, window), full) > 1e-2  # the window matters
+
+
+def test_window_is_refused_by_kernels_without_one():
+    q, k, v, ids = packed_inputs(4, [LENGTH], jnp.float32)
+    with pytest.raises(ValueError, match="sliding window"):
+        segment_attention(q, k, v, ids, impl="tpu", window=8)
+
+
+def assert_matches_reference(q, k, v, ids, impl, blocks, sm_scale=None, window=None):
     """Kernel output and dQ/dK/dV against the masked-softmax reference, relative-norm error."""
     dtype = q.dtype.type
     weights = jax.random.normal(jax.random.key(7), (1, LENGTH, HEADS, HEAD_DIM), jnp.float32)
@@ -61,8 +78,9 @@ def assert_matches_reference(q, k, v, ids, impl, blocks):
     def loss(fn, q, k, v):
         return (fn(q, k, v).astype(jnp.float32) * weights).sum()
 
-    kernel = lambda q, k, v: segment_attention(q, k, v, ids, impl=impl, blocks=blocks)
-    reference = lambda q, k, v: segment_attention_reference(q, k, v, ids)
+    kernel = lambda q, k, v: segment_attention(q, k, v, ids, impl=impl, blocks=blocks, sm_scale=sm_scale,
+                                               window=window)
+    reference = lambda q, k, v: segment_attention_reference(q, k, v, ids, sm_scale, window)
     assert rel_err(kernel(q, k, v), reference(q, k, v)) <= TOL[dtype]
     grads = jax.grad(lambda *a: loss(kernel, *a), argnums=(0, 1, 2))(q, k, v)
     expected = jax.grad(lambda *a: loss(reference, *a), argnums=(0, 1, 2))(q, k, v)

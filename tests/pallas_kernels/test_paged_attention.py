@@ -74,8 +74,9 @@ def make_step(seed, rows, heads, kv_heads, dtype, padding=PADDING, layers=None, 
     return Step(q, k, v, jnp.asarray(tables), jnp.asarray(starts), jnp.asarray(positions), rows, contiguous)
 
 
-def dense_attention(step, sm_scale):
-    """Float64 numpy causal attention per row on contiguous K/V (no pages), zeros for padding."""
+def dense_attention(step, sm_scale, softcap=None, window=None):
+    """Float64 numpy causal attention per row on contiguous K/V (no pages), zeros for padding;
+    scores soft-capped and keys limited to the last `window` positions if given."""
     q = np.asarray(step.q.astype(jnp.float32), np.float64)
     tokens, heads, _ = q.shape
     out = np.zeros_like(q)
@@ -85,7 +86,11 @@ def dense_attention(step, sm_scale):
         keys, values = np.repeat(row_k, group, axis=1), np.repeat(row_v, group, axis=1)  # [S, H, D]
         for i in range(n):
             t, seen = starts[r] + i, context + i + 1
-            scores = np.einsum("hd,shd->hs", q[t], keys[:seen]) * sm_scale
+            first = 0 if window is None else max(0, seen - window)
+            scores = np.full((heads, seen), -np.inf)
+            scores[:, first:] = np.einsum("hd,shd->hs", q[t], keys[first:seen]) * sm_scale
+            if softcap is not None:
+                scores[:, first:] = softcap * np.tanh(scores[:, first:] / softcap)
             probs = np.exp(scores - scores.max(-1, keepdims=True))
             probs /= probs.sum(-1, keepdims=True)
             out[t] = np.einsum("hs,shd->hd", probs, values[:seen])
@@ -107,6 +112,28 @@ def test_reference_matches_dense_attention(kv_heads, group):
     assert np.all(np.isfinite(np.asarray(out)))
     assert rel_err(out, expected) < 1e-5
     assert np.all(np.asarray(out)[int(step.starts[-1]):] == 0)
+
+
+def test_reference_window_softcap_and_scale_match_dense_attention():
+    """Gemma/Mistral options: a sliding window shorter than the rows' contexts, soft-capped scores
+    and a non-default scale."""
+    step = make_step(12, ROWS, 8, 2, jnp.float32)
+    options = dict(sm_scale=0.3, softcap=5.0, window=9)
+    out = paged_attention_reference(step.q, step.k, step.v, step.tables, step.starts, step.positions, **options)
+    assert rel_err(out, dense_attention(step, **options)) < 1e-5
+    assert rel_err(out, dense_attention(step, 0.3, 5.0)) > 1e-2  # the window matters
+
+
+@pytest.mark.parametrize("kernel", ["gpu", "tpu"])
+def test_kernel_window_and_softcap_match_reference(kernel):
+    """A traced window (as a layer scan passes it) and a soft-cap, in each kernel."""
+    step = make_step(13, ROWS, 8, 2, jnp.float32, layers=2, layer=1)
+    args = (step.q, step.k[1], step.v[1], step.tables, step.starts, step.positions)
+    fn = jax.jit(lambda *a, window: paged_attention(*a, layer=jnp.int32(1), kernel=kernel, softcap=5.0,
+                                                    window=window, sm_scale=0.3))
+    out = fn(step.q, step.k, step.v, *args[3:], window=jnp.int32(9))
+    expected = paged_attention_reference(*args, sm_scale=0.3, softcap=5.0, window=9)
+    assert rel_err(out, expected) <= 1e-5
 
 
 @pytest.mark.parametrize("kernel", ["gpu", "tpu"])
@@ -143,6 +170,17 @@ def test_gpu_tiles_and_splits(blocks):
     out = paged_attention_gpu(step.q, step.k, step.v, step.tables, step.starts, step.positions,
                               interpret=True, blocks=blocks)
     expected = paged_attention_reference(step.q, step.k, step.v, step.tables, step.starts, step.positions)
+    assert rel_err(out, expected) <= 1e-5
+
+
+@pytest.mark.parametrize("num_splits,merge", [(3, "xla"), (2, "kernel")])
+def test_gpu_window_skips_keys_across_splits(num_splits, merge):
+    """With KV splits, a split wholly before every window start reads nothing and merges as empty."""
+    step = make_step(14, ROWS, 8, 2, jnp.float32)
+    blocks = PagedBlocks(block_kv=16, num_splits=num_splits, merge=merge)
+    out = paged_attention_gpu(step.q, step.k, step.v, step.tables, step.starts, step.positions,
+                              interpret=True, blocks=blocks, window=5)
+    expected = paged_attention_reference(step.q, step.k, step.v, step.tables, step.starts, step.positions, window=5)
     assert rel_err(out, expected) <= 1e-5
 
 

@@ -82,27 +82,39 @@ def test_jaxlora_adapter_loads_in_peft(tmp_path, smollm2, smollm2_path):
         np.testing.assert_array_equal(reloaded.modules[module].scale, weights.scale)
 
 
-def test_peft_adapter_on_a_qwen3_checkpoint_gives_peft_logits(tmp_path):
-    """Model families: a PEFT adapter made for a random Qwen3 checkpoint (q/k norms, head_dim !=
-    hidden / heads) loads in jaxlora with PEFT's logits."""
+FAMILY_TARGETS = {  # PEFT's module names on each family
+    "qwen3": list(PROJECTIONS), "mistral": list(PROJECTIONS), "gemma2": list(PROJECTIONS),
+    "gemma3": list(PROJECTIONS), "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_TARGETS))
+def test_peft_adapter_on_each_family_gives_peft_logits(tmp_path, family):
+    """Model families: a PEFT adapter made for a random checkpoint (Qwen3's q/k norms and head_dim,
+    Mistral's window, Gemma 2/3, Phi-3's fused qkv_proj / gate_up_proj: one A, B split by rows)
+    loads in jaxlora with PEFT's logits."""
     from peft import LoraConfig as PeftLoraConfig, get_peft_model
 
     from jaxlora.weights import load_llama
-    from tests.jaxlora.hf_checkpoints import checkpoint_dir, save_random_model, tiny_qwen3_config
+    from tests.jaxlora import hf_checkpoints
 
     import torch
 
-    directory = checkpoint_dir(tmp_path, "qwen3")
-    reference = save_random_model(tiny_qwen3_config(), directory)
+    directory = hf_checkpoints.checkpoint_dir(tmp_path, family)
+    reference = hf_checkpoints.save_random_model(getattr(hf_checkpoints, f"tiny_{family}_config")(), directory)
     model = load_llama(directory)
     torch.manual_seed(1)
-    peft_config = PeftLoraConfig(r=4, lora_alpha=8, target_modules=list(PROJECTIONS), lora_dropout=0.0,
-                                 init_lora_weights=False)
+    fused_pattern = {"layers.1.self_attn.qkv_proj": 2, "gate_up_proj": 3} if family == "phi3" else {}
+    peft_config = PeftLoraConfig(r=4, lora_alpha=8, target_modules=FAMILY_TARGETS[family], lora_dropout=0.0,
+                                 init_lora_weights=False, rank_pattern=fused_pattern)
     peft_model = get_peft_model(reference, peft_config).eval()
     tokens = np.random.default_rng(2).integers(0, 320, size=(1, 29))
     expected = _torch_logits(peft_model, tokens)
     peft_model.save_pretrained(str(tmp_path / "adapter"))
     adapter = load_peft_adapter(str(tmp_path / "adapter"), model.config)
+    if family == "phi3":
+        assert set(adapter.modules) == set(PROJECTIONS) and adapter.modules["k_proj"].rank[1] == 2
+        np.testing.assert_array_equal(adapter.modules["q_proj"].a, adapter.modules["v_proj"].a)
     base = np.asarray(model(tokens, np.arange(tokens.shape[1])[None])[0])
     assert relative_error(expected, base) > 1e-2  # the adapter matters
     assert relative_error(_jax_logits_with(model, adapter, tokens), expected) <= 1e-4
