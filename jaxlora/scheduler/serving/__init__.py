@@ -1,9 +1,11 @@
 """The serving policy: continuous batching under a token budget, KV-page admission control (KV and
-adapter pages in one budget with unified paging), and the LRU device adapter slots with prefetch
-(docs/architecture.md, "The serving engine's step"). Host-side only (no JAX)."""
+adapter pages in one budget with unified paging), the LRU device adapter slots with prefetch
+(docs/architecture.md, "The serving engine's step"), and the placement of requests over replicas
+(Punica). Host-side only (no JAX)."""
 
 from jaxlora.scheduler.serving.adapters import AdapterSlots
-from jaxlora.scheduler.serving.pages import PageAllocator, pages_for
+from jaxlora.scheduler.serving.pages import PageAllocator, admission_pages, pages_for
+from jaxlora.scheduler.serving.placement import ReplicaState, place, round_robin
 from jaxlora.scheduler.serving.unified import UnifiedPages, adapter_pages
 from jaxlora.scheduler.serving.policy import (
     PENDING,
@@ -16,6 +18,7 @@ from jaxlora.scheduler.serving.policy import (
 )
 
 __all__ = [
-    "AdapterSlots", "PENDING", "PageAllocator", "SchedulerConfig", "Sequence", "ServingScheduler", "Status",
-    "StepPlan", "StepRow", "UnifiedPages", "adapter_pages", "pages_for",
+    "AdapterSlots", "PENDING", "PageAllocator", "ReplicaState", "SchedulerConfig", "Sequence", "ServingScheduler",
+    "Status", "StepPlan", "StepRow", "UnifiedPages", "adapter_pages", "admission_pages", "pages_for", "place",
+    "round_robin",
 ]

@@ -8,6 +8,13 @@ def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+def admission_pages(tokens: int, max_len: int, page_size: int, reserve_output: bool) -> int:
+    """Pages a request with `tokens` tokens so far (prompt, plus any output it resumes with) and
+    at most `max_len` (prompt + max_tokens) takes when admitted: all `max_len` positions when
+    admission reserves the output, else its tokens and the next one (its first decode step)."""
+    return pages_for(max_len if reserve_output else min(tokens + 1, max_len), page_size)
+
+
 class PageAllocator:
     """A free list over page ids 0..num_pages-1. Allocation is all-or-nothing."""
 

@@ -8,10 +8,17 @@ Every step the scheduler picks, from the requests it knows, which tokens run nex
 Requests join and leave at every step. Rows of a step are returned grouped by adapter slot
 (base-model rows last), the order the LoRA batch plan wants.
 
-Admission control: a request is admitted only when the page pool can hold its whole sequence
-(prompt + max_tokens), so a running request never waits for memory and nothing is preempted;
-its pages come back when it finishes or is aborted. Adapter slots: a running request pins its
-adapter's slot; admitting a request whose adapter is not on the device takes a free slot or
+Admission control: by default (`reserve_output`) a request is admitted only when the page pool can
+hold its whole sequence (prompt + max_tokens), so a running request never waits for memory and
+nothing is preempted; its pages come back when it finishes or is aborted. Without
+`reserve_output` (Punica, vLLM) a request is admitted with the pages of its tokens so far plus the
+next one, and a decode row takes a new page when it crosses into one; when the pool has none, the
+newest running request is preempted (Punica: newest first, which keeps FCFS): its pages are
+freed, its unread (PENDING) tokens dropped, and it goes back to the waiting queue in arrival order
+with its prompt and the tokens it generated, to be recomputed by a prefill over both when it is
+admitted again (or handed to another replica by the caller: `StepPlan.preempted`).
+
+Adapter slots: a running request pins its adapter's slot; admitting a request whose adapter is not on the device takes a free slot or
 evicts the least recently used unpinned adapter (the caller copies the weights before the step).
 If the head of the queue cannot get a slot (all pinned), later requests whose adapters are
 already on the device may go first (adapter-aware skipping); if it lacks pages, admission stops,
@@ -39,7 +46,7 @@ stay as they are: the pages are the accounting the kernels will read through a p
 Early abort (S-LoRA): with a time-to-first-token objective, `expire(now, ttft_slo_s, next_step_s)`
 drops every waiting request that can no longer meet it (waited so far + at least one more step >
 the objective) instead of serving it late at the cost of the requests behind it; running
-requests are never dropped.
+requests, and preempted ones that already have output tokens, are never dropped.
 
 Pure host-side Python: no JAX here; `serve.engine` turns a `StepPlan` into device arrays.
 """
@@ -52,7 +59,7 @@ import itertools
 from typing import Any, Callable, Hashable
 
 from jaxlora.scheduler.serving.adapters import AdapterSlots
-from jaxlora.scheduler.serving.pages import PageAllocator, pages_for
+from jaxlora.scheduler.serving.pages import PageAllocator, admission_pages, pages_for
 from jaxlora.scheduler.serving.unified import UnifiedPages
 
 
@@ -126,6 +133,7 @@ class SchedulerConfig:
     token_budget: int = 128
     prefill_chunk: int = 64
     unified_paging: bool = False  # KV and adapter pages in one budget (module doc)
+    reserve_output: bool = True  # admission reserves prompt + max_tokens pages (else: pages grow; module doc)
 
     def __post_init__(self):
         if min(self.max_num_seqs, self.token_budget, self.prefill_chunk) < 1:
@@ -146,10 +154,13 @@ class StepRow:
 
 @dataclasses.dataclass
 class StepPlan:
-    """The rows of one step (grouped by slot, base last) and the adapters to copy in before it."""
+    """The rows of one step (grouped by slot, base last), the adapters to copy in before it, and
+    the running sequences preempted for want of KV pages (back in the waiting queue; see the
+    module doc)."""
 
     rows: list[StepRow]
     loads: list[tuple[int, Hashable]]
+    preempted: list[Sequence] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -173,7 +184,9 @@ class ServingScheduler:
 
     # ---- requests in and out -------------------------------------------------------------
     def pages_needed(self, seq: Sequence) -> int:
-        return pages_for(len(seq.prompt) + seq.max_tokens, self.config.page_size)
+        """KV pages `seq` takes when admitted (`admission_pages`)."""
+        return admission_pages(len(seq.tokens), len(seq.prompt) + seq.max_tokens, self.config.page_size,
+                               self.config.reserve_output)
 
     def fits_ever(self, prompt_len: int, max_tokens: int) -> bool:
         """Whether such a request could ever be admitted (the whole pool free)."""
@@ -206,7 +219,7 @@ class ServingScheduler:
         """Finishes ("overloaded") and returns the waiting sequences whose first token cannot come
         within `ttft_slo_s` of their arrival any more: `now - arrival + next_step_s > ttft_slo_s`
         (`next_step_s`: the soonest a first token can come, e.g. the recent step time)."""
-        late = [seq for seq in self.waiting if now - seq.arrival + next_step_s > ttft_slo_s]
+        late = [seq for seq in self.waiting if not seq.output and now - seq.arrival + next_step_s > ttft_slo_s]
         for seq in late:
             self.finish(seq, "overloaded")
         return late
@@ -220,15 +233,21 @@ class ServingScheduler:
         commits it: the rows' tokens count as computed, sampling rows append a PENDING output."""
         budget = self.config.token_budget
         rows: list[StepRow] = []
+        preempted: list[Sequence] = []
         for seq in sorted(self.running, key=lambda s: (s.in_prefill, s.order)):
             if budget == 0:
                 break
-            if seq.all_planned:
-                continue  # its last token is on its way
+            if seq.all_planned or seq.status is not Status.RUNNING:
+                continue  # its last token is on its way, or it was preempted just now
             row = self._row(seq, budget)
+            if not self._grow(seq, row.start + row.count, preempted):
+                continue
             rows.append(row)
             budget -= row.count
+        budget += sum(row.count for row in rows if row.seq.status is not Status.RUNNING)
+        rows = [row for row in rows if row.seq.status is Status.RUNNING]  # a victim has no row yet; kept safe
         loads = self._admit(rows, budget)
+        self.waiting = sorted(self.waiting + preempted, key=lambda s: s.order)  # not re-admitted this step
         for row in rows:
             if row.seq.adapter is not None:
                 self.slots.touch(row.seq.adapter)
@@ -236,7 +255,38 @@ class ServingScheduler:
             if row.sample:
                 row.seq.output.append(PENDING)
         rows.sort(key=lambda r: (r.slot < 0, r.slot))
-        return StepPlan(rows, loads)
+        return StepPlan(rows, loads, preempted)
+
+    def _grow(self, seq: Sequence, positions: int, preempted: list[Sequence]) -> bool:
+        """Gives `seq` the pages of its first `positions` cache positions, preempting the newest
+        running sequences while the pool is short (`preempt`; added to `preempted`); False if
+        `seq` itself was preempted. Nothing to do when admission reserved the whole sequence."""
+        missing = pages_for(positions, self.config.page_size) - len(seq.pages)
+        while missing > 0 and not self.pages.can_allocate(missing):
+            victim = max(self.running, key=lambda s: s.order)
+            self.preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        if missing > 0:
+            seq.pages += self.pages.allocate(missing)
+            self._drop_evicted()
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Takes a running sequence off the device: frees its pages, unpins its adapter, drops its
+        unread (PENDING) tokens and marks it WAITING with nothing computed, so that a prefill over
+        prompt + output recomputes it. `schedule` queues its victims again; a caller that preempts
+        (e.g. to migrate the sequence to another replica) ends it here with `finish`."""
+        self.running.remove(seq)
+        self.pages.free(seq.pages)
+        seq.pages = []
+        if seq.adapter is not None:
+            self.slots.unpin(seq.adapter)
+        while seq.output and seq.output[-1] == PENDING:
+            seq.output.pop()
+        seq.num_computed = 0
+        seq.status = Status.WAITING
 
     def _row(self, seq: Sequence, budget: int) -> StepRow:
         count = min(seq.num_pending, budget, self.config.prefill_chunk)
