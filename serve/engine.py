@@ -58,6 +58,16 @@ without LoRA inputs (its own compiled variant), so base-only traffic costs exact
 `start()` runs steps in a background thread; `submit`/`abort`/`add_adapter`/`remove_adapter` are
 thread-safe.
 
+KV pages per request: by default admission reserves a request's whole sequence (prompt +
+max_tokens), so nothing is ever preempted. With `EngineConfig.reserve_output_kv=False` pages grow
+with the output and, when the pool runs out, the scheduler preempts the newest running request
+(`jaxlora.scheduler.serving.policy`); alone, the engine recomputes it later (a prefill over prompt +
+the tokens it generated; its client sees no gap and no repeat). A replica set (`serve.replicas`)
+sets `Engine.handoff`: the engine then hands each preempted request away instead (a `Handoff`: its
+prompt, the tokens delivered so far, adapter, sampling and callback) for another engine to
+`submit(..., output=...)` (Punica's migration by recomputation); `migrate(request_id)` hands one off
+on demand (draining a replica).
+
 A compressed collection (`Engine(..., compressed=SharedBasisSet)`, Compress-then-Serve; needs a
 `shared_basis` LoRA backend) is registered adapter by adapter under its names; its bases and cores
 stay on the device next to the pool's arrays, and adapter j's rows take the fixed slot
@@ -154,6 +164,7 @@ class EngineConfig:
     ttft_slo_s: float | None = None  # S-LoRA early abort: drop waiting requests that cannot meet it
     async_scheduling: bool = True  # launch step N+1 before reading step N's tokens (module doc)
     gpu_memory_utilization: float = 0.9  # fraction of device memory for weights, adapters and KV pages
+    reserve_output_kv: bool = True  # admission reserves prompt + max_tokens pages; False: pages grow (module doc)
     # The smallest token bucket of any step, and of a LoRA step with a prefill row (its own program
     # variant: BGMV + segment kernels): smaller steps pad up to them. On a GPU/TPU a decode step of
     # 8 rows costs what one of 32 does (weight reads) and a LoRA program takes minutes to compile
@@ -244,6 +255,19 @@ class _Request:
     submitted: float
 
 
+class Handoff(NamedTuple):
+    """A request an engine gives up (preempted for want of KV pages, or `migrate`d) for another to
+    continue: `submit(request_id, prompt, adapter, sampling, callback, output=output)`; output:
+    the tokens already delivered to the callback."""
+
+    request_id: object
+    prompt: list[int]
+    output: list[int]
+    adapter: str | None
+    sampling: SamplingParams
+    callback: Callable[[Event], None]
+
+
 class _InFlight(NamedTuple):
     """A launched step: its inputs, its sampled tokens (a device array until read), when it
     launched, and its log-probabilities (device arrays; None unless its sampler made them)."""
@@ -327,8 +351,9 @@ class Engine:
             num_pages=config.num_pages, page_size=config.page_size,
             num_adapter_slots=config.max_adapters_on_device, max_num_seqs=config.max_num_seqs,
             token_budget=config.token_budget, prefill_chunk=config.prefill_chunk,
-            unified_paging=config.unified_paging))
+            unified_paging=config.unified_paging, reserve_output=config.reserve_output_kv))
         self.scheduler.adapter_pages = self._adapter_pages
+        self.handoff: Callable[[Handoff], None] | None = None  # set by a replica set (module doc)
         self._max_pages = bucket(pages_for(config.max_model_len, config.page_size), 1)
         self.max_rows = bucket(min(config.max_num_seqs, config.token_budget), 8)  # most rows of a step
         self._decode_variant: bool | None = None  # `_has_decode_variant`, once known
@@ -502,16 +527,21 @@ class Engine:
                                f"(context {limit}), got {max_tokens}")
 
     def submit(self, request_id, prompt: list[int], adapter: str | None, sampling: SamplingParams,
-               callback: Callable[[Event], None]) -> None:
+               callback: Callable[[Event], None], output: list[int] = ()) -> None:
         """Queues a request for up to `sampling.max_new_tokens` tokens (temperature 0: greedy; a
         sampled row draws from key(seed) folded with the token's index, so a seeded request gives
         the same tokens whatever else is in the batch); `callback(Event)` is called from the engine
-        thread for every new token and once with a finish reason. Raises RequestError,
+        thread for every new token and once with a finish reason. output: tokens it already
+        generated elsewhere (a migrated request, `Handoff`): it continues after them, their keys
+        and values recomputed, and they count towards max_new_tokens. Raises RequestError,
         UnknownAdapter, AdapterError (a name the adapter directory refuses) or EngineBusy."""
         self.validate(len(prompt), sampling.max_new_tokens)
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in [t for t, _ in sampling.logit_bias] + list(sampling.stop_token_ids)):
             raise RequestError(f"logit_bias and stop_token_ids take token ids in [0, {vocab})")
+        if len(output) >= sampling.max_new_tokens or any(not 0 <= t < vocab for t in output):
+            raise RequestError(f"a resumed request has fewer than max_tokens ({sampling.max_new_tokens}) output "
+                               f"tokens, each in [0, {vocab})")
         uid = None if adapter is None else self.resolve_adapter(adapter).uid
         with self._lock:
             waiting = self._num_waiting_submitted + len(self.scheduler.waiting)
@@ -519,13 +549,45 @@ class Engine:
                 raise EngineBusy(f"{waiting} requests are waiting; try again later")
             self._num_waiting_submitted += 1
         seq = Sequence(request_id, list(prompt), sampling.max_new_tokens, uid, sampling.stop_ids(self.eos_ids),
-                       sampling=sampling)
+                       output=list(output), sampling=sampling)
         request = _Request(seq, callback, time.monotonic())
         self._command(lambda: self._add(request))
 
     def abort(self, request_id) -> None:
         """Ends a request (if still known) and frees its pages, at the next step boundary."""
         self._command(lambda: self._abort(request_id))
+
+    def migrate(self, request_id) -> None:
+        """Hands a request (if still known) to `handoff` at the next step boundary, its pages freed
+        (a draining replica gives its work away); without a `handoff`, nothing happens."""
+        self._command(lambda: self._hand_off_now(request_id))
+
+    def _hand_off_now(self, request_id) -> None:
+        request = self._requests.get(request_id)
+        if request is None or self.handoff is None:
+            return
+        if request.seq in self.scheduler.running:
+            self.scheduler.preempt(request.seq)
+        self._hand_off([request.seq])
+
+    def _hand_off(self, preempted: list[Sequence]) -> None:
+        """Preempted sequences (waiting again, nothing computed): their sampler slots are released
+        (written afresh from prompt and output when next built); with a `handoff`, each is ended here
+        and handed to it, else it stays queued to be recomputed."""
+        for seq in preempted:
+            self.sampler_slots.release(seq.seq_id)
+        if self.handoff is None:
+            return
+        for seq in preempted:
+            self.scheduler.finish(seq, "migrated")
+            request = self._requests.pop(seq.seq_id)
+            entry = None if seq.adapter is None else self.adapters.by_uid(seq.adapter)
+            try:
+                self.handoff(Handoff(seq.seq_id, seq.prompt, list(seq.output), entry and entry.name, seq.sampling,
+                                     request.callback))
+            except Exception as err:
+                log.exception("handing a request off failed")
+                self._deliver(request, Event(None, "error", f"migrating the request failed: {err}"))
 
     def _command(self, fn) -> None:
         self._commands.append(fn)
@@ -579,6 +641,8 @@ class Engine:
             return None
         plan = self.scheduler.schedule()
         self._tell_refused()
+        if plan.preempted:
+            self._hand_off(plan.preempted)
         phases.mark("schedule")
         self._load(plan.loads)
         self._commit_staged({row.slot for row in plan.rows})
@@ -1064,6 +1128,11 @@ class Engine:
             "total_pages": self.config.num_pages,
             "tokens_per_second": self.stats.tokens_per_second(),
             "dropped_overloaded": self.stats.dropped,
+            "adapter_loads": self.stats.adapter_loads,
+            "max_num_seqs": self.config.max_num_seqs,
+            "page_size": self.config.page_size,
+            "reserve_output_kv": self.config.reserve_output_kv,
+            "waiting_pages": sum(scheduler.pages_needed(seq) for seq in list(scheduler.waiting)),
         }
 
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from serve.replicas import server_state
+
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class Metrics:
-    """Gauges read from the engine at scrape time; counters and latency histograms from handlers."""
+    """Gauges read from the engine (or replica set: per-replica load too) at scrape time; counters
+    and latency histograms from handlers."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -50,6 +53,16 @@ class Metrics:
         self.dropped = Gauge("jaxlora_requests_dropped_overloaded",
                              "Requests dropped before their first token by early abort (TTFT objective)",
                              registry=registry)
+        self.replica_batch = Gauge("jaxlora_replica_batch", "Requests placed on a replica and not finished",
+                                   ["replica"], registry=registry)
+        self.replica_free_pages = Gauge("jaxlora_replica_kv_pages_free",
+                                        "Free KV-cache pages of a replica (net of its queued requests)", ["replica"],
+                                        registry=registry)
+        self.replica_draining = Gauge("jaxlora_replica_draining", "1 while a replica is draining (no new requests)",
+                                      ["replica"], registry=registry)
+        self.replica_idle = Gauge("jaxlora_replica_idle", "1 when a draining replica has no work left (releasable)",
+                                  ["replica"], registry=registry)
+        self.migrations = Gauge("jaxlora_migrations", "Requests migrated between replicas so far", registry=registry)
         self.ttft = Histogram("jaxlora_time_to_first_token_seconds", "Time to first token",
                               buckets=LATENCY_BUCKETS, registry=registry)
         self.e2e = Histogram("jaxlora_request_latency_seconds", "End-to-end request latency",
@@ -69,6 +82,14 @@ class Metrics:
         self.adapter_loads.set(self.engine.stats.adapter_loads)
         self._render_tiers(snap)
         self.dropped.set(snap["dropped_overloaded"])
+        state = server_state(self.engine)
+        self.migrations.set(state["migrations"])
+        for load in state["replicas"]:
+            replica = str(load["replica"])
+            self.replica_batch.labels(replica).set(load["batch"])
+            self.replica_free_pages.labels(replica).set(load["free_pages"])
+            self.replica_draining.labels(replica).set(int(load["draining"]))
+            self.replica_idle.labels(replica).set(int(load["idle"]))
         return generate_latest(self.registry)
 
     def _render_tiers(self, snap: dict) -> None:

@@ -3,7 +3,7 @@
 
 A sequence whose logits depend on more than its own logits (a logit bias, penalties over its
 prompt and output tokens, min_tokens) or that asks for log-probabilities gets a slot the first
-time one of its rows is built, and keeps it until it finishes; a slot is freed lazily, when the
+time one of its rows is built, and keeps it until it finishes (or is preempted: `release`); a slot is freed lazily, when the
 next sequence needs one (a finished sequence's row still in flight only adds to the counts of a
 slot that is rewritten after it: the device runs the writes and the steps in the order they are
 dispatched). There are as many slots as running sequences can be (`max_num_seqs`), so a running
@@ -50,8 +50,16 @@ class SamplerSlots:
         self._holders[slot], self._slot_of[seq.seq_id] = seq, slot
         self.allocate()
         prompt, bias, stop = slot_rows(seq.prompt, seq.sampling, eos_ids, self.vocab_size)
-        self.arrays = _write_slot(self.arrays, np.int32(slot), prompt, bias, stop)
+        counts = np.bincount([t for t in seq.output if t >= 0], minlength=self.vocab_size).astype(np.int32)
+        self.arrays = _write_slot(self.arrays, np.int32(slot), prompt, counts, bias, stop)
         return slot
+
+    def release(self, seq_id) -> None:
+        """Frees the slot of `seq_id` if it holds one (a preempted sequence: its unread token may
+        have been counted; it gets a slot written afresh from its prompt and output when next built)."""
+        slot = self._slot_of.pop(seq_id, None)
+        if slot is not None:
+            del self._holders[slot]
 
     def allocate(self) -> None:
         """Allocates the arrays (zeros) if they are not yet."""
@@ -91,10 +99,11 @@ def _zeros(specs: SamplerState) -> SamplerState:
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _write_slot(state: SamplerState, slot, prompt_seen, bias, stop_mask) -> SamplerState:
-    """`state` with slot `slot` holding these rows [V] and zero output counts."""
+def _write_slot(state: SamplerState, slot, prompt_seen, output_counts, bias, stop_mask) -> SamplerState:
+    """`state` with slot `slot` holding these rows [V] (output_counts: of the output tokens so far,
+    non-zero for a resumed sequence)."""
     return SamplerState(state.prompt_seen.at[slot].set(prompt_seen),
-                        state.output_counts.at[slot].set(0),
+                        state.output_counts.at[slot].set(output_counts),
                         state.bias.at[slot].set(bias),
                         state.stop_mask.at[slot].set(stop_mask))
 

@@ -211,7 +211,7 @@ class ServingScheduler:
             seq.pages = []
             if seq.adapter is not None:
                 self.slots.unpin(seq.adapter)
-        else:
+        elif seq in self.waiting:  # else: preempted and not queued again (handed away)
             self.waiting.remove(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
 
