@@ -11,6 +11,12 @@ fails its request with 400 and the reason, an unknown name 404). Handlers tokeni
 sequence per (prompt, choice), and await the engine's events through an asyncio queue; a request
 that ends early (client gone, stop string, error) aborts its sequences so their KV pages are freed.
 
+The engine may be a `serve.replicas.ReplicaSet` (`jaxlora-serve --replicas N`: one engine per
+device behind this one API, Punica placement and migration); `GET /state` reports each replica's
+load as JSON (what `serve.router` places by) and `POST /drain` drains a replica. A request with
+`return_token_ids` (vLLM's field) gets each choice's token ids (streamed: the new ones in every
+chunk) and its prompt's ids (the first chunk), which a router needs to continue a stream elsewhere.
+
 Start-up (as vLLM's): the server binds at once, and the engine compiles its step programs
 (`Engine.warmup`) on a thread before its loop starts; `/health` answers 503 "warming up" until
 then (requests sent meanwhile wait in the queue), so a load balancer routes no request to a
@@ -43,9 +49,10 @@ from serve.auth import ApiKeyAuth
 from serve.logprobs import chat_logprobs, completion_logprobs
 from serve.metrics import Metrics
 from serve.protocol import (
-    ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, Limits, LoadAdapterRequest, TokenizeRequest,
-    UnloadAdapterRequest, check_chat, check_common, check_completion, check_token_ids, stop_list,
+    ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, DrainRequest, Limits, LoadAdapterRequest,
+    TokenizeRequest, UnloadAdapterRequest, check_chat, check_common, check_completion, check_token_ids, stop_list,
 )
+from serve.replicas import ReplicaSet, server_state
 from serve.text import TextTracker
 
 log = logging.getLogger("jaxlora.serve")
@@ -81,6 +88,7 @@ class Generation:
         self.request_id = uuid.uuid4().hex
         self.trackers = [TextTracker(tokenizer, spec.stops, spec.sampling.stop_token_ids) for spec in specs]
         self.logprobs: list[list] = [[] for _ in specs]  # entries not yielded yet
+        self.ids_taken = [0] * len(specs)  # token ids of each choice handed out by `token_fields`
         self.done = [False] * len(specs)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.first_token_at: float | None = None
@@ -130,6 +138,18 @@ class Generation:
                     yield index, delta, reason, entries
         finally:
             self.abort()
+
+    def token_fields(self, body, index: int, everything: bool = False) -> dict:
+        """`return_token_ids` fields of choice `index`: the token ids since the last call (all with
+        `everything`), and at its first call the prompt's; {} unless the body asks for them."""
+        if not body.return_token_ids:
+            return {}
+        ids = self.trackers[index].ids
+        fields = {"token_ids": list(ids if everything else ids[self.ids_taken[index]:])}
+        if self.ids_taken[index] == 0 or everything:
+            fields["prompt_token_ids"] = list(self.specs[index].prompt)
+        self.ids_taken[index] = len(ids)
+        return fields
 
     def usage(self) -> dict:
         prompt = sum(len(spec.prompt) for spec in self.specs)
@@ -396,7 +416,7 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def _validation_error(err: RequestValidationError) -> ApiError:
+def invalid_request_error(err: RequestValidationError) -> ApiError:
     """A 400 naming the fields pydantic refused (a field this server does not know: "unsupported")."""
     parts, first = [], None
     for e in err.errors()[:5]:
@@ -460,7 +480,7 @@ def create_app(engine: Engine, tokenizer, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, err: RequestValidationError):
-        return JSONResponse(_validation_error(err).body(), 400)
+        return JSONResponse(invalid_request_error(err).body(), 400)
 
     _add_generation_routes(app, server)
     _add_tokenizer_routes(app, server)
@@ -492,13 +512,13 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
                 text, echoes[index] = echoes[index] + delta, ""
                 return {"id": cid, "object": "text_completion", "created": created, "model": body.model,
                         "choices": [{"index": index, "text": text, "logprobs": logprobs_of(index, entries),
-                                     "finish_reason": reason}]}
+                                     "finish_reason": reason, **generation.token_fields(body, index)}]}
 
             final = _usage_chunks(body, generation, cid, created, "text_completion")
             return _streaming(server.stream(generation, "completions", chunk, final))
         texts, reasons, logprobs = await server.collect(generation, request, "completions")
-        choices = [{"index": i, "text": echoes[i] + t, "logprobs": logprobs_of(i, logprobs[i]), "finish_reason": r}
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        choices = [{"index": i, "text": echoes[i] + t, "logprobs": logprobs_of(i, logprobs[i]), "finish_reason": r,
+                    **generation.token_fields(body, i, everything=True)} for i, (t, r) in enumerate(zip(texts, reasons))]
         return {"id": cid, "object": "text_completion", "created": created, "model": body.model,
                 "choices": choices, "usage": generation.usage()}
 
@@ -516,19 +536,20 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
 
         cid, created = f"chatcmpl-{generation.request_id}", int(time.time())
         if body.stream:
-            chunk = _chat_chunker(body, cid, created, len(generation.specs), logprobs_of)
+            chunk = _chat_chunker(body, cid, created, generation, logprobs_of)
             final = _usage_chunks(body, generation, cid, created, "chat.completion.chunk")
             return _streaming(server.stream(generation, "chat", chunk, final))
         texts, reasons, logprobs = await server.collect(generation, request, "chat")
         choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": logprobs_of(logprobs[i]),
-                    "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
+                    "finish_reason": r, **generation.token_fields(body, i, everything=True)}
+                   for i, (t, r) in enumerate(zip(texts, reasons))]
         return {"id": cid, "object": "chat.completion", "created": created, "model": body.model,
                 "choices": choices, "usage": generation.usage()}
 
 
-def _chat_chunker(body: ChatRequest, cid: str, created: int, count: int, logprobs_of):
+def _chat_chunker(body: ChatRequest, cid: str, created: int, generation: Generation, logprobs_of):
     """Chat chunks: the first chunk of each choice carries the assistant role."""
-    started = [False] * count
+    started = [False] * len(generation.specs)
 
     def chunk(index, delta, reason, entries):
         content = {"content": delta} if delta or reason is None else {}
@@ -537,7 +558,7 @@ def _chat_chunker(body: ChatRequest, cid: str, created: int, count: int, logprob
             content = {"role": "assistant", **content}
         return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": body.model,
                 "choices": [{"index": index, "delta": content, "logprobs": logprobs_of(entries),
-                             "finish_reason": reason}]}
+                             "finish_reason": reason, **generation.token_fields(body, index)}]}
 
     return chunk
 
@@ -622,3 +643,19 @@ def _add_admin_routes(app: FastAPI, server: Server) -> None:
     @app.get("/metrics")
     async def metrics():
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/state")
+    async def state():
+        limits = server.limits
+        return {**server_state(server.engine), "max_model_len": server.engine.config.max_model_len,
+                "max_tokens_limit": limits.max_tokens, "default_max_tokens": limits.default_max_tokens}
+
+    @app.post("/drain")
+    async def drain(body: DrainRequest):
+        if not isinstance(server.engine, ReplicaSet):
+            raise ApiError(400, "this server runs one engine (start it with --replicas N to drain replicas; a "
+                                "jaxlora-router drains whole servers)", "replica")
+        try:
+            return server.engine.drain(body.replica, body.migrate, body.undo)
+        except ValueError as err:
+            raise ApiError(400, str(err), "replica") from err

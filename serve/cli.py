@@ -65,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="shard the model over the first N devices (Megatron weights, S-LoRA adapters, KV heads); "
                         "needs an XLA LoRA backend (gather, onehot, ...) when N > 1")
+    p.add_argument("--replicas", type=int, default=1, metavar="N",
+                   help="one engine per local device on the first N devices, behind this one API: each request goes "
+                        "to the busiest replica with room (Punica), a replica short of KV migrates its newest request "
+                        "to another; GET /state, POST /drain")
+    p.add_argument("--grow-kv", action="store_true",
+                   help="admit a request with the KV pages of its prompt and grow them with its output (more requests "
+                        "fit) instead of reserving prompt + max_tokens; when pages run out the newest request is "
+                        "preempted: recomputed later, or migrated to another replica")
     p.add_argument("--ttft-slo-ms", type=float, default=None, metavar="MS",
                    help="time-to-first-token objective: a queued request that can no longer start within it is "
                         "dropped with 503 (S-LoRA early abort); default off")
@@ -143,6 +151,20 @@ def tensor_parallel_mesh(n: int, lora_backend: str):
     return make_mesh(tensor=n, devices=devices[:n])
 
 
+def replica_devices(n: int, tensor_parallel: int) -> list | None:
+    """The devices of `--replicas n` (None for n == 1); SystemExit when they are not there."""
+    if n < 1:
+        raise SystemExit(f"jaxlora-serve: --replicas must be >= 1, got {n}")
+    if n == 1:
+        return None
+    if tensor_parallel > 1:
+        raise SystemExit("jaxlora-serve: --replicas and --tensor-parallel cannot be combined (one device per replica)")
+    devices = jax.devices()
+    if len(devices) < n:
+        raise SystemExit(f"jaxlora-serve: --replicas {n} needs {n} devices; {jax.default_backend()} has {len(devices)}")
+    return devices[:n]
+
+
 def default_model_name(model: str) -> str:
     if model in ("default", ""):
         return "SmolLM2-135M-Instruct"
@@ -179,6 +201,7 @@ def build_app(args):
     from jaxlora.weights import WeightsError, load_model
     from serve.app import ServerSettings, create_app
     from serve.engine import Engine, EngineConfig
+    from serve.replicas import ReplicaSet
 
     check_engine_options(args)
     if args.metrics_require_key and not args.api_key:
@@ -193,6 +216,9 @@ def build_app(args):
     collection = read_compressed(args)
     args.lora_backend = backends.resolve(args.lora_backend, jax.default_backend(), args.tensor_parallel)
     mesh = tensor_parallel_mesh(args.tensor_parallel, args.lora_backend)
+    devices = replica_devices(args.replicas, args.tensor_parallel)
+    if devices is not None and collection is not None and collection.method != "svd":
+        raise SystemExit("jaxlora-serve: a compressed JD collection is served by one engine (no --replicas)")
     try:
         model, tokenizer = load_model(args.model, jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
         paths = dict(parse_adapters(args.adapter))
@@ -213,12 +239,17 @@ def build_app(args):
             token_budget=args.max_num_batched_tokens, prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting,
             lora_backend=args.lora_backend, ttft_slo_s=None if args.ttft_slo_ms is None else args.ttft_slo_ms / 1e3,
             gpu_memory_utilization=args.gpu_memory_utilization, adapter_dir=args.adapter_dir,
-            max_host_adapter_bytes=host_bound, max_host_adapters=args.max_cpu_adapters)
-        if mesh is None:  # packed here so that the separate kernels are freed before the KV cache is sized
-            model = pack_projections(model)
-        engine = Engine(model, tokenizer.eos_token_ids, config, mesh=mesh, compressed=shared)
-        prepared = {name: engine.prepare_adapter(adapter) for name, adapter in adapters.items()}
-        largest = None if args.adapter_dir is None else largest_adapter_bytes(engine.pool, model.dtype)
+            max_host_adapter_bytes=host_bound, max_host_adapters=args.max_cpu_adapters,
+            reserve_output_kv=not args.grow_kv)
+        if devices is not None:  # each replica places its own copy on its device
+            engine = ReplicaSet.on_devices(model, tokenizer.eos_token_ids, config, None, devices)
+            first = engine.engines[0]
+        else:
+            if mesh is None:  # packed here so that the separate kernels are freed before the KV cache is sized
+                model = pack_projections(model)
+            engine = first = Engine(model, tokenizer.eos_token_ids, config, mesh=mesh, compressed=shared)
+        prepared = {name: first.prepare_adapter(adapter) for name, adapter in adapters.items()}
+        largest = None if args.adapter_dir is None else largest_adapter_bytes(first.pool, model.dtype)
         check_host_bound(host_bound, {name: p.nbytes for name, p in prepared.items()}, largest)
         for name, adapter in adapters.items():  # from their folders (evictable); SVD ones held
             engine.add_adapter(name, adapter, paths.get(name))

@@ -87,6 +87,7 @@ class _Sampling(_Strict):
     min_tokens: int = 0
     response_format: ResponseFormat | None = None
     user: str | None = Field(default=None, max_length=256)
+    return_token_ids: bool = False  # vLLM's: each choice (chunk) also carries its token ids, and its prompt's
 
 
 class CompletionRequest(_Sampling):
@@ -142,6 +143,15 @@ class DetokenizeRequest(_Strict):
 
     model: str | None = Field(default=None, max_length=256)
     tokens: list[int]
+
+
+class DrainRequest(_Strict):
+    """POST /drain: stop placing requests on `replica` (undo: resume); migrate: hand its requests to
+    the other replicas now instead of letting them finish there."""
+
+    replica: int
+    migrate: bool = False
+    undo: bool = False
 
 
 class LoadAdapterRequest(BaseModel):
