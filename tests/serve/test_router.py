@@ -7,7 +7,6 @@ a clear 503."""
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import pathlib
 import signal
@@ -19,70 +18,27 @@ import time
 import httpx
 import pytest
 
-from jaxlora.lora.peft_io import load_peft_adapter, save_peft_adapter
-from jaxlora.sampling import SamplingParams
 from serve.engine import Engine, EngineConfig
 from serve.router import Router, create_router_app
-from tests.jaxlora.hf_checkpoints import save_random_model, tiny_llama_config
 from tests.multidevice import free_port
-from tests.serve.conftest import LiveServer, make_adapters
+from tests.serve.conftest import LiveServer
+from tests.serve.tiny_checkpoint import QUESTIONS, make_checkpoint, reference_tokens
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<assistant>{% endif %}")
 BACKEND = ["--max-model-len", "256", "--max-num-batched-tokens", "16", "--max-num-seqs", "8", "--page-size", "16",
            "--max-tokens-limit", "256", "--log-level", "warning"]
-QUESTIONS = ["What is the capital of France?", "Name a prime number.", "Tell me a story.", "Why is the sky blue?"]
-
-
-def write_checkpoint(directory: pathlib.Path) -> None:
-    """A random 3-layer Llama (vocab 320) with a byte-level BPE tokenizer and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    save_random_model(tiny_llama_config(eos_token_id=0, bos_token_id=0), str(directory))
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(QUESTIONS * 20 + ["the quick brown fox jumps over the lazy dog"] * 20, trainer)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>",
-                                                                  "chat_template": CHAT_TEMPLATE}))
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """(model dir, {adapter name: dir}, model, tokenizer, adapters) of the tiny checkpoint."""
-    from jaxlora.weights import load_model
-
-    directory = tmp_path_factory.mktemp("tiny_ckpt")
-    write_checkpoint(directory)
-    model, tokenizer = load_model(str(directory))
-    paths = {}
-    for name, adapter in make_adapters(model.config, 2).items():
-        paths[name] = directory / name
-        save_peft_adapter(adapter, str(paths[name]))
-    adapters = {name: load_peft_adapter(str(path), model.config, name) for name, path in paths.items()}
-    return directory, paths, model, tokenizer, adapters
+    return make_checkpoint(tmp_path_factory.mktemp("tiny_ckpt"))
 
 
 @pytest.fixture(scope="module")
 def reference(checkpoint):
     _, _, model, tokenizer, adapters = checkpoint
     engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(max_model_len=256, page_size=16), adapters)
-    return lambda jobs: _reference(engine, tokenizer, jobs)
-
-
-def _reference(engine, tokenizer, jobs):
-    """Token ids an in-process engine gives each (question, model, max_tokens) job, greedy, EOS ignored."""
-    got = {i: [] for i in range(len(jobs))}
-    for i, (question, name, max_tokens) in enumerate(jobs):
-        prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}]))
-        engine.submit(i, prompt, None if name == "tiny" else name, SamplingParams(max_tokens, ignore_eos=True),
-                      lambda event, i=i: got[i].append(event.token))
-    engine.run_until_idle()
-    return [[t for t in got[i] if t is not None] for i in range(len(jobs))]
+    return lambda jobs: reference_tokens(engine, tokenizer, jobs)
 
 
 class Backend:
