@@ -68,10 +68,12 @@ class _Placed:
 class ReplicaSet:
     """Engines behind one front end (see the module doc); thread-safe like an `Engine`."""
 
-    def __init__(self, engines: list[Engine]):
+    def __init__(self, engines: list[Engine], policy: Callable = place):
+        """policy(states, tokens, max_len, adapter, exclude) -> replica id or None: `place`
+        (Punica), or e.g. `RoundRobin()` as a baseline (bench/cluster.py)."""
         if not engines:
             raise ValueError("a replica set needs at least one engine")
-        self.engines = list(engines)
+        self.engines, self.policy = list(engines), policy
         self.config, self.model_config = engines[0].config, engines[0].model_config
         self._lock = threading.RLock()
         self._requests: dict[object, _Placed] = {}
@@ -84,11 +86,12 @@ class ReplicaSet:
             engine.handoff = lambda handoff, index=index: self._migrated(index, handoff)
 
     @classmethod
-    def on_devices(cls, model, eos_ids, config, adapters: dict[str, LoraAdapter] | None, devices) -> "ReplicaSet":
+    def on_devices(cls, model, eos_ids, config, adapters: dict[str, LoraAdapter] | None, devices,
+                   policy: Callable = place) -> "ReplicaSet":
         """One engine per device of `devices` (each a (tensor=1) mesh over it: its own copy of the
         weights, adapter pool and KV pages)."""
         return cls([Engine(model, eos_ids, config, adapters, mesh=make_mesh(tensor=1, devices=[device]))
-                    for device in devices])
+                    for device in devices], policy)
 
     # ---- the engine's interface (serve.app) ---------------------------------------------
     def adapter_names(self) -> list[str]:
@@ -181,8 +184,8 @@ class ReplicaSet:
         with self._lock:
             while self._queue:
                 placed = self._queue[0]
-                replica = place(self.states(), len(placed.prompt) + len(placed.output), placed.max_len,
-                                placed.adapter, placed.exclude)
+                replica = self.policy(self.states(), len(placed.prompt) + len(placed.output), placed.max_len,
+                                      placed.adapter, placed.exclude)
                 if replica is None and placed.exclude:  # no other replica: wait for any
                     placed.exclude = ()
                     continue

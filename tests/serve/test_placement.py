@@ -5,7 +5,7 @@ growing-KV mode that preempts the newest running request when the page pool runs
 import pytest
 
 from jaxlora.scheduler.serving import (
-    PENDING, ReplicaState, SchedulerConfig, Sequence, ServingScheduler, Status, place, round_robin,
+    PENDING, ReplicaState, RoundRobin, SchedulerConfig, Sequence, ServingScheduler, Status, place,
 )
 
 
@@ -42,8 +42,10 @@ def test_adapter_affinity_breaks_ties_then_the_replica_id():
 
 
 def test_round_robin_takes_turns_among_replicas_with_room():
-    states = [_state(0, 8), _state(1, 0), _state(2, 0)]
-    assert [round_robin(states, 4, 8, turn) for turn in range(4)] == [1, 1, 2, 1]
+    states = [_state(0, 8), _state(1, 0), _state(2, 0), _state(3, 0)]
+    policy = RoundRobin()
+    assert [policy(states, 4, 8) for _ in range(5)] == [1, 2, 3, 1, 2]  # replica 0 is full
+    assert policy(states, 4, 8, exclude=[3]) == 1
 
 
 def _scheduler(num_pages, reserve_output=False):

@@ -5,7 +5,7 @@ adapter pages in one budget with unified paging), the LRU device adapter slots w
 
 from jaxlora.scheduler.serving.adapters import AdapterSlots
 from jaxlora.scheduler.serving.pages import PageAllocator, admission_pages, pages_for
-from jaxlora.scheduler.serving.placement import ReplicaState, place, round_robin
+from jaxlora.scheduler.serving.placement import ReplicaState, RoundRobin, place
 from jaxlora.scheduler.serving.unified import UnifiedPages, adapter_pages
 from jaxlora.scheduler.serving.policy import (
     PENDING,
@@ -18,7 +18,7 @@ from jaxlora.scheduler.serving.policy import (
 )
 
 __all__ = [
-    "AdapterSlots", "PENDING", "PageAllocator", "ReplicaState", "SchedulerConfig", "Sequence", "ServingScheduler",
-    "Status", "StepPlan", "StepRow", "UnifiedPages", "adapter_pages", "admission_pages", "pages_for", "place",
-    "round_robin",
+    "AdapterSlots", "PENDING", "PageAllocator", "ReplicaState", "RoundRobin", "SchedulerConfig", "Sequence",
+    "ServingScheduler", "Status", "StepPlan", "StepRow", "UnifiedPages", "adapter_pages", "admission_pages",
+    "pages_for", "place",
 ]

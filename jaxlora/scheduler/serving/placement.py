@@ -65,14 +65,20 @@ def place(states: Iterable[ReplicaState], tokens: int, max_len: int, adapter: Ha
     return best.replica_id
 
 
-def round_robin(states: Iterable[ReplicaState], tokens: int, max_len: int, turn: int,
-                exclude: Iterable[int] = ()) -> int | None:
-    """The baseline placement: the first replica with room at or after position `turn` (mod the
-    number of replicas) in id order; None if none has room."""
-    excluded = set(exclude)
-    ordered = sorted(states, key=lambda s: s.replica_id)
-    for k in range(len(ordered)):
-        state = ordered[(turn + k) % len(ordered)]
-        if state.replica_id not in excluded and state.has_room(tokens, max_len):
-            return state.replica_id
-    return None
+class RoundRobin:
+    """The baseline policy (same call as `place`): replicas take turns in id order; a replica
+    without room (`ReplicaState.has_room`) or in `exclude` passes its turn. None if none has room."""
+
+    def __init__(self):
+        self.turn = 0
+
+    def __call__(self, states: Iterable[ReplicaState], tokens: int, max_len: int, adapter: Hashable | None = None,
+                 exclude: Iterable[int] = ()) -> int | None:
+        excluded = set(exclude)
+        ordered = sorted(states, key=lambda s: s.replica_id)
+        for k in range(len(ordered)):
+            state = ordered[(self.turn + k) % len(ordered)]
+            if state.replica_id not in excluded and state.has_room(tokens, max_len):
+                self.turn = (self.turn + k + 1) % len(ordered)
+                return state.replica_id
+        return None
