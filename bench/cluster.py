@@ -212,41 +212,47 @@ def run_simulations(sizes, step_ms, seed: int, duration_s: float = 30.0) -> dict
         step_s = (step_ms[0] + step_ms[1] * max_batch) / 1e3
         capacity = size * max_batch / (step_s * (np.mean(output) + 1))  # requests/s when every replica is full
         requests = workload(duration_s, 0.7 * capacity, 8, seed, prompt, output)
-        results[str(size)] = {name: simulate(make(), size, requests, step_ms, max_batch, 32 * 48, page_size, 0.5)
-                              for name, make in POLICIES.items()}
+        runs = {name: simulate(make(), size, requests, step_ms, max_batch, 32 * 48, page_size, 0.5)
+                for name, make in POLICIES.items()}
+        results[str(size)] = {name: {k: v for k, v in run.items() if not isinstance(v, list)}  # summaries only
+                              for name, run in runs.items()}
     return results
 
 
 # ---- output --------------------------------------------------------------------------------------
 def plot(result: dict, path: Path) -> None:
+    """Busy replicas over time (measured), each policy's batch per replica over time, and the
+    simulated busy fraction against the cluster size."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8))
     measured = result["measured"]
     for name, style in (("punica", "-"), ("round_robin", "--")):
         run = measured[name]
         busy = (np.asarray(run["batch_per_replica"]) > 0).sum(axis=1)
-        axes[0].plot(run["times_s"], busy, style, label=f"{name} (mean {run['busy_replicas_mean']:.2f})")
+        axes[0, 0].plot(run["times_s"], busy, style, label=f"{name} (mean {run['busy_replicas_mean']:.2f})")
+    axes[0, 0].set(title=f"measured: busy replicas ({result['device']}, {result['replicas']} replicas)",
+                   xlabel="time (s)", ylabel="replicas with work")
+    for axis, name in ((axes[0, 1], "punica"), (axes[1, 0], "round_robin")):
+        run = measured[name]
         for replica, series in enumerate(np.asarray(run["batch_per_replica"]).T):
-            axes[1].plot(run["times_s"], series, style, color=f"C{replica}",
-                         label=f"{name} replica {replica}" if name == "punica" or replica == 0 else None)
-    axes[0].set(title=f"measured: busy replicas ({result['device']})", xlabel="time (s)", ylabel="replicas with work")
-    axes[1].set(title="measured: batch per replica (solid: punica, dashed: round robin)", xlabel="time (s)",
-                ylabel="requests placed")
+            axis.plot(run["times_s"], series, lw=0.8, label=f"replica {replica}")
+        axis.set(title=f"measured: batch per replica, {name} ({run['throughput_tok_s']:.0f} tok/s)",
+                 xlabel="time (s)", ylabel="requests placed")
     sizes = sorted(result["simulated"], key=int)
     for name, marker in (("punica", "o"), ("round_robin", "s")):
         means = [result["simulated"][s][name]["busy_replicas_mean"] / int(s) for s in sizes]
-        axes[2].plot([int(s) for s in sizes], means, marker=marker, label=name)
-    axes[2].set(title=f"simulated (step {result['sim_step_ms'][0]:g} + {result['sim_step_ms'][1]:g} ms/row)",
-                xlabel="replicas", ylabel="busy fraction of replicas (time mean)", xscale="log", xticks=[8, 16, 32, 64])
-    axes[2].set_xticklabels(["8", "16", "32", "64"])
-    for axis in axes:
+        axes[1, 1].plot([int(s) for s in sizes], means, marker=marker, label=name)
+    axes[1, 1].set(title=f"simulated, H200 step times ({result['sim_step_ms'][0]:g} + {result['sim_step_ms'][1]:g} "
+                         f"ms/row), peak 70% load", xlabel="replicas", ylabel="busy fraction of replicas (time mean)",
+                   xticks=[int(s) for s in sizes], ylim=(0, 1.05))
+    for axis in axes.flat:
         axis.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=80)
 
 
 def main(argv=None) -> None:
