@@ -392,7 +392,11 @@ def _reply_error(reply: BackendReply) -> dict:
 
 def create_router_app(router: Router, api_key: str | None = None, max_body_bytes: int = 1 << 20) -> FastAPI:
     """The router's FastAPI app (see the module doc)."""
-    app = FastAPI(title="jaxlora-router")
+    async def lifespan(app):
+        yield
+        await router.client.aclose()
+
+    app = FastAPI(title="jaxlora-router", lifespan=lifespan)
     app.state.router = router
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     if api_key:
