@@ -137,3 +137,31 @@ def test_draining_a_replica_migrates_its_work_and_reports_it_idle(model, adapter
     with pytest.raises(ValueError, match=r"replica must be in \[0, 2\)"):
         replicas.drain(2)
     assert not replicas.drain(0, undo=True)["draining"]
+
+
+def test_an_abort_catches_a_request_between_replicas(model, adapters):
+    replicas = ReplicaSet([Engine(model, (), EngineConfig(**ROOMY_KV), adapters) for _ in range(2)])
+    events = []
+    prompt, adapter, sampling = _requests(1)[0]
+    replicas.submit("r", prompt, adapter, sampling, events.append)
+    replicas.engines[0].step()
+    replicas.engines[0].migrate("r")  # handed off at replica 0's next step ...
+    replicas.abort("r")  # ... and aborted before that: the hand-off finds it aborted
+    replicas.run_until_idle()
+    assert [e.finish_reason for e in events if e.token is None] == ["abort"] and replicas.migrations == 0
+    assert [s.batch for s in replicas.states()] == [0, 0]
+    assert all(engine.free_pages == ROOMY_KV["num_pages"] for engine in replicas.engines)
+
+
+def test_requests_wait_for_a_replica_with_room_in_arrival_order(model, adapters, unmigrated):
+    one_row = dict(ROOMY_KV, max_num_seqs=1)
+    replicas = ReplicaSet([Engine(model, (), EngineConfig(**one_row), adapters) for _ in range(2)])
+    finished = []
+    events = {i: [] for i in range(6)}
+    for i, (prompt, adapter, sampling) in enumerate(_requests(6)):
+        replicas.submit(i, prompt, adapter, sampling,
+                        lambda e, i=i: (events[i].append(e), e.finish_reason and finished.append(i)))
+    assert server_state(replicas)["queued"] == 4
+    replicas.run_until_idle()
+    assert [_tokens(events[i]) for i in range(6)] == unmigrated
+    assert sorted(finished[:2]) == [0, 1] and sorted(finished[2:4]) == [2, 3]  # FCFS: two replicas, one row each
