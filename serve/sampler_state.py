@@ -3,7 +3,8 @@
 
 A sequence whose logits depend on more than its own logits (a logit bias, penalties over its
 prompt and output tokens, min_tokens) or that asks for log-probabilities gets a slot the first
-time one of its rows is built, and keeps it until it finishes (or is preempted: `release`); a slot is freed lazily, when the
+time one of its rows is built (its output counts written then: non-zero for a resumed sequence),
+and keeps it until it finishes or is preempted (`release`); a slot is freed lazily, when the
 next sequence needs one (a finished sequence's row still in flight only adds to the counts of a
 slot that is rewritten after it: the device runs the writes and the steps in the order they are
 dispatched). There are as many slots as running sequences can be (`max_num_seqs`), so a running
