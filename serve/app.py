@@ -518,7 +518,8 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
             return _streaming(server.stream(generation, "completions", chunk, final))
         texts, reasons, logprobs = await server.collect(generation, request, "completions")
         choices = [{"index": i, "text": echoes[i] + t, "logprobs": logprobs_of(i, logprobs[i]), "finish_reason": r,
-                    **generation.token_fields(body, i, everything=True)} for i, (t, r) in enumerate(zip(texts, reasons))]
+                    **generation.token_fields(body, i, everything=True)}
+                   for i, (t, r) in enumerate(zip(texts, reasons))]
         return {"id": cid, "object": "text_completion", "created": created, "model": body.model,
                 "choices": choices, "usage": generation.usage()}
 

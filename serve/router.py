@@ -345,7 +345,8 @@ class StreamRelay:
         remaining = self.need.max_tokens - len(self.generated)
         payload = {key: value for key, value in self.body.model_dump(exclude_unset=True).items() if key in CARRIED}
         payload.update(model=self.body.model, prompt=self.prompt_ids + self.generated, max_tokens=remaining,
-                       stream=True, return_token_ids=True, min_tokens=max(0, self.body.min_tokens - len(self.generated)))
+                       stream=True, return_token_ids=True,
+                       min_tokens=max(0, self.body.min_tokens - len(self.generated)))
         need = Need(len(payload["prompt"]), len(payload["prompt"]) + remaining, self.body.model, remaining)
         self.continued = True
         await self.router.open_stream("/v1/completions", payload, need, self)

@@ -51,8 +51,8 @@ class Backend:
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "serve", "--model", str(directory), "--served-model-name", "tiny",
-             "--port", str(self.port), "--compile-cache", str(compile_cache), *adapters, *BACKEND], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE)
+             "--port", str(self.port), "--compile-cache", str(compile_cache), *adapters, *BACKEND],
+            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     @property
     def url(self) -> str:
