@@ -1128,7 +1128,6 @@ class Engine:
             "total_pages": self.config.num_pages,
             "tokens_per_second": self.stats.tokens_per_second(),
             "dropped_overloaded": self.stats.dropped,
-            "adapter_loads": self.stats.adapter_loads,
             "max_num_seqs": self.config.max_num_seqs,
             "page_size": self.config.page_size,
             "reserve_output_kv": self.config.reserve_output_kv,

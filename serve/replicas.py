@@ -23,6 +23,11 @@ server over a replica set.
   once, else they finish there; `load()` reports each replica's load and whether it is idle
   (draining and empty: an operator or autoscaler may release it). `drain(i, undo=True)` resumes.
 
+Adapters are registered on every replica (each engine has its own adapter store, host cache and
+device pool); the first replica's store stands for all where the app awaits a directory
+adapter's first read and in /metrics' adapter-tier gauges (`adapters`), and `stats` sums the
+engines' counters.
+
 `server_state(engine_or_set)` is the JSON of `GET /state` (one entry per replica; a plain engine is
 one replica), which `serve.router` places by across servers.
 """
@@ -38,7 +43,7 @@ from jaxlora.lora.adapter import LoraAdapter
 from jaxlora.sampling import SamplingParams
 from jaxlora.scheduler.serving import ReplicaState, admission_pages, place
 from jaxlora.sharding import make_mesh
-from serve.engine import Engine, EngineBusy, Event, Handoff, UnknownAdapter
+from serve.engine import Engine, EngineBusy, Event, Handoff
 
 
 @dataclasses.dataclass
@@ -97,12 +102,27 @@ class ReplicaSet:
     def adapter_names(self) -> list[str]:
         return self.engines[0].adapter_names()
 
-    def add_adapter(self, name: str, adapter: LoraAdapter) -> None:
+    @property
+    def adapters(self):
+        """The first replica's adapter store (see the module doc)."""
+        return self.engines[0].adapters
+
+    @property
+    def stats(self) -> "_SummedStats":
+        return _SummedStats(self.engines)
+
+    def resolve_adapter(self, name: str):
+        """`Engine.resolve_adapter` on every replica (a directory adapter is registered on each);
+        the first replica's entry."""
+        entries = [engine.resolve_adapter(name) for engine in self.engines]
+        return entries[0]
+
+    def add_adapter(self, name: str, adapter: LoraAdapter, path: str | None = None) -> None:
         """Registers `adapter` on every replica (none if one refuses it: the error is raised)."""
         done = []
         try:
             for engine in self.engines:
-                engine.add_adapter(name, adapter)
+                engine.add_adapter(name, adapter, path)
                 done.append(engine)
         except Exception:
             for engine in done:
@@ -146,17 +166,17 @@ class ReplicaSet:
         snaps = [engine.snapshot() for engine in self.engines]
         summed = {key: sum(s[key] for s in snaps) for key in ("running", "waiting", "free_pages", "total_pages",
                                                               "tokens_per_second", "dropped_overloaded",
-                                                              "adapter_loads")}
-        return {**snaps[0], **summed, "waiting": summed["waiting"] + len(self._queue),
-                "adapters_on_device": sum(s["adapters_on_device"] for s in snaps)}
+                                                              "adapters_on_device")}
+        pages = {holder: sum(s["pages"][holder] for s in snaps) for holder in snaps[0]["pages"]}
+        return {**snaps[0], **summed, "pages": pages, "waiting": summed["waiting"] + len(self._queue)}
 
     # ---- requests ---------------------------------------------------------------------------
     def submit(self, request_id, prompt: list[int], adapter: str | None, sampling: SamplingParams,
                callback: Callable[[Event], None]) -> None:
         """Places a request (see the module doc); raises as `Engine.submit` does."""
         self.validate(len(prompt), sampling.max_new_tokens)
-        if adapter is not None and adapter not in self.adapter_names():
-            raise UnknownAdapter(adapter)
+        if adapter is not None:
+            self.resolve_adapter(adapter)  # UnknownAdapter, AdapterError
         with self._lock:
             if len(self._queue) >= self.config.max_waiting:
                 raise EngineBusy(f"{len(self._queue)} requests wait for a replica; try again later")
@@ -306,3 +326,15 @@ def server_state(engine: Engine | ReplicaSet) -> dict:
             queued = len(engine._queue)
         return {"replicas": engine.load(), "queued": queued, "migrations": engine.migrations}
     return {"replicas": [engine_load(engine)], "queued": 0, "migrations": 0}
+
+
+class _SummedStats:
+    """The engines' `EngineStats` read as one: counters and seconds summed, maxima (`*_max_s`) the
+    largest."""
+
+    def __init__(self, engines: list[Engine]):
+        self._engines = engines
+
+    def __getattr__(self, name: str):
+        values = [getattr(engine.stats, name) for engine in self._engines]
+        return max(values) if name.endswith("_max_s") else sum(values)
