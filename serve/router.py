@@ -122,7 +122,8 @@ class Router:
 
     async def _refresh(self, backend: Backend) -> None:
         try:
-            reply = await self.client.get(backend.url + "/state", headers=self.headers, timeout=self.state_timeout_s)
+            reply = await backend_call(self.client.get(backend.url + "/state", headers=self.headers,
+                                                       timeout=self.state_timeout_s))
             reply.raise_for_status()
             backend.state, backend.healthy = reply.json(), True
         except (httpx.HTTPError, ValueError):
@@ -209,7 +210,8 @@ class Router:
             if not backend.healthy:
                 continue
             try:
-                reply = await self.client.post(backend.url + "/tokenize", json=payload, headers=self.headers)
+                reply = await backend_call(self.client.post(backend.url + "/tokenize", json=payload,
+                                                            headers=self.headers))
             except httpx.TransportError:
                 backend.healthy = False
                 continue
@@ -225,7 +227,8 @@ class Router:
         while True:
             index = await self.choose(request_id, need, exclude)
             try:
-                reply = await self.client.post(self.backends[index].url + endpoint, json=payload, headers=self.headers)
+                reply = await backend_call(self.client.post(self.backends[index].url + endpoint, json=payload,
+                                                            headers=self.headers))
             except httpx.TransportError:
                 self.failed(index, request_id)
                 exclude.append(index)
@@ -241,7 +244,7 @@ class Router:
             request = self.client.build_request("POST", self.backends[index].url + endpoint, json=payload,
                                                 headers=self.headers)
             try:
-                response = await self.client.send(request, stream=True)
+                response = await backend_call(self.client.send(request, stream=True))
             except httpx.TransportError:
                 self.failed(index, relay.request_id)
                 relay.exclude.append(index)
@@ -283,7 +286,7 @@ class StreamRelay:
         try:
             while True:
                 try:
-                    async for line in self.response.aiter_lines():
+                    async for line in backend_lines(self.response):
                         if line.startswith("data: "):
                             out = self._relay(line[len("data: "):])
                             if out is not None:
@@ -310,7 +313,10 @@ class StreamRelay:
 
     async def _close(self) -> None:
         if self.response is not None:
-            await self.response.aclose()
+            try:
+                await backend_call(self.response.aclose())
+            except httpx.TransportError:
+                pass  # the backend is gone: nothing left to close
 
     def _relay(self, data: str) -> str | None:
         """The client's SSE line for one backend line (None: nothing to send)."""
@@ -367,6 +373,32 @@ class StreamRelay:
                             else {}, "logprobs": None, "finish_reason": reason,
                             **{k: choice[k] for k in ("token_ids",) if k in choice}})
         return {**chunk, "object": "chat.completion.chunk", "choices": choices}
+
+
+async def backend_call(call):
+    """Awaits an httpx call to a backend; any error of the transport is an `httpx.TransportError`
+    (a backend killed mid-connection can surface from httpcore as another exception)."""
+    try:
+        return await call
+    except httpx.HTTPError:
+        raise
+    except Exception as err:
+        raise httpx.TransportError(f"the backend connection failed: {err!r}") from err
+
+
+async def backend_lines(response: httpx.Response):
+    """The lines of a backend's streamed response, errors as in `backend_call`."""
+    lines = response.aiter_lines()
+    while True:
+        try:
+            line = await lines.__anext__()
+        except StopAsyncIteration:
+            return
+        except httpx.HTTPError:
+            raise
+        except Exception as err:
+            raise httpx.TransportError(f"reading from the backend failed: {err!r}") from err
+        yield line
 
 
 def forwarded(body, need: Need) -> dict:
@@ -442,7 +474,7 @@ def _add_admin_routes(app: FastAPI, router: Router) -> None:
     async def models():
         for backend in router.backends:
             try:
-                reply = await router.client.get(backend.url + "/v1/models", headers=router.headers)
+                reply = await backend_call(router.client.get(backend.url + "/v1/models", headers=router.headers))
             except httpx.TransportError:
                 continue
             return Response(reply.content, reply.status_code, media_type="application/json")
