@@ -116,10 +116,12 @@ from jaxlora.models.llama import Llama, LoraInputs
 from jaxlora.models.paged import PagedBatch, PagedKVCache
 from jaxlora.sampling import SamplingParams
 from jaxlora.scheduler.serving import (
-    PENDING, SchedulerConfig, Sequence, ServingScheduler, StepPlan, adapter_pages, pages_for,
+    INFERENCE_MODES, PENDING, ModePolicy, SchedulerConfig, Sequence, ServingScheduler, StepPlan, adapter_pages,
+    pages_for,
 )
 
 from serve.adapter_store import AdapterStore
+from serve.modes import EngineModes
 from serve.sampler_state import SamplerSlots, step_sampling
 from serve.step import Programs, RowSampling, RowState, Step, StepShape
 from serve.window import WindowSlots
@@ -185,6 +187,13 @@ class EngineConfig:
     # adapters evicted when KV runs short (jaxlora.scheduler.serving.unified). Accounting only: the
     # device still holds adapters in the pool's max-rank slots until the LoRA kernels read pages.
     unified_paging: bool = False
+    # Inference modes (serve.modes, V-LoRA): "unmerged" (every adapter as LoRA), "merged" (one adapter's
+    # ΔW folded into the base weights a step; the others wait), "mixed" (deLoRA: the most requested one
+    # merged, the others beside it), "auto" (V-LoRA's policy picks one each step, `mode_policy`'s
+    # thresholds; None: its defaults with max_batch = max_num_seqs). Not "unmerged": a copy of the
+    # targeted base kernels is kept on the device; mixed and auto need the adapter window to cover the pool.
+    inference_mode: str = "unmerged"
+    mode_policy: ModePolicy | None = None
 
     # Bounds of the step sizes (each compiled program is as large as its step; tokens bound rows).
     BOUNDS = {"max_num_seqs": (1, 1024), "token_budget": (1, 65536), "prefill_chunk": (1, 65536)}
@@ -210,6 +219,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a power of two in [1, 65536], got {value}")
         if self.adapter_window is not None and not 0 <= self.adapter_window <= 64:
             raise ValueError(f"adapter_window must be in [0, 64] (0: off), got {self.adapter_window}")
+        if self.inference_mode not in INFERENCE_MODES:
+            raise ValueError(f"inference_mode must be one of {', '.join(INFERENCE_MODES)}, got {self.inference_mode!r}")
         if self.num_pages is not None and self.max_model_len > self.num_pages * self.page_size:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the KV cache "
                              f"({self.num_pages} pages x {self.page_size} tokens)")
@@ -340,6 +351,7 @@ class Engine:
             self._fill_program = None  # `fill_window_slot`, compiled on first use
         self._graphdef, self._state = nnx.split(model)
         self._dtype = model.dtype
+        self.modes = self._inference_modes(config, mesh, compressed)  # None: unmerged only
         # donate: the pool's arrays are written in place; only `build_step` reads them, afresh each step
         self.pool = AdapterPool(model.config, config.max_adapters_on_device, config.max_lora_rank,
                                 dtype=model.dtype, donate=True, mesh=mesh)
@@ -390,6 +402,21 @@ class Engine:
             self.add_adapter(name, adapter)
         for index, name in enumerate(() if compressed is None else compressed.names):
             self._register_compressed(name, index)
+
+    def _inference_modes(self, config: EngineConfig, mesh, compressed) -> EngineModes | None:
+        """The mode state of `config.inference_mode` (its base copy made now, before the KV pages
+        are sized); ValueError where the mode cannot run."""
+        if config.inference_mode == "unmerged":
+            return None
+        if mesh is not None or compressed is not None:
+            raise ValueError(f"inference_mode {config.inference_mode!r} needs one device and no compressed collection")
+        if config.inference_mode != "merged" and (self.window is None
+                                                  or self.window.slots < config.max_adapters_on_device):
+            raise ValueError(f"inference_mode {config.inference_mode!r} needs an adapter window of at least "
+                             f"max_adapters_on_device ({config.max_adapters_on_device}) slots")
+        policy = config.mode_policy or ModePolicy(max_batch=config.max_num_seqs)
+        return EngineModes.build(config.inference_mode, policy, self.model_config, self._state["weights"],
+                                 PROJECTIONS)
 
     @property
     def tensor_parallel(self) -> int:
@@ -639,7 +666,11 @@ class Engine:
         pins its adapters' slots until `_finish`. None when no row can run now."""
         if not self.scheduler.has_work():
             return None
+        if self.modes is not None:
+            self.modes.decide(self.scheduler, self.stats.last_step_s)
         plan = self.scheduler.schedule()
+        if not plan.rows and self.modes is not None and self.modes.relax(self.scheduler):
+            plan = self.scheduler.schedule()
         self._tell_refused()
         if plan.preempted:
             self._hand_off(plan.preempted)
@@ -650,6 +681,8 @@ class Engine:
         if not plan.rows:
             return None
         try:
+            if self.modes is not None:
+                self.modes.apply(self, plan)  # may switch the weights; the merged adapter's rows -> base
             step = self._build_step(plan, phases)
             tokens = self.run_step(step)
             phases.mark("dispatch")
@@ -752,6 +785,8 @@ class Engine:
             self.pool.evict(free)
         if self.window is not None:  # the window's fill: compiled, not run
             self._window_fill_program()
+        if self.modes is not None:
+            self.modes.warmup(self)
         return {"programs": len(self.programs) - before, "seconds": time.perf_counter() - started}
 
     def _has_bucket(self, tokens: int, lora: bool, decode_only: bool) -> bool:
@@ -809,15 +844,21 @@ class Engine:
         order = serving_order([row.slot for row in plan.rows], [row.count for row in plan.rows])
         plan = dataclasses.replace(plan, rows=[plan.rows[i] for i in order])
         phases.mark("order")
-        in_window = self._place_in_window(sorted({row.slot for row in plan.rows if row.slot >= 0}))
+        delora = None if self.modes is None else self.modes.delora_key(self, plan)  # mixed: the -ΔW branch
+        in_window = self._place_in_window(sorted({row.slot for row in plan.rows if row.slot >= 0}), delora)
         batch, token_slot, one_token = self._batch_arrays(plan, in_window is not None)
         phases.mark("batch")
         decode_only = bool(one_token[: plan.num_tokens].all())
         lora = None
         if in_window is not None:  # every adapter of the step in the window: no LoRA kernel
+            token_extra = None
+            if delora is not None:  # the branch's window slot for the tokens of the rows that add it
+                rows = np.append(self.modes.branch_rows(plan), False)  # padding tokens (row -1): none
+                token_extra = np.where(rows[batch.token_row], in_window.pop(delora[0]), -1)
             lookup = np.full(self.config.max_adapters_on_device + 1, -1, np.int32)
             lookup[list(in_window)] = list(in_window.values())
-            lora = LoraInputs({}, build_window_plan(lookup[token_slot], self.window.slots, self.window.rank))
+            lora = LoraInputs({}, build_window_plan(lookup[token_slot], self.window.slots, self.window.rank,
+                                                    token_extra))
         elif (token_slot >= 0).any():
             lora = LoraInputs(self._lora_arrays(), self._lora_plan(token_slot, one_token, decode_only))
         else:  # base rows only: the base model's own compiled step, no pool or plan
@@ -836,14 +877,18 @@ class Engine:
         return Step(plan, shapes, kind, batch, lora, self._last_tokens, self._token_sources(plan, batch.tokens),
                     sampling)
 
-    def _place_in_window(self, slots: list[int]) -> dict[int, int] | None:
-        """{pool slot: window slot} for a step whose rows use the pool slots `slots`, copying the
-        adapters not in the window yet into it (on the device, before the step); None when the
-        window is off, the step has no adapter or more adapters than the window holds."""
-        if self.window is None or not slots:
+    def _place_in_window(self, slots: list[int], extra: tuple | None = None) -> dict[int, int] | None:
+        """{pool slot: window slot} for a step whose rows use the pool slots `slots` (and the window
+        key `extra`: a mixed step's -ΔW branch, `EngineModes.delora_key`), copying the adapters not
+        in the window yet into it (on the device, before the step); None when the window is off,
+        the step has no adapter or more adapters than the window holds."""
+        wanted = [(slot, self.pool.slot_writes[slot]) for slot in slots] + ([] if extra is None else [extra])
+        if self.window is None or not wanted:
             return None
-        assigned = self._window_slots.assign([(slot, self.pool.slot_writes[slot]) for slot in slots])
+        assigned = self._window_slots.assign(wanted)
         if assigned is None:
+            if extra is not None:
+                raise RuntimeError("a mixed step's adapters and -ΔW branch exceed the adapter window")
             return None
         placed, fills = assigned
         for window_slot, pool_slot in fills:
@@ -852,9 +897,13 @@ class Engine:
 
     def _fill_window(self, window_slot: int, pool_slot: int) -> None:
         """Copies pool slot `pool_slot` into window slot `window_slot` of the model's weights (in
-        place: `fill_window_slot` donates them)."""
+        place: `fill_window_slot` donates them); a negative `pool_slot` -1 - s: slot s with its
+        scale negated (the -ΔW branch of mixed steps, `serve.modes`)."""
         weights = self._state["weights"]
-        filled = self._window_fill_program()(*self._window_fill_args(window_slot, pool_slot))
+        args = self._window_fill_args(window_slot, pool_slot if pool_slot >= 0 else -1 - pool_slot)
+        if pool_slot < 0:  # the -ΔW branch: the pool's scales negated
+            args = (args[0], {name: {**arrays, "scale": -arrays["scale"]} for name, arrays in args[1].items()}, *args[2:])
+        filled = self._window_fill_program()(*args)
         for key in window_keys(self.window):
             weights[key].set_value(filled[key])
         self.stats.window_fills += 1
@@ -1132,6 +1181,7 @@ class Engine:
             "page_size": self.config.page_size,
             "reserve_output_kv": self.config.reserve_output_kv,
             "waiting_pages": sum(scheduler.pages_needed(seq) for seq in list(scheduler.waiting)),
+            **({} if self.modes is None else self.modes.snapshot()),
         }
 
 

@@ -130,16 +130,23 @@ class WindowPlan(NamedTuple):
 
     token_window [N] int32: window slot of each token's adapter, -1 = base model or padding.
     column_window [W * r] int32: window slot of each shrink column of one projection (c // r).
+    token_extra [N] int32: a second window slot whose LoRA the token adds too, -1 = none (mixed
+      inference mode: the merged adapter with negated scale, `serve.modes`).
     """
 
     token_window: np.ndarray
     column_window: np.ndarray
+    token_extra: np.ndarray
 
 
-def build_window_plan(token_window, window: int, rank: int) -> WindowPlan:
+def build_window_plan(token_window, window: int, rank: int, token_extra=None) -> WindowPlan:
     """The plan of tokens whose adapters sit in window slots `token_window` [N] (-1: none), for a
-    window of `window` slots of rank `rank`."""
+    window of `window` slots of rank `rank`; token_extra [N]: a second slot per token (None: none)."""
     token_window = np.asarray(token_window, np.int32).reshape(-1)
-    if token_window.size and (token_window.max() >= window or token_window.min() < -1):
-        raise ValueError(f"window slots must be in -1..{window - 1}")
-    return WindowPlan(token_window, (np.arange(window * rank) // rank).astype(np.int32))
+    token_extra = np.full_like(token_window, -1) if token_extra is None else np.asarray(token_extra, np.int32)
+    for slots in (token_window, token_extra):
+        if slots.size and (slots.max() >= window or slots.min() < -1):
+            raise ValueError(f"window slots must be in -1..{window - 1}")
+    if token_extra.shape != token_window.shape:
+        raise ValueError(f"token_extra {token_extra.shape} must match token_window {token_window.shape}")
+    return WindowPlan(token_window, (np.arange(window * rank) // rank).astype(np.int32), token_extra)

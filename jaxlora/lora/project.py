@@ -160,7 +160,7 @@ def _window_output(x: jax.Array, weights: dict[str, jax.Array], name: str,
     """(x @ W (+ bias), each row's LoRA delta from the adapter window), both in x's dtype as PEFT
     adds them (`jaxlora.models.packed.add_adapter_window`): the kernel `<name>.kernel`
     [k, n + P*W*r] gives the base output and every window slot's shrink in one GEMM; each row
-    keeps its own slot's columns (`plan`: x's rows are its tokens); one GEMM with
+    keeps its own slot's columns and those of its extra slot (`plan`: x's rows are its tokens); one GEMM with
     `<name>.window_b` (B times the scale) expands them: block-diagonal [P*W*r, n] -> delta
     [..., T, n]; or one block per projection [P, W*r, n_p] (a batched GEMM, no zero blocks) ->
     delta [P, ..., T, n_p]. A kernel without window columns: (the base output, None).
@@ -174,7 +174,7 @@ def _window_output(x: jax.Array, weights: dict[str, jax.Array], name: str,
     if f"{name}.bias" in weights:
         base = base + weights[f"{name}.bias"].astype(x.dtype)
     columns = jnp.tile(plan.column_window, shrink.shape[-1] // plan.column_window.shape[0])
-    own = columns[None, :] == plan.token_window[:, None]  # [T, P*W*r]: the row's slot's columns
+    own = (columns[None, :] == plan.token_window[:, None]) | (columns[None, :] == plan.token_extra[:, None])
     shrink = jnp.where(own, shrink, 0).astype(window_b.dtype)
     if window_b.ndim == 2:
         return base, jnp.dot(shrink, window_b, preferred_element_type=x.dtype)

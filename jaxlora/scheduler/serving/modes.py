@@ -48,11 +48,13 @@ class ModePolicy:
 @dataclasses.dataclass(frozen=True)
 class Pending:
     """A request as the policy sees it: its adapter (None: the base model), seconds since it last
-    got a row (or since it arrived), and its arrival order (smaller: older)."""
+    got a row (or since it arrived), its arrival order (smaller: older), and whether it is running
+    (admitted: it holds its KV pages)."""
 
     adapter: Hashable | None
     waited_s: float
     order: int = 0
+    running: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +87,10 @@ def choose_mode(requests: list[Pending], current: Mode, step_s: float, switch_s:
 
 def fixed_mode(requests: list[Pending], current: Mode, name: str) -> Mode:
     """The mode of an engine held in mode `name`. "merged" (merged-only serving): the target of
-    the oldest request (its adapter, or None: the base model), kept while it has requests, so every
-    request is served in arrival order of targets; "mixed": the adapter with the most requests
-    merged, kept while it has any; "unmerged": nothing merged."""
+    the oldest running request, else of the oldest waiting one (its adapter, or None: the base
+    model), kept while it has requests: running requests go first because they hold KV pages
+    (serving a waiting one first could wait for pages forever); "mixed": the adapter with the most
+    requests merged, kept while it has any; "unmerged": nothing merged."""
     if name == "unmerged":
         return Mode("unmerged")
     targets = {r.adapter for r in requests}
@@ -96,7 +99,7 @@ def fixed_mode(requests: list[Pending], current: Mode, name: str) -> Mode:
     if not requests:
         return current if current.name == name else Mode(name)
     if name == "merged":
-        return Mode("merged", min(requests, key=lambda r: r.order).adapter)
+        return Mode("merged", min(requests, key=lambda r: (not r.running, r.order)).adapter)
     return Mode("mixed", _dominant(requests, current.merged)[0])
 
 

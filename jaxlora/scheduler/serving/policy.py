@@ -43,6 +43,10 @@ own kept); KV allocation evicts idle adapters first (their slots are dropped too
 victim frees its pages, and an adapter in use (its slot pinned) is never evicted. The device slots
 stay as they are: the pages are the accounting the kernels will read through a page table.
 
+Inference modes: `runs(key)` (the caller's; default always) says whether requests of an adapter
+get rows this step: in merged mode only the merged adapter's do; the others keep their pages and
+wait, running or queued.
+
 Early abort (S-LoRA): with a time-to-first-token objective, `expire(now, ttft_slo_s, next_step_s)`
 drops every waiting request that can no longer meet it (waited so far + at least one more step >
 the objective) instead of serving it late at the cost of the requests behind it; running
@@ -181,6 +185,9 @@ class ServingScheduler:
         self.running: list[Sequence] = []
         self._order = itertools.count()
         self.is_ready: Callable[[Hashable], bool] = lambda key: True  # adapter copyable to the device now
+        # whether requests of an adapter (None: the base model) get rows now (merged inference mode:
+        # only the merged adapter's; `jaxlora.scheduler.serving.modes.runs_in`)
+        self.runs: Callable[[Hashable | None], bool] = lambda key: True
 
     # ---- requests in and out -------------------------------------------------------------
     def pages_needed(self, seq: Sequence) -> int:
@@ -237,8 +244,8 @@ class ServingScheduler:
         for seq in sorted(self.running, key=lambda s: (s.in_prefill, s.order)):
             if budget == 0:
                 break
-            if seq.all_planned or seq.status is not Status.RUNNING:
-                continue  # its last token is on its way, or it was preempted just now
+            if seq.all_planned or seq.status is not Status.RUNNING or not self.runs(seq.adapter):
+                continue  # its last token is on its way, it was preempted just now, or its mode does not run it
             row = self._row(seq, budget)
             if not self._grow(seq, row.start + row.count, preempted):
                 continue
@@ -300,6 +307,8 @@ class ServingScheduler:
                 break
             if seq.adapter is not None and self.slots.slot_of(seq.adapter) is None and not self.is_ready(seq.adapter):
                 continue  # its adapter is still on its way to the host
+            if not self.runs(seq.adapter):
+                continue
             if not self._fits(seq):
                 if self._unified_pages_needed(seq) > self.config.num_pages:  # its adapter's pages: never
                     self.finish(seq, "too_large")

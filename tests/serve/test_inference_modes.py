@@ -1,0 +1,127 @@
+"""The engine's inference modes (serve/modes.py, V-LoRA): merged, mixed (deLoRA) and auto serve
+every request of a mix of adapters and the base model with the greedy tokens of unmerged serving
+(float32, tiny random model, random adapters and prompts), also when the mode and the merged
+adapter switch while requests run; unmerging restores the base kernels bit for bit; bad
+configurations are refused."""
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxlora.lora.adapter import random_adapter
+from jaxlora.lora.config import LoraConfig
+from jaxlora.models.config import PROJECTIONS
+from jaxlora.models.llama import Llama
+from jaxlora.sampling import SamplingParams
+from jaxlora.scheduler.serving import ModePolicy
+from serve.engine import Engine, EngineConfig
+from tests.serve.test_lora_step import CONFIG
+
+ENGINE = dict(page_size=4, num_pages=96, max_model_len=64, max_num_seqs=8, token_budget=32, prefill_chunk=8,
+              max_lora_rank=8, max_adapters_on_device=3, adapter_window=3)
+MAX_TOKENS = 6
+# Requests by adapter: a0 dominates, a1 and a2 and the base model are the others.
+NAMES = ["a0", "a0", "a1", "a0", None, "a0", "a2", "a0", "a1", "a0"]
+
+
+@pytest.fixture(scope="module")
+def model_and_adapters():
+    model = Llama(CONFIG, rngs=nnx.Rngs(1))
+    targets = [PROJECTIONS, ("q_proj", "v_proj", "down_proj"), ("k_proj", "o_proj", "gate_proj", "up_proj")]
+    adapters = {f"a{i}": random_adapter(f"a{i}", CONFIG, LoraConfig(r=(8, 4, 8)[i], lora_alpha=16,
+                                                                    target_modules=targets[i]), seed=20 + i, b_std=0.3)
+                for i in range(3)}
+    return model, adapters
+
+
+def requests(seed=0):
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(0, CONFIG.vocab_size, int(rng.integers(3, 12))).tolist(), name) for name in NAMES]
+
+
+def serve(engine, batch, between_steps=None, late=()):
+    """Greedy tokens of each request of `batch` (then of `late`, submitted after 3 steps);
+    between_steps(engine, step index) runs before each step."""
+    got = {}
+
+    def submit(i, prompt, name):
+        got[i] = []
+        engine.submit(i, prompt, name, SamplingParams(MAX_TOKENS), lambda e, i=i: got[i].append(e))
+
+    for i, (prompt, name) in enumerate(batch):
+        submit(i, prompt, name)
+    for step in range(10_000):
+        if step == 3:
+            for i, (prompt, name) in enumerate(late, start=len(batch)):
+                submit(i, prompt, name)
+        if between_steps is not None:
+            between_steps(engine, step)
+        if not engine.step() and not engine._commands:
+            break
+    assert all(events[-1].finish_reason == "length" for events in got.values())
+    return [[e.token for e in got[i] if e.token is not None] for i in sorted(got)]
+
+
+@pytest.fixture(scope="module")
+def unmerged(model_and_adapters):
+    model, adapters = model_and_adapters
+    engine = Engine(model, (), EngineConfig(**ENGINE), adapters)
+    batch, late = requests(0), requests(1)[:4]
+    outputs = serve(engine, batch, late=late)
+    assert len({tuple(o) for o in outputs}) > 8  # the adapters change the outputs
+    return batch, late, outputs
+
+
+@pytest.mark.parametrize("mode", ["merged", "mixed", "auto"])
+def test_modes_give_the_tokens_of_unmerged_serving(model_and_adapters, unmerged, mode):
+    model, adapters = model_and_adapters
+    batch, late, outputs = unmerged
+    policy = ModePolicy(merge_share=0.5, starve_s=0.0, theta=1, max_batch=8)  # others starve at once: mixed
+    engine = Engine(model, (), EngineConfig(inference_mode=mode, mode_policy=policy, **ENGINE), adapters)
+    assert serve(engine, batch, late=late) == outputs
+    steps = engine.modes.mode_steps
+    assert steps[{"auto": "mixed"}.get(mode, mode)] > 0 and engine.modes.switches >= 1
+    if mode == "mixed":
+        assert any(kind.startswith("window") for kind in engine.stats.kind_steps)  # the -ΔW branch ran
+
+
+def test_switching_modes_while_requests_run_changes_no_tokens(model_and_adapters, unmerged):
+    """The configured mode changes every few steps (merged, mixed, auto, unmerged-like auto):
+    the weights switch under running requests, and no request's tokens change."""
+    model, adapters = model_and_adapters
+    batch, late, outputs = unmerged
+    engine = Engine(model, (), EngineConfig(inference_mode="mixed", **ENGINE), adapters)
+    targets = engine.modes.layout.targets
+
+    def base_columns():  # the base columns of every targeted projection (not the window's)
+        weights = engine._state["weights"]
+        return {name: np.asarray(weights[key][...])[:, :, offset: offset + width]
+                for name, key, offset, width in targets}
+
+    before = base_columns()
+    cycle = ["mixed", "merged", "mixed", "auto"]
+    merged_adapters = set()
+
+    def switch(engine, step):
+        engine.modes.name = cycle[(step // 2) % len(cycle)]
+        if engine.modes.merged is not None:
+            merged_adapters.add(engine.modes.merged[0])
+
+    assert serve(engine, batch, switch, late) == outputs
+    assert engine.modes.switches >= 3 and len(merged_adapters) >= 2
+    # back to unmerged: the base kernels bit for bit
+    engine.modes.mode = engine.modes.mode.__class__()
+    engine.modes._switch(engine, None)
+    after = base_columns()
+    for name, value in before.items():
+        assert after[name].tobytes() == value.tobytes(), name
+
+
+def test_bad_mode_configurations_are_refused(model_and_adapters):
+    model, _ = model_and_adapters
+    with pytest.raises(ValueError, match="inference_mode must be one of"):
+        EngineConfig(inference_mode="fast")
+    with pytest.raises(ValueError, match="adapter window"):
+        Engine(model, (), EngineConfig(**{**ENGINE, "adapter_window": 2, "inference_mode": "mixed"}))
+    engine = Engine(model, (), EngineConfig(**{**ENGINE, "adapter_window": 0, "inference_mode": "merged"}))
+    assert engine.modes is not None and engine.window is None  # merged-only needs no window
