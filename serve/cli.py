@@ -10,6 +10,7 @@ import sys
 import jax
 
 from jaxlora.lora import backends
+from jaxlora.scheduler.serving import INFERENCE_MODES
 from serve.protocol import Limits
 
 DEFAULT_COMPILE_CACHE = "~/.cache/jaxlora/jit"
@@ -73,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="admit a request with the KV pages of its prompt and grow them with its output (more requests "
                         "fit) instead of reserving prompt + max_tokens; when pages run out the newest request is "
                         "preempted: recomputed later, or migrated to another replica")
+    p.add_argument("--inference-mode", default="unmerged", choices=INFERENCE_MODES,
+                   help="unmerged: every adapter as LoRA; merged: one adapter's ΔW folded into the base weights a "
+                        "step (the others wait); mixed: the most requested adapter merged, the others beside it "
+                        "(deLoRA); auto: V-LoRA's policy picks each step (keeps a copy of the base kernels)")
     p.add_argument("--ttft-slo-ms", type=float, default=None, metavar="MS",
                    help="time-to-first-token objective: a queued request that can no longer start within it is "
                         "dropped with 503 (S-LoRA early abort); default off")
@@ -240,7 +245,7 @@ def build_app(args):
             lora_backend=args.lora_backend, ttft_slo_s=None if args.ttft_slo_ms is None else args.ttft_slo_ms / 1e3,
             gpu_memory_utilization=args.gpu_memory_utilization, adapter_dir=args.adapter_dir,
             max_host_adapter_bytes=host_bound, max_host_adapters=args.max_cpu_adapters,
-            reserve_output_kv=not args.grow_kv)
+            reserve_output_kv=not args.grow_kv, inference_mode=args.inference_mode)
         if devices is not None:  # each replica places its own copy on its device
             engine = ReplicaSet.on_devices(model, tokenizer.eos_token_ids, config, None, devices)
             first = engine.engines[0]

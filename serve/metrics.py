@@ -63,6 +63,14 @@ class Metrics:
         self.replica_idle = Gauge("jaxlora_replica_idle", "1 when a draining replica has no work left (releasable)",
                                   ["replica"], registry=registry)
         self.migrations = Gauge("jaxlora_migrations", "Requests migrated between replicas so far", registry=registry)
+        self.mode = Gauge("jaxlora_inference_mode", "1 for the inference mode of the last step (merged, mixed, "
+                          "unmerged; --inference-mode)", ["mode"], registry=registry)
+        self.mode_switches = Gauge("jaxlora_inference_mode_switches", "Weight switches (merge, unmerge, another "
+                                   "merged adapter) so far", registry=registry)
+        self.mode_switch_seconds = Gauge("jaxlora_inference_mode_switch_seconds_sum", "Host seconds of those "
+                                         "switches (their dispatch)", registry=registry)
+        self.mode_steps = Gauge("jaxlora_inference_mode_steps", "Steps run in each inference mode", ["mode"],
+                                registry=registry)
         self.ttft = Histogram("jaxlora_time_to_first_token_seconds", "Time to first token",
                               buckets=LATENCY_BUCKETS, registry=registry)
         self.e2e = Histogram("jaxlora_request_latency_seconds", "End-to-end request latency",
@@ -90,7 +98,17 @@ class Metrics:
             self.replica_free_pages.labels(replica).set(load["free_pages"])
             self.replica_draining.labels(replica).set(int(load["draining"]))
             self.replica_idle.labels(replica).set(int(load["idle"]))
+        self._render_modes(snap)
         return generate_latest(self.registry)
+
+    def _render_modes(self, snap: dict) -> None:
+        """The inference mode's gauges (serve.modes; an unmerged-only engine: unmerged, no switches)."""
+        current = snap.get("inference_mode", "unmerged")
+        for mode in ("unmerged", "merged", "mixed"):
+            self.mode.labels(mode).set(float(mode == current))
+            self.mode_steps.labels(mode).set(snap.get("mode_steps", {}).get(mode, 0))
+        self.mode_switches.set(snap.get("mode_switches", 0))
+        self.mode_switch_seconds.set(snap.get("mode_switch_seconds", 0.0))
 
     def _render_tiers(self, snap: dict) -> None:
         """The adapter tiers' gauges (serve.adapter_store; host -> device loads from the engine)."""

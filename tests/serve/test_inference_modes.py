@@ -14,7 +14,9 @@ from jaxlora.models.config import PROJECTIONS
 from jaxlora.models.llama import Llama
 from jaxlora.sampling import SamplingParams
 from jaxlora.scheduler.serving import ModePolicy
+from serve.cli import build_parser
 from serve.engine import Engine, EngineConfig
+from serve.metrics import Metrics
 from tests.serve.test_lora_step import CONFIG
 
 ENGINE = dict(page_size=4, num_pages=96, max_model_len=64, max_num_seqs=8, token_budget=32, prefill_chunk=8,
@@ -83,6 +85,16 @@ def test_modes_give_the_tokens_of_unmerged_serving(model_and_adapters, unmerged,
     assert steps[{"auto": "mixed"}.get(mode, mode)] > 0 and engine.modes.switches >= 1
     if mode == "mixed":
         assert any(kind.startswith("window") for kind in engine.stats.kind_steps)  # the -ΔW branch ran
+        text = Metrics(engine).render().decode()
+        assert f"jaxlora_inference_mode_switches {float(engine.modes.switches)}" in text
+        assert 'jaxlora_inference_mode_steps{mode="mixed"} ' in text
+
+
+def test_cli_takes_the_inference_mode():
+    assert build_parser().parse_args([]).inference_mode == "unmerged"
+    assert build_parser().parse_args(["--inference-mode", "auto"]).inference_mode == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--inference-mode", "fast"])
 
 
 def test_switching_modes_while_requests_run_changes_no_tokens(model_and_adapters, unmerged):
