@@ -268,6 +268,7 @@ def run_trace(model, engine_config: EngineConfig, trace: Trace, prompts: list, f
         "mean_step_ms": 1e3 * stats.step_seconds / max(1, stats.steps),
         "max_submit_lateness_s": lateness, "compiles_in_run": stats.step_compiles,
         "phase_ms_per_step": stats.phase_ms_per_step(), "steps_by_kind": stats.steps_by_kind(),
+        **({} if engine.modes is None else {"modes": engine.modes.snapshot()}),
     })
     del engine
     gc.collect()
@@ -542,6 +543,117 @@ def run_profile(args, model, engine_config: EngineConfig, factory: AdapterFactor
     print(f"device: {device}, jax {jax.__version__}; wrote {args.out}", flush=True)
 
 
+# ---- inference modes: V-LoRA's skew experiment ------------------------------------------------------
+
+MODE_SKEWS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+def skew_trace(base: Trace, share: float, adapters: int, seed: int) -> Trace:
+    """`base` (arrivals, lengths) with adapter 0 on a `share` of the requests (exactly, rounded;
+    at random positions) and the others uniform over adapters 1..adapters-1 (V-LoRA §6: the
+    share of the most requested adapter)."""
+    rng = np.random.default_rng([seed, 5, int(share * 1000)])
+    count = len(base.arrivals)
+    hot = rng.permutation(count) < round(share * count)
+    others = rng.integers(1, max(2, adapters), count)
+    return dataclasses.replace(base, adapters=np.where(hot, 0, others))
+
+
+def switch_ms(model, engine_config: EngineConfig, factory: AdapterFactory, repeats: int = 10) -> dict:
+    """Device milliseconds of one mode switch (merge: base copy + ΔW into every targeted kernel of
+    every layer; unmerge: the base copy back), each waited for, mean and max of `repeats`."""
+    engine = Engine(model, eos_ids=(), config=dataclasses.replace(engine_config, inference_mode="merged"))
+    engine.add_adapter("adapter0", factory(0))
+    uid = engine.resolve_adapter("adapter0").uid
+    slot, _ = engine.scheduler.slots.place(uid)
+    engine.pool.load(engine.adapters.host(uid), slot=slot)
+    times = {"merge": [], "unmerge": []}
+    for i in range(repeats + 1):  # the first pair compiles
+        for kind, target in (("merge", (uid, slot)), ("unmerge", None)):
+            started = time.perf_counter()
+            engine.modes.switch(engine, target)
+            jax.block_until_ready([engine._state["weights"][key][...] for key in engine.modes.layout.kernel_keys])
+            if i:
+                times[kind].append(1e3 * (time.perf_counter() - started))
+    base_bytes = sum(a.nbytes for a in engine.modes.base.values())
+    del engine
+    gc.collect()
+    return {**{f"{kind}_ms_mean": float(np.mean(t)) for kind, t in times.items()},
+            **{f"{kind}_ms_max": float(np.max(t)) for kind, t in times.items()},
+            "base_copy_bytes": int(base_bytes), "layers": model.config.num_layers}
+
+
+def run_mode_skew(args, model, engine_config: EngineConfig, factory: AdapterFactory, step_fn, device: str) -> None:
+    """`--modes-skew`: for each skew of `args.skews`, the same trace served by each of
+    `args.modes` (EngineConfig.inference_mode) and by the base model alone: average token latency
+    (sum of request latencies / generated tokens, V-LoRA's metric), throughput, steps per mode and
+    switches; the switch time; the identical case (skew 1.0) merged against the base model."""
+    slots = args.skew_adapters
+    config = dataclasses.replace(engine_config, max_adapters_on_device=slots, adapter_window=slots)
+    probe = Engine(model, eos_ids=(), config=config, step_fn=step_fn)
+    shapes = greedy_shapes(probe)  # merged steps run base programs, the others LoRA or window ones
+    del probe
+    case = Case("punica", args.slora_mode, args.requests, args.rate, 1.0, popularity="identical")
+    base_trace = make_trace(case, args.seed, args.min_len, args.max_len, slots)
+    token_rng = np.random.default_rng([args.seed, 3])
+    prompts = [token_rng.integers(0, model.config.vocab_size, int(n)).tolist() for n in base_trace.prompt_lens]
+    report = {"device": device, "jax": jax.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "model": {"shape": "tiny" if args.tiny else "Llama-3.1-8B", "layers": args.layers, "dtype": "bfloat16"},
+              "engine": dataclasses.asdict(config), "case": dataclasses.asdict(case), "adapters": slots,
+              "switch": None if step_fn is not None else switch_ms(model, config, factory), "skews": []}
+    if report["switch"]:
+        print(f"switch: merge {report['switch']['merge_ms_mean']:.2f} ms, unmerge "
+              f"{report['switch']['unmerge_ms_mean']:.2f} ms ({args.layers} layers)", flush=True)
+    base = run_trace(model, config, base_trace, prompts, None, step_fn=step_fn, shapes=shapes)
+    print(f"{'share':>6} {'mode':9} {'tok/s':>8} {'ms/token':>9} {'steps by mode':30} switches", flush=True)
+    for share in args.skews:
+        trace = skew_trace(base_trace, share, slots, args.seed)
+        runs = {}
+        for mode in args.modes:
+            run = run_trace(model, dataclasses.replace(config, inference_mode=mode), trace, prompts, factory,
+                            step_fn=step_fn, shapes=shapes)
+            run["token_latency_ms"] = 1e3 * run["latency_mean_s"] * run["finished_ok"] / max(1, run["generated_tokens"])
+            runs[mode] = run
+            modes = run.get("modes", {})
+            print(f"{share:6.2f} {mode:9} {run['tokens_per_s']:8.0f} {run['token_latency_ms']:9.2f} "
+                  f"{str(modes.get('mode_steps', {'unmerged': run['steps']})):30} {modes.get('mode_switches', 0)}",
+                  flush=True)
+        report["skews"].append({"share": share, "runs": runs,
+                                "vs_base": {m: r["tokens_per_s"] / base["tokens_per_s"] for m, r in runs.items()}})
+        report["base"] = base
+        write_mode_report(args.out, report)
+    print(f"device: {device}; wrote {args.out}", flush=True)
+
+
+def write_mode_report(path: str, report: dict) -> None:
+    """The skew experiment's JSON, and a PNG (token latency and throughput against the share) next to it."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    shares = [entry["share"] for entry in report["skews"]]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for mode in report["skews"][0]["runs"]:
+        for ax, key in zip(axes, ("token_latency_ms", "tokens_per_s")):
+            ax.plot(shares, [entry["runs"][mode][key] for entry in report["skews"]], marker="o", label=mode)
+    axes[1].axhline(report["base"]["tokens_per_s"], color="gray", linestyle="--", label="base model")
+    for ax, title in zip(axes, ("average token latency (ms)", "generated tokens/s")):
+        ax.set_xlabel("share of the most requested adapter")
+        ax.set_title(title)
+    axes[1].legend()
+    switch = report.get("switch") or {}
+    fig.suptitle(f"inference modes, {report['device']}, {report['model']['layers']} layers"
+                 + (f"; switch {switch['merge_ms_mean']:.1f} ms" if switch else ""))
+    fig.tight_layout()
+    fig.savefig(os.path.splitext(path)[0] + ".png", dpi=110)
+    plt.close(fig)
+
+
 # ---- main -----------------------------------------------------------------------------------------
 
 def main() -> None:
@@ -589,6 +701,15 @@ def main() -> None:
                         help="compile the step programs into --compile-cache and stop (a later call finds them)")
     parser.add_argument("--profile-steps", nargs="+", choices=sorted(PROFILE_STEPS), default=list(DEFAULT_PROFILE_STEPS),
                         help="the step batches --profile times")
+    parser.add_argument("--modes-skew", action="store_true",
+                        help="instead of the cases: V-LoRA's skew experiment, the inference modes (--modes) on "
+                             "traces where one adapter has a share (--skews) of the requests, plus the switch time")
+    parser.add_argument("--modes", nargs="+", default=["auto", "merged", "unmerged", "mixed"],
+                        choices=("auto", "merged", "unmerged", "mixed"), help="--modes-skew: the inference modes")
+    parser.add_argument("--skews", nargs="+", type=float, default=list(MODE_SKEWS),
+                        help="--modes-skew: shares of the most requested adapter")
+    parser.add_argument("--skew-adapters", type=int, default=8,
+                        help="--modes-skew: adapters of the trace (pool slots and adapter window too)")
     args = parser.parse_args()
     tiny = args.tiny
     pick = lambda value, default, tiny_default: value if value is not None else (tiny_default if tiny else default)
@@ -632,6 +753,9 @@ def main() -> None:
         run_profile(args, model, engine_config, factory, backends, device)
         return
     step_fn = host_only_step if args.host_only else None
+    if args.modes_skew:
+        run_mode_skew(args, model, engine_config, factory, step_fn, device)
+        return
     try:
         if args.host_only:  # no device step: nothing to compile
             compile_info = {"programs": 0, "seconds": 0.0, "threads": 0, "host_only": True}

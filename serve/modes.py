@@ -72,11 +72,12 @@ class EngineModes:
 
     def relax(self, scheduler: ServingScheduler) -> bool:
         """"auto" in merged mode whose step got no rows (the merged adapter's requests wait for
-        pages others hold): this step runs unmerged instead, so nothing waits forever. Returns
-        whether it relaxed (then schedule again)."""
+        pages others hold, or for their last token): this step runs mixed instead (the same merged
+        weights, every row), so nothing waits forever. Returns whether it relaxed (then schedule
+        again)."""
         if self.name != "auto" or self.mode.name != "merged":
             return False
-        self.mode = Mode()
+        self.mode = Mode("mixed", self.mode.merged)
         scheduler.runs = lambda key: True
         return True
 
@@ -91,7 +92,7 @@ class EngineModes:
         slot = None if uid is None else engine.scheduler.slots.slot_of(uid)
         target = None if slot is None else (uid, slot)
         if target != self.merged:
-            self._switch(engine, target)
+            self.switch(engine, target)
         self.mode_steps[self.mode.name if target is not None or self.mode.name == "merged" else "unmerged"] += 1
         for row in plan.rows:
             if target is not None and row.seq.adapter == uid:
@@ -113,7 +114,7 @@ class EngineModes:
     def _in_branch(self, row) -> bool:
         return self.merged is not None and row.seq.adapter != self.merged[0]
 
-    def _switch(self, engine, target: tuple | None) -> None:
+    def switch(self, engine, target: tuple | None) -> None:
         """Writes the base (+ ΔW of `target`'s pool slot) into the targeted kernels, in place; pins
         the merged adapter's slot while it is merged."""
         started = time.perf_counter()

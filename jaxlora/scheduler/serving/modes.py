@@ -30,10 +30,11 @@ class ModePolicy:
     """Thresholds of `choose_mode`. merge_share: the dominant adapter's least share of the
     requests for merging; starve_s: a request whose credit exceeds it starves; theta: more starving
     requests than this run in mixed mode; max_batch: more than half of it starving -> unmerged.
-    The defaults are V-LoRA's shape (θ small, half the batch), not measured on this engine yet."""
+    The defaults follow V-LoRA's shape (θ small, half the batch) with a starvation bound of a few
+    8B decode steps (100 ms); they are not tuned on a GPU yet (`bench/serve.py --modes-skew`)."""
 
     merge_share: float = 0.6
-    starve_s: float = 0.5
+    starve_s: float = 0.1
     theta: int = 1
     max_batch: int = 256
 
