@@ -10,6 +10,7 @@ from flax import nnx
 
 from jaxlora.lora.adapter import random_adapter
 from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.plan import build_window_plan
 from jaxlora.models.config import PROJECTIONS
 from jaxlora.models.llama import Llama
 from jaxlora.sampling import SamplingParams
@@ -137,3 +138,13 @@ def test_bad_mode_configurations_are_refused(model_and_adapters):
         Engine(model, (), EngineConfig(**{**ENGINE, "adapter_window": 2, "inference_mode": "mixed"}))
     engine = Engine(model, (), EngineConfig(**{**ENGINE, "adapter_window": 0, "inference_mode": "merged"}))
     assert engine.modes is not None and engine.window is None  # merged-only needs no window
+
+
+def test_window_plan_checks_the_extra_slots():
+    plan = build_window_plan(np.array([0, -1, 1]), 3, 4, np.array([2, 2, -1]))
+    assert plan.token_extra.tolist() == [2, 2, -1]
+    assert build_window_plan(np.array([0, 1]), 3, 4).token_extra.tolist() == [-1, -1]
+    with pytest.raises(ValueError, match="window slots"):
+        build_window_plan(np.array([0, 1]), 3, 4, np.array([3, -1]))
+    with pytest.raises(ValueError, match="must match"):
+        build_window_plan(np.array([0, 1]), 3, 4, np.array([2]))
