@@ -29,8 +29,9 @@ import jax
 import numpy as np
 
 from jaxlora.models.merged import MergeLayout, base_copy, merge_layout, set_merged
-from jaxlora.scheduler.serving import Mode, ModePolicy, Pending, ServingScheduler, StepPlan, choose_mode, fixed_mode
-from jaxlora.scheduler.serving import runs_in
+from jaxlora.scheduler.serving import (
+    Mode, ModePolicy, Pending, ServingScheduler, StepPlan, choose_mode, fixed_mode, runs_in,
+)
 
 
 class EngineModes:
@@ -93,7 +94,7 @@ class EngineModes:
         target = None if slot is None else (uid, slot)
         if target != self.merged:
             self.switch(engine, target)
-        self.mode_steps[self.mode.name if target is not None or self.mode.name == "merged" else "unmerged"] += 1
+        self.mode_steps["unmerged" if target is None and self.mode.name == "mixed" else self.mode.name] += 1
         for row in plan.rows:
             if target is not None and row.seq.adapter == uid:
                 row.slot = -1

@@ -138,6 +138,8 @@ def test_bad_mode_configurations_are_refused(model_and_adapters):
         Engine(model, (), EngineConfig(**{**ENGINE, "adapter_window": 2, "inference_mode": "mixed"}))
     engine = Engine(model, (), EngineConfig(**{**ENGINE, "adapter_window": 0, "inference_mode": "merged"}))
     assert engine.modes is not None and engine.window is None  # merged-only needs no window
+    engine.modes.warmup(engine)  # compiles the switch, changes nothing
+    assert engine.modes._program is not None and engine.modes.merged is None and engine.modes.switches == 0
 
 
 def test_window_plan_checks_the_extra_slots():

@@ -90,8 +90,10 @@ def fixed_mode(requests: list[Pending], current: Mode, name: str) -> Mode:
     """The mode of an engine held in mode `name`. "merged" (merged-only serving): the target of
     the oldest running request, else of the oldest waiting one (its adapter, or None: the base
     model), kept while it has requests: running requests go first because they hold KV pages
-    (serving a waiting one first could wait for pages forever); "mixed": the adapter with the most
-    requests merged, kept while it has any; "unmerged": nothing merged."""
+    (serving a waiting one first could wait for pages forever); a steady stream of the target's
+    requests thus keeps the others waiting (merged-only serving starves; "auto" does not);
+    "mixed": the adapter with the most requests merged, kept while it has any; "unmerged":
+    nothing merged."""
     if name == "unmerged":
         return Mode("unmerged")
     targets = {r.adapter for r in requests}
