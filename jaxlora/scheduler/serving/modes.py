@@ -87,23 +87,26 @@ def choose_mode(requests: list[Pending], current: Mode, step_s: float, switch_s:
 
 
 def fixed_mode(requests: list[Pending], current: Mode, name: str) -> Mode:
-    """The mode of an engine held in mode `name`. "merged" (merged-only serving): the target of
-    the oldest running request, else of the oldest waiting one (its adapter, or None: the base
-    model), kept while it has requests: running requests go first because they hold KV pages
-    (serving a waiting one first could wait for pages forever); a steady stream of the target's
-    requests thus keeps the others waiting (merged-only serving starves; "auto" does not);
-    "mixed": the adapter with the most requests merged, kept while it has any; "unmerged":
-    nothing merged."""
+    """The mode of an engine held in mode `name`. "merged" (merged-only serving): while requests
+    run, the current target if one of them is its (its adapter, or None: the base model), else the
+    oldest running request's; with none running, the current target if it has waiting requests,
+    else the oldest waiting request's. Running requests go first because they hold their KV pages
+    (a target whose requests all wait for pages that others hold would wait forever); a steady
+    stream of the target's requests keeps the others waiting (merged-only serving starves; "auto"
+    does not). "mixed": the adapter with the most requests merged, kept while it has any;
+    "unmerged": nothing merged."""
     if name == "unmerged":
         return Mode("unmerged")
-    targets = {r.adapter for r in requests}
-    if current.name == name and current.merged in targets:
-        return current
     if not requests:
         return current if current.name == name else Mode(name)
-    if name == "merged":
-        return Mode("merged", min(requests, key=lambda r: (not r.running, r.order)).adapter)
-    return Mode("mixed", _dominant(requests, current.merged)[0])
+    if name == "mixed":
+        if current.name == name and current.merged in {r.adapter for r in requests}:
+            return current
+        return Mode("mixed", _dominant(requests, current.merged)[0])
+    running = [r for r in requests if r.running] or requests
+    if current.name == name and current.merged in {r.adapter for r in running}:
+        return current
+    return Mode("merged", min(running, key=lambda r: r.order).adapter)
 
 
 def runs_in(mode: Mode, adapter: Hashable | None) -> bool:

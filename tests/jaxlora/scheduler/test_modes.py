@@ -64,6 +64,8 @@ def test_fixed_modes():
     assert fixed_mode(requests[:4], Mode("merged", "b"), "merged") == Mode("merged", None)
     running = [Pending("b", 0.0, 9, running=True)]  # a running request holds pages: it goes first
     assert fixed_mode(requests + running, Mode(), "merged") == Mode("merged", "b")
+    # the current target's requests all wait (for pages b holds): b runs, nothing waits forever
+    assert fixed_mode(requests + running, Mode("merged", "a"), "merged") == Mode("merged", "b")
     assert fixed_mode(requests, Mode(), "mixed") == Mode("mixed", "a")
     assert fixed_mode(requests, Mode(), "unmerged") == Mode("unmerged")
     assert runs_in(Mode("merged", "a"), "a") and not runs_in(Mode("merged", "a"), None)
