@@ -98,6 +98,16 @@ def test_cli_takes_the_inference_mode():
         build_parser().parse_args(["--inference-mode", "fast"])
 
 
+@pytest.mark.parametrize("mode", ["merged", "auto"])
+def test_modes_finish_every_request_when_kv_pages_are_scarce(model_and_adapters, unmerged, mode):
+    """16 pages (3 requests at a time): the merged target's queued requests wait for pages that
+    running requests of other adapters hold; those run first, nothing waits forever."""
+    model, adapters = model_and_adapters
+    batch, late, outputs = unmerged
+    config = EngineConfig(inference_mode=mode, **{**ENGINE, "num_pages": 16})
+    assert serve(Engine(model, (), config, adapters), batch, late=late) == outputs
+
+
 def test_switching_modes_while_requests_run_changes_no_tokens(model_and_adapters, unmerged):
     """The configured mode changes every few steps (merged, mixed, auto, unmerged-like auto):
     the weights switch under running requests, and no request's tokens change."""
