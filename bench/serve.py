@@ -606,7 +606,13 @@ def run_mode_skew(args, model, engine_config: EngineConfig, factory: AdapterFact
               f"{report['switch']['unmerge_ms_mean']:.2f} ms ({args.layers} layers)", flush=True)
     base = run_trace(model, config, base_trace, prompts, None, step_fn=step_fn, shapes=shapes)
     print(f"{'share':>6} {'mode':9} {'tok/s':>8} {'ms/token':>9} {'steps by mode':30} switches", flush=True)
+    started, last_skew_s = time.perf_counter(), 0.0
     for share in args.skews:
+        elapsed = time.perf_counter() - started
+        if args.time_budget and elapsed + last_skew_s > args.time_budget:
+            print(f"{share:6.2f} skipped (time budget: {elapsed:.0f} s used, ~{last_skew_s:.0f} s needed)", flush=True)
+            report["skews_skipped"] = report.get("skews_skipped", []) + [share]
+            continue
         trace = skew_trace(base_trace, share, slots, args.seed)
         runs = {}
         for mode in args.modes:
@@ -622,6 +628,7 @@ def run_mode_skew(args, model, engine_config: EngineConfig, factory: AdapterFact
                                 "vs_base": {m: r["tokens_per_s"] / base["tokens_per_s"] for m, r in runs.items()}})
         report["base"] = base
         write_mode_report(args.out, report)
+        last_skew_s = time.perf_counter() - started - elapsed
     print(f"device: {device}; wrote {args.out}", flush=True)
 
 

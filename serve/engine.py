@@ -348,7 +348,7 @@ class Engine:
             self.window = window_layout(model.config, window, config.max_lora_rank, PROJECTIONS)
             add_adapter_window(model, self.window)
             self._window_slots = WindowSlots(window)
-            self._fill_program = None  # `fill_window_slot`, compiled on first use
+            self._fill_program = None  # `fill_window_slot`, compiled by `warmup` or on first use
         self._graphdef, self._state = nnx.split(model)
         self._dtype = model.dtype
         self.modes = self._inference_modes(config, mesh, compressed)  # None: unmerged only
@@ -770,8 +770,9 @@ class Engine:
 
     def warmup(self, shapes: list[StepShape] | None = None, threads: int | None = None) -> dict:
         """Compiles the programs of `shapes` (default: all of `step_shapes()`), `threads` at a time
-        (default: one per CPU core, at most 8), the adapter pool's slot update and the adapter window's fill; changes nothing
-        the engine serves from (nothing runs but an update of an empty slot with zeros). Returns
+        (default: one per CPU core, at most 8), the adapter pool's slot update, the adapter window's
+        slot copy and the inference modes' switch; changes nothing the engine serves from (nothing
+        runs but an update of an empty slot with zeros). Returns
         {"programs": compiled now, "seconds": wall time}."""
         started = time.perf_counter()
         shapes = self.step_shapes() if shapes is None else shapes

@@ -31,11 +31,12 @@ class ModePolicy:
     requests for merging; starve_s: a request whose credit exceeds it starves; theta: more starving
     requests than this run in mixed mode; max_batch: more than half of it starving -> unmerged.
     The defaults follow V-LoRA's shape (θ small, half the batch) with a starvation bound of a few
-    8B decode steps (100 ms); they are not tuned on a GPU yet (`bench/serve.py --modes-skew`)."""
+    8B decode steps (100 ms) and θ = 0 (with θ > 0, up to θ starving requests wait as long as the
+    merged adapter has requests); not tuned on a GPU yet (`bench/serve.py --modes-skew`)."""
 
     merge_share: float = 0.6
     starve_s: float = 0.1
-    theta: int = 1
+    theta: int = 0
     max_batch: int = 256
 
     def __post_init__(self):
