@@ -160,3 +160,17 @@ def test_window_plan_checks_the_extra_slots():
         build_window_plan(np.array([0, 1]), 3, 4, np.array([3, -1]))
     with pytest.raises(ValueError, match="must match"):
         build_window_plan(np.array([0, 1]), 3, 4, np.array([2]))
+
+
+def test_skew_traces_give_the_hot_adapter_its_share():
+    """bench/serve.py --modes-skew: adapter 0 on exactly the share, the others over 1..n-1, the
+    arrivals and lengths of the base trace kept."""
+    from bench.serve import Case, make_trace, skew_trace
+
+    base = make_trace(Case("punica", "replay", 40, 4.0, 1.0, popularity="identical"), 0, 4, 24, 8)
+    for share in (0.5, 0.8, 1.0):
+        trace = skew_trace(base, share, 8, 0)
+        assert (trace.adapters == 0).sum() == round(share * 40)
+        assert set(trace.adapters[trace.adapters != 0].tolist()) <= set(range(1, 8))
+        assert trace.base_key() == base.base_key()
+    assert len(set(skew_trace(base, 0.5, 8, 0).adapters.tolist())) > 4
