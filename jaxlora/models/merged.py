@@ -74,25 +74,22 @@ def set_merged(layout: MergeLayout, kernels: dict, base: dict, pool: dict, slot,
     scalar), else to `base` itself (unmerged: bit-identical to the copy). base: `base_copy`;
     pool: `jaxlora.lora.pool` arrays ({projection: a [L, slots, k, r], b [L, slots, r, n],
     scale [L, slots]}; a projection the slot's adapter does not target has zero B and scale).
-    ΔW is formed in float32 one layer at a time (a loop over layers: no [L, k, n] float32
-    temporary) and added to the base in float32, rounded once to the kernel's dtype. One compile
-    serves every slot, merge and unmerge."""
+    ΔW is formed in float32 one layer at a time (layers unrolled, as the serving forward unrolls
+    them on a GPU: static slices, no while loop; no [L, k, n] float32 temporary) and added to the
+    base in float32, rounded once to the kernel's dtype. One compile serves every slot, merge
+    and unmerge."""
     kernels = dict(kernels)
     for name, key, offset, width in layout.targets:
         module = pool[name]
         a = jax.lax.dynamic_index_in_dim(module["a"], slot, axis=1, keepdims=False)  # [L, k, r]
         b = jax.lax.dynamic_index_in_dim(module["b"], slot, axis=1, keepdims=False)  # [L, r, n]
         scale = jax.lax.dynamic_index_in_dim(module["scale"], slot, axis=1, keepdims=False)  # [L]
-        kernels[key] = jax.lax.fori_loop(0, a.shape[0], functools.partial(
-            _merge_layer, a=a, b=b, scale=scale, base=base[name], offset=offset, merged=merged), kernels[key])
+        kernel = kernels[key]
+        for layer in range(kernel.shape[0]):
+            delta = jnp.dot(a[layer].astype(jnp.float32), b[layer].astype(jnp.float32),
+                            precision=jax.lax.Precision.HIGHEST) * scale[layer]
+            own = base[name][layer]  # [k, n_p]
+            value = jnp.where(merged, (own.astype(jnp.float32) + delta).astype(kernel.dtype), own)
+            kernel = kernel.at[layer, :, offset: offset + width].set(value)
+        kernels[key] = kernel
     return kernels
-
-
-def _merge_layer(layer, kernel, *, a, b, scale, base, offset, merged):
-    """`kernel` [L, k, n_kernel] with layer `layer`'s columns offset.. set to base (+ ΔW)."""
-    own = jax.lax.dynamic_index_in_dim(base, layer, keepdims=False)  # [k, n_p]
-    delta = jnp.dot(jax.lax.dynamic_index_in_dim(a, layer, keepdims=False).astype(jnp.float32),
-                    jax.lax.dynamic_index_in_dim(b, layer, keepdims=False).astype(jnp.float32),
-                    precision=jax.lax.Precision.HIGHEST) * scale[layer]
-    value = jnp.where(merged, (own.astype(jnp.float32) + delta).astype(kernel.dtype), own)
-    return jax.lax.dynamic_update_slice(kernel, value[None], (layer, 0, offset))
