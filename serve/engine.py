@@ -883,8 +883,10 @@ class Engine:
         key `extra`: a mixed step's -ΔW branch, `EngineModes.delora_key`), copying the adapters not
         in the window yet into it (on the device, before the step); None when the window is off,
         the step has no adapter or more adapters than the window holds."""
+        if self.window is None:
+            return None
         wanted = [(slot, self.pool.slot_writes[slot]) for slot in slots] + ([] if extra is None else [extra])
-        if self.window is None or not wanted:
+        if not wanted:
             return None
         assigned = self._window_slots.assign(wanted)
         if assigned is None:
