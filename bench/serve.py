@@ -488,7 +488,8 @@ def print_row(name: str, label: str, r: dict) -> None:
           + (f"  compiled {r['compiles_in_run']}x" if r["compiles_in_run"] else ""), flush=True)
 
 
-def write_report(path: str, report: dict) -> None:
+def json_then_pyplot(path: str, report: dict):
+    """Writes `report` as JSON to `path`; returns matplotlib.pyplot (Agg) for its PNG, None without matplotlib."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
@@ -497,6 +498,13 @@ def write_report(path: str, report: dict) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def write_report(path: str, report: dict) -> None:
+    plt = json_then_pyplot(path, report)
+    if plt is None:
         return
     results = [r for r in report["results"] if "lora" in r]
     if not results:
@@ -634,14 +642,8 @@ def run_mode_skew(args, model, engine_config: EngineConfig, factory: AdapterFact
 
 def write_mode_report(path: str, report: dict) -> None:
     """The skew experiment's JSON, and a PNG (token latency and throughput against the share) next to it."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = json_then_pyplot(path, report)
+    if plt is None:
         return
     shares = [entry["share"] for entry in report["skews"]]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
