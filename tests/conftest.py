@@ -1,6 +1,8 @@
 """Shared test set-up: pytest markers for accelerator-only tests, float32 matmuls, model fixtures
 (the embedded SmolLM2, a tiny random Llama directory with its vocabulary)."""
 
+import gc
+
 import jax
 import pytest
 
@@ -18,6 +20,37 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU"))
         if "tpu_only" in item.keywords and platform != "tpu":
             item.add_marker(pytest.mark.skip(reason="needs a TPU"))
+
+
+def _memory_map_count() -> int:
+    """Memory regions this process has mapped (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return 0
+
+
+def _memory_map_limit() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as limit:
+            return int(limit.read())
+    except (OSError, ValueError):
+        return 65530
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops jax's compiled programs after a test module once the process holds many.
+
+    XLA:CPU maps ~6 memory regions per compiled program and keeps them while the program is
+    cached; the single pytest process of `make test` compiles thousands, reached the kernel's
+    vm.max_map_count (65530) at ~85% of the suite, and the next compile segfaulted inside LLVM (an
+    mmap that failed). Clearing past a third of the limit keeps the cache warm within a module."""
+    yield
+    if _memory_map_count() > _memory_map_limit() // 3:
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(scope="session")
