@@ -1,5 +1,9 @@
 """`jaxlora-train JOBS.yaml [key=value ...] [--resume]`: trains several LoRA adapters together.
 
+With a `fusion:` section the jobs are tasks with accuracy requirements, packed into as few adapters
+as the requirements allow (V-LoRA's knowledge fusion, `train.fusion_run`); exit status 1 when a
+task misses its requirement.
+
 Several hosts: run the same command on every host, one process each, with `--distributed` (the
 coordinator, process count and id come from the environment: SLURM, Open MPI, a TPU slice, or
 JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) or the flags below."""
@@ -51,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_train_config(args.config, args.overrides)
         _join_processes(args)
+        if config.fusion is not None:
+            return _fuse(config, args.resume)
         from train.trainer import Trainer  # imports JAX: only once the config is known to be good
 
         trainer = Trainer(config)
@@ -64,3 +70,17 @@ def main(argv: list[str] | None = None) -> int:
         last = f"{values[-1]:.4f}" if values else "n/a"
         print(f"{name}: {len(values)} steps, final loss {last}, adapter in {config.output_dir}/{name}")
     return 0
+
+
+def _fuse(config, resume: bool) -> int:
+    """Runs knowledge fusion and prints its table; 1 when a requirement is not met."""
+    if resume:
+        raise ConfigError("--resume does not apply to knowledge fusion (it retrains candidate adapters)")
+    from train.fusion import format_table
+    from train.fusion_run import REPORT_FILE, run_fusion
+
+    report = run_fusion(config)
+    print(format_table(report))
+    print(f"adapters in {config.output_dir}/adapter_<i>, report in {config.output_dir}/{REPORT_FILE} "
+          f"({report['wall_s']:.0f} s)")
+    return 0 if report["all_met"] else 1

@@ -32,6 +32,19 @@ class JobConfig:
     epochs: int | None = 1
     steps: int | None = None  # optimizer steps; overrides epochs when set
     seed: int = 0
+    eval_dataset: str | None = None  # prompt/completion JSONL, answers checked exactly (knowledge fusion)
+    min_accuracy: float | None = None  # the task's accuracy requirement on eval_dataset (knowledge fusion)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionConfig:
+    """`fusion:` turns the run into V-LoRA's accuracy-aware knowledge fusion (`train.fusion`): the
+    jobs are tasks packed greedily into as few adapters as their `min_accuracy` allow."""
+
+    order: str = "random"  # random (the paper: a seeded shuffle) | given (the jobs' order)
+    seed: int = 0
+    policy: str = "next_fit"  # next_fit (the paper: only the newest adapter takes tasks) | first_fit
+    max_new_tokens: int | None = None  # per evaluated answer; default: the longest answer's tokens + 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +89,7 @@ class TrainConfig:
     progress: bool = True
     tensorboard: bool = True  # event files in output_dir/tensorboard (tensorboardX)
     peak_tflops: float | None = None  # per device, for MFU; default: a table of known devices
+    fusion: FusionConfig | None = None  # set: pack the jobs' tasks into few adapters (`train.fusion_run`)
 
     @property
     def sample_limit(self) -> int:
@@ -88,7 +102,7 @@ _SECTIONS = ("mesh",)  # mappings an override may create (`mesh.data=4` with no 
 _LORA_KEYS = {"r", "alpha", "dropout", "targets", "use_rslora", "rank_pattern", "alpha_pattern"}
 _CHOICES = {"schedule": ("constant", "linear", "cosine"), "overlong": ("truncate", "refuse"),
             "scheduler": ("milp", "greedy"), "dtype": ("float32", "bfloat16"), "lora_backend": backends.names(trains=True),
-            "remat": REMAT_POLICIES}
+            "remat": REMAT_POLICIES, "order": ("random", "given"), "policy": ("next_fit", "first_fit")}
 
 
 def load_train_config(path: str, overrides: list[str] = ()) -> TrainConfig:
@@ -167,6 +181,8 @@ def _build(raw: dict, lines: dict, path: str) -> TrainConfig:
     settings = {key: value for key, value in raw.items() if key != "jobs"}
     _check_choices(settings, where)
     settings["mesh"] = _build_mesh(settings.get("mesh") or {}, where)
+    if "fusion" in settings:
+        settings["fusion"] = _build_fusion(settings["fusion"], jobs, where)
     if settings.get("tokenizer") is not None and not os.path.isabs(str(settings["tokenizer"])) \
             and settings["tokenizer"] != "default":
         settings["tokenizer"] = os.path.join(os.path.dirname(path), str(settings["tokenizer"]))
@@ -195,6 +211,8 @@ def _build_job(job: Any, where, base_dir: str) -> JobConfig:
     values["lora"] = _build_lora(job.get("lora") or {}, where)
     dataset = str(job["dataset"])
     values["dataset"] = dataset if os.path.isabs(dataset) else os.path.join(base_dir, dataset)
+    if job.get("eval_dataset") is not None:
+        values["eval_dataset"] = os.path.join(base_dir, str(job["eval_dataset"]))  # join keeps absolute paths
     if values.get("steps") is not None:
         values["epochs"] = None
     try:
@@ -215,6 +233,29 @@ def _build_mesh(raw, where) -> MeshConfig:
         elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{where('mesh', key)}: mesh.{key} must be a positive integer, not {value!r}")
     return MeshConfig(**raw)
+
+
+def _build_fusion(raw, jobs: tuple[JobConfig, ...], where) -> FusionConfig:
+    """The `fusion:` mapping (empty: the defaults); every job then needs eval_dataset and min_accuracy."""
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where('fusion')}: 'fusion' must be a mapping like {{order: random, seed: 0}}")
+    known = {f.name for f in dataclasses.fields(FusionConfig)}
+    for key in raw:
+        if key not in known:
+            raise ConfigError(f"{where('fusion', key)}: unknown fusion key {key!r} (known: {', '.join(sorted(known))})")
+    _check_choices(raw, lambda *k: where("fusion", *k))
+    tokens = raw.get("max_new_tokens")
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+        raise ConfigError(f"{where('fusion', 'max_new_tokens')}: max_new_tokens must be a positive integer")
+    for index, job in enumerate(jobs):
+        if job.eval_dataset is None or job.min_accuracy is None:
+            raise ConfigError(f"{where('jobs', index)}: job {job.name!r} needs 'eval_dataset' and 'min_accuracy' "
+                              "(fusion: packs tasks by their accuracy requirements)")
+    try:
+        return FusionConfig(**raw)
+    except TypeError as err:
+        raise ConfigError(f"{where('fusion')}: {err}") from None
 
 
 def _build_lora(raw: dict, where) -> LoraConfig:
@@ -250,5 +291,9 @@ def _check_positive(config: TrainConfig, where) -> None:
             raise ConfigError(f"{where('jobs', index)}: give a positive 'epochs' or 'steps'")
         if job.learning_rate <= 0:
             raise ConfigError(f"{where('jobs', index, 'learning_rate')}: learning_rate must be > 0")
+        accuracy = job.min_accuracy
+        if accuracy is not None and (isinstance(accuracy, bool) or not isinstance(accuracy, (int, float))
+                                     or not 0 <= accuracy <= 1):
+            raise ConfigError(f"{where('jobs', index, 'min_accuracy')}: min_accuracy must be a number in [0, 1]")
     if config.peak_tflops is not None and not (isinstance(config.peak_tflops, (int, float)) and config.peak_tflops > 0):
         raise ConfigError(f"{where('peak_tflops')}: peak_tflops must be a positive number (TFLOP/s per device)")
