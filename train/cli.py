@@ -76,10 +76,10 @@ def _fuse(config, resume: bool) -> int:
     """Runs knowledge fusion and prints its table; 1 when a requirement is not met."""
     if resume:
         raise ConfigError("--resume does not apply to knowledge fusion (it retrains candidate adapters)")
-    from train.fusion import format_table
+    from train.fusion import format_table, format_trial
     from train.fusion_run import REPORT_FILE, run_fusion
 
-    report = run_fusion(config)
+    report = run_fusion(config, on_trial=lambda trial: print(format_trial(trial), flush=True))
     print(format_table(report))
     print(f"adapters in {config.output_dir}/adapter_<i>, report in {config.output_dir}/{REPORT_FILE} "
           f"({report['wall_s']:.0f} s)")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +65,12 @@ class Trial:
 class Packing:
     adapters: list[FusedAdapter]
     trials: list[Trial]
+    on_trial: Callable[[Trial], None] | None = None
+
+    def record(self, trial: Trial) -> None:
+        self.trials.append(trial)
+        if self.on_trial is not None:
+            self.on_trial(trial)
 
 
 def meets_all(tasks: tuple[FusionTask, ...], fit: Fit) -> bool:
@@ -83,14 +89,16 @@ def fusion_order(tasks: list[FusionTask], order: str, seed: int) -> list[FusionT
     raise ValueError(f"fusion order {order!r} is not one of random, given")
 
 
-def pack(tasks: list[FusionTask], backend: FusionBackend, policy: str = "next_fit") -> Packing:
-    """Packs `tasks` (in this order) into adapters greedily; returns the adapters and every fit tried."""
+def pack(tasks: list[FusionTask], backend: FusionBackend, policy: str = "next_fit",
+         on_trial: Callable[[Trial], None] | None = None) -> Packing:
+    """Packs `tasks` (in this order) into adapters greedily; returns the adapters and every fit
+    tried (also handed to `on_trial` as each ends: progress)."""
     if policy not in ("next_fit", "first_fit"):
         raise ValueError(f"fusion policy {policy!r} is not one of next_fit, first_fit")
     names = [task.name for task in tasks]
     if len(set(names)) != len(names):
         raise ValueError(f"task names must be unique: {names}")
-    packing = Packing([], [])
+    packing = Packing([], [], on_trial)
     for task in tasks:
         if not any(_try_add(packing, index, task, backend) for index in _open_adapters(packing, policy)):
             _new_adapter(packing, task, backend)
@@ -108,7 +116,7 @@ def _try_add(packing: Packing, index: int, task: FusionTask, backend: FusionBack
     tasks = adapter.tasks + (task,)
     fit = _checked_fit(backend, tasks)
     accepted = meets_all(tasks, fit)
-    packing.trials.append(Trial(index, tuple(t.name for t in tasks), dict(fit.accuracy), accepted))
+    packing.record(Trial(index, tuple(t.name for t in tasks), dict(fit.accuracy), accepted))
     if accepted:
         packing.adapters[index] = FusedAdapter(tasks, fit)
     return accepted
@@ -116,7 +124,7 @@ def _try_add(packing: Packing, index: int, task: FusionTask, backend: FusionBack
 
 def _new_adapter(packing: Packing, task: FusionTask, backend: FusionBackend) -> None:
     fit = _checked_fit(backend, (task,))
-    packing.trials.append(Trial(len(packing.adapters), (task.name,), dict(fit.accuracy), True))
+    packing.record(Trial(len(packing.adapters), (task.name,), dict(fit.accuracy), True))
     packing.adapters.append(FusedAdapter((task,), fit))
 
 
@@ -145,6 +153,12 @@ def packing_report(packing: Packing) -> dict:
                "accepted": trial.accepted} for trial in packing.trials]
     return {"num_tasks": len(tasks), "num_adapters": len(adapters), "all_met": all(t["met"] for t in tasks),
             "tasks": tasks, "adapters": adapters, "trials": trials}
+
+
+def format_trial(trial: Trial) -> str:
+    """One line of progress: the adapter, its tasks' accuracies, kept or rolled back."""
+    accuracy = ", ".join(f"{name} {trial.accuracy[name]:.0%}" for name in trial.tasks)
+    return f"adapter_{trial.adapter + 1} <- {trial.tasks[-1]}: {accuracy}: {'kept' if trial.accepted else 'rolled back'}"
 
 
 def format_table(report: dict) -> str:

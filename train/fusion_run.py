@@ -107,8 +107,9 @@ class TrainerBackend:
                 / len(s.answers) for name, s in zip(names, sets)}
 
 
-def run_fusion(config: TrainConfig, model=None, tokenizer=None) -> dict:
-    """Packs the config's jobs into adapters, writes them and the report; returns the report."""
+def run_fusion(config: TrainConfig, model=None, tokenizer=None, on_trial=None) -> dict:
+    """Packs the config's jobs into adapters, writes them and the report; returns the report.
+    on_trial: called with each `train.fusion.Trial` as it ends (progress)."""
     if config.fusion is None:
         raise ConfigError("knowledge fusion needs a 'fusion:' section in the job file")
     if jax.process_count() > 1:
@@ -122,7 +123,7 @@ def run_fusion(config: TrainConfig, model=None, tokenizer=None) -> dict:
     backend = TrainerBackend(config, model, tokenizer)
     tasks = fusion_order([FusionTask(job.name, float(job.min_accuracy)) for job in config.jobs],
                          config.fusion.order, config.fusion.seed)
-    packing = pack(tasks, backend, config.fusion.policy)
+    packing = pack(tasks, backend, config.fusion.policy, on_trial)
     for name, adapter in zip(adapter_names(packing), packing.adapters):
         save_peft_adapter(adapter.fit.adapter, os.path.join(config.output_dir, name),
                           base_model_name=str(config.base_model))

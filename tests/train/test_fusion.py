@@ -4,7 +4,7 @@ configuration; no model (the end-to-end run on SmolLM2: test_fusion_smollm2.py).
 import pytest
 
 from train.config import ConfigError, load_train_config
-from train.fusion import Fit, FusionTask, format_table, fusion_order, pack, packing_report
+from train.fusion import Fit, FusionTask, format_table, format_trial, fusion_order, pack, packing_report
 
 
 class ScriptedBackend:
@@ -152,3 +152,9 @@ def test_bad_fusion_config(tmp_path, old, new, expected):
     path.write_text(FUSION_JOBS.replace(old, new))
     with pytest.raises(ConfigError, match=expected):
         load_train_config(str(path))
+
+
+def test_progress_lines():
+    lines = []
+    pack(_tasks("a", "b"), ScriptedBackend({("a", "b"): {"a": 0.5}}), on_trial=lambda t: lines.append(format_trial(t)))
+    assert lines == ["adapter_1 <- a: a 90%: kept", "adapter_1 <- b: a 50%, b 90%: rolled back", "adapter_2 <- b: b 90%: kept"]
