@@ -2,7 +2,7 @@
 each with an accuracy requirement and a held-out evaluation set, packed by `jaxlora-train` (a job
 file with a `fusion:` section) into as few adapters as the requirements allow.
 
-    PYTHONPATH=. python bench/knowledge_fusion.py [--steps 8] [--eval 20] [--out FILE]
+    PYTHONPATH=. python bench/knowledge_fusion.py [--steps 12] [--eval 30] [--out FILE]
 
 Tasks: `train.demo_tasks` (generated, deterministic; training examples seed 0, evaluation seed 1),
 answers checked exactly. Every task brings `--steps` optimizer steps of batch 8; a candidate
@@ -64,9 +64,9 @@ def base_accuracy(eval_examples: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=8, help="optimizer steps (batch 8) each task brings")
+    parser.add_argument("--steps", type=int, default=12, help="optimizer steps (batch 8) each task brings")
     parser.add_argument("--train-examples", type=int, default=64)
-    parser.add_argument("--eval", type=int, default=20, help="held-out examples per task")
+    parser.add_argument("--eval", type=int, default=30, help="held-out examples per task")
     parser.add_argument("--order", default="random", choices=("random", "given"))
     parser.add_argument("--policy", default="next_fit", choices=("next_fit", "first_fit"))
     parser.add_argument("--run-dir", default="/tmp/jaxlora_knowledge_fusion")

@@ -43,12 +43,31 @@ class EvalSet:
     answer_tokens: int  # the longest answer's token count
 
 
-def load_eval_set(job: JobConfig, tokenizer) -> EvalSet:
-    """The job's `eval_dataset`: prompt/completion records only (ConfigError naming file:line)."""
+@dataclasses.dataclass(frozen=True)
+class TaskData:
+    """A task's records as read: training (any `train.data` format) and evaluation (prompt/completion)."""
+
+    train: list[dict]
+    eval: list[dict]
+
+
+def read_task_data(config: TrainConfig) -> dict[str, TaskData]:
+    """Every job's datasets, read and checked before any model is loaded (ConfigError naming file:line)."""
+    out = {}
+    for job in config.jobs:
+        evaluation = []
+        for number, record in read_jsonl(job.eval_dataset):
+            if "prompt" not in record or "completion" not in record:
+                raise ConfigError(f"{job.eval_dataset}:{number}: an evaluation record needs 'prompt' and 'completion'")
+            evaluation.append(record)
+        out[job.name] = TaskData([record for _, record in read_jsonl(job.dataset)], evaluation)
+    return out
+
+
+def eval_set(records: list[dict], tokenizer) -> EvalSet:
+    """Tokenized prompts and the expected completions of prompt/completion records."""
     prompts, answers, longest = [], [], 0
-    for number, record in read_jsonl(job.eval_dataset):
-        if "prompt" not in record or "completion" not in record:
-            raise ConfigError(f"{job.eval_dataset}:{number}: an evaluation record needs 'prompt' and 'completion'")
+    for record in records:
         prompts.append(tokenizer.encode(record["prompt"]))
         answers.append(record["completion"])
         longest = max(longest, len(tokenizer.encode(record["completion"], add_bos=False)))
@@ -65,12 +84,12 @@ def task_samples(job: JobConfig, num_records: int) -> int:
 class TrainerBackend:
     """`train.fusion.FusionBackend` over `Trainer` (one fresh job per fit) and greedy generation."""
 
-    def __init__(self, config: TrainConfig, model, tokenizer):
+    def __init__(self, config: TrainConfig, model, tokenizer, data: dict[str, TaskData]):
+        """data: `read_task_data(config)`."""
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.jobs = {job.name: job for job in config.jobs}
-        # Read everything first: a bad file stops the run before any training.
-        self.records = {job.name: [record for _, record in read_jsonl(job.dataset)] for job in config.jobs}
-        self.eval_sets = {job.name: load_eval_set(job, tokenizer) for job in config.jobs}
+        self.records = {name: task.train for name, task in data.items()}
+        self.eval_sets = {name: eval_set(task.eval, tokenizer) for name, task in data.items()}
         self.trainings = 0
 
     def fit(self, tasks: tuple[FusionTask, ...]) -> Fit:
@@ -115,12 +134,13 @@ def run_fusion(config: TrainConfig, model=None, tokenizer=None, on_trial=None) -
     if jax.process_count() > 1:
         raise ConfigError("knowledge fusion runs in one process (drop --distributed)")
     started = time.perf_counter()
+    data = read_task_data(config)  # a bad file stops the run before the model loads
     if model is None:
         from train.base_model import load_base_model
 
         model, tokenizer = load_base_model(config.base_model, jnp.dtype(config.dtype), config.seed,
                                            config.tokenizer)
-    backend = TrainerBackend(config, model, tokenizer)
+    backend = TrainerBackend(config, model, tokenizer, data)
     tasks = fusion_order([FusionTask(job.name, float(job.min_accuracy)) for job in config.jobs],
                          config.fusion.order, config.fusion.seed)
     packing = pack(tasks, backend, config.fusion.policy, on_trial)

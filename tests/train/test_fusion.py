@@ -4,6 +4,7 @@ configuration; no model (the end-to-end run on SmolLM2: test_fusion_smollm2.py).
 import pytest
 
 from train.config import ConfigError, load_train_config
+from train.demo_tasks import make_examples, write_jsonl
 from train.fusion import Fit, FusionTask, format_table, format_trial, fusion_order, pack, packing_report
 
 
@@ -158,3 +159,51 @@ def test_progress_lines():
     lines = []
     pack(_tasks("a", "b"), ScriptedBackend({("a", "b"): {"a": 0.5}}), on_trial=lambda t: lines.append(format_trial(t)))
     assert lines == ["adapter_1 <- a: a 90%: kept", "adapter_1 <- b: a 50%, b 90%: rolled back", "adapter_2 <- b: b 90%: kept"]
+
+
+class _Characters:
+    """A stand-in tokenizer: one id per character."""
+
+    eos_token_ids = (0,)
+
+    def encode(self, text, add_bos=True):
+        return [ord(c) for c in text]
+
+
+def _fusion_files(tmp_path, job_b="    steps: 2\n"):
+    for name, count in (("a", 6), ("b", 10)):
+        write_jsonl(str(tmp_path / f"{name}.jsonl"), make_examples("last_word", count, seed=0))
+        write_jsonl(str(tmp_path / f"{name}_eval.jsonl"), make_examples("last_word", 3, seed=1))
+    text = FUSION_JOBS.replace("/data/b_eval.jsonl", "b_eval.jsonl").replace("    steps: 2\n", "global_batch_size: 2\n", 1)
+    text = text.replace("global_batch_size: 2\n", "    global_batch_size: 2\n    steps: 3\n")
+    head, tail = text.rsplit("    steps: 2\n", 1)
+    (tmp_path / "jobs.yaml").write_text(head + job_b + tail)
+    return str(tmp_path / "jobs.yaml")
+
+
+def test_candidate_job_is_the_union_for_the_sum_of_samples(tmp_path):
+    from train.fusion_run import TrainerBackend, read_task_data
+
+    config = load_train_config(_fusion_files(tmp_path, "    epochs: 2\n    global_batch_size: 4\n"))
+    backend = TrainerBackend(config, None, _Characters(), read_task_data(config))
+    assert backend.eval_sets["a"].answers == [e["completion"] for e in make_examples("last_word", 3, seed=1)]
+    job = backend._candidate_job(["a", "b"], str(tmp_path / "candidate"))
+    # a: 3 steps x 2; b: 2 epochs of 10 in whole batches of 4 = 20; batch 2 (a's) -> 13 steps.
+    assert (job.steps, job.epochs, job.global_batch_size, job.lora, job.name) == (13, None, 2, config.jobs[0].lora, "candidate")
+    with open(job.dataset) as f:
+        assert len(f.readlines()) == 16
+
+
+def test_bad_fusion_input_is_refused_before_training(tmp_path, capsys):
+    from train.cli import main
+    from train.fusion_run import read_task_data
+
+    path = _fusion_files(tmp_path)
+    assert main([path, "--resume"]) == 2
+    assert "--resume does not apply to knowledge fusion" in capsys.readouterr().err
+    (tmp_path / "b_eval.jsonl").write_text('{"prompt": "x", "completion": "y"}\n{"text": "no answer"}\n')
+    with pytest.raises(ConfigError, match=r"b_eval\.jsonl:2: an evaluation record needs 'prompt' and 'completion'"):
+        read_task_data(load_train_config(path))
+    (tmp_path / "b_eval.jsonl").unlink()
+    assert main([path]) == 2
+    assert "b_eval.jsonl: cannot read dataset" in capsys.readouterr().err
