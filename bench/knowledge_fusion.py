@@ -80,6 +80,7 @@ def main() -> None:
     report["settings"] = vars(args)
     report["base_accuracy"] = base_accuracy(args.eval)
     report["total_seconds"] = round(time.time() - started, 1)
+    report["load_average_1_5_15min"] = [round(x, 1) for x in os.getloadavg()]  # other jobs on the same cores
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
