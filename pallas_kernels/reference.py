@@ -98,3 +98,43 @@ def segment_outer_ref(lhs, rhs, seg_starts, seg_slot, seg_rank, rank_axis: int):
         rhs = jnp.where(_rank_mask(row_slot, row_rank, rhs.shape[1]), rhs, 0.0)
     onehot = (seg[:, None] == jnp.arange(num_segments)) & (valid & (row_slot >= 0))[:, None]
     return jnp.einsum("ts,tp,tq->spq", onehot.astype(jnp.float32), lhs, rhs, precision=_HIGHEST)
+
+
+# ---- paged adapter rows (S-LoRA unified paging): adapter weights as rows found by a row table ----
+
+def paged_rows(row_slot, row_table, slot_rank, row_offset, entry_offset):
+    """(row ids [B, w], live [B, w]) of rows with adapter slots `row_slot` [B] (-1: none): entry
+    e = slot + entry_offset, its rows row_offset + row_table[e, :rank[e]] (live), the rest masked."""
+    valid = row_slot >= 0
+    entry = jnp.maximum(row_slot, 0) + entry_offset
+    width = row_table.shape[1]
+    rank = jnp.where(valid, jnp.clip(slot_rank[entry], 0, width), 0)
+    live = jnp.arange(width, dtype=jnp.int32)[None, :] < rank[:, None]
+    return row_offset + row_table[entry], live
+
+
+def bgmv_paged_ref(y, x, a_rows, b_rows, row_slot, row_table, slot_rank, slot_scale,
+                   row_offset=0, entry_offset=0):
+    """y[b] += scale[e] * sum_{j < rank[e]} (x[b] . A_rows[r_j]) B_rows[r_j], with e = slot[b] +
+    entry_offset and r_j = row_offset + row_table[e, j]; rows with slot -1 untouched.
+
+    y [B, n], x [B, k], a_rows [R, k], b_rows [R, n], row_slot int32 [B], row_table int32
+    [E, w], slot_rank int32 [E], slot_scale float32 [E] -> [B, n] (y.dtype)."""
+    rows, live = paged_rows(row_slot, row_table, slot_rank, row_offset, entry_offset)
+    a = a_rows[rows].astype(jnp.float32)  # [B, w, k]
+    v = jnp.einsum("bk,bwk->bw", x.astype(jnp.float32), a, precision=_HIGHEST)
+    v = jnp.where(live, v, 0.0)
+    delta = jnp.einsum("bw,bwn->bn", v, b_rows[rows].astype(jnp.float32), precision=_HIGHEST)
+    scale = slot_scale[jnp.maximum(row_slot, 0) + entry_offset].astype(jnp.float32)
+    out = (y.astype(jnp.float32) + scale[:, None] * delta).astype(y.dtype)
+    return jnp.where(row_slot[:, None] >= 0, out, y)
+
+
+def sgmv_paged_ref(y, x, a_rows, b_rows, seg_starts, seg_slot, row_table, slot_rank, slot_scale,
+                   row_offset=0, entry_offset=0):
+    """`bgmv_paged_ref` with each row's slot from its segment (seg_starts [S+1], seg_slot [S]);
+    rows of no segment (padding) untouched. y [T, n], x [T, k] -> [T, n] (y.dtype)."""
+    seg, valid = row_segments(seg_starts, x.shape[0])
+    row_slot = jnp.where(valid, seg_slot[seg], -1).astype(jnp.int32)
+    return bgmv_paged_ref(y, x, a_rows, b_rows, row_slot, row_table, slot_rank, slot_scale,
+                          row_offset, entry_offset)

@@ -1,0 +1,229 @@
+"""GPU (Pallas -> Triton) LoRA kernels over paged adapter rows (S-LoRA unified paging, its
+MBGMV/MBGMM over non-contiguous memory).
+
+An adapter of rank r is r rows of an A-row pool a_rows [R, k] and of a B-row pool b_rows [R, n]
+(rank row j of adapter e: A[:, j] as a row, B[j, :]), found through a row table: rank row j of
+entry e is row `row_offset + row_table[e, j]`, live for j < slot_rank[e] (S-LoRA's a_start /
+a_len / a_loc). The rows need not be contiguous (they come from a free list), so every row is
+read by its own table lookup: the shrink takes one dot product of x with each of an adapter's
+rows, the expand adds v[j] * B_rows[r_j] per rank row. Nothing beyond an adapter's rank is read,
+so a rank-8 adapter costs a quarter of a rank-32 one. The products are broadcast-multiply +
+reduce in float32 (a row gather feeds no Triton dot), v stays float32 from shrink to expand.
+
+Metadata arrives as whole int32/float32 arrays (Triton has no scalar prefetch, as the other GPU
+kernels here), offsets as int32 [2] (row_offset, entry_offset: the stacked pools of the serving
+engine's layer scan, layer * rows and layer * slots, so no layer slice is copied).
+
+- `bgmv_paged_shrink_gpu` / `bgmv_paged_expand_gpu` (decode, one row per request): grid (rows,
+  k_splits) writing float32 split-K partials [k_splits, B, w], then (rows, column blocks) summing
+  them, y aliased to the output (rows of slot -1 untouched).
+- `sgmv_paged_shrink_gpu` / `sgmv_paged_expand_gpu` (prefill segments): one program per row tile
+  looping over the segments that overlap it (`TileRouting.tile_seg_lo/hi`), rows outside the
+  segment masked.
+
+Inputs come padded by the dispatcher (`pallas_kernels.paged_lora`): k to block_k, n to block_n,
+rows to block_rows, the table width w to a power of two.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+_F32 = jnp.float32
+_PARAMS = plt.CompilerParams(num_warps=4, num_stages=2)
+
+
+def _entry(slot, table_ref, rank_ref, offsets_ref):
+    """(entry, rank clipped to [0, w], active) of adapter slot `slot` (-1: none)."""
+    entry = jnp.maximum(slot, 0) + offsets_ref[1]
+    rank = jnp.clip(rank_ref[entry], 0, table_ref.shape[1])
+    return entry, rank, (slot >= 0) & (rank > 0)
+
+
+def _row(table_ref, offsets_ref, entry, j):
+    """Pool row of rank row j of `entry`."""
+    return offsets_ref[0] + table_ref[entry, j]
+
+
+def _k_range(split, num_k_blocks: int, k_splits: int):
+    per_split = -(-num_k_blocks // k_splits)
+    lo = split * per_split
+    return lo, jnp.minimum(lo + per_split, num_k_blocks)
+
+
+# ---- BGMV (decode) -----------------------------------------------------------------------------
+
+def _bgmv_shrink_kernel(slot_ref, table_ref, rank_ref, offsets_ref, x_ref, a_ref, out_ref, *,
+                        block_k: int, num_k_blocks: int, k_splits: int):
+    b, split = pl.program_id(0), pl.program_id(1)
+    entry, rank, active = _entry(slot_ref[b], table_ref, rank_ref, offsets_ref)
+    kb_lo, kb_hi = _k_range(split, num_k_blocks, k_splits)
+    cols = lax.broadcasted_iota(jnp.int32, (table_ref.shape[1],), 0)
+
+    def rank_row(j, acc):
+        row = _row(table_ref, offsets_ref, entry, j)
+
+        def k_body(kb, total):
+            k0 = pl.multiple_of(kb * block_k, block_k)
+            x_blk = x_ref[b, pl.ds(k0, block_k)].astype(_F32)
+            return total + jnp.sum(x_blk * a_ref[row, pl.ds(k0, block_k)].astype(_F32))
+
+        return jnp.where(cols == j, lax.fori_loop(kb_lo, kb_hi, k_body, jnp.float32(0)), acc)
+
+    acc = lax.fori_loop(0, jnp.where(active, rank, 0), rank_row, jnp.zeros(cols.shape, _F32))
+    out_ref[split, b, :] = acc
+
+
+def bgmv_paged_shrink_gpu(x, a_rows, row_slot, row_table, slot_rank, offsets, *, block_k: int,
+                          k_splits: int, interpret):
+    """Split-K partials of v[b, j] = x[b] . A_rows[row of rank row j of slot b] (0 past its rank
+    and for slot -1): x [B, k], a_rows [R, k] -> [k_splits, B, w] float32."""
+    batch, k = x.shape
+    num_k_blocks = k // block_k
+    kernel = functools.partial(_bgmv_shrink_kernel, block_k=block_k, num_k_blocks=num_k_blocks,
+                               k_splits=k_splits)
+    return pl.pallas_call(
+        kernel, name="bgmv_paged_shrink",
+        out_shape=jax.ShapeDtypeStruct((k_splits, batch, row_table.shape[1]), _F32),
+        grid=(batch, k_splits), compiler_params=_PARAMS, interpret=interpret,
+    )(row_slot, row_table, slot_rank, offsets, x, a_rows)
+
+
+def _v_at(v_ref, rows, j):
+    """v[rows, j] summed over the split-K parts of v_ref [parts, T, w] (float32)."""
+    v = v_ref[0, rows, j]
+    for part in range(1, v_ref.shape[0]):
+        v = v + v_ref[part, rows, j]
+    return v
+
+
+def _bgmv_expand_kernel(slot_ref, table_ref, rank_ref, scale_ref, offsets_ref, y_ref, v_ref, b_ref,
+                        out_ref, *, block_n: int):
+    b, col_block = pl.program_id(0), pl.program_id(1)
+    entry, rank, active = _entry(slot_ref[b], table_ref, rank_ref, offsets_ref)
+    cols = pl.ds(pl.multiple_of(col_block * block_n, block_n), block_n)
+
+    @pl.when(active)
+    def _():
+        def rank_row(j, delta):
+            row = _row(table_ref, offsets_ref, entry, j)
+            return delta + _v_at(v_ref, b, j) * b_ref[row, cols].astype(_F32)
+
+        delta = lax.fori_loop(0, rank, rank_row, jnp.zeros((block_n,), _F32))
+        out = y_ref[b, cols].astype(_F32) + scale_ref[entry] * delta
+        out_ref[b, cols] = out.astype(out_ref.dtype)
+
+
+def bgmv_paged_expand_gpu(y, v, b_rows, row_slot, row_table, slot_rank, slot_scale, offsets, *,
+                          block_n: int, interpret):
+    """y[b] += scale * sum_j v[b, j] B_rows[row j of slot b], in place (y aliased; rows of slot -1
+    untouched): y [B, n], v [parts, B, w] float32, b_rows [R, n] -> [B, n] (y.dtype)."""
+    batch, n = y.shape
+    kernel = functools.partial(_bgmv_expand_kernel, block_n=block_n)
+    return pl.pallas_call(
+        kernel, name="bgmv_paged_expand",
+        out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
+        grid=(batch, n // block_n), input_output_aliases={5: 0},
+        compiler_params=_PARAMS, interpret=interpret,
+    )(row_slot, row_table, slot_rank, slot_scale, offsets, y, v, b_rows)
+
+
+# ---- SGMV (prefill segments) ---------------------------------------------------------------------
+
+def _segment(seg, starts_ref, seg_slot_ref, table_ref, rank_ref, offsets_ref, num_rows: int):
+    """(start, end, entry, rank, active) of segment `seg`."""
+    start = jnp.clip(starts_ref[seg], 0, num_rows)
+    end = jnp.clip(starts_ref[seg + 1], 0, num_rows)
+    entry, rank, active = _entry(seg_slot_ref[seg], table_ref, rank_ref, offsets_ref)
+    return start, end, entry, rank, active & (end > start)
+
+
+def _in_segment(row0, block_rows: int, start, end):
+    rows = row0 + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
+    return (rows >= start) & (rows < end)
+
+
+def _sgmv_shrink_kernel(starts_ref, seg_slot_ref, table_ref, rank_ref, offsets_ref, lo_ref, hi_ref,
+                        x_ref, a_ref, out_ref, *, block_rows: int, block_k: int, num_k_blocks: int):
+    tile = pl.program_id(0)
+    row0 = pl.multiple_of(tile * block_rows, block_rows)
+    tile_rows = pl.ds(row0, block_rows)
+    cols = lax.broadcasted_iota(jnp.int32, (1, table_ref.shape[1]), 1)
+
+    def seg_body(seg, acc):
+        start, end, entry, rank, active = _segment(seg, starts_ref, seg_slot_ref, table_ref, rank_ref,
+                                                   offsets_ref, x_ref.shape[0])
+        live = _in_segment(row0, block_rows, start, end)[:, None]
+
+        def rank_row(j, acc):
+            row = _row(table_ref, offsets_ref, entry, j)
+
+            def k_body(kb, total):
+                k0 = pl.multiple_of(kb * block_k, block_k)
+                x_blk = x_ref[tile_rows, pl.ds(k0, block_k)].astype(_F32)
+                return total + jnp.sum(x_blk * a_ref[row, pl.ds(k0, block_k)].astype(_F32)[None, :], axis=1)
+
+            dots = lax.fori_loop(0, num_k_blocks, k_body, jnp.zeros((block_rows,), _F32))
+            return acc + jnp.where(live & (cols == j), dots[:, None], 0.0)
+
+        return lax.fori_loop(0, jnp.where(active, rank, 0), rank_row, acc)
+
+    acc = lax.fori_loop(lo_ref[tile], hi_ref[tile], seg_body, jnp.zeros((block_rows, cols.shape[1]), _F32))
+    out_ref[0, tile_rows, :] = acc
+
+
+def sgmv_paged_shrink_gpu(x, a_rows, seg_starts, seg_slot, row_table, slot_rank, offsets, routing, *,
+                          block_rows: int, block_k: int, interpret):
+    """v[t, j] = x[t] . A_rows[row j of t's segment's adapter] (0 past its rank, for slot -1 and
+    rows of no segment): x [T, k], a_rows [R, k] -> [1, T, w] float32."""
+    num_rows, k = x.shape
+    kernel = functools.partial(_sgmv_shrink_kernel, block_rows=block_rows, block_k=block_k,
+                               num_k_blocks=k // block_k)
+    return pl.pallas_call(
+        kernel, name="sgmv_paged_shrink",
+        out_shape=jax.ShapeDtypeStruct((1, num_rows, row_table.shape[1]), _F32),
+        grid=(num_rows // block_rows,), compiler_params=_PARAMS, interpret=interpret,
+    )(seg_starts, seg_slot, row_table, slot_rank, offsets, routing.tile_seg_lo, routing.tile_seg_hi, x, a_rows)
+
+
+def _sgmv_expand_kernel(starts_ref, seg_slot_ref, table_ref, rank_ref, scale_ref, offsets_ref, lo_ref,
+                        hi_ref, y_ref, v_ref, b_ref, out_ref, *, block_rows: int, block_n: int):
+    tile, col_block = pl.program_id(0), pl.program_id(1)
+    row0 = pl.multiple_of(tile * block_rows, block_rows)
+    tile_rows = pl.ds(row0, block_rows)
+    cols = pl.ds(pl.multiple_of(col_block * block_n, block_n), block_n)
+
+    def seg_body(seg, delta):
+        start, end, entry, rank, active = _segment(seg, starts_ref, seg_slot_ref, table_ref, rank_ref,
+                                                   offsets_ref, y_ref.shape[0])
+        live = _in_segment(row0, block_rows, start, end)
+
+        def rank_row(j, seg_delta):
+            row = _row(table_ref, offsets_ref, entry, j)
+            v = jnp.where(live, _v_at(v_ref, tile_rows, j), 0.0)
+            return seg_delta + v[:, None] * b_ref[row, cols].astype(_F32)[None, :]
+
+        seg_delta = lax.fori_loop(0, jnp.where(active, rank, 0), rank_row, jnp.zeros_like(delta))
+        return delta + jnp.where(active, scale_ref[entry], 0.0) * seg_delta
+
+    delta = lax.fori_loop(lo_ref[tile], hi_ref[tile], seg_body, jnp.zeros((block_rows, block_n), _F32))
+    out_ref[tile_rows, cols] = (y_ref[tile_rows, cols].astype(_F32) + delta).astype(out_ref.dtype)
+
+
+def sgmv_paged_expand_gpu(y, v, b_rows, seg_starts, seg_slot, row_table, slot_rank, slot_scale, offsets,
+                          routing, *, block_rows: int, block_n: int, interpret):
+    """y[t] += scale * sum_j v[t, j] B_rows[row j of t's segment's adapter] (y aliased; rows of no
+    active segment keep y): y [T, n], v [parts, T, w] float32, b_rows [R, n] -> [T, n] (y.dtype)."""
+    num_rows, n = y.shape
+    kernel = functools.partial(_sgmv_expand_kernel, block_rows=block_rows, block_n=block_n)
+    return pl.pallas_call(
+        kernel, name="sgmv_paged_expand",
+        out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
+        grid=(num_rows // block_rows, n // block_n), input_output_aliases={8: 0},
+        compiler_params=_PARAMS, interpret=interpret,
+    )(seg_starts, seg_slot, row_table, slot_rank, slot_scale, offsets, routing.tile_seg_lo, routing.tile_seg_hi,
+      y, v, b_rows)

@@ -1,0 +1,111 @@
+"""LoRA over paged adapter rows (pallas_kernels/paged_lora.py): the GPU-style kernels in interpret
+mode against the pure-jnp reference, and the reference against the padded-slot reference on the
+same adapters. Mixed ranks {4, 8, 16, 32}, rows scattered over the pool (as after frees), odd k/n,
+empty and slot -1 segments, a single row, a stacked two-layer pool read at layer 1."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import reference as ref
+from pallas_kernels.paged_lora import bgmv_lora_paged, sgmv_lora_paged
+from tests.pallas_kernels.cases import TOL, rel_err
+
+RANKS = (4, 8, 16, 32, 8)  # slot s's rank (slot 4: a second rank-8 adapter)
+LAYERS, ROWS, WIDTH = 2, 96, 32  # rows per layer's pool, table width (the pool's max rank)
+
+
+def paged_pool(seed, k, n, dtype):
+    """A stacked two-layer pool: (a_rows [L*P, k], b_rows [L*P, n], table [L*slots, w], rank
+    [L*slots], scale [L*slots], padded A [L*slots, k, w], padded B [L*slots, w, n]): each slot's
+    rows drawn without replacement from a shuffled free list (non-contiguous), rows past a slot's
+    rank in the table pointing at other adapters' rows (they must be masked)."""
+    rng = np.random.default_rng(seed)
+    ka, kb = jax.random.split(jax.random.PRNGKey(seed))
+    a_rows = (jax.random.normal(ka, (LAYERS * ROWS, k)) / np.sqrt(k)).astype(dtype)
+    b_rows = (jax.random.normal(kb, (LAYERS * ROWS, n)) / np.sqrt(WIDTH)).astype(dtype)
+    free = list(rng.permutation(ROWS))
+    table = np.zeros((len(RANKS), WIDTH), np.int32)
+    for slot, rank in enumerate(RANKS):
+        table[slot, :rank] = [free.pop() for _ in range(rank)]
+        table[slot, rank:] = rng.integers(0, ROWS, WIDTH - rank)  # garbage: masked by the rank
+    table = np.tile(table, (LAYERS, 1))
+    rank = np.tile(np.asarray(RANKS, np.int32), LAYERS)
+    scale = rng.uniform(0.5, 2.0, LAYERS * len(RANKS)).astype(np.float32)
+    rows = table + np.repeat(np.arange(LAYERS) * ROWS, len(RANKS))[:, None]
+    live = np.arange(WIDTH)[None, :] < rank[:, None]
+    a_pad = jnp.where(live[:, None, :], jnp.swapaxes(a_rows[rows], 1, 2), 0)
+    b_pad = jnp.where(live[:, :, None], b_rows[rows], 0)
+    return a_rows, b_rows, jnp.asarray(table), jnp.asarray(rank), jnp.asarray(scale), a_pad, b_pad
+
+
+def _inputs(seed, rows, k, n, dtype):
+    kx, ky = jax.random.split(jax.random.PRNGKey(seed + 100))
+    return jax.random.normal(kx, (rows, k)).astype(dtype), jax.random.normal(ky, (rows, n)).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16))
+def test_bgmv_paged_mixed_ranks(dtype):
+    k, n = 40, 24  # not multiples of the blocks: padded by the dispatcher
+    a_rows, b_rows, table, rank, scale, a_pad, b_pad = paged_pool(0, k, n, dtype)
+    row_slot = jnp.asarray([3, -1, 0, 1, 2, 4, 0, -1, 3], jnp.int32)
+    x, y = _inputs(0, row_slot.shape[0], k, n, dtype)
+    layer = 1
+    args = (y, x, a_rows, b_rows, row_slot, table, rank, scale, layer * ROWS, layer * len(RANKS))
+    expected = ref.bgmv_paged_ref(*args)
+    out = bgmv_lora_paged(*args, impl="gpu")
+    assert out.dtype == dtype and rel_err(out - y, expected - y) <= TOL[dtype]
+    untouched = np.asarray(row_slot) < 0
+    np.testing.assert_array_equal(np.asarray(out)[untouched], np.asarray(y)[untouched])
+    # the reference equals the padded-slot reference on the same adapters
+    entry = jnp.where(row_slot >= 0, row_slot + layer * len(RANKS), -1)
+    entry_rank = jnp.where(entry >= 0, rank[jnp.maximum(entry, 0)], 0)
+    entry_scale = scale[jnp.maximum(entry, 0)]
+    v = ref.bgmv_shrink_ref(x.astype(jnp.float32), a_pad.astype(jnp.float32), entry, entry_rank)
+    padded = ref.bgmv_expand_ref(y.astype(jnp.float32), v, b_pad.astype(jnp.float32), entry, entry_rank,
+                                 entry_scale)
+    assert rel_err(expected.astype(jnp.float32) - y, padded - y.astype(jnp.float32)) <= TOL[dtype]
+
+
+def test_bgmv_paged_single_row():
+    a_rows, b_rows, table, rank, scale, _, _ = paged_pool(1, 32, 32, jnp.float32)
+    x, y = _inputs(1, 1, 32, 32, jnp.float32)
+    args = (y, x, a_rows, b_rows, jnp.asarray([2], jnp.int32), table, rank, scale)
+    expected = ref.bgmv_paged_ref(*args)
+    assert rel_err(bgmv_lora_paged(*args, impl="gpu") - y, expected - y) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16))
+def test_sgmv_paged_segments(dtype):
+    k, n = 37, 20  # odd sizes
+    a_rows, b_rows, table, rank, scale, a_pad, b_pad = paged_pool(2, k, n, dtype)
+    sizes, slots = [5, 0, 9, 13, 1, 7, 0], [1, 2, -1, 3, 0, 4, -1]  # empty, slot -1, one-row segments
+    starts = jnp.asarray(np.r_[0, np.cumsum(sizes)], jnp.int32)
+    seg_slot = jnp.asarray(slots, jnp.int32)
+    num_rows = int(np.sum(sizes)) + 3  # 3 padding rows after the last segment
+    x, y = _inputs(2, num_rows, k, n, dtype)
+    args = (y, x, a_rows, b_rows, starts, seg_slot, table, rank, scale, ROWS, len(RANKS))
+    expected = ref.sgmv_paged_ref(*args)
+    out = sgmv_lora_paged(*args, impl="gpu")
+    assert out.dtype == dtype and rel_err(out - y, expected - y) <= TOL[dtype]
+    untouched = np.r_[5:14, 35:38]  # the slot -1 segment and the padding rows
+    np.testing.assert_array_equal(np.asarray(out)[untouched], np.asarray(y)[untouched])
+    # against the padded-slot SGMV reference
+    entry = jnp.where(seg_slot >= 0, seg_slot + len(RANKS), -1)
+    seg_rank = jnp.where(entry >= 0, rank[jnp.maximum(entry, 0)], 0)
+    v = ref.sgmv_shrink_ref(x.astype(jnp.float32), a_pad.astype(jnp.float32), starts, entry, seg_rank)
+    padded = ref.sgmv_expand_ref(y.astype(jnp.float32), v, b_pad.astype(jnp.float32), starts, entry, seg_rank,
+                                 scale[jnp.maximum(entry, 0)])
+    assert rel_err(expected.astype(jnp.float32) - y, padded - y.astype(jnp.float32)) <= TOL[dtype]
+
+
+def test_sgmv_paged_single_segment_and_no_segments():
+    a_rows, b_rows, table, rank, scale, _, _ = paged_pool(3, 32, 32, jnp.float32)
+    x, y = _inputs(3, 16, 32, 32, jnp.float32)
+    one = (jnp.asarray([0, 16], jnp.int32), jnp.asarray([3], jnp.int32))
+    args = (y, x, a_rows, b_rows, *one, table, rank, scale)
+    assert rel_err(sgmv_lora_paged(*args, impl="gpu") - y, ref.sgmv_paged_ref(*args) - y) <= 1e-5
+    empty = (jnp.zeros(3, jnp.int32), jnp.asarray([0, 1], jnp.int32))  # two empty segments
+    out = sgmv_lora_paged(y, x, a_rows, b_rows, *empty, table, rank, scale, impl="gpu")
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(y))
