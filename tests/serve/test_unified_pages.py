@@ -48,7 +48,13 @@ def test_kv_evicts_idle_adapters_first_and_never_one_in_use():
 
 
 def _check(pool: UnifiedPages, model: dict, num_pages: int, in_use: set) -> None:
-    """Every page in exactly one place; the pool's view equals the model's."""
+    """Every page and every row in exactly one place; the pool's view equals the model's."""
+    row_owners = {row: "free" for row in pool._free_rows}
+    for key, rows in pool._rows.items():
+        assert not set(rows) & set(row_owners) and len(set(rows)) == len(rows)
+        row_owners.update(dict.fromkeys(rows, key))
+    assert sorted(row_owners) == list(range(pool.num_rows))
+    assert {key: len(rows) for key, rows in pool._rows.items() if rows} == model["rows"]
     owners = {}
     for page in pool._free:
         assert page not in owners
@@ -66,26 +72,33 @@ def _check(pool: UnifiedPages, model: dict, num_pages: int, in_use: set) -> None
     assert in_use <= set(model["adapters"])
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_randomized_allocations_match_the_model(seed):
+@pytest.mark.parametrize("seed,num_rows", [(seed, 0) for seed in range(5)] + [(seed, 48) for seed in range(5)])
+def test_randomized_allocations_match_the_model(seed, num_rows):
+    """num_rows > 0: adapters also take their rank in device rows (jaxlora.lora.rows), a second
+    constraint that evicts idle adapters on its own."""
     rng = random.Random(seed)
     num_pages = 64
     in_use: set = set()
-    pool = UnifiedPages(num_pages, page_size=16, in_use=lambda key: key in in_use)
-    model = {"seqs": {}, "adapters": {}, "lru": []}  # lru: resident adapter keys, least recent first
+    pool = UnifiedPages(num_pages, page_size=16, in_use=lambda key: key in in_use, num_rows=num_rows)
+    model = {"seqs": {}, "adapters": {}, "lru": [], "rows": {}}  # lru: resident adapter keys, least recent first
     ops = {"kv": 0, "kv_refused": 0, "adapter": 0, "adapter_refused": 0, "evicted": 0}
 
-    def idle(keep=()):
-        return sum(n for key, n in model["adapters"].items() if key not in in_use and key not in keep)
+    def idle(keep=(), kind="adapters"):
+        return sum(n for key, n in model[kind].items() if key not in in_use and key not in keep)
 
-    def evict_for(count):
+    def free_rows():
+        return num_rows - sum(model["rows"].values())
+
+    def evict_for(count, rows=0):
         free = num_pages - sum(model["adapters"].values()) - sum(len(p) for p in model["seqs"].values())
+        rows_free = free_rows()
         gone = []
         for key in list(model["lru"]):
-            if free >= count:
+            if free >= count and rows_free >= rows:
                 break
             if key not in in_use:
                 free += model["adapters"].pop(key)
+                rows_free += model["rows"].pop(key, 0)
                 model["lru"].remove(key)
                 gone.append(key)
         return gone
@@ -113,20 +126,23 @@ def test_randomized_allocations_match_the_model(seed):
         elif op < 0.75:  # an adapter of rank 8, 16 or 32 is loaded (or used again)
             key = rng.randrange(12)
             rank = {0: 8, 1: 16, 2: 32}[key % 3]  # an adapter keeps its rank
-            count = _pages(rank)
+            count, rows = _pages(rank), rank if num_rows else 0
             if key in model["adapters"]:
-                assert pool.add_adapter(key, count) is not None
+                assert pool.add_adapter(key, count, rows) is not None
                 model["lru"].remove(key)
                 model["lru"].append(key)
-            elif count <= free + idle(keep=(key,)):
-                gone = evict_for(count)
-                assert len(pool.add_adapter(key, count)) == count and pool.evicted == gone
+            elif count <= free + idle(keep=(key,)) and rows <= free_rows() + idle((key,), "rows"):
+                gone = evict_for(count, rows)
+                assert len(pool.add_adapter(key, count, rows)) == count and pool.evicted == gone
+                assert len(pool.rows_of(key)) == rows
                 model["adapters"][key] = count
+                if rows:
+                    model["rows"][key] = rows
                 model["lru"].append(key)
                 ops["adapter"] += 1
                 ops["evicted"] += len(gone)
             else:
-                assert pool.add_adapter(key, count) is None
+                assert pool.add_adapter(key, count, rows) is None
                 ops["adapter_refused"] += 1
         elif op < 0.9 and model["adapters"]:  # a request starts or stops using an adapter
             key = rng.choice(sorted(model["adapters"]))
@@ -139,6 +155,7 @@ def test_randomized_allocations_match_the_model(seed):
             else:
                 pool.remove_adapter(key)
                 del model["adapters"][key]
+                model["rows"].pop(key, None)
                 model["lru"].remove(key)
         _check(pool, model, num_pages, in_use)
     assert min(ops.values()) > 0, ops  # every path was taken
@@ -147,7 +164,30 @@ def test_randomized_allocations_match_the_model(seed):
     in_use.clear()
     for key in list(model["adapters"]):
         pool.remove_adapter(key)
-    assert pool.num_free == num_pages  # nothing leaked
+    assert pool.num_free == num_pages and pool.num_free_rows == num_rows  # nothing leaked
+
+
+def test_rank_8_takes_a_quarter_of_rank_32s_rows_and_rows_free_exactly():
+    """Device rows: exactly the rank (no max-rank padding); freed rows are reused, so a later adapter's
+    rows are scattered (not contiguous); an adapter in use keeps its rows."""
+    used = set()
+    pool = UnifiedPages(64, page_size=16, in_use=lambda key: key in used, num_rows=48)
+    pool.add_adapter("r8", _pages(8), rows=8)
+    pool.add_adapter("r32", _pages(32), rows=32)
+    assert len(pool.rows_of("r8")) * 4 == len(pool.rows_of("r32")) and pool.num_free_rows == 8
+    pool.add_adapter("r4", _pages(4), rows=4)
+    pool.remove_adapter("r8")  # its 8 rows free, between r4's and the never-used ones
+    used.add("r32")
+    pool.add_adapter("r16", _pages(16), rows=16)  # 8 + 4 free rows + idle "r4"'s 4: evicts "r4", not "r32"
+    rows = pool.rows_of("r16")
+    assert pool.evicted == ["r4"] and pool.holds("r32") and sorted(rows) != list(range(min(rows), min(rows) + 16))
+    assert not set(rows) & set(pool.rows_of("r32")) and pool.num_free_rows == 0
+    used.add("r16")  # every row now held by adapters in use: no room, nothing changes
+    assert not pool.can_add("r8b", 1, 8) and pool.add_adapter("r8b", 1, rows=8) is None
+    used.discard("r16")  # idle again: evicted for the newcomer, which gets rows from it
+    assert set(pool.add_adapter("r8b", 1, rows=8) and pool.rows_of("r8b")) <= set(rows)
+    with pytest.raises(ValueError, match="rows"):
+        pool.add_adapter("huge", 1, rows=64)
 
 
 def _finish_all(scheduler, seqs):
