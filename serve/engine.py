@@ -111,6 +111,7 @@ from jaxlora.buckets import bucket
 from jaxlora.models.packed import add_adapter_window, fill_window_slot, pack_projections, window_keys, window_layout
 from jaxlora.lora.plan import ServingPlan, build_plan, build_serving_plan, build_window_plan, serving_order
 from jaxlora.lora.pool import AdapterPool, PreparedAdapter
+from jaxlora.lora.rows import RowPool, adapter_rank
 from jaxlora.models.config import PROJECTIONS, projection_shapes
 from jaxlora.models.llama import Llama, LoraInputs
 from jaxlora.models.paged import PagedBatch, PagedKVCache
@@ -184,9 +185,15 @@ class EngineConfig:
     max_host_adapter_bytes: int | None = None
     max_host_adapters: int | None = None
     # Unified paging (S-LoRA): KV pages and resident adapters' pages (own rank) in one budget, idle
-    # adapters evicted when KV runs short (jaxlora.scheduler.serving.unified). Accounting only: the
-    # device still holds adapters in the pool's max-rank slots until the LoRA kernels read pages.
+    # adapters evicted when KV runs short (jaxlora.scheduler.serving.unified); on the device adapters
+    # live in rows (jaxlora.lora.rows.RowPool: rank r takes r rows, the LoRA kernels read them through
+    # a row table), `adapter_rows` of them (None: max_adapters_on_device * max_lora_rank, the padded
+    # pool's bytes; fewer rows hold as many adapters of lower ranks). One device, unmerged mode only.
     unified_paging: bool = False
+    adapter_rows: int | None = None
+    # The projections adapters may target (None: all seven): the device pool holds A/B for these only
+    # (with unified paging a row id takes a rank row in each of them).
+    lora_target_modules: tuple[str, ...] | None = None
     # Inference modes (serve.modes, V-LoRA): "unmerged" (every adapter as LoRA), "merged" (one adapter's
     # ΔW folded into the base weights a step; the others wait), "mixed" (deLoRA: the most requested one
     # merged, the others beside it), "auto" (V-LoRA's policy picks one each step, `mode_policy`'s
@@ -221,6 +228,13 @@ class EngineConfig:
             raise ValueError(f"adapter_window must be in [0, 64] (0: off), got {self.adapter_window}")
         if self.inference_mode not in INFERENCE_MODES:
             raise ValueError(f"inference_mode must be one of {', '.join(INFERENCE_MODES)}, got {self.inference_mode!r}")
+        if self.lora_target_modules is not None and not set(self.lora_target_modules) <= set(PROJECTIONS):
+            raise ValueError(f"lora_target_modules must be among {PROJECTIONS}, got {self.lora_target_modules}")
+        if self.adapter_rows is not None and not (self.unified_paging and self.adapter_rows >= self.max_lora_rank):
+            raise ValueError(f"adapter_rows needs unified_paging and >= max_lora_rank rows, got {self.adapter_rows}")
+        if self.unified_paging and self.inference_mode != "unmerged":
+            raise ValueError("unified_paging serves the unmerged inference mode only (the merged modes read the "
+                             "padded pool)")
         if self.num_pages is not None and self.max_model_len > self.num_pages * self.page_size:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the KV cache "
                              f"({self.num_pages} pages x {self.page_size} tokens)")
@@ -345,7 +359,8 @@ class Engine:
         self.window = None  # the adapter window's layout (`AdapterWindow`), None: off
         window = min(config.adapter_window or 0, config.max_adapters_on_device)
         if window and mesh is None and compressed is None:
-            self.window = window_layout(model.config, window, config.max_lora_rank, PROJECTIONS)
+            self.window = window_layout(model.config, window, config.max_lora_rank,
+                                        config.lora_target_modules or PROJECTIONS)
             add_adapter_window(model, self.window)
             self._window_slots = WindowSlots(window)
             self._fill_program = None  # `fill_window_slot`, compiled by `warmup` or on first use
@@ -353,8 +368,7 @@ class Engine:
         self._dtype = model.dtype
         self.modes = self._inference_modes(config, mesh, compressed)  # None: unmerged only
         # donate: the pool's arrays are written in place; only `build_step` reads them, afresh each step
-        self.pool = AdapterPool(model.config, config.max_adapters_on_device, config.max_lora_rank,
-                                dtype=model.dtype, donate=True, mesh=mesh)
+        self.pool = self._adapter_pool(model, config, mesh, compressed)
         self._compressed = self._place_compressed(compressed, mesh)  # before the KV pages are sized
         if config.num_pages is None:  # sized now: after the weights and the pool are on the devices
             config = self.config = dataclasses.replace(config, num_pages=self._pages_that_fit(devices))
@@ -363,8 +377,10 @@ class Engine:
             num_pages=config.num_pages, page_size=config.page_size,
             num_adapter_slots=config.max_adapters_on_device, max_num_seqs=config.max_num_seqs,
             token_budget=config.token_budget, prefill_chunk=config.prefill_chunk,
-            unified_paging=config.unified_paging, reserve_output=config.reserve_output_kv))
+            unified_paging=config.unified_paging, reserve_output=config.reserve_output_kv,
+            adapter_rows=self.pool.num_rows if isinstance(self.pool, RowPool) else 0))
         self.scheduler.adapter_pages = self._adapter_pages
+        self.scheduler.adapter_rows = lambda uid: adapter_rank(self._host_copy(uid))
         self.handoff: Callable[[Handoff], None] | None = None  # set by a replica set (module doc)
         self._max_pages = bucket(pages_for(config.max_model_len, config.page_size), 1)
         self.max_rows = bucket(min(config.max_num_seqs, config.token_budget), 8)  # most rows of a step
@@ -402,6 +418,24 @@ class Engine:
             self.add_adapter(name, adapter)
         for index, name in enumerate(() if compressed is None else compressed.names):
             self._register_compressed(name, index)
+
+    def _adapter_pool(self, model: Llama, config: EngineConfig, mesh, compressed) -> AdapterPool:
+        """The device adapter pool: max-rank slots, or with unified paging rows (`RowPool`, whose
+        rows for a slot are those the scheduler's allocator gave the slot's adapter)."""
+        targets = config.lora_target_modules or PROJECTIONS
+        if not config.unified_paging:
+            return AdapterPool(model.config, config.max_adapters_on_device, config.max_lora_rank, targets,
+                               dtype=model.dtype, donate=True, mesh=mesh)
+        if mesh is not None or compressed is not None:
+            raise ValueError("unified_paging (adapters in device rows) serves on one device without a compressed "
+                             "collection")
+        rows = config.adapter_rows or config.max_adapters_on_device * config.max_lora_rank
+        return RowPool(model.config, config.max_adapters_on_device, config.max_lora_rank, rows, targets,
+                       dtype=model.dtype, rows_of=self._slot_rows)
+
+    def _slot_rows(self, slot: int) -> list[int]:
+        """The device rows the allocator gave the adapter now placed in `slot` (`RowPool.rows_of`)."""
+        return self.scheduler.pages.rows_of(self.scheduler.slots.keys[slot])
 
     def _inference_modes(self, config: EngineConfig, mesh, compressed) -> EngineModes | None:
         """The mode state of `config.inference_mode` (its base copy made now, before the KV pages
@@ -447,8 +481,10 @@ class Engine:
     def _adapter_pages(self, uid) -> int:
         """Unified paging: pages of adapter `uid` at its own rank in the pool's dtype (r rows of A
         and of B per target module and layer), in units of a KV page."""
-        values = self._host_copy(uid).values
-        rows = sum(parts["a"].size + parts["b"].size for parts in values.values())
+        prepared = self._host_copy(uid)
+        if isinstance(self.pool, RowPool):  # the rows it takes on the device, in every module of the pool
+            return adapter_pages(adapter_rank(prepared) * self.pool.row_bytes, self._page_bytes())
+        rows = sum(parts["a"].size + parts["b"].size for parts in prepared.values.values())
         return adapter_pages(rows * np.dtype(self._dtype).itemsize // self.tensor_parallel, self._page_bytes())
 
     def _new_cache(self) -> PagedKVCache:
@@ -914,8 +950,9 @@ class Engine:
     def _window_fill_args(self, window_slot: int, pool_slot: int) -> tuple:
         """`fill_window_slot`'s dynamic arguments: the window's weights, the pool, the two slots."""
         weights = self._state["weights"]
-        return ({key: weights[key][...] for key in window_keys(self.window)}, self.pool.arrays,
-                np.int32(window_slot), np.int32(pool_slot))
+        pool, pool_slot = self.pool.window_source(pool_slot)
+        return ({key: weights[key][...] for key in window_keys(self.window)}, pool, np.int32(window_slot),
+                np.int32(pool_slot))
 
     def _window_fill_program(self):
         """`fill_window_slot` compiled for this engine (once; `warmup` compiles it ahead)."""

@@ -13,7 +13,10 @@ one-token rows; forward only). `fused_linear` is the fused training projection x
 
 A module's pool is a layer's dict {"a" [slots, k, r], "b" [slots, r, n], "scale", "rank" [slots]}
 or a `StackedModulePool` (every layer's arrays and the layer to use: the serving engine's layer
-scan passes the stack so the kernels index it in place and no per-layer slice is copied).
+scan passes the stack so the kernels index it in place and no per-layer slice is copied). A paged
+pool (`jaxlora.lora.paged_ops`: adapters as rows through a row table, unified paging) comes as a
+`PagedModulePool` to the serving kernels (which then read the rows: `paged_ops.serving_kernels`)
+and as one layer's paged dict to the XLA deltas (`layer_pool` makes it padded slots).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from jaxlora.lora import paged_ops
+from jaxlora.lora.paged_ops import PagedModulePool
 from jaxlora.lora.plan import LoraPlan, ServingPlan
 from jaxlora.models.layers import dense
 from pallas_kernels.fused_lora import fused_lora_linear
@@ -55,13 +60,17 @@ class StackedModulePool(NamedTuple):
 
 def stacked_pool(pool: dict, layer: jax.Array) -> dict:
     """{module: StackedModulePool} of a whole pool ({module: {"a", "b", "scale", "rank"}}, each
-    with a leading layer axis) at `layer`."""
-    return {module: StackedModulePool(layer=layer, **arrays) for module, arrays in pool.items()}
+    with a leading layer axis) at `layer` (a `PagedModulePool` for a paged module)."""
+    return {module: paged_ops.stacked(arrays, layer) if paged_ops.is_paged(arrays)
+            else StackedModulePool(layer=layer, **arrays) for module, arrays in pool.items()}
 
 
 def layer_pool(module_pool) -> dict:
-    """A module pool as the layer's own dict (a `StackedModulePool` sliced to its layer)."""
-    return module_pool.layer_pool() if isinstance(module_pool, StackedModulePool) else module_pool
+    """A module pool as the layer's own dict of padded slots (a stacked pool sliced to its layer;
+    a paged one gathered, `paged_ops.padded_view`)."""
+    if isinstance(module_pool, (StackedModulePool, PagedModulePool)):
+        return module_pool.layer_pool()
+    return paged_ops.padded_view(module_pool) if paged_ops.is_paged(module_pool) else module_pool
 
 
 def _entries(module_pool):
@@ -165,7 +174,10 @@ def pallas_accumulate_group(ys, x: jax.Array, module_pools, plan: ServingPlan, s
     """`pallas_accumulate` for several projections of one input x [..., k] (q/k/v, gate/up): ys are
     their float32 outputs [..., n_g], module_pools their pools. The one-token rows of all of them go
     through one grouped BGMV shrink and one expand (x read once, 2 launches instead of 2 per
-    projection); prefill segments through SGMV per projection."""
+    projection); prefill segments through SGMV per projection. Paged pools: `pallas_accumulate`
+    per projection (no grouped paged kernel)."""
+    if any(isinstance(pool, PagedModulePool) for pool in module_pools):
+        return tuple(pallas_accumulate(y, x, pool, plan, style) for y, pool in zip(ys, module_pools))
     style = pallas_kernels.kernel_style(style)
     rows = x.reshape(-1, x.shape[-1])
     outs, entries = [], [_entries(pool) for pool in module_pools]
@@ -185,7 +197,10 @@ def _serving_kernels(y, rows, module_pool, plan: ServingPlan, style: str):
     """y [N, n] float32 plus the LoRA of rows [N, k] already in the plan's order: SGMV over the
     prefill segments (none in a decode-only step), then BGMV over the one-token rows, both in
     place on y (2 or 4 kernel launches, no gathers, no per-call rank/scale lookups: the kernels
-    read them by slot; forward only: no VJP). module_pool: a layer's dict or a StackedModulePool."""
+    read them by slot; forward only: no VJP). module_pool: a layer's dict or a StackedModulePool
+    (a PagedModulePool: the paged kernels, reading the adapters' rows through the row table)."""
+    if isinstance(module_pool, PagedModulePool):
+        return paged_ops.serving_kernels(y, rows, module_pool, plan, style)
     a, b, rank, scale, offset = _entries(module_pool)
     if plan.seg_starts is not None:
         y = pallas_kernels.sgmv_lora_stacked(y, rows, a, b, plan.seg_starts, plan.seg_slot, rank, scale, offset,
@@ -224,19 +239,28 @@ def _segment_window_arrays(module_pool, plan: ServingPlan, num_rows: int):
     scan) builds the same arrays from the same operands, which XLA computes once per step (CSE,
     loop-invariant code motion); each layer then takes its static slice. Only w entries of the
     pool are read, never the whole pool."""
-    a, b, rank, scale, _ = _stack(module_pool)
-    layers, _, k, r = a.shape
     w = _window(plan)
     slot = plan.seg_slot[:w]
     valid, entry = slot >= 0, jnp.maximum(slot, 0)
-    a_win = jnp.swapaxes(a[:, entry], 1, 2).reshape(layers, k, w * r)  # [L, w, k, r] -> [L, k, w*r]
-    b_win = b[:, entry].reshape(layers, w * r, b.shape[-1])
+    a, b, rank, scale = _window_entries(module_pool, entry)  # [L, w, k, r], [L, w, r, n], [L, w] x2
+    layers, _, k, r = a.shape
+    a_win = jnp.swapaxes(a, 1, 2).reshape(layers, k, w * r)  # [L, w, k, r] -> [L, k, w*r]
+    b_win = b.reshape(layers, w * r, b.shape[-1])
     rows = jnp.arange(num_rows)[:, None]
     in_seg = (rows >= plan.seg_starts[None, :w]) & (rows < plan.seg_starts[None, 1: w + 1]) & valid[None]  # [N, w]
-    seg_scale = jnp.where(valid[None], scale[:, entry], 0.0).astype(_F32)  # [L, w]
-    in_rank = jnp.arange(r)[None, None, :] < rank[:, entry][:, :, None]  # [L, w, r]
+    seg_scale = jnp.where(valid[None], scale, 0.0).astype(_F32)  # [L, w]
+    in_rank = jnp.arange(r)[None, None, :] < rank[:, :, None]  # [L, w, r]
     coeff = in_seg[None, :, :, None] * (seg_scale[:, :, None] * in_rank)[:, None]  # [L, N, w, r]
     return a_win, b_win, coeff.reshape(layers, num_rows, w * r).astype(_F32)
+
+
+def _window_entries(module_pool, entry):
+    """(a [L, w, k, r], b [L, w, r, n], rank [L, w], scale [L, w]) of pool entries `entry` [w]
+    (a paged pool's gathered from its rows)."""
+    if isinstance(module_pool, PagedModulePool):
+        return paged_ops.window_entries(module_pool, entry)
+    a, b, rank, scale, _ = _stack(module_pool)
+    return a[:, entry], b[:, entry], rank[:, entry], scale[:, entry]
 
 
 def _layer(array, layer):
@@ -259,7 +283,7 @@ def segment_accumulate_group(ys, x: jax.Array, module_pools, plan: ServingPlan, 
     rows = x.reshape(-1, x.shape[-1])
     num_rows = rows.shape[0]
     windows = [_segment_window_arrays(pool, plan, num_rows) for pool in module_pools]
-    layer = _stack(module_pools[0])[-1]
+    layer = module_pools[0].layer if isinstance(module_pools[0], PagedModulePool) else _stack(module_pools[0])[-1]
     a_cat = jnp.concatenate([a_win for a_win, _, _ in windows], axis=-1)  # [L, k, G*w*r]
     coeff = jnp.concatenate([c for _, _, c in windows], axis=-1)  # [L, N, G*w*r]
     shrunk = dense(rows, _layer(a_cat, layer)) * _layer(coeff, layer)
@@ -273,8 +297,11 @@ def segment_accumulate_group(ys, x: jax.Array, module_pools, plan: ServingPlan, 
     # projection's consumers (the cast to the activations' dtype): added before it, each add was
     # its own kernel over y (H200 profile, bench/NOTES_serve.md)
     bgmv_slot = jnp.where(jnp.arange(num_rows) >= plan.seg_starts[_window(plan)], plan.token_slot, -1)
-    entries = [_entries(pool) for pool in module_pools]
     outs = [y.reshape(num_rows, -1).astype(_F32) for y in ys]
+    if isinstance(module_pools[0], PagedModulePool):
+        outs = [paged_ops.bgmv(out, rows, pool, bgmv_slot, style) for out, pool in zip(outs, module_pools)]
+        return tuple((out + delta).reshape(y.shape) for out, delta, y in zip(outs, deltas, ys))
+    entries = [_entries(pool) for pool in module_pools]
     if len(ys) == 1:
         a, b, rank, scale, offset = entries[0]
         outs = [pallas_kernels.bgmv_lora_stacked(outs[0], rows, a, b, bgmv_slot, rank, scale, offset, impl=style)]
@@ -292,7 +319,8 @@ def segment_accumulate(y: jax.Array, x: jax.Array, module_pool, plan: ServingPla
 
 def segment_delta(rows, module_pool, plan: ServingPlan, style: str | None = None):
     """The delta of `segment_accumulate` (into zeros) for rows [N, k] in the plan's order."""
-    zeros = jnp.zeros((rows.shape[0], _stack(module_pool)[1].shape[-1]), _F32)
+    width = (module_pool.b_rows if isinstance(module_pool, PagedModulePool) else _stack(module_pool)[1]).shape[-1]
+    zeros = jnp.zeros((rows.shape[0], width), _F32)
     return segment_accumulate(zeros, rows, module_pool, plan, style)
 
 

@@ -187,6 +187,10 @@ class AdapterPool:
         self._write(slot, self._empty)
         self.slot_names[slot] = None
 
+    def window_source(self, slot: int) -> tuple[dict, int]:
+        """(a pool holding `slot`'s adapter, its slot there) for the adapter window's copy: this one."""
+        return self.arrays, slot
+
     def _write(self, slot: int, values: dict) -> None:
         self.arrays = self._update(self.arrays, np.int32(slot), values)
         self.slot_writes[slot] += 1

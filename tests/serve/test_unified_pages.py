@@ -240,7 +240,8 @@ def test_engine_with_unified_paging_gives_the_same_answers(tiny_model_dir):
     answers = {}
     for unified in (False, True):
         config = EngineConfig(max_adapters_on_device=4, page_size=8, num_pages=12, max_model_len=64, max_num_seqs=8,
-                              token_budget=32, prefill_chunk=16, max_lora_rank=8, unified_paging=unified)
+                              token_budget=32, prefill_chunk=16, max_lora_rank=8, unified_paging=unified,
+                              lora_target_modules=("q_proj", "v_proj"))
         engine = Engine(model, tokenizer.eos_token_ids, config, adapters)
         evicted = []
         drop = engine.scheduler.slots.drop

@@ -40,8 +40,9 @@ adapters come from one budget (`jaxlora.scheduler.serving.unified.UnifiedPages`;
 count from `adapter_pages(key)`, the caller's, at its own rank). A request is admitted when its KV
 pages plus its adapter's (if not resident) fit in the free pages and those of idle adapters (its
 own kept); KV allocation evicts idle adapters first (their slots are dropped too), a slot's LRU
-victim frees its pages, and an adapter in use (its slot pinned) is never evicted. The device slots
-stay as they are: the pages are the accounting the kernels will read through a page table.
+victim frees its pages, and an adapter in use (its slot pinned) is never evicted. With
+`adapter_rows` the adapter also takes `adapter_rows(key)` (its rank) rows of the device row pool
+(`jaxlora.lora.rows`): a slot is then only a row-table entry, the rows hold the weights.
 
 Inference modes: `runs(key)` (the caller's; default always) says whether requests of an adapter
 get rows this step: in merged mode only the merged adapter's do; the others keep their pages and
@@ -137,6 +138,7 @@ class SchedulerConfig:
     token_budget: int = 128
     prefill_chunk: int = 64
     unified_paging: bool = False  # KV and adapter pages in one budget (module doc)
+    adapter_rows: int = 0  # unified paging: device rows adapters take at their rank (0: none; module doc)
     reserve_output: bool = True  # admission reserves prompt + max_tokens pages (else: pages grow; module doc)
 
     def __post_init__(self):
@@ -177,9 +179,11 @@ class ServingScheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.slots = AdapterSlots(config.num_adapter_slots)
-        self.pages = (UnifiedPages(config.num_pages, config.page_size, in_use=self.slots.pinned)
+        self.pages = (UnifiedPages(config.num_pages, config.page_size, in_use=self.slots.pinned,
+                                   num_rows=config.adapter_rows)
                       if config.unified_paging else PageAllocator(config.num_pages, config.page_size))
         self.adapter_pages: Callable[[Hashable], int] = lambda key: 1  # unified paging: an adapter's pages
+        self.adapter_rows: Callable[[Hashable], int] = lambda key: 1  # with adapter_rows: its rank in rows
         self.refused: list[Sequence] = []  # finished "too_large" by admission; the caller tells them
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -377,8 +381,10 @@ class ServingScheduler:
             return placed
         for gone in before - set(self.slots.keys):
             self.pages.remove_adapter(gone)
-        count = 0 if self.pages.holds(key) else self.adapter_pages(key)  # resident: its pages, touched
-        if self.pages.add_adapter(key, count) is None:
+        resident = self.pages.holds(key)  # resident: its pages, touched
+        count = 0 if resident else self.adapter_pages(key)
+        rows = 0 if resident or not self.config.adapter_rows else self.adapter_rows(key)
+        if self.pages.add_adapter(key, count, rows) is None:
             self.slots.drop(key)
             return None
         self._drop_evicted()

@@ -1,0 +1,146 @@
+"""The paged device adapter pool (S-LoRA unified paging): adapter weights in rows, not max-rank slots.
+
+Per target module (`jaxlora.lora.paged_ops` holds the layout and the math over it):
+  a_rows [L, R, k], b_rows [L, R, n] in the pool's dtype: rank row j of an adapter is A[:, j] (a row
+    of k) and B[j, :] (a row of n), at the same row id in every module and layer;
+  table [L, slots, max_rank] int32: the row ids of each slot's adapter (one table, shared by the
+    modules, repeated per layer so the layer scan slices it as it slices the rest);
+  rank [L, slots] int32, scale [L, slots] float32 as in `jaxlora.lora.pool`.
+An adapter of rank r takes exactly r rows (r = its largest rank over modules and layers), handed out
+by the unified allocator (`jaxlora.scheduler.serving.unified.UnifiedPages(num_rows=R)`) from the
+same budget as the KV pages; after frees they are scattered, which the kernels do not mind (they
+read each row through the table). A slot is only a table entry: `num_slots` bounds the adapters
+resident at once, R the rows they hold together.
+
+Layout choice: S-LoRA's pool stores A and B rows in the KV cache's own buffers (a row of H*D, which
+every target of its Llama-7B has as fan-in and fan-out). Here fan-ins and fan-outs differ per module
+(GQA k/v outputs, the MLP's ffn width), so each module has an A-row and a B-row array of its own
+widths, indexed by the same row ids; the byte budget is shared with KV (one allocator), the arrays
+are not (one buffer for both would need one row width for KV and every module).
+
+`RowPool` keeps `AdapterPool`'s interface for the engine (prepare, load into a slot, evict,
+write_padded of `padded` host arrays): the rows a slot's adapter gets come from `rows_of(slot)`, the
+caller's (the engine: the allocator's rows for the slot's adapter). One jitted, donated update writes
+a slot's rows and table entry for every module, whatever the slot, rows or rank."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlora.lora.pool import AdapterPool, PreparedAdapter
+from jaxlora.models.config import PROJECTIONS, LlamaConfig, projection_shapes
+
+
+def adapter_rank(prepared: PreparedAdapter) -> int:
+    """Rows an adapter takes: its largest rank over the modules it targets (>= 1)."""
+    return max([1] + [int(parts["a"].shape[2]) for parts in prepared.values.values()])
+
+
+def empty_row_arrays(base: LlamaConfig, num_slots: int, max_rank: int, num_rows: int, modules, dtype):
+    """({module: {"a_rows", "b_rows", "rank", "scale"}}, table [L, slots, max_rank]) all zeros."""
+    shapes, layers = projection_shapes(base), base.num_layers
+    modules = {module: {"a_rows": jnp.zeros((layers, num_rows, shapes[module][0]), dtype),
+                        "b_rows": jnp.zeros((layers, num_rows, shapes[module][1]), dtype),
+                        "rank": jnp.zeros((layers, num_slots), jnp.int32),
+                        "scale": jnp.zeros((layers, num_slots), jnp.float32)} for module in modules}
+    return modules, jnp.zeros((layers, num_slots, max_rank), jnp.int32)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def write_rows(modules: dict, table: jax.Array, slot, rows, values: dict):
+    """(`modules`, `table`) with slot `slot`'s adapter written, in place (donated): rows [w] int32 its
+    row ids (entries past its rank: out of range, dropped), values {module: {"a" [L, k, w], "b"
+    [L, w, n], "scale" [L], "rank" [L]}} (`AdapterPool.padded`). The table entry takes the rows
+    (dropped ones as 0: masked by the rank)."""
+    out = {}
+    for module, pool in modules.items():
+        value = values[module]
+        out[module] = {
+            "a_rows": pool["a_rows"].at[:, rows].set(jnp.swapaxes(value["a"], 1, 2).astype(pool["a_rows"].dtype),
+                                                     mode="drop"),
+            "b_rows": pool["b_rows"].at[:, rows].set(value["b"].astype(pool["b_rows"].dtype), mode="drop"),
+            "rank": pool["rank"].at[:, slot].set(value["rank"]),
+            "scale": pool["scale"].at[:, slot].set(value["scale"]),
+        }
+    num_rows = next(iter(modules.values()))["a_rows"].shape[1]
+    return out, table.at[:, slot].set(jnp.where(rows < num_rows, rows, 0))
+
+
+@jax.jit
+def slot_view(arrays: dict, slot) -> dict:
+    """Slot `slot` as a one-slot padded pool {module: {"a" [L, 1, k, w], "b" [L, 1, w, n], "scale",
+    "rank" [L, 1]}} (zeros past its rank): what `jaxlora.models.packed.fill_window_slot` copies."""
+    out = {}
+    for module, pool in arrays.items():
+        table, rank = pool["table"][:, slot], pool["rank"][:, slot]  # [L, w], [L]
+        live = (jnp.arange(table.shape[1])[None, :] < rank[:, None])[..., None]  # [L, w, 1]
+        gather = jax.vmap(lambda rows, ids: rows[ids])
+        a = jnp.where(live, gather(pool["a_rows"], table), 0)  # [L, w, k]
+        b = jnp.where(live, gather(pool["b_rows"], table), 0)
+        out[module] = {"a": jnp.swapaxes(a, 1, 2)[:, None], "b": b[:, None], "scale": pool["scale"][:, slot, None],
+                       "rank": rank[:, None]}
+    return out
+
+
+class RowPool(AdapterPool):
+    """Adapters as rows on one device (module doc). num_rows: R, the rows of every module's
+    arrays; rows_of(slot) -> the row ids (rank order) of the adapter being written into `slot`."""
+
+    def __init__(self, base: LlamaConfig, num_slots: int, max_rank: int, num_rows: int,
+                 target_modules=PROJECTIONS, dtype=jnp.float32, rows_of=None):
+        if num_slots < 1 or max_rank < 1 or num_rows < max_rank:
+            raise ValueError(f"num_slots and max_rank must be >= 1 and num_rows >= max_rank, got {num_slots}, "
+                             f"{max_rank}, {num_rows}")
+        self.base, self.num_slots, self.max_rank, self.num_rows = base, num_slots, max_rank, num_rows
+        self.target_modules, self.dtype, self.donate, self.mesh = tuple(target_modules), dtype, True, None
+        self._modules, self._table = empty_row_arrays(base, num_slots, max_rank, num_rows, self.target_modules,
+                                                      dtype)
+        self.rows_of = rows_of
+        self.slot_names: list[str | None] = [None] * num_slots
+        self.slot_writes = [0] * num_slots
+        self._empty: dict | None = None
+
+    @property
+    def arrays(self) -> dict:
+        """{module: {"a_rows", "b_rows", "table", "rank", "scale"}} (`jaxlora.lora.paged_ops`): the
+        one table in every module's dict. Read afresh after each write (writes donate the arrays)."""
+        return {module: {**arrays, "table": self._table} for module, arrays in self._modules.items()}
+
+    @property
+    def row_bytes(self) -> int:
+        """Device bytes of one row id: its A and B rows in every module and layer."""
+        shapes = projection_shapes(self.base)
+        width = sum(sum(shapes[module]) for module in self.target_modules)
+        return width * self.base.num_layers * np.dtype(self.dtype).itemsize
+
+    def evict(self, slot: int) -> None:
+        """Empties `slot` (rank 0: nothing reads its rows, which the allocator may hand out again)."""
+        if self._empty is None:
+            self._empty = self.padded(None)
+        self._write_rows(slot, [], self._empty)
+        self.slot_names[slot] = None
+
+    def _write(self, slot: int, values: dict) -> None:
+        rows = self.rows_of(slot)
+        if len(rows) < adapter_rank_of_values(values):
+            raise ValueError(f"slot {slot}: {len(rows)} rows for an adapter of rank {adapter_rank_of_values(values)}")
+        self._write_rows(slot, rows, values)
+
+    def _write_rows(self, slot: int, rows, values: dict) -> None:
+        padded_rows = np.full(self.max_rank, self.num_rows, np.int32)  # out of range: dropped
+        padded_rows[:len(rows)] = rows
+        self._modules, self._table = write_rows(self._modules, self._table, np.int32(slot), padded_rows, values)
+        self.slot_writes[slot] += 1
+
+    def window_source(self, slot: int) -> tuple[dict, int]:
+        """(a padded pool holding `slot`'s adapter, its slot there), for the adapter window's copy."""
+        return slot_view(self.arrays, np.int32(slot)), 0
+
+
+def adapter_rank_of_values(values: dict) -> int:
+    """The largest rank over the modules and layers of `padded` slot arrays."""
+    return max([0] + [int(np.max(np.asarray(parts["rank"]))) for parts in values.values()])
