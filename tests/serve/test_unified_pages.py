@@ -273,3 +273,60 @@ def test_resident_adapter_is_not_sized_again():
     scheduler.add(Sequence("b", [1] * 4, 4, adapter="x"))
     assert len(scheduler.schedule().rows) == 2
     assert sized >= 1 and len(asked) == sized and scheduler.page_split()["adapters"] == 3
+
+
+def _mixed_rank_adapters(config):
+    """8 adapters of ranks 4, 8, 16, 32 (each twice), half on q/v only, half on every projection."""
+    from jaxlora.lora.adapter import random_adapter
+    from jaxlora.lora.config import LoraConfig
+    from jaxlora.models.config import PROJECTIONS
+
+    return {f"m{i}": random_adapter(f"m{i}", config, LoraConfig(r=(4, 8, 16, 32)[i % 4], target_modules=(
+        ("q_proj", "v_proj") if i < 4 else PROJECTIONS)), seed=10 + i, b_std=0.5) for i in range(8)}
+
+
+def _serve(model, tokenizer, adapters, requests, **config):
+    from jaxlora.sampling import SamplingParams
+    from serve.engine import Engine, EngineConfig
+
+    engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(
+        max_adapters_on_device=4, page_size=8, num_pages=96, max_model_len=64, max_num_seqs=8, token_budget=32,
+        prefill_chunk=16, max_lora_rank=32, adapter_window=0, **config), adapters)
+    got = {i: [] for i in range(len(requests))}
+    for i, (prompt, name) in enumerate(requests):
+        engine.submit(i, prompt, name, SamplingParams(5), lambda e, i=i: got[i].append(e))
+    engine.run_until_idle()
+    assert all(events[-1].finish_reason in ("length", "stop") for events in got.values())
+    return engine, [[e.token for e in got[i] if e.token is not None] for i in range(len(requests))]
+
+
+def test_adapters_in_device_rows_give_the_padded_pools_answers(tiny_model_dir):
+    """Unified paging on the device (jaxlora.lora.rows): 8 adapters of ranks {4, 8, 16, 32} through
+    48 device rows (a padded pool of 4 slots would need 128), so rows are evicted, freed and handed
+    out again scattered; the greedy tokens (float32) equal the padded slots' with unified paging
+    off. gather: the XLA delta over the rows gathered into slots; hybrid: the paged BGMV kernel
+    (interpret mode) on one-token rows and the segment GEMM over rows gathered for prefill."""
+    from jaxlora.weights import load_model
+
+    model, tokenizer = load_model(tiny_model_dir)
+    adapters = _mixed_rank_adapters(model.config)
+    requests = [(tokenizer.encode(f"Request {i} of the rows test"), f"m{(3 * i) % 8}") for i in range(10)]
+    _, padded = _serve(model, tokenizer, adapters, requests, lora_backend="gather")
+    assert len({tuple(a) for a in padded}) > 6
+    for backend in ("gather", "hybrid"):
+        engine, paged = _serve(model, tokenizer, adapters, requests, lora_backend=backend, unified_paging=True,
+                               adapter_rows=48)
+        assert paged == padded, backend
+        _check_rows(engine)
+
+
+def _check_rows(engine) -> None:
+    """Resident adapters hold exactly their rank in rows; no row leaked; the row arrays are R rows."""
+    pages = engine.scheduler.pages
+    for name, rank in (("m0", 4), ("m1", 8), ("m2", 16), ("m3", 32)):  # resident ones hold exactly their rank
+        uid = engine.adapters.resolve(name).uid
+        if pages.holds(uid):
+            assert len(pages.rows_of(uid)) == rank
+    assert pages.num_free_rows + pages.adapter_rows_used == 48 and pages.adapter_rows_used <= 48
+    assert engine.pool.row_bytes * 48 == sum(a.nbytes for m in engine.pool.arrays.values()
+                                             for a in (m["a_rows"], m["b_rows"]))
