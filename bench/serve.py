@@ -691,6 +691,12 @@ def main() -> None:
                         help="jaxlora.lora.ops backend(s) (default: pallas on a GPU, gather elsewhere; onehot if "
                              "pallas fails to compile); several: each serves every case's LoRA trace, the first "
                              "is the reported `lora` run, all are under `lora_by_backend`")
+    parser.add_argument("--unified-paging", action="store_true",
+                        help="S-LoRA unified paging: KV pages and adapter rows in one budget, adapters in exactly "
+                             "their rank of device rows read through a row table (EngineConfig.unified_paging); "
+                             "run once with and once without for the same trace (same --seed)")
+    parser.add_argument("--adapter-rows", type=int, default=None,
+                        help="device rows for adapters with --unified-paging (default: adapter slots x rank)")
     parser.add_argument("--compile-threads", type=int, default=min(8, os.cpu_count() or 1))
     parser.add_argument("--compile-cache", default="/tmp/jaxlora_serve_jit_cache",
                         help="JAX persistent compilation cache dir ('' to disable)")
@@ -740,7 +746,11 @@ def main() -> None:
         max_adapters_on_device=slots, max_lora_rank=LORA.r, page_size=args.page_size,
         num_pages=args.num_pages or max_num_seqs * pages_for(max_model_len, args.page_size),
         max_model_len=max_model_len, max_num_seqs=max_num_seqs, token_budget=pick(args.token_budget, 256, 32),
-        prefill_chunk=pick(args.prefill_chunk, 128, 16), max_waiting=1 << 30, lora_backend=backend)
+        prefill_chunk=pick(args.prefill_chunk, 128, 16), max_waiting=1 << 30, lora_backend=backend,
+        unified_paging=args.unified_paging, adapter_rows=args.adapter_rows)
+    if args.unified_paging and (args.profile or args.modes_skew):
+        raise SystemExit("--unified-paging serves traces only: --profile loads pool slots directly, --modes-skew "
+                         "needs the merged modes (padded slots)")
 
     defaults = {"requests": args.requests, "rate": args.rate, "cv": 1.0, "slora_mode": args.slora_mode,
                 "punica_mode": args.punica_mode}

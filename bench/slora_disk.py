@@ -18,8 +18,11 @@ Runs per case (`--runs`; each on a fresh engine, warmed up, nothing compiled whi
 untimed warm-up run of 8 requests on the last adapters comes first):
   disk      every request names its adapter by folder name: the engine reads it from disk on
             first use (`EngineConfig.adapter_dir`; no adapter is registered beforehand) into a host
-            cache bounded by `--host-bound-gb`, then into the device pool; unified paging on;
-  separate  the same with unified paging off (separate KV and adapter pools);
+            cache bounded by `--host-bound-gb`, then into the device pool; unified paging on: KV pages
+            and adapter rows in one budget, each adapter in exactly its rank of device rows
+            (`--adapter-rows` of them; `jaxlora.lora.rows`), the LoRA kernels reading rows through
+            a row table;
+  separate  the same with unified paging off (separate KV and adapter pools, max-rank slots);
   one       the same trace with every request on one adapter (task-0000, read once).
 Cases are bench/serve.py's (`--cases`): the S-LoRA generator `slora:n=2000,alpha=1` /
 `alpha=0.3`, Punica `punica:distinct` (adapter i for request i). Reported per run (JSON at --out
@@ -28,8 +31,8 @@ to `one`, peak host RSS during the run (VmHWM, reset before it), adapter loads p
 host reads, host -> device copies), host cache bytes, device pages by holder (KV vs adapters:
 their peaks over the run's steps), the disk and host bounds in bytes.
 
-The device pool still holds adapters in max-rank slots (the LoRA kernels read slots, not pages):
-unified paging here is the admission accounting of one shared budget (README, docs/architecture.md).
+Both runs hold A/B for `--targets` only (`EngineConfig.lora_target_modules`). Reported besides: the
+peak of device rows held by adapters (unified paging) out of `--adapter-rows`.
 """
 
 from __future__ import annotations
@@ -158,6 +161,7 @@ def run_trace(model, config: EngineConfig, trace, prompts: list, names: list) ->
         return callback
 
     peak_pages = {"kv": 0, "adapters": 0}
+    peak_rows = 0
     start, submitted, count = time.perf_counter(), 0, len(names)
     while finished[0] < count:
         now = time.perf_counter() - start
@@ -170,6 +174,7 @@ def run_trace(model, config: EngineConfig, trace, prompts: list, names: list) ->
         split = engine.scheduler.page_split()
         for holder in peak_pages:
             peak_pages[holder] = max(peak_pages[holder], split[holder])
+        peak_rows = max(peak_rows, getattr(engine.scheduler.pages, "adapter_rows_used", 0))
         if not busy and finished[0] < count:
             time.sleep(0.001 if submitted >= count else
                        max(0.0, min(0.05, start + trace.arrivals[submitted] - time.perf_counter())))
@@ -183,7 +188,8 @@ def run_trace(model, config: EngineConfig, trace, prompts: list, names: list) ->
         "device_loads": stats.adapter_loads, "device_load_seconds": stats.adapter_load_seconds,
         "peak_pages": peak_pages, "total_pages": config.num_pages, "steps": stats.steps,
         "compiles_in_run": stats.step_compiles, "phase_ms_per_step": stats.phase_ms_per_step(),
-        "adapter_loads": stats.adapter_loads,
+        "adapter_loads": stats.adapter_loads, "peak_adapter_rows": peak_rows,
+        "adapter_rows": getattr(engine.pool, "num_rows", None),
     })
     engine.adapters.close()
     del engine
@@ -195,7 +201,8 @@ def print_run(case: str, label: str, r: dict) -> None:
     print(f"{case:40} {label:9} {r['tokens_per_s']:8.0f} tok/s  TTFT p50 {r['ttft_p50_ms']:6.0f} ms  "
           f"disk reads {r['disk_reads']:5d}  device loads {r['device_loads']:5d}  peak RSS "
           f"{r['peak_rss_bytes'] / 2**30:6.2f} GiB  pages kv/adapters {r['peak_pages']['kv']}/"
-          f"{r['peak_pages']['adapters']}" + (f"  errors {r['errors']}" if r["errors"] else ""), flush=True)
+          f"{r['peak_pages']['adapters']}  rows {r['peak_adapter_rows']}/{r['adapter_rows']}"
+          + (f"  errors {r['errors']}" if r["errors"] else ""), flush=True)
 
 
 # ---- main -------------------------------------------------------------------------------------------
@@ -214,6 +221,8 @@ def parse_args(argv=None):
                         help="host cache bound (default 2 GiB; --tiny: 8 adapters' worth)")
     parser.add_argument("--cases", nargs="+", default=None, help=f"bench/serve.py case specs (default {DEFAULT_CASES})")
     parser.add_argument("--runs", nargs="+", choices=("disk", "separate", "one"), default=["disk", "separate", "one"])
+    parser.add_argument("--adapter-rows", type=int, default=None,
+                        help="device rows for adapters with unified paging (default: adapter-slots x max rank)")
     parser.add_argument("--requests", type=int, default=None, help="requests per case (default 1000; --tiny: 24)")
     parser.add_argument("--rate", type=float, default=None, help="requests/s in replay mode (default 8; --tiny: 50)")
     parser.add_argument("--mode", choices=("replay", "throughput"), default="replay")
@@ -269,7 +278,8 @@ def main(argv=None) -> None:
         max_num_seqs=args.max_num_seqs, token_budget=args.token_budget, prefill_chunk=min(128, args.token_budget),
         max_waiting=1 << 30, lora_backend=args.lora_backend or ("pallas" if jax.default_backend() == "gpu"
                                                                 else "gather"),
-        adapter_dir=args.dir, max_host_adapter_bytes=host_bound, unified_paging=True)
+        adapter_dir=args.dir, max_host_adapter_bytes=host_bound, unified_paging=True,
+        adapter_rows=args.adapter_rows, lora_target_modules=tuple(args.targets))
     model = Llama(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     device = jax.devices()[0].device_kind
     report = {"device": device, "jax": jax.__version__, "host": platform.node(),
@@ -294,7 +304,9 @@ def main(argv=None) -> None:
                  "distinct_adapters": int(len(set(trace.adapters.tolist())))}
         for run in args.runs:
             names = [adapter_name(0 if run == "one" else int(a)) for a in trace.adapters]
-            run_config = dataclasses.replace(engine_config, unified_paging=run != "separate")
+            unified = run != "separate"
+            run_config = dataclasses.replace(engine_config, unified_paging=unified,
+                                             adapter_rows=engine_config.adapter_rows if unified else None)
             entry[run] = run_trace(model, run_config, trace, prompts, names)
             print_run(case.name, run, entry[run])
         if "one" in entry:
