@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="admit a request with the KV pages of its prompt and grow them with its output (more requests "
                         "fit) instead of reserving prompt + max_tokens; when pages run out the newest request is "
                         "preempted: recomputed later, or migrated to another replica")
+    p.add_argument("--unified-paging", action="store_true",
+                   help="S-LoRA unified paging: KV pages and adapters in one page budget (idle adapters evicted for "
+                        "KV), each adapter in exactly its rank of device rows read through a row table (one device)")
+    p.add_argument("--adapter-rows", type=int, default=None, metavar="N",
+                   help="--unified-paging: device rows for adapters (default: max-adapters-on-device x max rank)")
     p.add_argument("--inference-mode", default="unmerged", choices=INFERENCE_MODES,
                    help="unmerged: every adapter as LoRA; merged: one adapter's ΔW folded into the base weights a "
                         "step (the others wait); mixed: the most requested adapter merged, the others beside it "
@@ -245,7 +250,8 @@ def build_app(args):
             lora_backend=args.lora_backend, ttft_slo_s=None if args.ttft_slo_ms is None else args.ttft_slo_ms / 1e3,
             gpu_memory_utilization=args.gpu_memory_utilization, adapter_dir=args.adapter_dir,
             max_host_adapter_bytes=host_bound, max_host_adapters=args.max_cpu_adapters,
-            reserve_output_kv=not args.grow_kv, inference_mode=args.inference_mode)
+            reserve_output_kv=not args.grow_kv, inference_mode=args.inference_mode,
+            unified_paging=args.unified_paging, adapter_rows=args.adapter_rows)
         if devices is not None:  # each replica places its own copy on its device
             engine = ReplicaSet.on_devices(model, tokenizer.eos_token_ids, config, None, devices)
             first = engine.engines[0]
