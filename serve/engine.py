@@ -434,8 +434,10 @@ class Engine:
                        dtype=model.dtype, rows_of=self._slot_rows)
 
     def _slot_rows(self, slot: int) -> list[int]:
-        """The device rows the allocator gave the adapter now placed in `slot` (`RowPool.rows_of`)."""
-        return self.scheduler.pages.rows_of(self.scheduler.slots.keys[slot])
+        """The device rows the allocator gave the adapter now placed in `slot` (`RowPool.rows_of`); []
+        when none is (a prefetched adapter evicted before its staged copy was written)."""
+        key, pages = self.scheduler.slots.keys[slot], self.scheduler.pages
+        return pages.rows_of(key) if key is not None and pages.holds(key) else []
 
     def _inference_modes(self, config: EngineConfig, mesh, compressed) -> EngineModes | None:
         """The mode state of `config.inference_mode` (its base copy made now, before the KV pages

@@ -119,14 +119,22 @@ class RowPool(AdapterPool):
 
     def evict(self, slot: int) -> None:
         """Empties `slot` (rank 0: nothing reads its rows, which the allocator may hand out again)."""
-        if self._empty is None:
-            self._empty = self.padded(None)
-        self._write_rows(slot, [], self._empty)
+        self._write_rows(slot, [], self._empty_values())
         self.slot_names[slot] = None
 
+    def _empty_values(self) -> dict:
+        if self._empty is None:
+            self._empty = self.padded(None)
+        return self._empty
+
     def _write(self, slot: int, values: dict) -> None:
+        """Writes `values` into the rows `rows_of(slot)` gives; none (the slot's adapter was evicted
+        before a staged copy landed): the slot is emptied instead, so it never points at rows that
+        another adapter may hold."""
         rows = self.rows_of(slot)
-        if len(rows) < adapter_rank_of_values(values):
+        if not rows:
+            values = self._empty_values()
+        elif len(rows) < adapter_rank_of_values(values):
             raise ValueError(f"slot {slot}: {len(rows)} rows for an adapter of rank {adapter_rank_of_values(values)}")
         self._write_rows(slot, rows, values)
 
