@@ -33,8 +33,9 @@ def _block(dim: int) -> int:
 
 
 def _width(width: int) -> int:
-    """The table width the kernels take: a power of two (Triton block shapes)."""
-    return 1 << max(width - 1, 0).bit_length()
+    """The table width the kernels take: a power of two (Triton block shapes), at least one rank
+    chunk (`paged_lora_gpu.RANK_CHUNK`)."""
+    return max(paged_lora_gpu.RANK_CHUNK, 1 << max(width - 1, 0).bit_length())
 
 
 def _offsets(row_offset, entry_offset):

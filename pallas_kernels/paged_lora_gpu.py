@@ -4,11 +4,14 @@ MBGMV/MBGMM over non-contiguous memory).
 An adapter of rank r is r rows of an A-row pool a_rows [R, k] and of a B-row pool b_rows [R, n]
 (rank row j of adapter e: A[:, j] as a row, B[j, :]), found through a row table: rank row j of
 entry e is row `row_offset + row_table[e, j]`, live for j < slot_rank[e] (S-LoRA's a_start /
-a_len / a_loc). The rows need not be contiguous (they come from a free list), so every row is
-read by its own table lookup: the shrink takes one dot product of x with each of an adapter's
-rows, the expand adds v[j] * B_rows[r_j] per rank row. Nothing beyond an adapter's rank is read,
-so a rank-8 adapter costs a quarter of a rank-32 one. The products are broadcast-multiply +
-reduce in float32 (a row gather feeds no Triton dot), v stays float32 from shrink to expand.
+a_len / a_loc). The rows need not be contiguous (they come from a free list): the kernels read
+them `RANK_CHUNK` (16) at a time, a chunk's row ids loaded from the table as a vector and its rows
+gathered in one load (a [16, block] tile of pointers: Triton's gather), rows past the rank masked.
+Chunks are static (table width / 16) and those past an adapter's rank are skipped under
+`lax.cond`, so a rank-8 adapter reads one chunk, a rank-32 one two (S-LoRA MBGMV/MBGMM: no max-
+rank padding is read). SGMV multiplies tiles with `dot` ([rows, k] x [16, k]^T, then [rows, 16] x
+[16, n]: MMA shapes); BGMV (one row) broadcast-multiplies and reduces in float32. v stays float32
+from the shrink to the expand (rounded to B's dtype for the SGMV expand's dot).
 
 Metadata arrives as whole int32/float32 arrays (Triton has no scalar prefetch, as the other GPU
 kernels here), offsets as int32 [2] (row_offset, entry_offset: the stacked pools of the serving
@@ -22,7 +25,7 @@ engine's layer scan, layer * rows and layer * slots, so no layer slice is copied
   segment masked.
 
 Inputs come padded by the dispatcher (`pallas_kernels.paged_lora`): k to block_k, n to block_n,
-rows to block_rows, the table width w to a power of two.
+rows to block_rows, the table width w to a power of two >= RANK_CHUNK.
 """
 
 import functools
@@ -35,6 +38,7 @@ from jax.experimental.pallas import triton as plt
 
 _F32 = jnp.float32
 _PARAMS = plt.CompilerParams(num_warps=4, num_stages=2)
+RANK_CHUNK = 16  # rank rows per gathered tile (Triton dot dims >= 16)
 
 
 def _entry(slot, table_ref, rank_ref, offsets_ref):
@@ -44,9 +48,21 @@ def _entry(slot, table_ref, rank_ref, offsets_ref):
     return entry, rank, (slot >= 0) & (rank > 0)
 
 
-def _row(table_ref, offsets_ref, entry, j):
-    """Pool row of rank row j of `entry`."""
-    return offsets_ref[0] + table_ref[entry, j]
+def _chunk_rows(table_ref, offsets_ref, entry, rank, c: int):
+    """(pool rows [RANK_CHUNK] of rank chunk c of `entry`, live [RANK_CHUNK]: rank row < rank)."""
+    ranks = c * RANK_CHUNK + lax.broadcasted_iota(jnp.int32, (RANK_CHUNK,), 0)
+    rows = offsets_ref[0] + table_ref[entry, pl.ds(c * RANK_CHUNK, RANK_CHUNK)]
+    return rows, ranks < rank
+
+
+def _num_chunks(table_ref) -> int:
+    return table_ref.shape[1] // RANK_CHUNK
+
+
+def _chunked(accs, rank, active, update):
+    """accs with `update(c, accs[c])` applied for every static rank chunk c the rank reaches."""
+    return tuple(lax.cond(active & (c * RANK_CHUNK < rank), functools.partial(update, c), lambda acc: acc, acc)
+                 for c, acc in enumerate(accs))
 
 
 def _k_range(split, num_k_blocks: int, k_splits: int):
@@ -62,20 +78,21 @@ def _bgmv_shrink_kernel(slot_ref, table_ref, rank_ref, offsets_ref, x_ref, a_ref
     b, split = pl.program_id(0), pl.program_id(1)
     entry, rank, active = _entry(slot_ref[b], table_ref, rank_ref, offsets_ref)
     kb_lo, kb_hi = _k_range(split, num_k_blocks, k_splits)
-    cols = lax.broadcasted_iota(jnp.int32, (table_ref.shape[1],), 0)
 
-    def rank_row(j, acc):
-        row = _row(table_ref, offsets_ref, entry, j)
+    def chunk(c, acc):
+        rows, live = _chunk_rows(table_ref, offsets_ref, entry, rank, c)
 
         def k_body(kb, total):
             k0 = pl.multiple_of(kb * block_k, block_k)
             x_blk = x_ref[b, pl.ds(k0, block_k)].astype(_F32)
-            return total + jnp.sum(x_blk * a_ref[row, pl.ds(k0, block_k)].astype(_F32))
+            a_tile = a_ref[rows, pl.ds(k0, block_k)].astype(_F32)  # [RANK_CHUNK, block_k]
+            return total + jnp.sum(x_blk[None, :] * a_tile, axis=1)
 
-        return jnp.where(cols == j, lax.fori_loop(kb_lo, kb_hi, k_body, jnp.float32(0)), acc)
+        return jnp.where(live, lax.fori_loop(kb_lo, kb_hi, k_body, acc), 0.0)
 
-    acc = lax.fori_loop(0, jnp.where(active, rank, 0), rank_row, jnp.zeros(cols.shape, _F32))
-    out_ref[split, b, :] = acc
+    zeros = tuple(jnp.zeros((RANK_CHUNK,), _F32) for _ in range(_num_chunks(table_ref)))
+    for c, acc in enumerate(_chunked(zeros, rank, active, chunk)):
+        out_ref[split, b, pl.ds(c * RANK_CHUNK, RANK_CHUNK)] = acc
 
 
 def bgmv_paged_shrink_gpu(x, a_rows, row_slot, row_table, slot_rank, offsets, *, block_k: int,
@@ -83,8 +100,7 @@ def bgmv_paged_shrink_gpu(x, a_rows, row_slot, row_table, slot_rank, offsets, *,
     """Split-K partials of v[b, j] = x[b] . A_rows[row of rank row j of slot b] (0 past its rank
     and for slot -1): x [B, k], a_rows [R, k] -> [k_splits, B, w] float32."""
     batch, k = x.shape
-    num_k_blocks = k // block_k
-    kernel = functools.partial(_bgmv_shrink_kernel, block_k=block_k, num_k_blocks=num_k_blocks,
+    kernel = functools.partial(_bgmv_shrink_kernel, block_k=block_k, num_k_blocks=k // block_k,
                                k_splits=k_splits)
     return pl.pallas_call(
         kernel, name="bgmv_paged_shrink",
@@ -93,11 +109,12 @@ def bgmv_paged_shrink_gpu(x, a_rows, row_slot, row_table, slot_rank, offsets, *,
     )(row_slot, row_table, slot_rank, offsets, x, a_rows)
 
 
-def _v_at(v_ref, rows, j):
-    """v[rows, j] summed over the split-K parts of v_ref [parts, T, w] (float32)."""
-    v = v_ref[0, rows, j]
+def _v_chunk(v_ref, rows, c: int):
+    """v[rows, chunk c] summed over the split-K parts of v_ref [parts, T, w] (float32)."""
+    cols = pl.ds(c * RANK_CHUNK, RANK_CHUNK)
+    v = v_ref[0, rows, cols]
     for part in range(1, v_ref.shape[0]):
-        v = v + v_ref[part, rows, j]
+        v = v + v_ref[part, rows, cols]
     return v
 
 
@@ -107,14 +124,17 @@ def _bgmv_expand_kernel(slot_ref, table_ref, rank_ref, scale_ref, offsets_ref, y
     entry, rank, active = _entry(slot_ref[b], table_ref, rank_ref, offsets_ref)
     cols = pl.ds(pl.multiple_of(col_block * block_n, block_n), block_n)
 
+    def chunk(c, delta):
+        rows, live = _chunk_rows(table_ref, offsets_ref, entry, rank, c)
+        v = jnp.where(live, _v_chunk(v_ref, b, c), 0.0)
+        b_tile = jnp.where(live[:, None], b_ref[rows, cols].astype(_F32), 0.0)  # [RANK_CHUNK, block_n]
+        return delta + jnp.sum(v[:, None] * b_tile, axis=0)
+
     @pl.when(active)
     def _():
-        def rank_row(j, delta):
-            row = _row(table_ref, offsets_ref, entry, j)
-            return delta + _v_at(v_ref, b, j) * b_ref[row, cols].astype(_F32)
-
-        delta = lax.fori_loop(0, rank, rank_row, jnp.zeros((block_n,), _F32))
-        out = y_ref[b, cols].astype(_F32) + scale_ref[entry] * delta
+        deltas = _chunked(tuple(jnp.zeros((block_n,), _F32) for _ in range(_num_chunks(table_ref))), rank, active,
+                          chunk)
+        out = y_ref[b, cols].astype(_F32) + scale_ref[entry] * functools.reduce(jnp.add, deltas)
         out_ref[b, cols] = out.astype(out_ref.dtype)
 
 
@@ -143,8 +163,12 @@ def _segment(seg, starts_ref, seg_slot_ref, table_ref, rank_ref, offsets_ref, nu
 
 
 def _in_segment(row0, block_rows: int, start, end):
-    rows = row0 + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
+    """[block_rows, 1] bool: the tile's row is in [start, end)."""
+    rows = row0 + lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
     return (rows >= start) & (rows < end)
+
+
+_NT = (((1,), (1,)), ((), ()))  # dot_general: [m, k] x [n, k] -> [m, n]
 
 
 def _sgmv_shrink_kernel(starts_ref, seg_slot_ref, table_ref, rank_ref, offsets_ref, lo_ref, hi_ref,
@@ -152,28 +176,30 @@ def _sgmv_shrink_kernel(starts_ref, seg_slot_ref, table_ref, rank_ref, offsets_r
     tile = pl.program_id(0)
     row0 = pl.multiple_of(tile * block_rows, block_rows)
     tile_rows = pl.ds(row0, block_rows)
-    cols = lax.broadcasted_iota(jnp.int32, (1, table_ref.shape[1]), 1)
 
-    def seg_body(seg, acc):
+    def seg_body(seg, accs):
         start, end, entry, rank, active = _segment(seg, starts_ref, seg_slot_ref, table_ref, rank_ref,
                                                    offsets_ref, x_ref.shape[0])
-        live = _in_segment(row0, block_rows, start, end)[:, None]
+        in_seg = _in_segment(row0, block_rows, start, end)
 
-        def rank_row(j, acc):
-            row = _row(table_ref, offsets_ref, entry, j)
+        def chunk(c, acc):
+            rows, live = _chunk_rows(table_ref, offsets_ref, entry, rank, c)
 
-            def k_body(kb, total):
+            def k_body(kb, part):
                 k0 = pl.multiple_of(kb * block_k, block_k)
-                x_blk = x_ref[tile_rows, pl.ds(k0, block_k)].astype(_F32)
-                return total + jnp.sum(x_blk * a_ref[row, pl.ds(k0, block_k)].astype(_F32)[None, :], axis=1)
+                x_blk = x_ref[tile_rows, pl.ds(k0, block_k)]
+                a_tile = a_ref[rows, pl.ds(k0, block_k)].astype(x_blk.dtype)  # [RANK_CHUNK, block_k]
+                return part + lax.dot_general(x_blk, a_tile, _NT, preferred_element_type=_F32)
 
-            dots = lax.fori_loop(0, num_k_blocks, k_body, jnp.zeros((block_rows,), _F32))
-            return acc + jnp.where(live & (cols == j), dots[:, None], 0.0)
+            part = lax.fori_loop(0, num_k_blocks, k_body, jnp.zeros((block_rows, RANK_CHUNK), _F32))
+            return acc + jnp.where(in_seg & live[None, :], part, 0.0)
 
-        return lax.fori_loop(0, jnp.where(active, rank, 0), rank_row, acc)
+        return _chunked(accs, rank, active, chunk)
 
-    acc = lax.fori_loop(lo_ref[tile], hi_ref[tile], seg_body, jnp.zeros((block_rows, cols.shape[1]), _F32))
-    out_ref[0, tile_rows, :] = acc
+    zeros = tuple(jnp.zeros((block_rows, RANK_CHUNK), _F32) for _ in range(_num_chunks(table_ref)))
+    accs = lax.fori_loop(lo_ref[tile], hi_ref[tile], seg_body, zeros)
+    for c, acc in enumerate(accs):
+        out_ref[0, tile_rows, pl.ds(c * RANK_CHUNK, RANK_CHUNK)] = acc
 
 
 def sgmv_paged_shrink_gpu(x, a_rows, seg_starts, seg_slot, row_table, slot_rank, offsets, routing, *,
@@ -200,14 +226,19 @@ def _sgmv_expand_kernel(starts_ref, seg_slot_ref, table_ref, rank_ref, scale_ref
     def seg_body(seg, delta):
         start, end, entry, rank, active = _segment(seg, starts_ref, seg_slot_ref, table_ref, rank_ref,
                                                    offsets_ref, y_ref.shape[0])
-        live = _in_segment(row0, block_rows, start, end)
+        in_seg = _in_segment(row0, block_rows, start, end)
 
-        def rank_row(j, seg_delta):
-            row = _row(table_ref, offsets_ref, entry, j)
-            v = jnp.where(live, _v_at(v_ref, tile_rows, j), 0.0)
-            return seg_delta + v[:, None] * b_ref[row, cols].astype(_F32)[None, :]
+        def chunk(c, seg_delta):
+            rows, live = _chunk_rows(table_ref, offsets_ref, entry, rank, c)
+            b_tile = b_ref[rows, cols]  # [RANK_CHUNK, block_n]
+            v = jnp.where(in_seg & live[None, :], _v_chunk(v_ref, tile_rows, c), 0.0).astype(b_tile.dtype)
+            b_tile = jnp.where(live[:, None], b_tile, jnp.zeros_like(b_tile))
+            return seg_delta + jnp.dot(v, b_tile, preferred_element_type=_F32)
 
-        seg_delta = lax.fori_loop(0, jnp.where(active, rank, 0), rank_row, jnp.zeros_like(delta))
+        seg_delta = jnp.zeros_like(delta)
+        for c in range(_num_chunks(table_ref)):
+            seg_delta = lax.cond(active & (c * RANK_CHUNK < rank), functools.partial(chunk, c), lambda d: d,
+                                 seg_delta)
         return delta + jnp.where(active, scale_ref[entry], 0.0) * seg_delta
 
     delta = lax.fori_loop(lo_ref[tile], hi_ref[tile], seg_body, jnp.zeros((block_rows, block_n), _F32))
