@@ -31,8 +31,10 @@ to `one`, peak host RSS during the run (VmHWM, reset before it), adapter loads p
 host reads, host -> device copies), host cache bytes, device pages by holder (KV vs adapters:
 their peaks over the run's steps), the disk and host bounds in bytes.
 
-Both runs hold A/B for `--targets` only (`EngineConfig.lora_target_modules`). Reported besides: the
-peak of device rows held by adapters (unified paging) out of `--adapter-rows`.
+Both runs hold A/B for `--targets` only (`EngineConfig.lora_target_modules`). The unified run's page
+budget is the separate run's KV pages plus the row pool's bytes (`unified_config`: the same usable
+bytes), and it may hold `--unified-slots` adapters at once in its rows. Reported besides: the peak
+of device rows held by adapters (unified paging) out of the rows.
 """
 
 from __future__ import annotations
@@ -222,7 +224,11 @@ def parse_args(argv=None):
     parser.add_argument("--cases", nargs="+", default=None, help=f"bench/serve.py case specs (default {DEFAULT_CASES})")
     parser.add_argument("--runs", nargs="+", choices=("disk", "separate", "one"), default=["disk", "separate", "one"])
     parser.add_argument("--adapter-rows", type=int, default=None,
-                        help="device rows for adapters with unified paging (default: adapter-slots x max rank)")
+                        help="device rows for adapters with unified paging (default: adapter-slots x max rank: the "
+                             "slot pool's bytes)")
+    parser.add_argument("--unified-slots", type=int, default=None,
+                        help="adapters resident at once with unified paging (row-table entries; default: "
+                             "--adapter-slots); more than --adapter-slots lets the rows hold more low-rank adapters")
     parser.add_argument("--requests", type=int, default=None, help="requests per case (default 1000; --tiny: 24)")
     parser.add_argument("--rate", type=float, default=None, help="requests/s in replay mode (default 8; --tiny: 50)")
     parser.add_argument("--mode", choices=("replay", "throughput"), default="replay")
@@ -278,8 +284,7 @@ def main(argv=None) -> None:
         max_num_seqs=args.max_num_seqs, token_budget=args.token_budget, prefill_chunk=min(128, args.token_budget),
         max_waiting=1 << 30, lora_backend=args.lora_backend or ("pallas" if jax.default_backend() == "gpu"
                                                                 else "gather"),
-        adapter_dir=args.dir, max_host_adapter_bytes=host_bound, unified_paging=True,
-        adapter_rows=args.adapter_rows, lora_target_modules=tuple(args.targets))
+        adapter_dir=args.dir, max_host_adapter_bytes=host_bound, lora_target_modules=tuple(args.targets))
     model = Llama(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     device = jax.devices()[0].device_kind
     report = {"device": device, "jax": jax.__version__, "host": platform.node(),
@@ -287,7 +292,9 @@ def main(argv=None) -> None:
               "model": {"shape": "tiny" if args.tiny else "Llama-3.1-8B", "layers": args.layers, "dtype": "bfloat16"},
               "adapters": {"count": args.adapters, "ranks": args.ranks, "targets": args.targets, "dtype": "bfloat16",
                            "bytes_on_disk": disk["bytes_on_disk"], "host_bound_bytes": host_bound},
-              "engine": dataclasses.asdict(engine_config), "settings": vars(args), "results": []}
+              "engine": dataclasses.asdict(engine_config),
+              "engine_unified": dataclasses.asdict(unified_config(engine_config, config, args)),
+              "settings": vars(args), "results": []}
     defaults = {"requests": args.requests, "rate": args.rate, "cv": 1.0, "slora_mode": args.mode,
                 "punica_mode": args.mode}
     # Warm-up (untimed): programs compiled on first use (the adapter window's fill), adapter reads.
@@ -305,8 +312,8 @@ def main(argv=None) -> None:
         for run in args.runs:
             names = [adapter_name(0 if run == "one" else int(a)) for a in trace.adapters]
             unified = run != "separate"
-            run_config = dataclasses.replace(engine_config, unified_paging=unified,
-                                             adapter_rows=engine_config.adapter_rows if unified else None)
+            run_config = unified_config(engine_config, config, args) if unified else dataclasses.replace(
+                engine_config, unified_paging=False, adapter_rows=None)
             entry[run] = run_trace(model, run_config, trace, prompts, names)
             print_run(case.name, run, entry[run])
         if "one" in entry:
@@ -316,6 +323,21 @@ def main(argv=None) -> None:
         report["results"].append(entry)
         _write(args.out, report)
     print(f"device {device}, jax {jax.__version__}; wrote {args.out}", flush=True)
+
+
+def unified_config(engine_config: EngineConfig, config: LlamaConfig, args) -> EngineConfig:
+    """The unified run's config: `--unified-slots` table entries over `--adapter-rows` rows, and a
+    page budget of the separate run's KV pages plus the row pool's bytes in pages, so that both runs
+    have the same usable bytes for KV and adapters (separate: KV pages + the slot pool; unified: one
+    budget both draw from). The KV array is then larger by the row pool's pages: the row pool is a
+    buffer of its own (docs/architecture.md), so the run allocates more than it may use at once."""
+    slots = args.unified_slots or engine_config.max_adapters_on_device
+    rows = args.adapter_rows or engine_config.max_adapters_on_device * engine_config.max_lora_rank
+    shapes = projection_shapes(config)
+    row_bytes = 2 * config.num_layers * sum(sum(shapes[m]) for m in args.targets)  # bfloat16 A and B rows
+    page_bytes = 2 * 2 * config.num_layers * engine_config.page_size * config.num_kv_heads * config.head_dim
+    return dataclasses.replace(engine_config, unified_paging=True, adapter_rows=rows, max_adapters_on_device=slots,
+                               num_pages=engine_config.num_pages + pages_for(rows * row_bytes, page_bytes))
 
 
 def _write(path: str, report: dict) -> None:
