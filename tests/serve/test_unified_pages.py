@@ -331,3 +331,28 @@ def _check_rows(engine) -> None:
     assert pages.num_free_rows + pages.adapter_rows_used == 48 and pages.adapter_rows_used <= 48
     assert engine.pool.row_bytes * 48 == sum(a.nbytes for m in engine.pool.arrays.values()
                                              for a in (m["a_rows"], m["b_rows"]))
+
+
+def test_scheduler_places_adapters_by_rows_and_never_evicts_one_in_use():
+    """With device rows (SchedulerConfig.adapter_rows) an adapter is placed only when its rank in rows
+    is free or held by idle adapters: a rank-16 adapter waits while a running rank-32 one holds 32 of
+    40 rows, and takes the rows once that one is idle; a rank-8 one fits beside the rank-32 one."""
+    from jaxlora.scheduler.serving import SchedulerConfig, Sequence, ServingScheduler
+
+    scheduler = ServingScheduler(SchedulerConfig(num_pages=64, page_size=4, num_adapter_slots=4, max_num_seqs=8,
+                                                 token_budget=64, prefill_chunk=16, unified_paging=True,
+                                                 adapter_rows=40))
+    ranks = {"r32": 32, "r16": 16, "r8": 8}
+    scheduler.adapter_pages = lambda key: 1
+    scheduler.adapter_rows = ranks.__getitem__
+    first, second, third = (Sequence(name, [1] * 4, 4, adapter=name) for name in ("r32", "r16", "r8"))
+    for seq in (first, second, third):
+        scheduler.add(seq)
+    running = [row.seq.seq_id for row in scheduler.schedule().rows]
+    assert running == ["r32", "r8"] and second in scheduler.waiting  # 32 + 16 > 40; 32 + 8 fits
+    pages = scheduler.pages
+    assert len(pages.rows_of("r32")) == 32 and len(pages.rows_of("r8")) == 8 and pages.num_free_rows == 0
+    _finish_all(scheduler, [first])  # "r32" idle now: its rows go to "r16"
+    assert "r16" in [row.seq.seq_id for row in scheduler.schedule().rows]
+    assert not pages.holds("r32") and scheduler.slots.slot_of("r32") is None and pages.holds("r8")
+    assert len(pages.rows_of("r16")) == 16 and pages.adapter_rows_used == 24
