@@ -1216,6 +1216,8 @@ class Engine:
             "host_adapter_bytes": self.adapters.cached_bytes(),
             "free_pages": scheduler.pages.num_free,
             "pages": scheduler.page_split(),
+            "adapter_rows": {"used": getattr(scheduler.pages, "adapter_rows_used", 0),
+                             "total": getattr(self.pool, "num_rows", 0)},  # unified paging's device rows
             "total_pages": self.config.num_pages,
             "tokens_per_second": self.stats.tokens_per_second(),
             "dropped_overloaded": self.stats.dropped,

@@ -46,6 +46,8 @@ class Metrics:
                               ["tier"], registry=registry)
         self.page_split = Gauge("jaxlora_pages", "Device pages by holder (kv, adapters: unified paging, free)",
                                 ["holder"], registry=registry)
+        self.adapter_rows = Gauge("jaxlora_adapter_rows", "Device rows of adapters with unified paging (used, total)",
+                                  ["kind"], registry=registry)
         self.read_errors = Gauge("jaxlora_adapter_read_errors", "Adapter reads from disk that failed",
                                  registry=registry)
         self.host_evictions = Gauge("jaxlora_adapter_host_evictions", "Adapters evicted from the host cache",
@@ -126,4 +128,6 @@ class Metrics:
         self.read_errors.set(store.stats.disk_read_errors)
         for holder, pages in snap["pages"].items():
             self.page_split.labels(holder).set(pages)
+        for kind, rows in snap["adapter_rows"].items():
+            self.adapter_rows.labels(kind).set(rows)
         self.host_evictions.set(store.stats.host_evictions)

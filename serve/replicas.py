@@ -168,7 +168,9 @@ class ReplicaSet:
                                                               "tokens_per_second", "dropped_overloaded",
                                                               "adapters_on_device")}
         pages = {holder: sum(s["pages"][holder] for s in snaps) for holder in snaps[0]["pages"]}
-        return {**snaps[0], **summed, "pages": pages, "waiting": summed["waiting"] + len(self._queue)}
+        rows = {kind: sum(s["adapter_rows"][kind] for s in snaps) for kind in snaps[0]["adapter_rows"]}
+        return {**snaps[0], **summed, "pages": pages, "adapter_rows": rows,
+                "waiting": summed["waiting"] + len(self._queue)}
 
     # ---- requests ---------------------------------------------------------------------------
     def submit(self, request_id, prompt: list[int], adapter: str | None, sampling: SamplingParams,

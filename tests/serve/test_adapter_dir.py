@@ -109,6 +109,7 @@ def test_metrics_report_the_adapter_tiers(server):
     assert metrics['jaxlora_adapter_loads{tier="disk"}'] >= 4 and metrics['jaxlora_adapter_loads{tier="device"}'] >= 4
     assert metrics['jaxlora_adapter_load_seconds_sum{tier="disk"}'] > 0
     assert metrics["jaxlora_adapter_read_errors"] >= 3
+    assert metrics['jaxlora_adapter_rows{kind="total"}'] == 0  # no device rows without unified paging
 
 
 def test_host_bound_smaller_than_one_adapter_is_a_startup_error(tiny_model_dir, adapter_dir):

@@ -329,6 +329,7 @@ def _check_rows(engine) -> None:
         if pages.holds(uid):
             assert len(pages.rows_of(uid)) == rank
     assert pages.num_free_rows + pages.adapter_rows_used == 48 and pages.adapter_rows_used <= 48
+    assert engine.snapshot()["adapter_rows"] == {"used": pages.adapter_rows_used, "total": 48}  # /metrics
     assert engine.pool.row_bytes * 48 == sum(a.nbytes for m in engine.pool.arrays.values()
                                              for a in (m["a_rows"], m["b_rows"]))
 
