@@ -58,6 +58,7 @@ import numpy as np
 from flax import nnx
 
 from bench.serve import Record, greedy_shapes, make_trace, parse_case, summarize
+from jaxlora.lora import backends as lora_backends
 from jaxlora.lora.adapter import LoraAdapter, ModuleLora
 from jaxlora.lora.config import LoraConfig
 from jaxlora.lora.peft_io import save_peft_adapter
@@ -314,7 +315,7 @@ def main(argv=None) -> None:
             unified = run != "separate"
             run_config = unified_config(engine_config, config, args) if unified else dataclasses.replace(
                 engine_config, unified_paging=False, adapter_rows=None)
-            entry[run] = run_trace(model, run_config, trace, prompts, names)
+            entry[run] = run_with_fallback(model, run_config, trace, prompts, names)
             print_run(case.name, run, entry[run])
         if "one" in entry:
             for run in ("disk", "separate"):
@@ -323,6 +324,21 @@ def main(argv=None) -> None:
         report["results"].append(entry)
         _write(args.out, report)
     print(f"device {device}, jax {jax.__version__}; wrote {args.out}", flush=True)
+
+
+def run_with_fallback(model, config: EngineConfig, trace, prompts: list, names: list) -> dict:
+    """`run_trace`; if a unified-paging run's custom-kernel backend fails (the paged kernels'
+    Triton lowering has run in interpret mode only so far), the run again with onehot (the XLA
+    GEMMs over each layer's rows gathered into slots), the failure recorded in the result."""
+    try:
+        return run_trace(model, config, trace, prompts, names)
+    except Exception as err:
+        if not (config.unified_paging and lora_backends.get(config.lora_backend).custom_kernel):
+            raise
+        message = f"{type(err).__name__}: {str(err)[:300]}"
+        print(f"the {config.lora_backend} backend failed with unified paging ({message}); using onehot", flush=True)
+        result = run_trace(model, dataclasses.replace(config, lora_backend="onehot"), trace, prompts, names)
+        return {**result, "lora_backend": "onehot", "failed_backend": {config.lora_backend: message}}
 
 
 def unified_config(engine_config: EngineConfig, config: LlamaConfig, args) -> EngineConfig:
