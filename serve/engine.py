@@ -53,7 +53,9 @@ overlap the steps) and the scheduler admits a request only once its adapter is o
 the device, so one whose adapter is still being read waits without holding others back; a
 failed read ends the requests naming it (finish reason "adapter_error"). The device `AdapterPool`
 holds N adapters and writes a slot in place (one donated jitted update serves every slot),
-padding the host copy to its max rank only for that write. A step whose rows all use the base model runs the model
+padding the host copy to its max rank only for that write; with `EngineConfig.unified_paging` it is a
+`RowPool` instead: each adapter in exactly its rank of device rows that the scheduler's unified
+allocator hands out (`jaxlora.lora.rows`; the LoRA kernels read them through a row table). A step whose rows all use the base model runs the model
 without LoRA inputs (its own compiled variant), so base-only traffic costs exactly the base model.
 `start()` runs steps in a background thread; `submit`/`abort`/`add_adapter`/`remove_adapter` are
 thread-safe.
