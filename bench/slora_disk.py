@@ -328,7 +328,8 @@ def main(argv=None) -> None:
 
 def run_with_fallback(model, config: EngineConfig, trace, prompts: list, names: list) -> dict:
     """`run_trace`; if a unified-paging run's custom-kernel backend fails (the paged kernels'
-    Triton lowering has run in interpret mode only so far), the run again with onehot (the XLA
+    kernels have run in interpret mode, and been lowered to Triton on a CPU, only so far), the run
+    again with onehot (the XLA
     GEMMs over each layer's rows gathered into slots), the failure recorded in the result."""
     try:
         return run_trace(model, config, trace, prompts, names)

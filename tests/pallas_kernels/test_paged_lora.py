@@ -109,3 +109,44 @@ def test_sgmv_paged_single_segment_and_no_segments():
     empty = (jnp.zeros(3, jnp.int32), jnp.asarray([0, 1], jnp.int32))  # two empty segments
     out = sgmv_lora_paged(y, x, a_rows, b_rows, *empty, table, rank, scale, impl="gpu")
     np.testing.assert_array_equal(np.asarray(out), np.asarray(y))
+
+
+def test_kernels_lower_to_triton_for_cuda(monkeypatch):
+    """The four kernels lower through Pallas' Triton lowering for a CUDA sm_90 target (an H100/H200),
+    without a GPU: jax.export for platform "cuda", the GPU query replaced by a fixed sm_90 (the
+    lowering asks the local device otherwise). Catches what interpret mode accepts and Triton's
+    lowering does not (block shapes, gathers, dot shapes); Triton's own compile runs on a GPU only."""
+    from jax import export
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+    from pallas_kernels import paged_lora_gpu as gpu
+    from pallas_kernels.routing import make_routing
+
+    sm90 = gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90)
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: sm90)
+    spec = jax.ShapeDtypeStruct
+    i32, f32, bf16 = jnp.int32, jnp.float32, jnp.bfloat16
+    rows, k, n, entries, width, batch, tokens = 64, 256, 256, 10, 32, 8, 32
+    table = (spec((entries, width), i32), spec((entries,), i32))
+    routed = lambda starts: make_routing(starts, tokens, 16)
+    kernels = {
+        "bgmv_shrink": (lambda x, a, s, t, r, o: gpu.bgmv_paged_shrink_gpu(x, a, s, t, r, o, block_k=128, k_splits=2,
+                                                                             interpret=False),
+                        (spec((batch, k), bf16), spec((rows, k), bf16), spec((batch,), i32), *table, spec((2,), i32))),
+        "bgmv_expand": (lambda y, v, b, s, t, r, c, o: gpu.bgmv_paged_expand_gpu(y, v, b, s, t, r, c, o, block_n=128,
+                                                                                   interpret=False),
+                        (spec((batch, n), f32), spec((2, batch, width), f32), spec((rows, n), bf16),
+                         spec((batch,), i32), *table, spec((entries,), f32), spec((2,), i32))),
+        "sgmv_shrink": (lambda x, a, st, s, t, r, o: gpu.sgmv_paged_shrink_gpu(
+            x, a, st, s, t, r, o, routed(st), block_rows=16, block_k=128, interpret=False),
+                        (spec((tokens, k), bf16), spec((rows, k), bf16), spec((5,), i32), spec((4,), i32), *table,
+                         spec((2,), i32))),
+        "sgmv_expand": (lambda y, v, b, st, s, t, r, c, o: gpu.sgmv_paged_expand_gpu(
+            y, v, b, st, s, t, r, c, o, routed(st), block_rows=16, block_n=128, interpret=False),
+                        (spec((tokens, n), f32), spec((1, tokens, width), f32), spec((rows, n), bf16),
+                         spec((5,), i32), spec((4,), i32), *table, spec((entries,), f32), spec((2,), i32))),
+    }
+    triton_call = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    for name, (kernel, args) in kernels.items():
+        exported = export.export(jax.jit(kernel), platforms=["cuda"], disabled_checks=[triton_call])(*args)
+        assert "xla.gpu.triton" in exported.mlir_module(), name
