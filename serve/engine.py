@@ -53,9 +53,10 @@ overlap the steps) and the scheduler admits a request only once its adapter is o
 the device, so one whose adapter is still being read waits without holding others back; a
 failed read ends the requests naming it (finish reason "adapter_error"). The device `AdapterPool`
 holds N adapters and writes a slot in place (one donated jitted update serves every slot),
-padding the host copy to its max rank only for that write; with `EngineConfig.unified_paging` it is a
-`RowPool` instead: each adapter in exactly its rank of device rows that the scheduler's unified
-allocator hands out (`jaxlora.lora.rows`; the LoRA kernels read them through a row table). A step whose rows all use the base model runs the model
+padding the host copy to its max rank only for that write; with `EngineConfig.unified_paging` it
+is a `RowPool` instead: each adapter in exactly its rank of device rows that the scheduler's
+unified allocator hands out (`jaxlora.lora.rows`; the LoRA kernels read them through a row table).
+A step whose rows all use the base model runs the model
 without LoRA inputs (its own compiled variant), so base-only traffic costs exactly the base model.
 `start()` runs steps in a background thread; `submit`/`abort`/`add_adapter`/`remove_adapter` are
 thread-safe.
@@ -234,9 +235,9 @@ class EngineConfig:
             raise ValueError(f"lora_target_modules must be among {PROJECTIONS}, got {self.lora_target_modules}")
         if self.adapter_rows is not None and not (self.unified_paging and self.adapter_rows >= self.max_lora_rank):
             raise ValueError(f"adapter_rows needs unified_paging and >= max_lora_rank rows, got {self.adapter_rows}")
-        if self.unified_paging and self.inference_mode != "unmerged":
-            raise ValueError("unified_paging serves the unmerged inference mode only (the merged modes read the "
-                             "padded pool)")
+        if (self.unified_paging or self.lora_target_modules is not None) and self.inference_mode != "unmerged":
+            raise ValueError("unified_paging and lora_target_modules serve the unmerged inference mode only (the "
+                             "merged modes read the padded pool of every projection)")
         if self.num_pages is not None and self.max_model_len > self.num_pages * self.page_size:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the KV cache "
                              f"({self.num_pages} pages x {self.page_size} tokens)")
@@ -484,7 +485,8 @@ class Engine:
 
     def _adapter_pages(self, uid) -> int:
         """Unified paging: pages of adapter `uid` at its own rank in the pool's dtype (r rows of A
-        and of B per target module and layer), in units of a KV page."""
+        and of B per target module and layer; in a `RowPool` its r rows in every module the pool
+        holds), in units of a KV page."""
         prepared = self._host_copy(uid)
         if isinstance(self.pool, RowPool):  # the rows it takes on the device, in every module of the pool
             return adapter_pages(adapter_rank(prepared) * self.pool.row_bytes, self._page_bytes())

@@ -357,3 +357,15 @@ def test_scheduler_places_adapters_by_rows_and_never_evicts_one_in_use():
     assert "r16" in [row.seq.seq_id for row in scheduler.schedule().rows]
     assert not pages.holds("r32") and scheduler.slots.slot_of("r32") is None and pages.holds("r8")
     assert len(pages.rows_of("r16")) == 16 and pages.adapter_rows_used == 24
+
+
+def test_engine_config_refuses_rows_it_cannot_serve():
+    from serve.engine import EngineConfig
+
+    for bad in ({"adapter_rows": 64}, {"unified_paging": True, "adapter_rows": 8, "max_lora_rank": 16},
+                {"unified_paging": True, "inference_mode": "merged"},
+                {"lora_target_modules": ("q_proj",), "inference_mode": "mixed"},
+                {"lora_target_modules": ("qkv",)}):
+        with pytest.raises(ValueError):
+            EngineConfig(**bad)
+    EngineConfig(unified_paging=True, adapter_rows=16, max_lora_rank=16, lora_target_modules=("q_proj", "v_proj"))
