@@ -99,7 +99,12 @@ def test_adapter_found_corrupt_on_a_later_read_fails_its_requests(server, adapte
 
 
 def test_metrics_report_the_adapter_tiers(server):
-    assert _complete(server, adapter_name(3)).status_code == 200
+    """Its own traffic (it holds alone and after the tests above): four adapters read from disk
+    and placed on the device, three bad folders read and refused, task-0003 last on the host."""
+    for index in (0, 1, 2, 3):
+        assert _complete(server, adapter_name(index)).status_code == 200
+    for name in ("corrupt", "mismatch", "bad_json"):
+        assert _complete(server, name).status_code == 400
     text = httpx.get(server.url + "/metrics").text
     metrics = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
                if line and not line.startswith("#")}
