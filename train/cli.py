@@ -2,7 +2,8 @@
 
 With a `fusion:` section the jobs are tasks with accuracy requirements, packed into as few adapters
 as the requirements allow (V-LoRA's knowledge fusion, `train.fusion_run`); exit status 1 when a
-task misses its requirement.
+task misses its requirement. Jobs with a `head:` (classification adapters, `train.heads`) train
+after the others, one by one.
 
 Several hosts: run the same command on every host, one process each, with `--distributed` (the
 coordinator, process count and id come from the environment: SLURM, Open MPI, a TPU slice, or
@@ -11,6 +12,7 @@ JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) or the flags below."
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -50,6 +52,32 @@ def _join_processes(args) -> None:
                                process_id=args.process_id)
 
 
+def _train(config, resume: bool) -> tuple[bool, dict[str, list[float]]]:
+    """Trains the LM jobs together (`train.trainer`), then each head job (`train.heads`); returns
+    (whether this is process 0, each job's losses)."""
+    import jax  # here: only once the config is known to be good
+
+    from train.base_model import load_base_model
+    from train.heads import train_head_jobs
+    from train.trainer import Trainer
+
+    heads = [job for job in config.jobs if job.head is not None]
+    if heads and (resume or jax.process_count() > 1):
+        raise ConfigError(f"head jobs ({', '.join(job.name for job in heads)}) train in one process and are not "
+                          "checkpointed: run them without --resume / --distributed")
+    model = tokenizer = None
+    if heads:
+        model, tokenizer = load_base_model(config.base_model, jax.numpy.dtype(config.dtype), config.seed,
+                                           config.tokenizer)
+    losses, primary = {}, True
+    lm_jobs = tuple(job for job in config.jobs if job.head is None)
+    if lm_jobs:
+        trainer = Trainer(dataclasses.replace(config, jobs=lm_jobs), model, tokenizer)
+        losses, primary = trainer.run(resume=resume), trainer.primary
+    losses.update(train_head_jobs(config, heads, model, tokenizer))
+    return primary, losses
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -57,14 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         _join_processes(args)
         if config.fusion is not None:
             return _fuse(config, args.resume)
-        from train.trainer import Trainer  # imports JAX: only once the config is known to be good
-
-        trainer = Trainer(config)
-        losses = trainer.run(resume=args.resume)
+        primary, losses = _train(config, args.resume)
     except (ConfigError, WeightsError, AdapterError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if not trainer.primary:
+    if not primary:
         return 0
     for name, values in losses.items():
         last = f"{values[-1]:.4f}" if values else "n/a"
@@ -76,6 +101,10 @@ def _fuse(config, resume: bool) -> int:
     """Runs knowledge fusion and prints its table; 1 when a requirement is not met."""
     if resume:
         raise ConfigError("--resume does not apply to knowledge fusion (it retrains candidate adapters)")
+    heads = [job.name for job in config.jobs if job.head is not None]
+    if heads:
+        raise ConfigError(f"knowledge fusion packs generation tasks; jobs {heads} have task heads (train them "
+                          "without a fusion: section)")
     from train.fusion import format_table, format_trial
     from train.fusion_run import REPORT_FILE, run_fusion
 

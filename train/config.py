@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 from jaxlora.lora.config import AdapterError, LoraConfig
+from jaxlora.lora.head import check_labels
 from jaxlora.lora import backends
 
 
@@ -18,8 +19,16 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class HeadConfig:
+    """A job's task head (`jaxlora.lora.head`): the labels its `{"text", "label"}` data uses."""
+
+    labels: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class JobConfig:
-    """One fine-tuning job: an adapter trained on one dataset with its own optimizer."""
+    """One fine-tuning job: an adapter trained on one dataset with its own optimizer; with `head`,
+    a classification adapter (LoRA and task head trained together, `train.heads`)."""
 
     name: str
     dataset: str
@@ -34,6 +43,7 @@ class JobConfig:
     seed: int = 0
     eval_dataset: str | None = None  # prompt/completion JSONL, answers checked exactly (knowledge fusion)
     min_accuracy: float | None = None  # the task's accuracy requirement on eval_dataset (knowledge fusion)
+    head: HeadConfig | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +219,8 @@ def _build_job(job: Any, where, base_dir: str) -> JobConfig:
     _check_choices(job, where)
     values = dict(job)
     values["lora"] = _build_lora(job.get("lora") or {}, where)
+    if job.get("head") is not None:
+        values["head"] = _build_head(job["head"], where)
     dataset = str(job["dataset"])
     values["dataset"] = dataset if os.path.isabs(dataset) else os.path.join(base_dir, dataset)
     if job.get("eval_dataset") is not None:
@@ -272,6 +284,15 @@ def _build_lora(raw: dict, where) -> LoraConfig:
         )
     except (AdapterError, TypeError, ValueError) as err:
         raise ConfigError(f"{where('lora')}: {err}") from None
+
+
+def _build_head(raw, where) -> HeadConfig:
+    if not isinstance(raw, dict) or set(raw) != {"labels"}:
+        raise ConfigError(f"{where('head')}: 'head' must be a mapping with one key, labels: [...]")
+    try:
+        return HeadConfig(check_labels(raw["labels"], "head"))
+    except AdapterError as err:
+        raise ConfigError(f"{where('head', 'labels')}: {err}") from None
 
 
 def _check_choices(values: dict, where) -> None:

@@ -1,4 +1,5 @@
-"""Small generated tasks for the demo: each a different skill whose answers can be checked exactly."""
+"""Small generated tasks for the demo: each a different skill whose answers can be checked exactly;
+labelled tasks (`LABELLED_TASKS`) for classification adapters with task heads."""
 
 from __future__ import annotations
 
@@ -120,3 +121,42 @@ def write_jsonl(path: str, records: list[dict]) -> None:
 def is_correct(completion: str, answer: str) -> bool:
     """Exact match of the first line of the model's completion, ignoring surrounding spaces."""
     return completion.strip().split("\n")[0].strip() == answer.strip()
+
+
+# ---- labelled tasks (task heads: `{"text", "label"}` records, `train.heads`) ----
+
+TOPICS = {
+    "animal": "tiger rabbit dolphin falcon parrot horse",
+    "food": "apple lemon cookie pepper bread cheese",
+    "music": "piano guitar violin drum flute trumpet",
+    "travel": "rocket island bridge harbor train airport",
+}
+ADJECTIVES = "small old bright strange famous quiet red lovely heavy new".split()
+TEMPLATES = ("Yesterday I saw a {adj} {word} by the road.", "My friend talked about the {adj} {word} all day.",
+             "There is a picture of a {adj} {word} on the wall.", "We read a story about a {adj} {word}.",
+             "The {adj} {word} was all anyone could think of.", "Everyone in town loved the {adj} {word}.")
+
+
+def topic(rng: random.Random) -> tuple[str, str]:
+    """A sentence about one word of a topic's small vocabulary; the label is the topic."""
+    label = rng.choice(sorted(TOPICS))
+    word = rng.choice(TOPICS[label].split())
+    return rng.choice(TEMPLATES).format(adj=rng.choice(ADJECTIVES), word=word), label
+
+
+LABELLED_TASKS = {"topic": (tuple(sorted(TOPICS)), topic)}
+
+
+def make_labelled_examples(task: str, count: int, seed: int, exclude=()) -> list[dict]:
+    """`count` distinct {"text", "label"} records of a labelled task, none of whose texts is in
+    `exclude` (held-out data: pass the training texts)."""
+    rng, seen, records = random.Random(f"{task}-{seed}"), set(exclude), []
+    generate = LABELLED_TASKS[task][1]
+    for _ in range(100 * count):
+        text, label = generate(rng)
+        if text not in seen:
+            seen.add(text)
+            records.append({"text": text, "label": label})
+            if len(records) == count:
+                return records
+    raise ValueError(f"task {task!r} has fewer than {count} distinct texts outside `exclude`")

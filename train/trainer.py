@@ -20,16 +20,16 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from jaxlora.lora.adapter import LoraAdapter, ModuleLora, empty_module
+from jaxlora.lora.adapter import LoraAdapter, empty_module
 from jaxlora.lora.peft_io import save_peft_adapter
 from jaxlora.lora.pool import AdapterPool
-from jaxlora.lora.trainable import split_pool
+from jaxlora.lora.trainable import slot_adapter, split_pool
 from jaxlora.models.config import PROJECTIONS
 from jaxlora.scheduler.training.data import Sample, TrainingData
 from jaxlora.scheduler.training.schedule import SchedulerConfig
 from train.base_model import base_model_config, load_base_model
 from train.checkpoint import Checkpointer
-from train.config import TrainConfig
+from train.config import ConfigError, TrainConfig
 from train.data import load_job_samples, sample_order
 from train.executors import PipelineExecutor, SpmdExecutor
 from train.flops import peak_tflops, sample_flops
@@ -60,6 +60,9 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, model=None, tokenizer=None, devices=None):
         """devices: what `config.mesh` spans (default: every device of every process)."""
+        heads = [job.name for job in config.jobs if job.head is not None]
+        if heads:
+            raise ConfigError(f"jobs {heads} have task heads: train them with train.heads (jaxlora-train does)")
         self.config = config
         self.primary = jax.process_index() == 0
         self.devices = jax.devices() if devices is None else list(devices)
@@ -240,17 +243,8 @@ class Trainer:
     def adapters(self) -> list[LoraAdapter]:
         """Each job's trained adapter (float32, host memory); with several processes, all take part."""
         trainable = self.executor.host_trainable()
-        out = []
-        for slot, job in enumerate(self.config.jobs):
-            modules = {}
-            for module in job.lora.target_modules:
-                template = empty_module(self.model.config, job.lora, module)
-                width = template.a.shape[2]
-                a = np.asarray(trainable[module]["a"][:, slot, :, :width], np.float32)
-                b = np.asarray(trainable[module]["b"][:, slot, :width, :], np.float32)
-                modules[module] = ModuleLora(a, b, template.rank, template.scale)
-            out.append(LoraAdapter(job.name, job.lora, modules))
-        return out
+        return [slot_adapter(self.model.config, job.name, job.lora, trainable, slot)
+                for slot, job in enumerate(self.config.jobs)]
 
     def export(self) -> None:
         """Writes each job's adapter in PEFT format to `output_dir/<job name>/` (process 0)."""

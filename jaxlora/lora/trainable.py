@@ -6,7 +6,11 @@ from __future__ import annotations
 import functools
 
 import jax
+import numpy as np
 import optax
+
+from jaxlora.lora.adapter import LoraAdapter, ModuleLora, empty_module
+from jaxlora.lora.config import LoraConfig
 
 
 def split_pool(pool_arrays: dict) -> tuple[dict, dict]:
@@ -24,6 +28,19 @@ def join_pool(trainable: dict, frozen: dict) -> dict:
 def slot_params(trainable: dict, slot: int, rank: int) -> dict:
     """One adapter's parameters {module: {a [L, k, r], b [L, r, n]}} out of the pool."""
     return {m: {"a": v["a"][:, slot, :, :rank], "b": v["b"][:, slot, :rank, :]} for m, v in trainable.items()}
+
+
+def slot_adapter(base, name: str, config: LoraConfig, trainable: dict, slot: int) -> LoraAdapter:
+    """The adapter in `slot` of host trainable arrays {module: {a [L, S, k, r], b [L, S, r, n]}}
+    for the base model config `base`, float32, at the ranks `config` gives each layer."""
+    modules = {}
+    for module in config.target_modules:
+        template = empty_module(base, config, module)
+        width = template.a.shape[2]
+        modules[module] = ModuleLora(np.asarray(trainable[module]["a"][:, slot, :, :width], np.float32),
+                                     np.asarray(trainable[module]["b"][:, slot, :width, :], np.float32),
+                                     template.rank, template.scale)
+    return LoraAdapter(name, config, modules)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4), donate_argnums=(1, 2))

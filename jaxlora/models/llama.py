@@ -121,6 +121,10 @@ class Llama(nnx.Module):
         """tokens [B, T] int -> hidden [B, T, d] (`embed_tokens`)."""
         return embed_tokens(self.config, self._w("embed_tokens"), tokens)
 
+    def final_hidden(self, hidden: jax.Array) -> jax.Array:
+        """hidden [..., d] -> the final norm's output [..., d] (what the LM head and task heads read)."""
+        return final_hidden(self.config, self._w("norm"), hidden)
+
     def unembed(self, hidden: jax.Array) -> jax.Array:
         """hidden [..., d] -> logits [..., vocab] float32 (`final_logits`)."""
         head = self._w("embed_tokens").T if self.config.tie_word_embeddings else self._w("lm_head")
@@ -139,6 +143,7 @@ class Llama(nnx.Module):
         attention: str = "auto",
         unroll_layers: bool | int = 1,
         remat: str = "none",
+        features: bool = False,
     ) -> tuple[jax.Array, KVCache | None]:
         """Runs the decoder.
 
@@ -159,9 +164,12 @@ class Llama(nnx.Module):
           remat: what the backward keeps of each layer (`REMAT_POLICIES`): "none" everything,
             "layer" only its input (the rest recomputed), "save_dots" its input and the
             matmul outputs (attention and elementwise ops recomputed).
+          features: return the final norm's output [B, T, d] (or [B, d]) instead of the logits
+            (what a task head reads, `jaxlora.lora.head`).
 
         Returns:
-          (logits [B, T, vocab] or [B, vocab] float32, the updated cache or None).
+          (logits [B, T, vocab] or [B, vocab] float32 (features: [B, T, d] or [B, d] in the
+          weights' dtype), the updated cache or None).
         """
         config = self.config
         hidden = self.embed(tokens)
@@ -187,8 +195,8 @@ class Llama(nnx.Module):
         )
         if logit_indices is not None:
             hidden = jnp.take_along_axis(hidden, logit_indices[:, None, None], axis=1)[:, 0]
-        logits = self.unembed(hidden)
-        return logits, (None if cache is None else KVCache(*new_cache))
+        out = self.final_hidden(hidden) if features else self.unembed(hidden)
+        return out, (None if cache is None else KVCache(*new_cache))
 
 
 def embed_tokens(config: LlamaConfig, table: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -198,11 +206,15 @@ def embed_tokens(config: LlamaConfig, table: jax.Array, tokens: jax.Array) -> ja
     return hidden if config.embed_scale is None else hidden * jnp.asarray(config.embed_scale, table.dtype)
 
 
+def final_hidden(config: LlamaConfig, norm: jax.Array, hidden: jax.Array) -> jax.Array:
+    """hidden [..., d] -> the final norm [d]'s output [..., d] (the LM head's and task heads' input)."""
+    return rms_norm(hidden, norm, config.rms_norm_eps, config.norm_offset)
+
+
 def final_logits(config: LlamaConfig, norm: jax.Array, head: jax.Array, hidden: jax.Array) -> jax.Array:
-    """hidden [..., d] -> logits [..., vocab] float32: the final norm [d], head [d, vocab], then
-    soft-capped if configured (Gemma 2)."""
-    hidden = rms_norm(hidden, norm, config.rms_norm_eps, config.norm_offset)
-    return softcap(dense(hidden, head), config.final_logit_softcap)
+    """hidden [..., d] -> logits [..., vocab] float32: the final norm [d] (`final_hidden`), head
+    [d, vocab], then soft-capped if configured (Gemma 2)."""
+    return softcap(dense(final_hidden(config, norm, hidden), head), config.final_logit_softcap)
 
 
 def _packed_mask(shape: tuple[int, int], segment_ids: jax.Array | None, config: LlamaConfig,

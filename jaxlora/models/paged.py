@@ -125,6 +125,20 @@ def paged_forward(
     attention: str = "auto",
     unroll_layers: bool | None = None,
 ) -> tuple[jax.Array, PagedKVCache]:
+    """`paged_hidden`, then the logits [R, vocab] float32 of its rows (`Llama.unembed`)."""
+    hidden, cache = paged_hidden(model, batch, cache, lora, lora_backend, attention, unroll_layers)
+    return model.unembed(hidden), cache
+
+
+def paged_hidden(
+    model: Llama,
+    batch: PagedBatch,
+    cache: PagedKVCache,
+    lora: LoraInputs | None = None,
+    lora_backend: str = "gather",
+    attention: str = "auto",
+    unroll_layers: bool | None = None,
+) -> tuple[jax.Array, PagedKVCache]:
     """Runs one serving step over a paged cache (donate `cache` to the jitted caller: it is
     updated in place).
 
@@ -140,7 +154,8 @@ def paged_forward(
       unroll_layers: None: unrolled on a GPU/TPU, a scan on a CPU (compiles faster).
 
     Returns:
-      (logits [R, vocab] float32 at `batch.logit_indices`, the updated cache).
+      (the last layer's hidden states [R, d] at `batch.logit_indices`, before the final norm;
+      the updated cache).
     """
     config = model.config
     batch = jax.tree.map(jnp.asarray, batch)
@@ -164,5 +179,4 @@ def paged_forward(
     carry = (model.embed(batch.tokens[None]), cache.k, cache.v)
     per_layer = (model.layer_weights(), per_layer_pool, jnp.arange(config.num_layers))
     (hidden, k, v), _ = jax.lax.scan(layer, carry, per_layer, unroll=config.num_layers if unroll else 1)
-    logits = model.unembed(hidden[0, batch.logit_indices])
-    return logits, PagedKVCache(k, v)
+    return hidden[0, batch.logit_indices], PagedKVCache(k, v)
