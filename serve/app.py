@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API over an `Engine` (FastAPI).
 
-Endpoints: /v1/completions, /v1/chat/completions (JSON or SSE streaming), /v1/models,
+Endpoints: /v1/completions, /v1/chat/completions (JSON or SSE streaming), /classify (vLLM's
+classification API over adapters with task heads: `serve.classify`), /v1/models,
 /v1/load_lora_adapter and /v1/unload_lora_adapter, /tokenize and /detokenize (vLLM's bodies),
 /health, /metrics. With an API key (`ServerSettings.api_key`) every route but /health and
 /metrics (those too with `metrics_require_key`) needs `Authorization: Bearer <key>`
@@ -46,6 +47,7 @@ from jaxlora.tokenizer import TokenizerError
 from jaxlora.sampling import SamplingParams
 from serve.engine import Engine, EngineBusy, RequestError, UnknownAdapter
 from serve.auth import ApiKeyAuth
+from serve.classify import add_classify_route
 from serve.logprobs import chat_logprobs, completion_logprobs
 from serve.metrics import Metrics
 from serve.protocol import (
@@ -483,6 +485,7 @@ def create_app(engine: Engine, tokenizer, settings: ServerSettings) -> FastAPI:
         return JSONResponse(invalid_request_error(err).body(), 400)
 
     _add_generation_routes(app, server)
+    add_classify_route(app, server)
     _add_tokenizer_routes(app, server)
     _add_admin_routes(app, server)
     return app

@@ -109,6 +109,7 @@ from jaxlora.lora import backends
 from jaxlora.lora.adapter import LoraAdapter, check_finite
 from jaxlora.lora.compressed import SharedBasisSet, with_compressed
 from jaxlora.lora.config import AdapterError
+from jaxlora.lora.head import TaskHead, load_head
 from jaxlora.lora.peft_io import load_peft_adapter
 from jaxlora.buckets import bucket
 from jaxlora.models.packed import add_adapter_window, fill_window_slot, pack_projections, window_keys, window_layout
@@ -143,6 +144,10 @@ class UnknownAdapter(KeyError):
 
 class EngineBusy(RuntimeError):
     """The waiting queue is full."""
+
+
+class NoTaskHead(ValueError):
+    """A classification names an adapter without a task head (`jaxlora.lora.head`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +279,7 @@ class Event(NamedTuple):
     # "overloaded" (dropped before its first token: it could not meet the TTFT objective)
     error: str | None = None
     logprobs: tuple | None = None
+    probs: np.ndarray | None = None  # a classification's label probabilities [num_labels] (`Engine.classify`)
 
 
 @dataclasses.dataclass
@@ -281,6 +287,7 @@ class _Request:
     seq: Sequence  # its `sampling` holds the request's SamplingParams
     callback: Callable[[Event], None]
     submitted: float
+    head: TaskHead | None = None  # a classification (`Engine.classify`): the head its features go through
 
 
 class Handoff(NamedTuple):
@@ -304,6 +311,7 @@ class _InFlight(NamedTuple):
     tokens: object
     launched: float
     logprobs: tuple | None = None
+    features: object = None  # the rows' features [R, d] (device array), None from a `step_fn` stub
 
 
 def check_mesh(mesh: Mesh, model_config, lora_backend: str) -> None:
@@ -399,6 +407,8 @@ class Engine:
         self.step_fn = step_fn or self.device_step
         self._last_tokens = np.zeros(self.max_rows, np.int32)  # the previous step's sampled tokens
         self._last_logprobs = None  # the last step's log-probabilities (device arrays), if it made them
+        self._last_features = None  # the last step's row features [R, d] (device array; `classify`)
+        self._heads: dict[int, TaskHead | None] = {}  # adapter uid -> its task head, once looked up
         self._in_flight: _InFlight | None = None  # launched, tokens not read yet (async scheduling)
         self._last_done = 0.0  # when the last step's tokens were read
         self._lock = threading.Lock()
@@ -530,20 +540,51 @@ class Engine:
         return self.pool.arrays if self._compressed is None else with_compressed(self.pool.arrays, self._compressed)
 
     # ---- adapters (any thread) ---------------------------------------------------------
-    def add_adapter(self, name: str, adapter: LoraAdapter, path: str | None = None) -> None:
+    def add_adapter(self, name: str, adapter: LoraAdapter, path: str | None = None,
+                    head: TaskHead | None = None) -> None:
         """Registers `adapter` under `name`; AdapterError if the pool cannot hold it, ValueError if
         the name is taken. With `path` (the folder it was read from) it goes into the bounded host
-        cache and is read from there again after an eviction; without, it is held in host memory."""
+        cache and is read from there again after an eviction; without, it is held in host memory.
+        head: its task head (`classify`); None: the one in `path`'s folder, if any."""
         if name in self.adapters.names():
             raise ValueError(f"an adapter named {name!r} is already loaded")
-        self.adapters.add(name, self.prepare_adapter(adapter), path)
+        if head is not None:
+            self._check_head(head)
+        entry = self.adapters.add(name, self.prepare_adapter(adapter), path)
+        if head is not None:
+            with self._lock:
+                self._heads[entry.uid] = head
+
+    def task_head(self, name: str) -> TaskHead:
+        """The task head of adapter `name` (read from its folder on first use; any thread):
+        UnknownAdapter, AdapterError (a malformed head), or NoTaskHead."""
+        entry = self.resolve_adapter(name)
+        with self._lock:
+            known = entry.uid in self._heads
+            head = self._heads.get(entry.uid)
+        if not known:
+            head = None if entry.path is None else load_head(entry.path, self.model_config.hidden_size)
+            if head is not None:
+                self._check_head(head)
+            with self._lock:
+                self._heads[entry.uid] = head
+        if head is None:
+            raise NoTaskHead(f"the adapter {name!r} has no task head (no head_config.json in its folder)")
+        return head
+
+    def _check_head(self, head: TaskHead) -> None:
+        if head.weight.shape != (head.num_labels, self.model_config.hidden_size) or head.bias.shape != (head.num_labels,):
+            raise AdapterError(f"task head weights {head.weight.shape}/{head.bias.shape} do not fit {head.num_labels} "
+                               f"labels and hidden size {self.model_config.hidden_size}")
 
     def remove_adapter(self, name: str) -> None:
         """Forgets `name` (UnknownAdapter if absent). Requests already submitted still finish."""
         try:
-            self.adapters.remove(name)
+            entry = self.adapters.remove(name)
         except LookupError:
             raise UnknownAdapter(name) from None
+        with self._lock:
+            self._heads.pop(entry.uid, None)
         self._wake.set()
 
     def adapter_names(self) -> list[str]:
@@ -596,7 +637,7 @@ class Engine:
                                f"(context {limit}), got {max_tokens}")
 
     def submit(self, request_id, prompt: list[int], adapter: str | None, sampling: SamplingParams,
-               callback: Callable[[Event], None], output: list[int] = ()) -> None:
+               callback: Callable[[Event], None], output: list[int] = (), head: TaskHead | None = None) -> None:
         """Queues a request for up to `sampling.max_new_tokens` tokens (temperature 0: greedy; a
         sampled row draws from key(seed) folded with the token's index, so a seeded request gives
         the same tokens whatever else is in the batch); `callback(Event)` is called from the engine
@@ -619,8 +660,16 @@ class Engine:
             self._num_waiting_submitted += 1
         seq = Sequence(request_id, list(prompt), sampling.max_new_tokens, uid, sampling.stop_ids(self.eos_ids),
                        output=list(output), sampling=sampling)
-        request = _Request(seq, callback, time.monotonic())
+        request = _Request(seq, callback, time.monotonic(), head)
         self._command(lambda: self._add(request))
+
+    def classify(self, request_id, prompt: list[int], adapter: str, callback: Callable[[Event], None]) -> None:
+        """Queues a classification of `prompt` by adapter `adapter`'s task head: one prefill-only
+        sequence in the normal batches (beside other requests' rows), its last token's features
+        through the head, no token delivered; `callback` gets one Event with `probs` [num_labels]
+        and finish reason "classified" (or an error). Raises as `submit` does, and NoTaskHead."""
+        head = self.task_head(adapter)
+        self.submit(request_id, prompt, adapter, SamplingParams(max_new_tokens=1), callback, head=head)
 
     def abort(self, request_id) -> None:
         """Ends a request (if still known) and frees its pages, at the next step boundary."""
@@ -737,13 +786,16 @@ class Engine:
                 self.scheduler.slots.pin(row.seq.adapter)
         self._stage(self.scheduler.prefetch())  # overlaps the step running on the device
         phases.mark("prefetch")
-        return _InFlight(step, tokens, time.monotonic(), self._last_logprobs)
+        return _InFlight(step, tokens, time.monotonic(), self._last_logprobs, self._last_features)
 
     def _finish(self, flight: "_InFlight", phases: "_PhaseClock") -> None:
         """Reads a launched step's tokens (waits for it), unpins its slots and completes its rows."""
         try:
             tokens = np.asarray(flight.tokens)
             logprobs = None if flight.logprobs is None else tuple(np.asarray(a) for a in flight.logprobs)
+            features = None
+            if flight.features is not None and self._classifies(flight.step):
+                features = np.asarray(flight.features)
             phases.mark("wait")
         except Exception as err:
             log.exception("engine step failed")
@@ -756,8 +808,13 @@ class Engine:
             return
         done = time.monotonic()
         started, self._last_done = max(flight.launched, self._last_done), done
-        self._complete(flight.step, tokens, done - started, logprobs)
+        self._complete(flight.step, tokens, done - started, logprobs, features)
         phases.mark("complete")
+
+    def _classifies(self, step: Step) -> bool:
+        """Whether a row of `step` ends a classification's prompt (its features are needed)."""
+        return any(row.sample and getattr(self._requests.get(row.seq.seq_id), "head", None) is not None
+                   for row in step.plan.rows)
 
     # ---- one step's programs --------------------------------------------------------------
     def build_step(self, plan: StepPlan) -> Step:
@@ -768,7 +825,7 @@ class Engine:
     def run_step(self, step: Step):
         """Runs `step` through `step_fn` (the cache is updated); returns its sampled tokens (row r's
         at index r; a device array by default: reading it waits for the step)."""
-        self._last_logprobs = None
+        self._last_logprobs = self._last_features = None
         tokens, self.cache = self.step_fn(step, self.cache)
         self._last_tokens = tokens
         return tokens
@@ -779,8 +836,8 @@ class Engine:
         for shape in step.shapes:
             self.stats.step_compiles += shape not in self.programs
         forward = step.shapes[0]
-        greedy, logits, cache = self.programs.run(forward, self._state, cache, step.batch, step.lora,
-                                                  step.prev_tokens, step.token_src)
+        greedy, logits, cache, self._last_features = self.programs.run(
+            forward, self._state, cache, step.batch, step.lora, step.prev_tokens, step.token_src)
         if step.sampling is None:
             return greedy, cache
         sampler = step.shapes[1]
@@ -1024,9 +1081,11 @@ class Engine:
             logit_indices[r] = offset - 1
         return PagedBatch(tokens, positions, token_row, tables, logit_indices), token_slot, one_token
 
-    def _complete(self, step: Step, next_tokens: np.ndarray, seconds: float, logprobs: tuple | None = None) -> None:
+    def _complete(self, step: Step, next_tokens: np.ndarray, seconds: float, logprobs: tuple | None = None,
+                  features: np.ndarray | None = None) -> None:
         """Hands a step's sampled tokens (row r's at r) to the scheduler and its events to the
-        requests; logprobs: the step's (chosen [R], top values [R, K], top ids [R, K]) or None."""
+        requests; logprobs: the step's (chosen [R], top values [R, K], top ids [R, K]) or None;
+        features: the rows' features [R, d] (read when a classification's prompt ends here)."""
         plan = step.plan
         sampled = {row.seq.seq_id: int(next_tokens[r]) for r, row in enumerate(plan.rows) if row.sample}
         row_of = {row.seq.seq_id: r for r, row in enumerate(plan.rows) if row.sample}
@@ -1036,6 +1095,9 @@ class Engine:
             request = self._requests[seq.seq_id]
             if reason is not None:
                 del self._requests[seq.seq_id]
+            if request.head is not None:
+                self._deliver(request, _classified(request.head, features, row_of[seq.seq_id]))
+                continue
             self._deliver(request, Event(token, reason, logprobs=_row_logprobs(logprobs, row_of[seq.seq_id], seq)))
 
     def _deliver(self, request: _Request, event: Event) -> None:
@@ -1241,6 +1303,13 @@ def _row_logprobs(logprobs: tuple | None, row: int, seq: Sequence) -> tuple | No
         return None
     chosen, top_values, top_ids = logprobs
     return float(chosen[row]), [(int(i), float(v)) for i, v in zip(top_ids[row, :wanted], top_values[row, :wanted])]
+
+
+def _classified(head: TaskHead, features: np.ndarray | None, row: int) -> Event:
+    """The event of a classification whose prompt ended in row `row` of a step with `features`."""
+    if features is None:
+        return Event(None, "error", "this engine's step function returns no features to classify")
+    return Event(None, "classified", probs=head.probs(features[row][None])[0])
 
 
 @functools.lru_cache(maxsize=1)

@@ -145,6 +145,14 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
+class ClassifyRequest(_Strict):
+    """POST /classify (vLLM's body): the texts to classify with the task head of adapter `model`."""
+
+    model: str = Field(max_length=256)
+    input: str | list[str]
+    user: str | None = Field(default=None, max_length=256)
+
+
 class DrainRequest(_Strict):
     """POST /drain: stop placing requests on `replica` (undo: resume); migrate: hand its requests to
     the other replicas now instead of letting them finish there."""

@@ -1,9 +1,10 @@
 """The serving engine's compiled step programs: their shapes, their inputs, and the table of executables.
 
 One engine step runs one or two programs on the device:
-  - "forward": the model over the step's padded tokens (`jaxlora.models.paged.paged_forward`),
-    writing their keys/values into the donated KV cache; returns the greedy token of every row
-    and the rows' logits. A token whose input is the previous step's sampled token (async
+  - "forward": the model over the step's padded tokens (`jaxlora.models.paged.paged_hidden`),
+    writing their keys/values into the donated KV cache; returns the greedy token of every row,
+    the rows' logits and their features (the final norm's output, what a task head reads:
+    `jaxlora.lora.head`; read back only by a step with a classification row). A token whose input is the previous step's sampled token (async
     scheduling: not on the host yet) takes it on the device: `token_src[t] >= 0` picks
     `prev_tokens[token_src[t]]` instead of `batch.tokens[t]`.
   - "sample": the tokens of a step where some row samples (temperature > 0), from the forward's
@@ -37,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 from jaxlora.models.llama import LoraInputs
-from jaxlora.models.paged import PagedBatch, PagedKVCache, paged_forward
+from jaxlora.models.paged import PagedBatch, PagedKVCache, paged_hidden
 from jaxlora.sampling import (
     MAX_LOGPROBS, apply_penalties, bias_rows, greedy_rows, row_keys, sample_rows, token_logprobs,
 )
@@ -142,10 +143,13 @@ class SamplerState(NamedTuple):
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
 def _forward(graphdef, backend: str, max_rows: int, state, cache: PagedKVCache, batch: PagedBatch, lora,
              prev_tokens, token_src):
-    """(greedy tokens [max_rows] int32, logits [R, V] float32, the updated cache) of one step."""
+    """(greedy tokens [max_rows] int32, logits [R, V] float32, the updated cache, features [R, d]
+    float32) of one step."""
     tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], batch.tokens)
-    logits, cache = paged_forward(nnx.merge(graphdef, state), batch._replace(tokens=tokens), cache, lora, backend)
-    return _pad_rows(greedy_rows(logits), max_rows), logits, cache
+    model = nnx.merge(graphdef, state)
+    hidden, cache = paged_hidden(model, batch._replace(tokens=tokens), cache, lora, backend)
+    logits = model.unembed(hidden)
+    return _pad_rows(greedy_rows(logits), max_rows), logits, cache, model.final_hidden(hidden).astype(jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))

@@ -74,3 +74,12 @@ def tiny_model_dir(tmp_path_factory, smollm2):
     from tests.jaxlora.hf_checkpoints import write_tiny_model_dir
 
     return write_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_model")), smollm2[1])
+
+
+@pytest.fixture(scope="session")
+def topic_head_adapter(tmp_path_factory, smollm2):
+    """(folder, held-out records, losses) of a SmolLM2 classification adapter with a task head,
+    trained once per session on the generated topic task (tests/train/head_task.py)."""
+    from tests.train.head_task import train_topic_adapter
+
+    return train_topic_adapter(str(tmp_path_factory.mktemp("topic_head")), *smollm2)
