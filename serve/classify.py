@@ -50,8 +50,6 @@ async def _head(server, model: str, count: int):
         raise ApiError(400, f"send 1 to {server.limits.max_prompts} texts in input", "input")
     if model == server.settings.model_name:
         raise ApiError(400, "the base model has no task head: name an adapter that has one", "model")
-    if not hasattr(server.engine, "classify"):
-        raise ApiError(400, "/classify is not served with --replicas (one engine only)", "model")
     await server.read_adapter(model)  # 404 unknown, 400 unusable
     try:
         return await run_in_threadpool(server.engine.task_head, model)

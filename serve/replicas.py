@@ -43,6 +43,7 @@ from jaxlora.lora.adapter import LoraAdapter
 from jaxlora.sampling import SamplingParams
 from jaxlora.scheduler.serving import ReplicaState, admission_pages, place
 from jaxlora.sharding import make_mesh
+from jaxlora.lora.head import TaskHead
 from serve.engine import Engine, EngineBusy, Event, Handoff
 
 
@@ -60,6 +61,7 @@ class _Placed:
     replica: int | None = None
     exclude: tuple[int, ...] = ()  # a migrated request's source, for its next placement
     aborted: bool = False
+    head: TaskHead | None = None  # a classification's task head (`classify`)
 
     @property
     def max_len(self) -> int:
@@ -133,6 +135,15 @@ class ReplicaSet:
         for engine in self.engines:
             engine.remove_adapter(name)
 
+    def task_head(self, name: str) -> TaskHead:
+        """`Engine.task_head` of the first replica (every replica registers the same folders)."""
+        self.resolve_adapter(name)
+        return self.engines[0].task_head(name)
+
+    def classify(self, request_id, prompt: list[int], adapter: str, callback: Callable[[Event], None]) -> None:
+        """`Engine.classify` on the replica the placement policy picks (a one-token request)."""
+        self.submit(request_id, prompt, adapter, SamplingParams(max_new_tokens=1), callback, self.task_head(adapter))
+
     def validate(self, prompt_len: int, max_tokens: int) -> None:
         self.engines[0].validate(prompt_len, max_tokens)
 
@@ -174,7 +185,7 @@ class ReplicaSet:
 
     # ---- requests ---------------------------------------------------------------------------
     def submit(self, request_id, prompt: list[int], adapter: str | None, sampling: SamplingParams,
-               callback: Callable[[Event], None]) -> None:
+               callback: Callable[[Event], None], head: TaskHead | None = None) -> None:
         """Places a request (see the module doc); raises as `Engine.submit` does."""
         self.validate(len(prompt), sampling.max_new_tokens)
         if adapter is not None:
@@ -182,7 +193,7 @@ class ReplicaSet:
         with self._lock:
             if len(self._queue) >= self.config.max_waiting:
                 raise EngineBusy(f"{len(self._queue)} requests wait for a replica; try again later")
-            placed = _Placed(request_id, list(prompt), adapter, sampling, callback, next(self._arrivals))
+            placed = _Placed(request_id, list(prompt), adapter, sampling, callback, next(self._arrivals), head=head)
             self._requests[request_id] = placed
             self._queue.append(placed)
             self._pump()
@@ -220,7 +231,8 @@ class ReplicaSet:
         placed.replica, placed.exclude = replica, ()
         try:
             self.engines[replica].submit(placed.request_id, placed.prompt, placed.adapter, placed.sampling,
-                                         lambda event: self._on_event(placed, event), output=placed.output)
+                                         lambda event: self._on_event(placed, event), output=placed.output,
+                                         head=placed.head)
         except Exception as err:  # e.g. the adapter was removed meanwhile
             del self._requests[placed.request_id]
             placed.callback(Event(None, "error", f"placing the request on replica {replica} failed: {err}"))

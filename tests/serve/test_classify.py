@@ -139,3 +139,33 @@ def test_bad_classify_input_is_4xx_and_the_server_lives(head_server, body, statu
     assert words in _error(_post(head_server, body), status)
     assert _post(head_server, {"model": "topic-head", "input": "We read a story about a quiet piano."}).json()[
         "data"][0]["label"] == "music"
+
+
+def test_replica_set_classifies_as_the_in_process_model(tmp_path):
+    from jaxlora.lora.head import TaskHead, save_head
+    from jaxlora.lora.peft_io import save_peft_adapter
+    from serve.engine import Engine, EngineConfig
+    from serve.replicas import ReplicaSet
+    from tests.jaxlora.parallel.fixtures import CONFIG, tiny_model
+    from tests.serve.conftest import make_adapters
+
+    model, adapter = tiny_model(CONFIG), make_adapters(CONFIG, 1)["ad0"]
+    rng = np.random.default_rng(1)
+    head = TaskHead(("x", "y", "z"), rng.normal(size=(3, CONFIG.hidden_size)).astype(np.float32),
+                    rng.normal(size=3).astype(np.float32))
+    save_peft_adapter(adapter, str(tmp_path))
+    save_head(head, str(tmp_path))
+    config = EngineConfig(page_size=4, num_pages=64, max_model_len=32, max_num_seqs=8, token_budget=32,
+                          prefill_chunk=8, max_lora_rank=8, max_adapters_on_device=2)
+    front = ReplicaSet([Engine(model, (), config) for _ in range(2)])
+    front.add_adapter("a", load_peft_adapter(str(tmp_path), CONFIG), str(tmp_path))
+    prompts = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (3, 11, 20, 6)]  # 20: chunked prefill
+    events = {i: [] for i in range(len(prompts))}
+    for i, prompt in enumerate(prompts):
+        front.classify(i, prompt, "a", events[i].append)
+    front.run_until_idle()
+    expected = classify(model, adapter_pool(model, adapter), head,
+                        [types.SimpleNamespace(tokens=np.asarray(p, np.int32)) for p in prompts], 32)
+    for i in range(len(prompts)):
+        (event,) = events[i]
+        assert event.finish_reason == "classified" and _close(event.probs, expected[i], 1e-5)
