@@ -71,6 +71,13 @@ prompt, the tokens delivered so far, adapter, sampling and callback) for another
 `submit(..., output=...)` (Punica's migration by recomputation); `migrate(request_id)` hands one off
 on demand (draining a replica).
 
+Classification (`classify`, V-LoRA's task heads): a prompt classified by an adapter's task head
+(`jaxlora.lora.head`, read from the adapter's folder on first use: `task_head`) is a one-token
+greedy sequence in the same steps as every other request; the forward also returns each row's
+features (the final norm's output), read back only for a step where a classification's prompt
+ends, and its callback gets one Event with the head's `probs` (finish reason "classified") instead
+of a token.
+
 A compressed collection (`Engine(..., compressed=SharedBasisSet)`, Compress-then-Serve; needs a
 `shared_basis` LoRA backend) is registered adapter by adapter under its names; its bases and cores
 stay on the device next to the pool's arrays, and adapter j's rows take the fixed slot
