@@ -12,7 +12,9 @@ optimizer (`train.optim`: AdamW over the LoRA and the head, the job's schedule) 
 init are the LM jobs'. The adapter is written to `output_dir/<job>/` with its head files.
 
 One device; each head job trains on its own after the LM jobs (not in their shared microbatches),
-and is not checkpointed (`--resume` refuses head jobs)."""
+and is not checkpointed (`--resume` refuses head jobs). Of the run's settings, head jobs use
+capacity, max_seq_len, overlong, dtype, lora_backend, unroll_layers, remat and progress; they
+write `output_dir/<job>/metrics.jsonl` (step, loss), not TensorBoard files."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from tqdm import tqdm
 
 from jaxlora.buckets import bucket
 from jaxlora.lora.adapter import LoraAdapter, empty_module
@@ -104,25 +107,25 @@ def pack_texts(samples: list, capacity: int) -> tuple[dict, object, np.ndarray, 
 
 
 def head_forward(model: Llama, pool: dict, head: dict, batch: dict, plan, rows, ends, lora_backend: str,
-                 dropout_rate=None, dropout_key=None):
+                 dropout_rate=None, dropout_key=None, **model_options):
     """Head logits [n, num_labels] float32 of the packed texts: the model with the pool's slot 0
     ({module: {a, b, scale, rank}}), the final norm's output at each text's last token, then the
-    head {weight [L, d], bias [L]}."""
+    head {weight [L, d], bias [L]}. model_options: `Llama`'s unroll_layers, remat."""
     features, _ = model(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"],
                         lora=LoraInputs(pool, plan, dropout_rate, dropout_key), lora_backend=lora_backend,
-                        features=True)
+                        features=True, **model_options)
     return head_logits(features[rows, ends].astype(jnp.float32), head["weight"], head["bias"])
 
 
-def make_head_step(model: Llama, optimizer: optax.GradientTransformation, lora_backend: str):
+def make_head_step(model: Llama, optimizer: optax.GradientTransformation, lora_backend: str, **model_options):
     """A jitted (params {lora, head}, opt_state, frozen, batch, plan, rows, ends, labels, mask,
     dropout_rate, key) -> (params, opt_state, mean loss): one optimizer step on the mean
-    cross-entropy of the real (mask) samples."""
+    cross-entropy of the real (mask) samples. model_options: `Llama`'s unroll_layers, remat."""
     graphdef, state = nnx.split(model)
 
     def loss_fn(params, state, frozen, batch, plan, rows, ends, labels, mask, dropout_rate, key):
         logits = head_forward(nnx.merge(graphdef, state), join_pool(params["lora"], frozen), params["head"], batch,
-                              plan, rows, ends, lora_backend, dropout_rate, key)
+                              plan, rows, ends, lora_backend, dropout_rate, key, **model_options)
         nll = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
         return (nll * mask).sum() / mask.sum()
 
@@ -179,7 +182,8 @@ class HeadTrainer:
                                 "bias": jnp.zeros(labels, jnp.float32)}}
         optimizer = make_optimizer(job, self.total_steps)
         self.opt_state = optimizer.init(self.params)
-        self.step = make_head_step(model, optimizer, config.lora_backend)
+        self.step = make_head_step(model, optimizer, config.lora_backend, unroll_layers=config.unroll_layers,
+                                   remat=config.remat)
 
     def run(self) -> list[float]:
         """Trains every global batch in order, then exports; the per-step mean losses."""
@@ -187,7 +191,8 @@ class HeadTrainer:
         rate = None if not self.job.lora.lora_dropout else jnp.asarray([self.job.lora.lora_dropout], jnp.float32)
         log = os.path.join(self.config.output_dir, self.job.name, "metrics.jsonl")
         os.makedirs(os.path.dirname(log), exist_ok=True)
-        with open(log, "w") as f:
+        bar = tqdm(total=self.total_steps, desc=self.job.name, disable=not self.config.progress)
+        with open(log, "w") as f, bar:
             for step in range(self.total_steps):
                 chunk = [self.samples[i] for i in self.order[step * size:(step + 1) * size]]
                 batch, plan, rows, ends = pack_texts(chunk, self.config.capacity)
@@ -198,6 +203,8 @@ class HeadTrainer:
                                                               rate, key)
                 losses.append(float(loss))
                 f.write(json.dumps({"step": step + 1, "loss": losses[-1]}) + "\n")
+                bar.update(1)
+                bar.set_postfix(loss=f"{losses[-1]:.3f}")
         self.export()
         return losses
 
