@@ -1,8 +1,9 @@
 """Task heads served: an adapter trained with a head (tests/train/head_task.py) answers /classify
 with the in-process model's labels and probabilities; its rows share the engine's batches with
-generation requests of other adapters without changing their tokens; bad input is a 4xx with a
-message and the server keeps serving."""
+generation requests of other adapters without changing their tokens; a replica set and merged mode
+classify as the model does; bad input is a 4xx with a message and the server keeps serving."""
 
+import dataclasses
 import json
 import shutil
 import types
@@ -141,7 +142,8 @@ def test_bad_classify_input_is_4xx_and_the_server_lives(head_server, body, statu
         "data"][0]["label"] == "music"
 
 
-def test_replica_set_classifies_as_the_in_process_model(tmp_path):
+@pytest.mark.parametrize("front", ["replicas", "merged"])
+def test_replicas_and_merged_mode_classify_as_the_in_process_model(tmp_path, front):
     from jaxlora.lora.head import TaskHead, save_head
     from jaxlora.lora.peft_io import save_peft_adapter
     from serve.engine import Engine, EngineConfig
@@ -157,7 +159,10 @@ def test_replica_set_classifies_as_the_in_process_model(tmp_path):
     save_head(head, str(tmp_path))
     config = EngineConfig(page_size=4, num_pages=64, max_model_len=32, max_num_seqs=8, token_budget=32,
                           prefill_chunk=8, max_lora_rank=8, max_adapters_on_device=2)
-    front = ReplicaSet([Engine(model, (), config) for _ in range(2)])
+    if front == "replicas":
+        front = ReplicaSet([Engine(model, (), config) for _ in range(2)])
+    else:  # the adapter's ΔW folded into the base weights: its rows run the plain base path
+        front = Engine(model, (), dataclasses.replace(config, inference_mode="merged"))
     front.add_adapter("a", load_peft_adapter(str(tmp_path), CONFIG), str(tmp_path))
     prompts = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (3, 11, 20, 6)]  # 20: chunked prefill
     events = {i: [] for i in range(len(prompts))}
