@@ -137,14 +137,24 @@ TEMPLATES = ("Yesterday I saw a {adj} {word} by the road.", "My friend talked ab
              "The {adj} {word} was all anyone could think of.", "Everyone in town loved the {adj} {word}.")
 
 
-def topic(rng: random.Random) -> tuple[str, str]:
+NEW_TEMPLATES = ("She painted the {adj} {word} last summer.", "Nobody expected to find a {adj} {word} there.",
+                 "The {word} looked {adj} in the morning light.", "Tell me something about the {adj} {word}.")
+
+
+def topic(rng: random.Random, templates=TEMPLATES) -> tuple[str, str]:
     """A sentence about one word of a topic's small vocabulary; the label is the topic."""
     label = rng.choice(sorted(TOPICS))
     word = rng.choice(TOPICS[label].split())
-    return rng.choice(TEMPLATES).format(adj=rng.choice(ADJECTIVES), word=word), label
+    return rng.choice(templates).format(adj=rng.choice(ADJECTIVES), word=word), label
 
 
-LABELLED_TASKS = {"topic": (tuple(sorted(TOPICS)), topic)}
+def topic_new_sentences(rng: random.Random) -> tuple[str, str]:
+    """`topic` in sentences none of `TEMPLATES` makes (held-out data for a head trained on `topic`)."""
+    return topic(rng, NEW_TEMPLATES)
+
+
+TOPIC_LABELS = tuple(sorted(TOPICS))
+LABELLED_TASKS = {"topic": (TOPIC_LABELS, topic), "topic_new_sentences": (TOPIC_LABELS, topic_new_sentences)}
 
 
 def make_labelled_examples(task: str, count: int, seed: int, exclude=()) -> list[dict]:

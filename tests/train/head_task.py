@@ -1,5 +1,6 @@
 """A classification adapter trained on the generated topic task (`train.demo_tasks`) on SmolLM2:
-the job file, its data, and held-out records no training text repeats."""
+the job file, its data, and held-out records no training text repeats (half of them in sentences
+the training data never uses)."""
 
 from __future__ import annotations
 
@@ -23,10 +24,13 @@ jobs:
 """
 
 
-def write_topic_job(directory: str, train_count: int = 256, steps: int = 16, held_out: int = 200):
-    """(job file path, held-out records) of the topic task in `directory`."""
+def write_topic_job(directory: str, train_count: int = 256, steps: int = 16, held_out: int = 100):
+    """(job file path, held-out records) of the topic task in `directory`: `held_out` texts of the
+    training sentences with word combinations not trained on, then `held_out` texts in sentences
+    never seen in training (`topic_new_sentences`)."""
     train = make_labelled_examples("topic", train_count, seed=1)
     held = make_labelled_examples("topic", held_out, seed=2, exclude=[r["text"] for r in train])
+    held += make_labelled_examples("topic_new_sentences", held_out, seed=2)
     write_jsonl(os.path.join(directory, "topic.jsonl"), train)
     path = os.path.join(directory, "jobs.yaml")
     with open(path, "w") as f:
