@@ -310,8 +310,10 @@ def _check_positive(config: TrainConfig, where) -> None:
             raise ConfigError(f"{where('jobs', index, 'global_batch_size')}: global_batch_size must be >= 1")
         if (job.steps is None) == (job.epochs is None) or (job.steps or job.epochs or 0) < 1:
             raise ConfigError(f"{where('jobs', index)}: give a positive 'epochs' or 'steps'")
-        if job.learning_rate <= 0:
-            raise ConfigError(f"{where('jobs', index, 'learning_rate')}: learning_rate must be > 0")
+        if isinstance(job.learning_rate, bool) or not isinstance(job.learning_rate, (int, float)) \
+                or job.learning_rate <= 0:
+            raise ConfigError(f"{where('jobs', index, 'learning_rate')}: learning_rate must be a number > 0, not "
+                              f"{job.learning_rate!r} (YAML reads 2e-3 as text: write 2.0e-3)")
         accuracy = job.min_accuracy
         if accuracy is not None and (isinstance(accuracy, bool) or not isinstance(accuracy, (int, float))
                                      or not 0 <= accuracy <= 1):

@@ -44,6 +44,7 @@ def test_good_config_and_overrides(tmp_path):
     (GOOD.replace("capacity: 256", "capacity: -3"), r"jobs\.yaml:2: capacity must be a positive integer"),
     (GOOD.replace("steps: 2", "steps: 2\n    schedule: sideways"), r"jobs\.yaml:8: schedule='sideways'"),
     ("output_dir: out\n", r"jobs\.yaml:1: 'jobs' must be a non-empty list"),
+    (GOOD.replace("steps: 2", "steps: 2\n    learning_rate: 2e-3"), r"jobs\.yaml:8: learning_rate must be a number"),
 ])
 def test_bad_configs(tmp_path, text, expected):
     with pytest.raises(ConfigError, match=expected):
