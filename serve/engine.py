@@ -651,8 +651,12 @@ class Engine:
         thread for every new token and once with a finish reason. output: tokens it already
         generated elsewhere (a migrated request, `Handoff`): it continues after them, their keys
         and values recomputed, and they count towards max_new_tokens. Raises RequestError,
-        UnknownAdapter, AdapterError (a name the adapter directory refuses) or EngineBusy."""
+        UnknownAdapter, AdapterError (a name the adapter directory refuses) or EngineBusy.
+        head: classify instead of generating (`classify` says how; one token, no output).
+        """
         self.validate(len(prompt), sampling.max_new_tokens)
+        if head is not None and (sampling.max_new_tokens != 1 or output):
+            raise RequestError("a classification (head) is one prefill-only sequence: max_new_tokens 1, no output")
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in [t for t, _ in sampling.logit_bias] + list(sampling.stop_token_ids)):
             raise RequestError(f"logit_bias and stop_token_ids take token ids in [0, {vocab})")
