@@ -1101,7 +1101,8 @@ class Engine:
         sampled = {row.seq.seq_id: int(next_tokens[r]) for r, row in enumerate(plan.rows) if row.sample}
         row_of = {row.seq.seq_id: r for r, row in enumerate(plan.rows) if row.sample}
         events = self.scheduler.complete(plan, sampled)
-        self.stats.record_step(step.kind, plan.num_tokens, len(events), seconds)
+        classified = 0 if features is None else sum(self._requests[seq.seq_id].head is not None for seq, *_ in events)
+        self.stats.record_step(step.kind, plan.num_tokens, len(events) - classified, seconds)  # tokens delivered
         for seq, token, reason in events:
             request = self._requests[seq.seq_id]
             if reason is not None:
