@@ -87,7 +87,7 @@ async def _run(server, request: Request, request_id: str, prompts: list[list[int
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     status = "disconnected"
-                    return results
+                    raise ApiError(499, "the client disconnected")  # nobody reads the answer
                 continue
             if event.probs is None:
                 status_code = {"overloaded": 503, "adapter_error": 400}.get(event.finish_reason, 500)
@@ -97,8 +97,8 @@ async def _run(server, request: Request, request_id: str, prompts: list[list[int
         return results
     finally:
         if status != "ok":
-            for request_id_i in ids:
-                server.engine.abort(request_id_i)
+            for sequence_id in ids:
+                server.engine.abort(sequence_id)
         server.metrics.requests.labels(ENDPOINT, status).inc()
 
 
