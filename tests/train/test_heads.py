@@ -143,3 +143,13 @@ def test_topic_head_reaches_95_percent_on_held_out_texts(topic_head_adapter, smo
           f"{half} texts each")
     assert right[:half].mean() >= 0.95 and right[half:].mean() >= 0.95
     assert isinstance(head, TaskHead) and os.path.isfile(os.path.join(path, "adapter_config.json"))
+
+
+def test_knowledge_fusion_refuses_head_jobs(tmp_path, capsys):
+    write_jsonl(str(tmp_path / "topic.jsonl"), make_labelled_examples("topic", 8, seed=1))
+    write_jsonl(str(tmp_path / "eval.jsonl"), make_examples("last_word", 2, seed=1))
+    path = _job_file(tmp_path, "{labels: %s}" % LABELS)
+    with open(path, "a") as f:
+        f.write("    eval_dataset: eval.jsonl\n    min_accuracy: 0.5\nfusion: {}\n")
+    assert train_main([path]) == 2
+    assert "jobs ['topic'] have task heads" in capsys.readouterr().err
