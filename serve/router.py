@@ -22,6 +22,9 @@ and its in-flight requests are re-placed on the others (503 if none has room in 
   choices (n > 1, several prompts) or with logprobs cannot be continued: it ends with a 503 error
   chunk.
 
+`POST /classify` (and `/v1/classify`: task heads, `serve.classify`) is placed as a request of one
+token per text and sent again from the start if its backend fails.
+
 `POST /drain {"backend": i}` stops placing on backend i (`"undo": true` resumes); `GET /state`
 lists each backend's state, whether it is draining, and idle (draining and no request left).
 `GET /metrics`: requests and re-placements. Binds 127.0.0.1 by default; `--api-key` guards it as
@@ -50,7 +53,7 @@ from pydantic import BaseModel, ConfigDict
 from jaxlora.scheduler.serving import ReplicaState, place
 from serve.app import BodyLimit, invalid_request_error
 from serve.auth import ApiKeyAuth
-from serve.protocol import ApiError, ChatRequest, CompletionRequest
+from serve.protocol import ApiError, ChatRequest, ClassifyRequest, CompletionRequest
 
 log = logging.getLogger("jaxlora.router")
 
@@ -190,6 +193,12 @@ class Router:
         longest = max(counts)
         max_tokens = requested or max(1, min(limits.get("max_tokens_limit", context), context - longest))
         return Need(sum(counts) * body.n, (sum(counts) + max_tokens * len(counts)) * body.n, body.model, max_tokens)
+
+    async def classify_need(self, body: ClassifyRequest) -> Need:
+        """A /classify body's needs: its texts' tokens (a backend's /tokenize), one more each."""
+        texts = [body.input] if isinstance(body.input, str) else body.input
+        counts = [(await self._tokenize({"model": body.model, "prompt": t}))["count"] for t in texts[:64]] or [1]
+        return Need(sum(counts), sum(counts) + len(counts), body.model, 1)
 
     async def _prompt_lengths(self, endpoint: str, body) -> tuple[list[int], int]:
         """Token counts of the body's prompts, and the backends' context length."""
@@ -464,6 +473,12 @@ def create_router_app(router: Router, api_key: str | None = None, max_body_bytes
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest):
         return await generate("/v1/chat/completions", body)
+
+    async def classify(body: ClassifyRequest):
+        return await router.complete("/classify", body.model_dump(exclude_unset=True), await router.classify_need(body))
+
+    app.post("/classify")(classify)
+    app.post("/v1/classify")(classify)
 
     _add_admin_routes(app, router)
     return app

@@ -175,3 +175,16 @@ def test_replicas_and_merged_mode_classify_as_the_in_process_model(tmp_path, fro
     for i in range(len(prompts)):
         (event,) = events[i]
         assert event.finish_reason == "classified" and _close(event.probs, expected[i], 1e-5)
+
+
+def test_router_forwards_classify(head_server):
+    from serve.router import Router, create_router_app
+    from tests.serve.conftest import LiveServer
+
+    body = {"model": "topic-head", "input": ["Tell me something about the old violin.", "A rabbit ran."]}
+    direct = _post(head_server, body).json()
+    with LiveServer(create_router_app(Router([head_server.url])), None) as router:
+        routed = _post(router, body)
+        assert routed.status_code == 200, routed.text
+        assert routed.json()["data"] == direct["data"]
+        assert "no task head" in _error(_post(router, {"model": "ad0", "input": "hi"}, "/v1/classify"), 400)
