@@ -258,7 +258,9 @@ class FusedLoRAConfig:
 
     GPU only: `shrink`, `base_expand`, `grad_s_b`, `grad_a`, `grad_x` override the blocks, warps
     and stages of one kernel each (None: this config's own). A kernel's block_m is clamped to
-    the layout's and must divide it (powers of two do).
+    the layout's and must divide it (powers of two do). `mosaic`: the blocks of the Mosaic GPU
+    E and L kernels (block_m: row tile, a multiple of 64; block_k / block_n; num_stages: TMA
+    pipeline depth; group_m: column blocks per planar-snake band), None: `MOSAIC_DEFAULT`.
     """
 
     block_m: int = 64
@@ -273,13 +275,21 @@ class FusedLoRAConfig:
     grad_s_b: "FusedLoRAConfig | None" = None
     grad_a: "FusedLoRAConfig | None" = None
     grad_x: "FusedLoRAConfig | None" = None
+    mosaic: "FusedLoRAConfig | None" = None
 
     def kernel(self, name: str) -> "FusedLoRAConfig":
         """The config of one GPU kernel ("shrink", "base_expand", ...)."""
         return getattr(self, name) or self
 
+    def mosaic_kernels(self) -> "FusedLoRAConfig":
+        """The blocks of the Mosaic GPU E / L kernels."""
+        return self.mosaic or MOSAIC_DEFAULT
+
 
 KERNELS = ("shrink", "base_expand", "grad_s_b", "grad_a", "grad_x")
+# Mosaic GPU E / L: 128-row tiles (two wgmma row groups), 64-deep TMA steps (128-byte swizzle
+# rows of bf16), 128 output columns (a 64 KB f32 accumulator per warpgroup), 4 stages.
+MOSAIC_DEFAULT = FusedLoRAConfig(block_m=128, block_k=64, block_n=128, num_stages=4, group_m=8)
 
 
 def default_config(style: str) -> FusedLoRAConfig:
@@ -303,8 +313,9 @@ def gpu_config(device_kind: str | None = None) -> FusedLoRAConfig:
     if entry is None:
         return FusedLoRAConfig()
     top = {key: value for key, value in entry.items()
-           if key not in KERNELS and not key.startswith("_")}
-    kernels = {name: FusedLoRAConfig(**entry[name]) for name in KERNELS if name in entry}
+           if key not in KERNELS + ("mosaic",) and not key.startswith("_")}
+    kernels = {name: FusedLoRAConfig(**entry[name]) for name in KERNELS + ("mosaic",)
+               if name in entry}
     return FusedLoRAConfig(**top, **kernels)
 
 
