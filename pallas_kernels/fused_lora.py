@@ -42,6 +42,7 @@ from pallas_kernels.fused_lora_layout import (
     KERNELS,
     FusedLoRAConfig,
     TileLayout,
+    build_block_layout,
     build_tile_layout,
     default_config,
     fit_block,
@@ -128,6 +129,10 @@ def make_layout(seg_starts, seg_slot, slot_rank, slot_scale, slot_dropout, num_r
     """Tile layout + lookup table for a microbatch, with the row tile `impl` (and `gemm`)
     uses (build once, pass as `layout=` to every layer)."""
     bm = row_block(impl, num_rows, dtype, config, gemm)
+    style, _ = resolve_impl(impl)
+    if style == "gpu" and gemm_backend(dtype, gemm) == "mosaic":
+        return build_block_layout(seg_starts, seg_slot, slot_rank, slot_scale, slot_dropout,
+                                  num_rows, bm)
     return build_tile_layout(seg_starts, seg_slot, slot_rank, slot_scale, slot_dropout,
                              num_rows, bm)
 
@@ -166,7 +171,9 @@ def _backward(plan: _Plan, x_p, w_p, a_p, b_p, layout: TileLayout, seed, s, dy):
     if plan.style == "gpu":
         ds_parts, db_tiles = fused_lora_gpu.grad_s_b_gpu(dy, s, b_p, layout, plan.cfg,
                                                          plan.interpret)
-        ds = jnp.sum(ds_parts, axis=0).astype(dy.dtype)
+        # rows of inactive tiles are not written by I: zero them (L multiplies, not selects)
+        row_active = jnp.repeat(layout.tile_active, layout.block_m)[:, None]
+        ds = jnp.where(row_active, jnp.sum(ds_parts, axis=0), 0.0).astype(dy.dtype)
         db = _to_slots(db_tiles, layout.tile_slot, layout.tile_active, num_slots)
         da_parts = fused_lora_gpu.grad_a_gpu(x_p, ds, layout, seed, plan.cfg, plan.interpret)
         da_segs = jnp.sum(da_parts, axis=0)
@@ -246,10 +253,11 @@ def _prepare(style, interpret, cfg, x, w, lora_a, lora_b, gemm):
 
 
 def _pad_rows(plan: _Plan, x, layout: TileLayout):
-    """x with at least one row tile of rows (the Mosaic GPU kernels read whole row tiles)."""
+    """x padded to whole row blocks (the Mosaic GPU kernels read whole aligned blocks; no copy
+    when m is a multiple of block_m)."""
     if plan.gemm != "mosaic":
         return x
-    return pad_axis(x, 0, max(x.shape[0], layout.block_m))
+    return pad_axis(x, 0, round_up(x.shape[0], layout.block_m))
 
 
 def fused_lora_linear(x, w, lora_a, lora_b, seg_starts, seg_slot, slot_rank, slot_scale,
@@ -262,8 +270,8 @@ def fused_lora_linear(x, w, lora_a, lora_b, seg_starts, seg_slot, slot_rank, slo
     seg_starts int32 [S+1], seg_slot int32 [S], slot_rank int32 [P], slot_scale float [P],
     slot_dropout float [P], seed int32 scalar -> y [m, n] (x.dtype).
     Differentiable in x, lora_a and lora_b (w's gradient is zero: it is frozen).
-    `layout` (from `make_layout`, same impl and gemm) replaces the segment / slot metadata
-    arguments. `gemm`: the GPU GEMM kernels, "triton" / "mosaic" / None (`gemm_backend`).
+    `layout` (from `make_layout`, same impl and gemm: the Mosaic GPU GEMMs need its
+    block-aligned layout) replaces the segment / slot metadata arguments. `gemm`: the GPU GEMM kernels, "triton" / "mosaic" / None (`gemm_backend`).
     """
     style, interpret = resolve_impl(impl)
     if style == "reference":

@@ -4,7 +4,9 @@ All kernels run on the tile layout of `fused_lora_layout` (every row tile belong
 slot; per-tile table passed as whole int32/float32 arrays, since Triton has no scalar prefetch)
 and take whole-array refs indexed with `pl.ds`. x / dY are read and y / dX written in the
 caller's row order: row tile t covers caller rows tile_row0[t] .. + tile_nrows[t] - 1, loaded and
-stored with row masks, so no gathered copy of x, y, dY or dX is ever made. The small S / dS
+stored with row masks, so no gathered copy of x, y, dY or dX is ever made. The first tile_skip[t]
+rows of a tile's range are not its own (block-aligned layouts for the Mosaic GPU GEMMs): they
+read as zero and are never written. The small S / dS
 [T * block_m, R] live in the padded tile layout (row t * block_m + i). Columns arrive padded:
 k to whole k blocks, n to whole n blocks, the rank axis R (>= 16, a power of two) is one block.
 Each kernel has its own blocks / warps / stages (`FusedLoRAConfig.kernel(name)`); a kernel's
@@ -50,15 +52,20 @@ def _params(cfg: FusedLoRAConfig):
 
 def _table(layout: TileLayout):
     return (layout.tile_slot, layout.tile_rank, layout.tile_scale, layout.tile_threshold,
-            layout.tile_inv_keep, layout.tile_row0, layout.tile_nrows, layout.tile_live)
+            layout.tile_inv_keep, layout.tile_row0, layout.tile_nrows, layout.tile_live,
+            layout.tile_skip)
+
+
+_NT = 9  # arrays in `_table`
 
 
 class _Tile:
     """The lookup-table entry of tile t (refs of `_table`, read as scalars)."""
 
     def __init__(self, refs, t):
-        slot_ref, rank_ref, scale_ref, thr_ref, inv_ref, row0_ref, nrows_ref, live_ref = refs
+        slot_ref, rank_ref, scale_ref, thr_ref, inv_ref, row0_ref, nrows_ref, live_ref, skip_ref = refs
         slot = slot_ref[t]
+        self.skip = skip_ref[t]
         self.rank, self.scale, self.thr, self.inv = rank_ref[t], scale_ref[t], thr_ref[t], inv_ref[t]
         self.row0, self.nrows = row0_ref[t], nrows_ref[t]
         self.live = live_ref[t] > 0
@@ -66,20 +73,21 @@ class _Tile:
         self.slot = jnp.maximum(slot, 0)
 
 
-def _row_mask(nvalid, shape):
-    """[bm, w] mask of the block's rows < nvalid."""
-    return jnp.broadcast_to(lax.broadcasted_iota(_I32, (shape[0], 1), 0) < nvalid, shape)
+def _row_mask(nskip, nvalid, shape):
+    """[bm, w] mask of the block's rows nskip <= i < nvalid."""
+    rows = lax.broadcasted_iota(_I32, (shape[0], 1), 0)
+    return jnp.broadcast_to((rows >= nskip) & (rows < nvalid), shape)
 
 
-def _load_rows(ref, row_start, nvalid, col0, shape):
-    """ref[row_start + i, col0 + c] for the block `shape`; rows i >= nvalid read as 0."""
+def _load_rows(ref, row_start, nskip, nvalid, col0, shape):
+    """ref[row_start + i, col0 + c] for the block `shape`; rows i < nskip or >= nvalid read 0."""
     return plt.load(ref.at[pl.ds(row_start, shape[0]), pl.ds(col0, shape[1])],
-                    mask=_row_mask(nvalid, shape), other=0)
+                    mask=_row_mask(nskip, nvalid, shape), other=0)
 
 
-def _store_rows(ref, row_start, nvalid, col0, value):
+def _store_rows(ref, row_start, nskip, nvalid, col0, value):
     plt.store(ref.at[pl.ds(row_start, value.shape[0]), pl.ds(col0, value.shape[1])], value,
-              mask=_row_mask(nvalid, value.shape))
+              mask=_row_mask(nskip, nvalid, value.shape))
 
 
 def _masked(x_blk, seed, row0, col0, threshold):
@@ -143,7 +151,7 @@ def _sub_rows(layout_bm: int, cfg: FusedLoRAConfig) -> int:
 # --- D: S = dropout(x) @ A -------------------------------------------------------------------
 
 def _shrink_kernel(*refs, bm: int, ratio: int, bk: int, nk: int):
-    table, (seed_ref, x_ref, a_ref, s_ref) = refs[:8], refs[8:]
+    table, (seed_ref, x_ref, a_ref, s_ref) = refs[:_NT], refs[_NT:]
     p = pl.program_id(0)
     t, sub = _div(p, ratio), _rem(p, ratio)
     tile = _Tile(table, t)
@@ -155,7 +163,7 @@ def _shrink_kernel(*refs, bm: int, ratio: int, bk: int, nk: int):
     @pl.when(tile.active & (nvalid > 0))
     def _compute():
         def body(kb, acc):
-            x_blk = _load_rows(x_ref, row_start, nvalid, kb * bk, (bm, bk))
+            x_blk = _load_rows(x_ref, row_start, tile.skip - sub * bm, nvalid, kb * bk, (bm, bk))
             x_blk = _masked(x_blk, seed, row_start, kb * bk, tile.thr)
             a_blk = a_ref[tile.slot, pl.ds(kb * bk, bk), :]
             return acc + jnp.dot(x_blk, a_blk, preferred_element_type=_F32)
@@ -191,17 +199,17 @@ def shrink_gpu(x, lora_a, layout: TileLayout, seed, cfg: FusedLoRAConfig, interp
 
 def _base_expand_kernel(*refs, bm: int, ratio: int, bk: int, bn: int, nk: int, num_m: int,
                         num_n: int, group: int):
-    table, (x_ref, w_ref, s_ref, b_ref, y_ref) = refs[:8], refs[8:]
+    table, (x_ref, w_ref, s_ref, b_ref, y_ref) = refs[:_NT], refs[_NT:]
     pm, j = _grouped(pl.program_id(0), num_m, num_n, group)
     t, sub = _div(pm, ratio), _rem(pm, ratio)
     tile = _Tile(table, t)
     row_start = tile.row0 + sub * bm
-    nvalid = tile.nrows - sub * bm
+    nskip, nvalid = tile.skip - sub * bm, tile.nrows - sub * bm
 
     @pl.when(tile.live & (nvalid > 0))
     def _compute():
         def body(kb, acc):
-            x_blk = _load_rows(x_ref, row_start, nvalid, kb * bk, (bm, bk))
+            x_blk = _load_rows(x_ref, row_start, nskip, nvalid, kb * bk, (bm, bk))
             w_blk = w_ref[pl.ds(kb * bk, bk), pl.ds(j * bn, bn)]
             return acc + jnp.dot(x_blk, w_blk, preferred_element_type=_F32)
 
@@ -213,7 +221,7 @@ def _base_expand_kernel(*refs, bm: int, ratio: int, bk: int, bn: int, nk: int, n
             return acc + tile.scale * jnp.dot(s_blk, b_blk, preferred_element_type=_F32)
 
         acc = lax.cond(tile.active, add_lora, lambda acc: acc, acc)
-        _store_rows(y_ref, row_start, nvalid, j * bn, acc.astype(y_ref.dtype))
+        _store_rows(y_ref, row_start, nskip, nvalid, j * bn, acc.astype(y_ref.dtype))
 
 
 def base_expand_gpu(x, w, s, lora_b, layout: TileLayout, cfg: FusedLoRAConfig, interpret):
@@ -239,7 +247,7 @@ def base_expand_gpu(x, w, s, lora_b, layout: TileLayout, cfg: FusedLoRAConfig, i
 # --- I: dS = s * dY B^T and dB partials = s * S^T dY, one read of dY ----------------------------
 
 def _grad_s_b_kernel(*refs, bm: int, ratio: int, bn: int):
-    table, (dy_ref, s_ref, b_ref, dsp_ref, dbp_ref) = refs[:8], refs[8:]
+    table, (dy_ref, s_ref, b_ref, dsp_ref, dbp_ref) = refs[:_NT], refs[_NT:]
     t, j = pl.program_id(0), pl.program_id(1)
     tile = _Tile(table, t)
     r = s_ref.shape[1]
@@ -252,7 +260,8 @@ def _grad_s_b_kernel(*refs, bm: int, ratio: int, bn: int):
 
         def body(sub, db):
             nvalid = tile.nrows - sub * bm
-            dy_blk = _load_rows(dy_ref, tile.row0 + sub * bm, nvalid, j * bn, (bm, bn))
+            dy_blk = _load_rows(dy_ref, tile.row0 + sub * bm, tile.skip - sub * bm, nvalid,
+                                j * bn, (bm, bn))
             s_blk = s_ref[pl.ds(t * layout_bm + sub * bm, bm), :]
             ds = jnp.where(keep_rank, tile.scale * _nt(dy_blk, b_blk), 0.0)
             dsp_ref[j, pl.ds(t * layout_bm + sub * bm, bm), :] = ds
@@ -285,8 +294,8 @@ def grad_s_b_gpu(dy, s, lora_b, layout: TileLayout, cfg: FusedLoRAConfig, interp
 # --- K: dA = xhat^T dS (per segment) -----------------------------------------------------------
 
 def _grad_a_kernel(*refs, bm: int, ratio: int, bk: int, splits: int):
-    table = refs[:8]
-    seg_slot_ref, seg_lo_ref, seg_hi_ref, seed_ref, x_ref, ds_ref, da_ref = refs[8:]
+    table = refs[:_NT]
+    seg_slot_ref, seg_lo_ref, seg_hi_ref, seed_ref, x_ref, ds_ref, da_ref = refs[_NT:]
     e, kb, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seed = seed_ref[0]
     r = ds_ref.shape[1]
@@ -303,7 +312,8 @@ def _grad_a_kernel(*refs, bm: int, ratio: int, bk: int, splits: int):
         nvalid = tile.nrows - sub * bm
 
         def add(acc):
-            x_blk = _load_rows(x_ref, tile.row0 + sub * bm, nvalid, kb * bk, (bm, bk))
+            x_blk = _load_rows(x_ref, tile.row0 + sub * bm, tile.skip - sub * bm, nvalid,
+                               kb * bk, (bm, bk))
             x_blk = _masked(x_blk, seed, tile.row0 + sub * bm, kb * bk, tile.thr)
             ds_blk = ds_ref[pl.ds(t * layout_bm + sub * bm, bm), :]
             return acc + tile.inv * _tn(x_blk, ds_blk)
@@ -340,18 +350,18 @@ def grad_a_gpu(x, ds, layout: TileLayout, seed, cfg: FusedLoRAConfig, interpret)
 
 def _grad_x_kernel(*refs, bm: int, ratio: int, bk: int, bn: int, nn: int, num_m: int,
                    num_k: int, group: int):
-    table, (seed_ref, dy_ref, w_ref, ds_ref, a_ref, dx_ref) = refs[:8], refs[8:]
+    table, (seed_ref, dy_ref, w_ref, ds_ref, a_ref, dx_ref) = refs[:_NT], refs[_NT:]
     pm, i = _grouped(pl.program_id(0), num_m, num_k, group)
     t, sub = _div(pm, ratio), _rem(pm, ratio)
     tile = _Tile(table, t)
     seed = seed_ref[0]
     row_start = tile.row0 + sub * bm
-    nvalid = tile.nrows - sub * bm
+    nskip, nvalid = tile.skip - sub * bm, tile.nrows - sub * bm
 
     @pl.when(tile.live & (nvalid > 0))
     def _compute():
         def body(j, acc):
-            dy_blk = _load_rows(dy_ref, row_start, nvalid, j * bn, (bm, bn))
+            dy_blk = _load_rows(dy_ref, row_start, nskip, nvalid, j * bn, (bm, bn))
             w_blk = w_ref[pl.ds(i * bk, bk), pl.ds(j * bn, bn)]
             return acc + _nt(dy_blk, w_blk)
 
@@ -363,7 +373,7 @@ def _grad_x_kernel(*refs, bm: int, ratio: int, bk: int, bn: int, nn: int, num_m:
             return acc + _masked(lora, seed, row_start, i * bk, tile.thr)
 
         acc = lax.cond(tile.active, add_lora, lambda acc: acc, acc)
-        _store_rows(dx_ref, row_start, nvalid, i * bk, acc.astype(dx_ref.dtype))
+        _store_rows(dx_ref, row_start, nskip, nvalid, i * bk, acc.astype(dx_ref.dtype))
 
 
 def grad_x_gpu(dy, w, ds, lora_a, layout: TileLayout, seed, cfg: FusedLoRAConfig, interpret):

@@ -26,6 +26,14 @@ Padding costs at most (S + 2) * (block_m - 1) rows of base GEMM work, and the ga
 x/y (and dY/dX in the backward) is one extra copy of each. A caller whose batch plan is already
 tile-aligned (e.g. a single adapter: `identity_tile_layout`) skips the copy.
 
+Block-aligned layout (`build_block_layout`, for the Mosaic GPU GEMMs, whose TMA loads need row
+offsets on the block grid): the tiles are the non-empty intersections of the S + 2 segments with
+the aligned row blocks [b * block_m, (b + 1) * block_m) (as in JAX's ragged_dot_mgpu), so tile t
+starts at the aligned caller row tile_row0[t], its rows are tile_row0 + tile_skip .. tile_row0 +
+tile_nrows - 1, and the `tile_skip` leading rows belong to the previous segment (read as zero and
+never written by the kernels). A block holding a segment boundary is computed once per segment:
+at most S + 1 extra row blocks of base GEMM work, and no row copies.
+
 The per-tile table holds, for tile t: slot, rank, scale, the dropout threshold and 1 / (1 - p)
 of its adapter, the caller row of its first row (`tile_row0`, for the hash), whether it is live,
 and its segment. It is built once per microbatch (pure jnp, traced: no recompilation when the
@@ -114,9 +122,10 @@ class TileLayout(NamedTuple):
 
     row_src [T*block_m], row_dst [m];
     tile_slot, tile_rank, tile_scale, tile_threshold, tile_inv_keep, tile_row0, tile_live,
-    tile_seg [T]; seg_slot, seg_tile_lo, seg_tile_hi [E]; tile_nrows [T] (caller rows in the
-    tile: rows tile_row0 .. tile_row0 + tile_nrows - 1; 0 for dead tiles). The GPU kernels read
-    x / dY and write y / dX in the caller's row order through (tile_row0, tile_nrows), so they
+    tile_seg [T]; seg_slot, seg_tile_lo, seg_tile_hi [E]; tile_nrows [T] (the tile's caller
+    rows end at tile_row0 + tile_nrows - 1; 0 for dead tiles); tile_skip [T] (its rows start at
+    tile_row0 + tile_skip; 0 except in `build_block_layout`). The GPU kernels read x / dY and
+    write y / dX in the caller's row order through (tile_row0, tile_skip, tile_nrows), so they
     need no gathered copy; row_src / row_dst serve the TPU kernels.
     """
 
@@ -134,6 +143,7 @@ class TileLayout(NamedTuple):
     seg_tile_lo: jax.Array
     seg_tile_hi: jax.Array
     tile_nrows: jax.Array
+    tile_skip: jax.Array
 
     @property
     def num_tiles(self) -> int:
@@ -216,7 +226,63 @@ def build_tile_layout(seg_starts, seg_slot, slot_rank, slot_scale, slot_dropout,
         tile_slot=slot, tile_rank=rank, tile_scale=scale, tile_threshold=threshold,
         tile_inv_keep=inv_keep, tile_row0=tile_row0.astype(_I32),
         tile_live=live.astype(_I32), tile_seg=tile_seg, seg_slot=ext_slot,
-        seg_tile_lo=seg_tile_lo, seg_tile_hi=seg_tile_hi, tile_nrows=tile_rows.astype(_I32))
+        seg_tile_lo=seg_tile_lo, seg_tile_hi=seg_tile_hi, tile_nrows=tile_rows.astype(_I32),
+        tile_skip=jnp.zeros((num_tiles,), _I32))
+
+
+def max_block_tiles(num_rows: int, num_segments: int, block_m: int) -> int:
+    """Static bound on the tiles of `build_block_layout`: the row blocks plus one per segment
+    boundary inside a block (S + 1 of them)."""
+    return -(-num_rows // block_m) + num_segments + 1
+
+
+def _extended_segments(seg_starts, seg_slot, num_rows: int):
+    """(starts [S+3], slots [S+2]): the segments plus base-only ones before and after them."""
+    starts = lax.cummax(jnp.clip(seg_starts.astype(_I32), 0, num_rows), axis=0)
+    ext_starts = jnp.concatenate([jnp.zeros((1,), _I32), starts,
+                                  jnp.full((1,), num_rows, _I32)])
+    ext_slot = jnp.concatenate([jnp.full((1,), -1, _I32), seg_slot.astype(_I32),
+                                jnp.full((1,), -1, _I32)])
+    return ext_starts, ext_slot
+
+
+def build_block_layout(seg_starts, seg_slot, slot_rank, slot_scale, slot_dropout,
+                       num_rows: int, block_m: int) -> TileLayout:
+    """The block-aligned layout (see the module docstring): tiles = non-empty (segment, aligned
+    row block) pairs, in segment order. Arguments as in `build_tile_layout`."""
+    m, bm = num_rows, block_m
+    ext_starts, ext_slot = _extended_segments(seg_starts, seg_slot, m)
+    num_ext = ext_slot.shape[0]
+    lo, hi = ext_starts[:-1], ext_starts[1:]
+    first_block, end_block = lo // bm, (hi + bm - 1) // bm
+    seg_tiles = jnp.where(hi > lo, end_block - first_block, 0)
+    seg_tile_hi = jnp.cumsum(seg_tiles).astype(_I32)
+    seg_tile_lo = seg_tile_hi - seg_tiles
+
+    num_tiles = max_block_tiles(m, seg_slot.shape[0], bm)
+    tiles = jnp.arange(num_tiles, dtype=_I32)
+    tile_seg = jnp.minimum(jnp.searchsorted(seg_tile_hi, tiles, side="right"), num_ext - 1)
+    tile_seg = tile_seg.astype(_I32)
+    live = tiles < seg_tile_hi[-1]
+    block = first_block[tile_seg] + tiles - seg_tile_lo[tile_seg]
+    tile_row0 = jnp.where(live, block * bm, 0)
+    skip = jnp.where(live, jnp.maximum(lo[tile_seg] - tile_row0, 0), 0)
+    nrows = jnp.where(live, jnp.minimum(hi[tile_seg] - tile_row0, bm), 0)
+    slot, rank, scale, threshold, inv_keep = _tile_table(ext_slot[tile_seg], live, slot_rank,
+                                                         slot_scale, slot_dropout)
+
+    offs = jnp.arange(bm, dtype=_I32)[None, :]
+    own = (offs >= skip[:, None]) & (offs < nrows[:, None])
+    row_src = jnp.where(own, tile_row0[:, None] + offs, -1)
+    rows = jnp.arange(m, dtype=_I32)
+    row_seg = jnp.minimum(jnp.searchsorted(hi, rows, side="right"), num_ext - 1).astype(_I32)
+    row_tile = seg_tile_lo[row_seg] + rows // bm - first_block[row_seg]
+    return TileLayout(
+        row_src=row_src.reshape(-1).astype(_I32), row_dst=(row_tile * bm + rows % bm).astype(_I32),
+        tile_slot=slot, tile_rank=rank, tile_scale=scale, tile_threshold=threshold,
+        tile_inv_keep=inv_keep, tile_row0=tile_row0.astype(_I32), tile_live=live.astype(_I32),
+        tile_seg=tile_seg, seg_slot=ext_slot, seg_tile_lo=seg_tile_lo, seg_tile_hi=seg_tile_hi,
+        tile_nrows=nrows.astype(_I32), tile_skip=skip.astype(_I32))
 
 
 def identity_tile_layout(num_rows: int, block_m: int, slot_rank, slot_scale, slot_dropout,
@@ -236,7 +302,8 @@ def identity_tile_layout(num_rows: int, block_m: int, slot_rank, slot_scale, slo
         tile_inv_keep=inv_keep, tile_row0=tiles * block_m, tile_live=live.astype(_I32),
         tile_seg=jnp.zeros((num_tiles,), _I32), seg_slot=jnp.full((1,), slot, _I32),
         seg_tile_lo=zero, seg_tile_hi=one,
-        tile_nrows=jnp.minimum(block_m, num_rows - tiles * block_m).astype(_I32))
+        tile_nrows=jnp.minimum(block_m, num_rows - tiles * block_m).astype(_I32),
+        tile_skip=jnp.zeros((num_tiles,), _I32))
 
 
 def gather_rows(x, row_src):

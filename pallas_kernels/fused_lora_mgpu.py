@@ -14,12 +14,14 @@ it is stored into the base GEMM's accumulator before its pipeline. So the base p
 and the LoRA work costs one R-deep step per output tile (R / k of the tile's MMA work) plus
 one elementwise pass over the tile's registers.
 
-Row routing: output tile (t, j) covers the caller rows tile_row0[t] .. + tile_nrows[t] - 1
-(one adapter slot). The kernel loads the block_m rows from `start = min(row0, m - block_m)`
-(in bounds; rows of other tiles in the block are computed and dropped), and stores only the
-tile's own rows with a ladder of TMA stores of 2^i rows (as `ragged_dot_mgpu` does), so
-neighbouring tiles of other adapters are never overwritten. Requires m >= block_m (the
-dispatcher pads smaller inputs). Dead tiles (tile_nrows == 0) do no work.
+Row routing (block-aligned layout, `fused_lora_layout.build_block_layout`): row tile t is the
+aligned row block starting at tile_row0[t] (a multiple of block_m: TMA loads into the swizzled
+wgmma operand tiles need row offsets on the tile grid, which Mosaic GPU's layout inference
+checks), of which rows tile_skip[t] .. tile_nrows[t] - 1 are the tile's own (one adapter slot).
+S / dS row t * block_m + i is block row i. The kernel computes the whole block and stores only
+the tile's rows with a ladder of TMA stores of 2^i rows (as `ragged_dot_mgpu` does), so the
+tiles of other adapters sharing the block are never overwritten. m must be a multiple of
+block_m (the dispatcher pads). Dead tiles (tile_nrows == 0) do no work.
 
 bf16 / f16 only: wgmma on float32 operands is tf32 (not f32-accurate), so float32 layers stay
 on the Triton kernels (`fused_lora.gemm_backend`). D, I and K (shrink, dS/dB, dA: bandwidth
@@ -34,7 +36,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.fused_lora_layout import FusedLoRAConfig, TileLayout, dropout_keep
+from pallas_kernels.fused_lora_layout import (DROPOUT_BITS, FusedLoRAConfig, TileLayout,
+                                              dropout_keep)
 
 try:  # the Mosaic GPU Pallas API (jax >= 0.9 with a CUDA-capable jaxlib build)
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -43,6 +46,7 @@ except ImportError:  # pragma: no cover - depends on the installed jax
 
 _F32 = jnp.float32
 _I32 = jnp.int32
+_DROP_ALL = 1 << DROPOUT_BITS  # a dropout threshold no hash reaches: every element dropped
 _REQUIRED = ("kernel", "emit_pipeline", "wgmma", "wgmma_wait", "ACC", "SMEM", "BlockSpec",
              "nd_loop", "planar_snake", "copy_smem_to_gmem", "wait_smem_to_gmem",
              "commit_smem", "layout_cast", "Layout", "CompilerParams", "LoweringSemantics")
@@ -74,14 +78,14 @@ def _compiler_params():
 
 
 class _RowTile:
-    """Where row tile t's rows are: block start `start` (in bounds), the tile's rows at
+    """Where row tile t's rows are: the aligned block start `start` (block_ref holds
+    tile_row0 // block_m, so the offset is provably on the block grid), the tile's rows at
     offset `off` within the block, `nrows` of them (caller rows start + off ..)."""
 
-    def __init__(self, row0_ref, nrows_ref, t, m: int, bm: int):
-        self.row0 = row0_ref[t]
-        self.nrows = nrows_ref[t]
-        self.start = jnp.minimum(self.row0, m - bm)
-        self.off = self.row0 - self.start
+    def __init__(self, block_ref, skip_ref, end_ref, t, bm: int):
+        self.start = block_ref[t] * bm
+        self.off = skip_ref[t]
+        self.nrows = end_ref[t] - self.off
 
 
 def _lora_product(lhs_view, rhs_view, shape, rhs_transposed: bool):
@@ -180,24 +184,25 @@ def _tile_loop(num_m: int, num_n: int, group: int, body):
 
 # --- E: y = x @ W + s * S @ B ------------------------------------------------------------------
 
-def _base_expand_body(row0_ref, nrows_ref, slot_ref, scale_ref, x_ref, w_ref, s_ref, b_ref,
-                      y_ref, *, bm: int, bk: int, bn: int, stages: int, group: int):
-    m, k = x_ref.shape
-    num_m, num_n = row0_ref.shape[0], w_ref.shape[1] // bn
+def _base_expand_body(block_ref, skip_ref, end_ref, slot_ref, scale_ref, x_ref, w_ref, s_ref,
+                      b_ref, y_ref, *, bm: int, bk: int, bn: int, stages: int, group: int):
+    k = x_ref.shape[1]
+    num_m, num_n = block_ref.shape[0], w_ref.shape[1] // bn
 
     def tile(t, j):
-        rows = _RowTile(row0_ref, nrows_ref, t, m, bm)
+        rows = _RowTile(block_ref, skip_ref, end_ref, t, bm)
 
         @pl.when(rows.nrows > 0)
         def _compute():
-            slot, scale = slot_ref[t], scale_ref[t]
-            s_view = s_ref.at[pl.ds(t * bm - rows.off, bm)]
+            slot = slot_ref[t]
+            scale = jnp.where(slot >= 0, scale_ref[t], 0.0)  # S is finite (D zeroes it)
+            s_view = s_ref.at[pl.ds(t * bm, bm)]
             b_slot = b_ref.at[jnp.maximum(slot, 0)]
 
             def lora_chunk(c0, width):
                 b_view = b_slot.at[:, pl.ds(j * bn + c0, width)]
                 lora = _lora_product(s_view, b_view, (bm, width), rhs_transposed=False)
-                return jnp.where(slot >= 0, lora * scale, 0.0)
+                return lora * scale
 
             base = _base_gemm(x_ref.at[pl.ds(rows.start, bm)], w_ref.at[:, pl.ds(j * bn, bn)],
                               k // bk, (bm, bk, bn), rhs_transposed=False, stages=stages)
@@ -207,7 +212,7 @@ def _base_expand_body(row0_ref, nrows_ref, slot_ref, scale_ref, x_ref, w_ref, s_
 
 
 def base_expand_mgpu(x, w, s, lora_b, layout: TileLayout, cfg: FusedLoRAConfig, interpret):
-    """E: x [m, k] (m >= block_m), w [k, n], S [T * block_m, R], lora_b [P, R, n]
+    """E: x [m, k] (m a multiple of block_m), w [k, n], S [T * block_m, R], lora_b [P, R, n]
     -> y [m, n] (x.dtype). The layout's block_m is the row tile; k, n padded to the blocks."""
     m, k = x.shape
     n = w.shape[1]
@@ -220,23 +225,25 @@ def base_expand_mgpu(x, w, s, lora_b, layout: TileLayout, cfg: FusedLoRAConfig, 
         body, out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
         grid=(_num_programs(layout.num_tiles * (n // bn), interpret),), grid_names=("sm",),
         compiler_params=_compiler_params(), interpret=interpret or None,
-    )(layout.tile_row0, layout.tile_nrows, slot, layout.tile_scale, x, w, s, lora_b)
+    )(*_rows_table(layout), slot, layout.tile_scale, x, w, s, lora_b)
 
 
 # --- L: dX = dY W^T + mask * (dS A^T) / (1 - p) --------------------------------------------------
 
-def _grad_x_body(row0_ref, nrows_ref, slot_ref, thr_ref, inv_ref, seed_ref, dy_ref, w_ref,
-                 ds_ref, a_ref, dx_ref, *, bm: int, bk: int, bn: int, stages: int, group: int):
-    m, n = dy_ref.shape
-    num_m, num_k = row0_ref.shape[0], w_ref.shape[0] // bk
+def _grad_x_body(block_ref, skip_ref, end_ref, slot_ref, thr_ref, inv_ref, seed_ref, dy_ref,
+                 w_ref, ds_ref, a_ref, dx_ref, *, bm: int, bk: int, bn: int, stages: int,
+                 group: int):
+    n = dy_ref.shape[1]
+    num_m, num_k = block_ref.shape[0], w_ref.shape[0] // bk
 
     def tile(t, i):
-        rows = _RowTile(row0_ref, nrows_ref, t, m, bm)
+        rows = _RowTile(block_ref, skip_ref, end_ref, t, bm)
 
         @pl.when(rows.nrows > 0)
         def _compute():
-            slot, thr, inv, seed = slot_ref[t], thr_ref[t], inv_ref[t], seed_ref[0]
-            ds_view = ds_ref.at[pl.ds(t * bm - rows.off, bm)]
+            slot, inv, seed = slot_ref[t], inv_ref[t], seed_ref[0]
+            thr = jnp.where(slot >= 0, thr_ref[t], _DROP_ALL)  # inactive: no LoRA term
+            ds_view = ds_ref.at[pl.ds(t * bm, bm)]
             a_slot = a_ref.at[jnp.maximum(slot, 0)]
 
             def lora_chunk(c0, width):
@@ -245,7 +252,7 @@ def _grad_x_body(row0_ref, nrows_ref, slot_ref, thr_ref, inv_ref, seed_ref, dy_r
                 caller_rows = rows.start + _wgmma_iota((bm, width), 0)
                 cols = i * bk + c0 + _wgmma_iota((bm, width), 1)
                 keep = dropout_keep(seed, caller_rows, cols, thr)
-                return jnp.where(keep & (slot >= 0), lora * inv, 0.0)
+                return lora * (keep.astype(_F32) * inv)  # dS is finite (zeroed when inactive)
 
             base = _base_gemm(dy_ref.at[pl.ds(rows.start, bm)], w_ref.at[pl.ds(i * bk, bk)],
                               n // bn, (bm, bn, bk), rhs_transposed=True, stages=stages)
@@ -255,7 +262,7 @@ def _grad_x_body(row0_ref, nrows_ref, slot_ref, thr_ref, inv_ref, seed_ref, dy_r
 
 
 def grad_x_mgpu(dy, w, ds, lora_a, layout: TileLayout, seed, cfg: FusedLoRAConfig, interpret):
-    """L: dY [m, n] (m >= block_m), w [k, n], dS [T * block_m, R], lora_a [P, k, R],
+    """L: dY [m, n] (m a multiple of block_m), w [k, n], dS [T * block_m, R], lora_a [P, k, R],
     seed int32 [1] -> dX [m, k] (dY.dtype)."""
     m, n = dy.shape
     k = w.shape[0]
@@ -268,13 +275,18 @@ def grad_x_mgpu(dy, w, ds, lora_a, layout: TileLayout, seed, cfg: FusedLoRAConfi
         body, out_type=jax.ShapeDtypeStruct((m, k), dy.dtype),
         grid=(_num_programs(layout.num_tiles * (k // bk), interpret),), grid_names=("sm",),
         compiler_params=_compiler_params(), interpret=interpret or None,
-    )(layout.tile_row0, layout.tile_nrows, slot, layout.tile_threshold, layout.tile_inv_keep,
-      seed, dy, w, ds, lora_a)
+    )(*_rows_table(layout), slot, layout.tile_threshold, layout.tile_inv_keep, seed, dy, w, ds,
+      lora_a)
+
+
+def _rows_table(layout: TileLayout):
+    """(block index, skip, end) per tile: where its rows are (see `_RowTile`)."""
+    return layout.tile_row0 // layout.block_m, layout.tile_skip, layout.tile_nrows
 
 
 def _check(m: int, k: int, n: int, bm: int, bk: int, bn: int):
-    if m < bm:
-        raise ValueError(f"{m} rows < block_m {bm}: pad the rows to a whole tile")
+    if m % bm:
+        raise ValueError(f"{m} rows: pad the rows to whole blocks of {bm}")
     if bm % 64:
         raise ValueError(f"block_m {bm} must be a multiple of 64 (one wgmma row group)")
     if k % bk or n % bn:
