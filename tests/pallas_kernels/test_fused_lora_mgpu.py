@@ -2,21 +2,29 @@
 
 CPU: the fused op with gemm="mosaic" runs the Mosaic GPU kernels under Mosaic GPU's interpret
 mode (D, I, K in the Triton interpreter) against the pure-jnp reference: bf16, single and multi
-adapter, dropout on / off, odd m, m below one row tile, tiles that end mid-block (the TMA store
-ladder), gradients. The resolver is tested with the device capability mocked. GPU-only tests
+adapter, dropout on / off, odd m, m below one row tile, segments that share a row block (the
+TMA store ladder), gradients. The kernels are also lowered for CUDA (jax.export) so Mosaic
+GPU's layout inference checks them. The resolver is tested with the device capability mocked. GPU-only tests
 run the compiled kernels (bf16; float32 goes to Triton, wgmma on f32 being tf32).
 """
 
 import functools
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels import fused_lora, fused_lora_gpu, fused_lora_mgpu
 from pallas_kernels.fused_lora import fused_lora_linear, fused_lora_linear_single, gemm_backend
-from pallas_kernels.fused_lora_layout import FusedLoRAConfig
+from pallas_kernels.fused_lora_layout import (
+    MOSAIC_DEFAULT,
+    FusedLoRAConfig,
+    build_block_layout,
+    gather_rows,
+    max_block_tiles,
+)
 from pallas_kernels.fused_lora_reference import fused_lora_linear_single_reference
 from tests.pallas_kernels.test_fused_lora import TOL, make_problem, meta, rel_err, value_and_grads
 
@@ -133,18 +141,56 @@ def test_multi_adapter(drops):
     assert rel_err(np.asarray(y)[base_rows], want[base_rows]) <= TOL[BF16]
 
 
-def test_mosaic_and_triton_agree():
-    """The two GEMM backends on one multi-adapter batch (same D / I / K): y and dX close."""
-    m, k, n = 130, 64, 64
-    x, w, a, b = make_problem(24, m, k, n, 3, 8, BF16)
-    metadata = meta([0, 61, 130], [2, 0], [8, 4, 6], [1.0, 2.0, 0.5], [0.2, 0.1, 0.0])
-    outs = {}
-    for gemm in ("mosaic", "triton"):
-        kernel = functools.partial(fused_lora_linear, impl="gpu", config=SMALL, gemm=gemm)
-        outs[gemm] = value_and_grads(lambda x, w, a, b: kernel(x, w, a, b, *metadata, 5),
-                                     x, w, a, b)
-    assert rel_err(outs["mosaic"][0], outs["triton"][0]) <= TOL[BF16]
-    assert rel_err(outs["mosaic"][1][0], outs["triton"][1][0]) <= TOL[BF16]
+def test_block_layout_tiles_are_segment_block_intersections():
+    m, bm = 181, 64
+    starts, slots = [3, 50, 51, 120, 131, 170], [3, 0, -1, 2, 4]
+    seg_starts, seg_slot, ranks, scales, drops = meta(starts, slots, [8, 16, 16, 3, 5],
+                                                      [0.5, 2.0, 1.0, 1.5, 0.25], [0.1] * 5)
+    layout = build_block_layout(seg_starts, seg_slot, ranks, scales, drops, m, bm)
+    assert layout.num_tiles == max_block_tiles(m, len(slots), bm) and layout.block_m == bm
+    row0, skip, end = (np.asarray(v) for v in (layout.tile_row0, layout.tile_skip,
+                                                layout.tile_nrows))
+    live = np.asarray(layout.tile_live) > 0
+    bounds = np.array([0, *starts, m])
+    ext_slot = np.array([-1, *slots, -1])
+    covered = []
+    for t in np.flatnonzero(live):
+        assert row0[t] % bm == 0 and 0 <= skip[t] < end[t] <= bm
+        rows = np.arange(row0[t] + skip[t], row0[t] + end[t])
+        segs = np.searchsorted(bounds, rows, side="right") - 1
+        assert np.all(segs == segs[0]), "a tile holds one segment"
+        assert int(layout.tile_slot[t]) == ext_slot[segs[0]]
+        # the tile's rows are the whole intersection of its segment with its block
+        lo, hi = bounds[segs[0]], bounds[segs[0] + 1]
+        assert rows[0] == max(lo, row0[t]) and rows[-1] == min(hi, row0[t] + bm) - 1
+        covered.extend(rows.tolist())
+    assert sorted(covered) == list(range(m)) and len(covered) == m
+    assert not np.any(end[~live])
+    row_src = np.asarray(layout.row_src)
+    assert np.array_equal(row_src[np.asarray(layout.row_dst)], np.arange(m))
+    x = jnp.arange(m * 3, dtype=jnp.float32).reshape(m, 3) + 1.0
+    assert np.array_equal(np.asarray(gather_rows(x, layout.row_src)[layout.row_dst]), x)
+
+
+def test_kernels_lower_for_cuda():
+    """The production config's E and L pass Mosaic GPU's layout inference and lowering for a
+    CUDA target (jax.export on CPU; interpret mode does not check TMA / wgmma layouts)."""
+    m, k, n, r = 512, 256, 384, 16
+    layout = build_block_layout(*meta([3, 200, 300], [0, 1], [16, 8], [1.0, 2.0], [0.1, 0.0]),
+                                m, MOSAIC_DEFAULT.block_m)
+    rows = layout.num_tiles * layout.block_m
+    spec = lambda *shape, dtype=BF16: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+    kernels = {
+        "E": (lambda x, w, s, b: fused_lora_mgpu.base_expand_mgpu(x, w, s, b, layout,
+                                                                   MOSAIC_DEFAULT, False),
+              (spec(m, k), spec(k, n), spec(rows, r), spec(2, r, n))),
+        "L": (lambda dy, w, ds, a, seed: fused_lora_mgpu.grad_x_mgpu(
+                  dy, w, ds, a, layout, seed, MOSAIC_DEFAULT, False),
+              (spec(m, n), spec(k, n), spec(rows, r), spec(2, k, r), spec(1, dtype=jnp.int32))),
+    }
+    for name, (fn, args) in kernels.items():
+        module = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+        assert "mosaic_gpu" in module and "wgmma" in module, name
 
 
 # --- compiled kernels (GPU only) ------------------------------------------------------------
@@ -185,7 +231,6 @@ def test_gpu_mosaic_single_adapter_bf16(dropout):
 def test_gpu_auto_backend(dtype):
     """Auto choice on this GPU: float32 always Triton (f32-accurate); bf16 Mosaic GPU on Hopper
     with Mosaic GPU available, else Triton (issue 24 item 4); both match the reference."""
-    import jax
     expected = ("mosaic" if dtype == BF16 and fused_lora_mgpu.available()
                 and fused_lora.is_hopper(jax.devices()[0]) else "triton")
     assert gemm_backend(dtype) == expected
