@@ -7,7 +7,11 @@ block_until_ready, median of `samples` such batches):
   xla       the unfused LoRA layer in plain jnp: y = x @ W + s * (dropout(x) @ A) @ B, gradients
             by jax.vjp (multi-adapter: one such LoRA per segment on static slices, concatenated);
             the dropout mask is the same (seed, row, column) hash as the kernels'
-  fused     fused_lora_linear_single (1 adapter) / fused_lora_linear (4 adapters), impl "gpu"
+  fused     fused_lora_linear_single (1 adapter) / fused_lora_linear (4 adapters), impl "gpu",
+            once per GEMM backend of `--gemms` (E and L as Mosaic GPU wgmma kernels, "mosaic",
+            and as Triton kernels, "triton"; D, I, K are Triton kernels in both)
+  E, L      the two GEMM kernels alone per backend (the case's layout), reported as fractions
+            of cuBLAS: x @ W (base fwd) for E and dY @ W^T ("base dX") for L
 "fwd" is y; "fwd+bwd" is y plus dX, dA, dB for a random dY. In the same run each fused output
 and gradient is checked against the float32 reference (`impl="reference"` on upcast inputs,
 highest matmul precision) by relative norm error. A bytes-moved model (which tensors each
@@ -15,6 +19,8 @@ variant reads and writes) is printed beside the times. `--sweep` also times each
 kernels under candidate block configs on the first shape (one adapter).
 
 Run from the repo root: PYTHONPATH=. python3 bench/fused_lora.py [--out DIR] [--sweep]
+CPU smoke run (every kernel in interpret mode, tiny shape):
+  JAX_PLATFORMS=cpu PYTHONPATH=. python3 bench/fused_lora.py --shapes 256x128x128x16 --out /tmp
 """
 
 import argparse
@@ -30,8 +36,13 @@ import time
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import fused_lora_gpu
-from pallas_kernels.fused_lora import fused_lora_linear, fused_lora_linear_single, make_layout
+from pallas_kernels import fused_lora_gpu, fused_lora_mgpu
+from pallas_kernels.fused_lora import (
+    GEMMS,
+    fused_lora_linear,
+    fused_lora_linear_single,
+    make_layout,
+)
 from pallas_kernels.fused_lora_layout import (
     FusedLoRAConfig,
     default_config,
@@ -51,12 +62,15 @@ def log(*args):
 
 
 def device_time(fn, *args, samples: int = 5, target_s: float = 0.05):
-    """Median seconds per call: warm up, then batches of back-to-back calls, one sync each."""
+    """Median us per call: warm up, then batches of back-to-back calls, one sync each (one
+    call, one batch in interpret mode: a smoke run, not a timing)."""
+    if INTERPRET:
+        samples, target_s = 1, 0.0
     jax.block_until_ready(fn(*args))
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     estimate = time.perf_counter() - start
-    calls = int(min(50, max(3, target_s / max(estimate, 1e-6))))
+    calls = int(min(50, max(1 if INTERPRET else 3, target_s / max(estimate, 1e-6))))
     times = []
     for _ in range(samples):
         start = time.perf_counter()
@@ -76,34 +90,38 @@ def xla_lora(x, w, a, b, row0=0):
     return x @ w + (SCALE * ((xhat @ a) @ b)).astype(x.dtype)
 
 
-def layers(m: int, num: int, rank: int):
-    """(xla, fused, reference) layer functions f(x, w, a, b) -> y for `num` adapters."""
+def segments(m: int, num: int, rank: int):
+    """(bounds, (seg_starts, seg_slot, ranks, scales, drops)): `num` equal row shares."""
     bounds = [m * i // num for i in range(num + 1)]
-    seg_starts = jnp.array(bounds, jnp.int32)
-    seg_slot = jnp.arange(num, dtype=jnp.int32)
-    ranks = jnp.full((num,), rank, jnp.int32)
-    scales = jnp.full((num,), SCALE, jnp.float32)
-    drops = jnp.full((num,), P_DROP, jnp.float32)
-    meta = (seg_starts, seg_slot, ranks, scales, drops)
+    meta = (jnp.array(bounds, jnp.int32), jnp.arange(num, dtype=jnp.int32),
+            jnp.full((num,), rank, jnp.int32), jnp.full((num,), SCALE, jnp.float32),
+            jnp.full((num,), P_DROP, jnp.float32))
+    return bounds, meta
+
+
+def layers(m: int, num: int, rank: int, gemms=GEMMS):
+    """(xla, {gemm: fused}, reference) layer functions f(x, w, a, b) -> y for `num` adapters."""
+    bounds, meta = segments(m, num, rank)
 
     if num == 1:
         def xla(x, w, a, b):
             return xla_lora(x, w, a[0], b[0])
 
-        def fused(x, w, a, b):
-            return fused_lora_linear_single(x, w, a[0], b[0], SCALE, P_DROP, SEED, impl="gpu")
+        def fused(x, w, a, b, gemm):
+            return fused_lora_linear_single(x, w, a[0], b[0], SCALE, P_DROP, SEED, impl="gpu",
+                                            gemm=gemm)
     else:
         def xla(x, w, a, b):
             return jnp.concatenate([xla_lora(x[lo:hi], w, a[i], b[i], lo)
                                     for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))])
 
-        def fused(x, w, a, b):
-            return fused_lora_linear(x, w, a, b, *meta, SEED, impl="gpu")
+        def fused(x, w, a, b, gemm):
+            return fused_lora_linear(x, w, a, b, *meta, SEED, impl="gpu", gemm=gemm)
 
     def reference(x, w, a, b):
         return fused_lora_linear(x, w, a, b, *meta, SEED, impl="reference")
 
-    return xla, fused, reference
+    return xla, {gemm: functools.partial(fused, gemm=gemm) for gemm in gemms}, reference
 
 
 def fwd_bwd(layer):
@@ -121,6 +139,50 @@ def base_fwd(x, w):
 def base_fwd_dx(x, w, dy):
     y, vjp = jax.vjp(lambda x: x @ w, x)
     return y, vjp(dy)[0]
+
+
+def base_dx(dy, w):
+    """The GEMM L replaces: dY @ W^T (cuBLAS through XLA)."""
+    return dy @ w.T
+
+
+# --- the GEMM kernels E and L alone -------------------------------------------------------------
+
+def gemm_kernels(m, k, n, r, num, gemm, cfg: FusedLoRAConfig):
+    """{"E": (fn, args), "L": (fn, args)}: the GEMM kernels of backend `gemm` on the case's
+    layout (random S / dS; r <= 16 so the rank block is 16)."""
+    x, w, a, b, dy = make_inputs(m, k, n, r, num)
+    a = jnp.pad(a, ((0, 0), (0, 0), (0, 16 - r)))
+    b = jnp.pad(b, ((0, 0), (0, 16 - r), (0, 0)))
+    layout = make_layout(*segments(m, num, r)[1], m, impl="gpu", dtype=BF16, config=cfg,
+                         gemm=gemm)
+    padded = (layout.num_tiles * layout.block_m, 16)
+    s = jax.random.normal(jax.random.PRNGKey(2), padded, BF16)
+    ds = jax.random.normal(jax.random.PRNGKey(3), padded, BF16)
+    seed = jnp.array([SEED], jnp.int32)
+    if gemm == "mosaic":
+        mcfg = cfg.mosaic_kernels()
+        interp = fused_lora_mgpu.interpret_params() if INTERPRET else False
+        e = functools.partial(fused_lora_mgpu.base_expand_mgpu, cfg=mcfg, interpret=interp)
+        l_ = functools.partial(fused_lora_mgpu.grad_x_mgpu, cfg=mcfg, interpret=interp)
+    else:
+        e = functools.partial(fused_lora_gpu.base_expand_gpu, cfg=cfg, interpret=INTERPRET)
+        l_ = functools.partial(fused_lora_gpu.grad_x_gpu, cfg=cfg, interpret=INTERPRET)
+    return {"E": (lambda x, w, s, b, lay: e(x, w, s, b, lay), (x, w, s, b, layout)),
+            "L": (lambda dy, w, ds, a, lay: l_(dy, w, ds, a, lay, seed), (dy, w, ds, a, layout))}
+
+
+def gemm_fractions(m, k, n, r, num, gemms, cfg, base_us):
+    """Device time of E and L per backend and as fractions of cuBLAS (base_us: the times of
+    x @ W and dY @ W^T)."""
+    out = {}
+    for gemm in gemms:
+        out[gemm] = {}
+        for name, (fn, args) in gemm_kernels(m, k, n, r, num, gemm, cfg).items():
+            us = device_time(jax.jit(fn), *args)[0]
+            cublas = base_us["base_fwd"] if name == "E" else base_us["base_dx"]
+            out[gemm][name] = {"us": round(us, 1), "fraction_of_cublas": round(cublas / us, 3)}
+    return out
 
 
 # --- bytes moved (model) ------------------------------------------------------------------------
@@ -171,48 +233,56 @@ def make_inputs(m, k, n, r, num, key=0):
     return x, w, a, b, dy
 
 
-def run_case(m, k, n, r, num, cfg):
-    x, w, a, b, dy = make_inputs(m, k, n, r, num)
-    xla, fused, reference = layers(m, num, r)
-    case = {"m": m, "k": k, "n": n, "rank": r, "adapters": num}
-
-    fused_fb = jax.jit(fwd_bwd(fused))
-    xla_fb = jax.jit(fwd_bwd(xla))
-
-    # correctness vs the float32 reference, fresh inputs (same jitted functions as timed)
+def correctness(case, fused_fbs, xla_fb, reference, m, k, n, r, num):
+    """Relative errors of each fused backend and of XLA vs the float32 reference (fresh
+    inputs, the same jitted functions as timed)."""
     cx, cw, ca, cb, cdy = make_inputs(m, k, n, r, num, key=1)
-    got = fused_fb(cx, cw, ca, cb, cdy)
-    xla_got = xla_fb(cx, cw, ca, cb, cdy)
     with jax.default_matmul_precision("highest"):
         up = [v.astype(jnp.float32) for v in (cx, cw, ca, cb, cdy)]
         want = jax.jit(fwd_bwd(reference))(*up)
-    errors = rel_errors(got, want)
-    case["rel_err_fused"] = dict(zip(["y", "dx", "da", "db"], errors))
-    case["rel_err_xla"] = dict(zip(["y", "dx", "da", "db"], rel_errors(xla_got, want)))
-    case["finite"] = bool(all(bool(jnp.all(jnp.isfinite(v.astype(jnp.float32)))) for v in got))
-    del got, want, xla_got, up, cx, cw, ca, cb, cdy
+    names = ["y", "dx", "da", "db"]
+    case["rel_err_xla"] = dict(zip(names, rel_errors(xla_fb(cx, cw, ca, cb, cdy), want)))
+    case["rel_err_fused"], case["finite"] = {}, {}
+    for gemm, fused_fb in fused_fbs.items():
+        got = fused_fb(cx, cw, ca, cb, cdy)
+        case["rel_err_fused"][gemm] = dict(zip(names, rel_errors(got, want)))
+        case["finite"][gemm] = bool(all(bool(jnp.all(jnp.isfinite(v.astype(jnp.float32))))
+                                        for v in got))
+
+
+def run_case(m, k, n, r, num, cfg, gemms=GEMMS):
+    x, w, a, b, dy = make_inputs(m, k, n, r, num)
+    xla, fused, reference = layers(m, num, r, gemms)
+    case = {"m": m, "k": k, "n": n, "rank": r, "adapters": num, "gemms": list(gemms)}
+    fused_fbs = {gemm: jax.jit(fwd_bwd(layer)) for gemm, layer in fused.items()}
+    xla_fb = jax.jit(fwd_bwd(xla))
+    correctness(case, fused_fbs, xla_fb, reference, m, k, n, r, num)
 
     times, detail = {}, {}
     timed = [("base_fwd", jax.jit(base_fwd), (x, w)),
+             ("base_dx", jax.jit(base_dx), (dy, w)),
              ("base_fwd_dx", jax.jit(base_fwd_dx), (x, w, dy)),
              ("xla_fwd", jax.jit(xla), (x, w, a, b)),
-             ("xla_fwd_bwd", xla_fb, (x, w, a, b, dy)),
-             ("fused_fwd", jax.jit(fused), (x, w, a, b)),
-             ("fused_fwd_bwd", fused_fb, (x, w, a, b, dy))]
+             ("xla_fwd_bwd", xla_fb, (x, w, a, b, dy))]
+    for gemm in gemms:
+        timed += [(f"fused_{gemm}_fwd", jax.jit(fused[gemm]), (x, w, a, b)),
+                  (f"fused_{gemm}_fwd_bwd", fused_fbs[gemm], (x, w, a, b, dy))]
     for name, fn, args in timed:
         times[name], detail[name] = device_time(fn, *args)
     case["us"] = {key: round(v, 1) for key, v in times.items()}
     case["timing"] = detail
+    case["gemm_kernels"] = gemm_fractions(m, k, n, r, num, gemms, cfg, times)
     case["bytes"] = bytes_model(m, k, n, r, num, cfg)
     flops = 2 * m * k * n
     case["base_tflops"] = {"fwd": flops / times["base_fwd"] / 1e6,
+                           "dx": flops / times["base_dx"] / 1e6,
                            "fwd_dx": 2 * flops / times["base_fwd_dx"] / 1e6}
-    case["ratio"] = {
-        "fused_fwd_bwd_over_base_fwd_dx": times["fused_fwd_bwd"] / times["base_fwd_dx"],
-        "fused_fwd_over_base_fwd": times["fused_fwd"] / times["base_fwd"],
-        "xla_over_fused_fwd_bwd": times["xla_fwd_bwd"] / times["fused_fwd_bwd"],
-        "xla_over_fused_fwd": times["xla_fwd"] / times["fused_fwd"],
-    }
+    case["ratio"] = {gemm: {
+        "fused_fwd_bwd_over_base_fwd_dx": times[f"fused_{gemm}_fwd_bwd"] / times["base_fwd_dx"],
+        "fused_fwd_over_base_fwd": times[f"fused_{gemm}_fwd"] / times["base_fwd"],
+        "xla_over_fused_fwd_bwd": times["xla_fwd_bwd"] / times[f"fused_{gemm}_fwd_bwd"],
+        "xla_over_fused_fwd": times["xla_fwd"] / times[f"fused_{gemm}_fwd"],
+    } for gemm in gemms}
     return case
 
 
@@ -310,19 +380,24 @@ def sweep(m, k, n, r, base_cfg: FusedLoRAConfig, table=None):
 
 def markdown(results):
     lines = [f"Device: {results['device']}, jax {results['jax']}, {results['date']}; bf16, "
-             f"p = {P_DROP}; median device time per call (us).", "",
-             "| m, k, n, r | adapters | base fwd | base fwd+dX | XLA LoRA fwd | XLA fwd+bwd "
-             "| fused fwd | fused fwd+bwd | fused/base (fwd+bwd) | XLA/fused (fwd+bwd) "
-             "| max rel err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"p = {P_DROP}; median device time per call (us). E / L: the GEMM kernels alone, "
+             "as fractions of cuBLAS (x @ W, dY @ W^T).", "",
+             "| m, k, n, r | adapters | GEMMs | base fwd | base fwd+dX | XLA LoRA fwd "
+             "| XLA fwd+bwd | fused fwd | fused fwd+bwd | fused/base (fwd+bwd) "
+             "| XLA/fused (fwd+bwd) | E / cuBLAS | L / cuBLAS | max rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in results["cases"]:
-        u, q = c["us"], c["ratio"]
-        lines.append(
-            f"| {c['m']}, {c['k']}, {c['n']}, {c['rank']} | {c['adapters']} | {u['base_fwd']:.0f} "
-            f"| {u['base_fwd_dx']:.0f} | {u['xla_fwd']:.0f} | {u['xla_fwd_bwd']:.0f} "
-            f"| {u['fused_fwd']:.0f} | {u['fused_fwd_bwd']:.0f} "
-            f"| {q['fused_fwd_bwd_over_base_fwd_dx']:.3f} | {q['xla_over_fused_fwd_bwd']:.2f} "
-            f"| {max(c['rel_err_fused'].values()):.1e} |")
+        u = c["us"]
+        for gemm in c["gemms"]:
+            q, g = c["ratio"][gemm], c["gemm_kernels"][gemm]
+            lines.append(
+                f"| {c['m']}, {c['k']}, {c['n']}, {c['rank']} | {c['adapters']} | {gemm} "
+                f"| {u['base_fwd']:.0f} | {u['base_fwd_dx']:.0f} | {u['xla_fwd']:.0f} "
+                f"| {u['xla_fwd_bwd']:.0f} | {u[f'fused_{gemm}_fwd']:.0f} "
+                f"| {u[f'fused_{gemm}_fwd_bwd']:.0f} "
+                f"| {q['fused_fwd_bwd_over_base_fwd_dx']:.3f} | {q['xla_over_fused_fwd_bwd']:.2f} "
+                f"| {g['E']['fraction_of_cublas']:.3f} | {g['L']['fraction_of_cublas']:.3f} "
+                f"| {max(c['rel_err_fused'][gemm].values()):.1e} |")
     lines += ["", "Bytes moved (model, MB):", "",
               "| m, k, n, r | adapters | base fwd | base fwd+dX | XLA fwd | XLA fwd+bwd "
               "| fused fwd | fused fwd+bwd |", "|---|---|---|---|---|---|---|---|"]
@@ -341,18 +416,17 @@ def plot(results, path):
     import matplotlib.pyplot as plt
 
     cases = results["cases"]
-    names = ["base_fwd_dx", "xla_fwd_bwd", "fused_fwd_bwd", "base_fwd", "xla_fwd", "fused_fwd"]
-    labels = ["base fwd+dX", "XLA LoRA fwd+bwd", "fused fwd+bwd", "base fwd", "XLA LoRA fwd",
-              "fused fwd"]
+    gemms = cases[0]["gemms"] if cases else []
+    bwd = ["base_fwd_dx", "xla_fwd_bwd"] + [f"fused_{g}_fwd_bwd" for g in gemms]
+    fwd = ["base_fwd", "xla_fwd"] + [f"fused_{g}_fwd" for g in gemms]
     fig, axes = plt.subplots(1, 2, figsize=(14, 5), sharey=False)
-    for ax, group, title in [(axes[0], names[:3], "forward + backward"),
-                             (axes[1], names[3:], "forward")]:
+    for ax, group, title in [(axes[0], bwd, "forward + backward"), (axes[1], fwd, "forward")]:
         width = 0.8 / len(group)
         for i, name in enumerate(group):
             base = "base_fwd_dx" if "bwd" in name or "dx" in name else "base_fwd"
             vals = [c["us"][name] / c["us"][base] for c in cases]
             xs = [j + i * width for j in range(len(cases))]
-            ax.bar(xs, vals, width, label=labels[names.index(name)])
+            ax.bar(xs, vals, width, label=name.replace("_", " "))
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
         ax.set_xticklabels([f"{c['m']}x{c['k']}x{c['n']}\n{c['adapters']} ad." for c in cases],
                            fontsize=7)
@@ -374,6 +448,8 @@ def main():
     parser.add_argument("--fine", action="store_true", help="sweep SWEEP_FINE, not SWEEP")
     parser.add_argument("--shapes", default="all", help="all, indices into SHAPES, or MxKxNxR,...")
     parser.add_argument("--adapters", default="1,4")
+    parser.add_argument("--gemms", default=",".join(GEMMS),
+                        help="GEMM backends of the fused layer to time (mosaic, triton)")
     parser.add_argument("--budget-s", type=float, default=1e9,
                         help="start no new case after this many seconds")
     parser.add_argument("--plot-only", default=None, help="render the PNG of a results JSON")
@@ -410,13 +486,11 @@ def main():
                 log(f"skipped {m}x{k}x{n} a{num}: over --budget-s")
                 continue
             start = time.perf_counter()
-            case = run_case(m, k, n, r, num, cfg)
+            case = run_case(m, k, n, r, num, cfg, tuple(args.gemms.split(",")))
             results["cases"].append(case)
             save()
-            log(f"{m}x{k}x{n} r{r} a{num}: {case['us']} ratio "
-                f"{ {key: round(v, 3) for key, v in case['ratio'].items()} } "
-                f"err {max(case['rel_err_fused'].values()):.2e} "
-                f"({time.perf_counter() - start:.0f} s)")
+            log(f"{m}x{k}x{n} r{r} a{num}: {case['us']} GEMMs {case['gemm_kernels']} "
+                f"err {case['rel_err_fused']} ({time.perf_counter() - start:.0f} s)")
     if args.sweep:
         m, k, n, r = shapes[0]
         results["kernels_default"] = kernel_times(m, k, n, r, cfg)
