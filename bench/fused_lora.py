@@ -42,6 +42,7 @@ from pallas_kernels.fused_lora import (
     fused_lora_linear,
     fused_lora_linear_single,
     make_layout,
+    mosaic_blocks,
 )
 from pallas_kernels.fused_lora_layout import (
     FusedLoRAConfig,
@@ -161,7 +162,7 @@ def gemm_kernels(m, k, n, r, num, gemm, cfg: FusedLoRAConfig):
     ds = jax.random.normal(jax.random.PRNGKey(3), padded, BF16)
     seed = jnp.array([SEED], jnp.int32)
     if gemm == "mosaic":
-        mcfg = cfg.mosaic_kernels()
+        mcfg = mosaic_blocks(cfg, k, n)
         interp = fused_lora_mgpu.interpret_params() if INTERPRET else False
         e = functools.partial(fused_lora_mgpu.base_expand_mgpu, cfg=mcfg, interpret=interp)
         l_ = functools.partial(fused_lora_mgpu.grad_x_mgpu, cfg=mcfg, interpret=interp)

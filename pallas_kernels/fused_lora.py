@@ -217,11 +217,12 @@ _fused_core.defvjp(_fused_core_fwd, _fused_core_bwd)
 
 # --- public ops -------------------------------------------------------------------------------
 
-def _mosaic_blocks(cfg: FusedLoRAConfig, k: int, n: int) -> FusedLoRAConfig:
-    """The Mosaic GPU E / L config with its blocks fitted to k and n."""
+def mosaic_blocks(cfg: FusedLoRAConfig, k: int, n: int) -> FusedLoRAConfig:
+    """The Mosaic GPU E / L config with its blocks fitted to k and n (its block_k / block_n
+    are contraction / output blocks of both GEMMs, so both fit the smaller dimension)."""
     mosaic = cfg.mosaic_kernels()
-    return dataclasses.replace(mosaic, block_k=fit_block("gpu", mosaic.block_k, k),
-                               block_n=fit_block("gpu", mosaic.block_n, n))
+    return dataclasses.replace(mosaic, block_k=fit_block("gpu", mosaic.block_k, min(k, n)),
+                               block_n=fit_block("gpu", mosaic.block_n, min(k, n)))
 
 
 def _blocks(style, cfg: FusedLoRAConfig, k: int, n: int, gemm: str = "triton"):
@@ -230,10 +231,13 @@ def _blocks(style, cfg: FusedLoRAConfig, k: int, n: int, gemm: str = "triton"):
     if style != "gpu":
         return fit_block(style, cfg.block_k, k), fit_block(style, cfg.block_n, n)
     configs = [cfg.kernel(name) for name in KERNELS]
-    if gemm == "mosaic":
-        configs.append(_mosaic_blocks(cfg, k, n))
-    return (max(fit_block(style, c.block_k, k) for c in configs),
-            max(fit_block(style, c.block_n, n) for c in configs))
+    bk = max(fit_block(style, c.block_k, k) for c in configs)
+    bn = max(fit_block(style, c.block_n, n) for c in configs)
+    if gemm == "mosaic":  # k and n are each E's and L's contraction and output dimension
+        mosaic = mosaic_blocks(cfg, k, n)
+        both = max(mosaic.block_k, mosaic.block_n)
+        bk, bn = max(bk, both), max(bn, both)
+    return bk, bn
 
 
 def _prepare(style, interpret, cfg, x, w, lora_a, lora_b, gemm):
@@ -248,7 +252,7 @@ def _prepare(style, interpret, cfg, x, w, lora_a, lora_b, gemm):
     a_p = pad_axis(pad_axis(lora_a.astype(dtype), 1, kp), 2, r_pad)
     b_p = pad_axis(pad_axis(lora_b.astype(dtype), 1, r_pad), 2, np_)
     plan = _Plan(style, interpret, cfg, bk, bn, gemm, _gemm_interpret(gemm, interpret),
-                 _mosaic_blocks(cfg, kp, np_) if gemm == "mosaic" else None)
+                 mosaic_blocks(cfg, kp, np_) if gemm == "mosaic" else None)
     return plan, kp, w_p, a_p, b_p
 
 

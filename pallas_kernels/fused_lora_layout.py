@@ -326,8 +326,10 @@ class FusedLoRAConfig:
     GPU only: `shrink`, `base_expand`, `grad_s_b`, `grad_a`, `grad_x` override the blocks, warps
     and stages of one kernel each (None: this config's own). A kernel's block_m is clamped to
     the layout's and must divide it (powers of two do). `mosaic`: the blocks of the Mosaic GPU
-    E and L kernels (block_m: row tile, a multiple of 64; block_k / block_n; num_stages: TMA
-    pipeline depth; group_m: column blocks per planar-snake band), None: `MOSAIC_DEFAULT`.
+    E and L kernels (block_m: row tile, a multiple of 64; block_k: contraction block, k for E
+    and n for L; block_n: output columns per CTA, n for E and k for L; num_warps / 4: compute
+    warpgroups splitting those columns; num_stages: TMA pipeline depth; group_m: column blocks
+    per planar-snake band), None: `MOSAIC_DEFAULT`.
     """
 
     block_m: int = 64
@@ -354,9 +356,12 @@ class FusedLoRAConfig:
 
 
 KERNELS = ("shrink", "base_expand", "grad_s_b", "grad_a", "grad_x")
-# Mosaic GPU E / L: 128-row tiles (two wgmma row groups), 64-deep TMA steps (128-byte swizzle
-# rows of bf16), 128 output columns (a 64 KB f32 accumulator per warpgroup), 4 stages.
-MOSAIC_DEFAULT = FusedLoRAConfig(block_m=128, block_k=64, block_n=128, num_stages=4, group_m=8)
+# Mosaic GPU E / L, as JAX's Hopper matmul example: 128-row tiles, 64-deep TMA steps (128-byte
+# swizzle rows of bf16), 256 output columns per CTA split between 2 compute warpgroups (a
+# 128 x 128 f32 accumulator each), 3 stages (3 x 48 KB of SMEM; with the 64 KB output tile
+# and the LoRA operands 4 stages exceed the 227 KB an SM has).
+MOSAIC_DEFAULT = FusedLoRAConfig(block_m=128, block_k=64, block_n=256, num_warps=8,
+                                 num_stages=3, group_m=8)
 
 
 def default_config(style: str) -> FusedLoRAConfig:

@@ -1,18 +1,20 @@
-"""Mosaic GPU (Hopper: wgmma + TMA) versions of the fused LoRA GEMM kernels E and L.
+"""Mosaic GPU (Hopper: wgmma + TMA, warp-specialised) versions of the fused LoRA GEMMs E and L.
 
-Same contract as `fused_lora_gpu.base_expand_gpu` / `grad_x_gpu` (tile layout of
-`fused_lora_layout`, x / dY read and y / dX written in the caller's row order, S / dS in the padded
-tile layout), as `plgpu.kernel`s structured like JAX's `ragged_dot_mgpu` example: a persistent
-grid (one program per SM, `plgpu.nd_loop` over the output tiles in planar-snake order), each
-output tile a TMA + wgmma pipeline (`plgpu.emit_pipeline`, `max_concurrent_steps` stages) over
-the contraction axis into one float32 accumulator, stored through SMEM by TMA.
+Same contract as `fused_lora_gpu.base_expand_gpu` / `grad_x_gpu` (x / dY read and y / dX written
+in the caller's row order, S / dS in the tile layout), structured like JAX's Hopper matmul
+example (`hopper_matmul_mgpu`): a persistent grid (one CTA per SM, `plgpu.nd_loop` over the
+output tiles in planar-snake order); per output tile a warp-specialised pipeline
+(`plgpu.emit_pipeline_warp_specialized`): one memory warpgroup issues the TMA loads of the
+contraction blocks `num_stages` deep, `wgs` compute warpgroups each run wgmma into their own
+float32 accumulator [block_m, block_n / wgs] (the CTA's output columns split between them).
 
-The LoRA term is the accumulator's initial value: one extra wgmma step of contraction R (the
-rank block, >= 16) into a first accumulator (S @ B[slot] for E, dS @ A[slot]^T for L), scaled
-(and, for L, dropout-masked with the (seed, row, column) hash) in registers, then
-it is stored into the base GEMM's accumulator before its pipeline. So the base pipeline is a plain GEMM
-and the LoRA work costs one R-deep step per output tile (R / k of the tile's MMA work) plus
-one elementwise pass over the tile's registers.
+The LoRA term, per compute warpgroup, from operands loaded by TMA while the main loop runs:
+  E: y = x @ W + s * S @ B[slot]: one extra wgmma step of contraction R (the rank block) into
+     the same accumulator, S's tile scaled by s in SMEM first (s * S rounded to bf16).
+  L: dX = dY @ W^T + mask * (dS @ A[slot]^T) / (1 - p): the mask is per output element, so the
+     product goes to a second accumulator in chunks of EPI_COLS columns, is masked (the
+     (seed, row, column) hash) and scaled in registers and added to the base in the epilogue.
+Costs beyond the GEMM: R / K of its MMA work, and for L the hash over the output tile.
 
 Row routing (block-aligned layout, `fused_lora_layout.build_block_layout`): row tile t is the
 aligned row block starting at tile_row0[t] (a multiple of block_m: TMA loads into the swizzled
@@ -22,6 +24,10 @@ S / dS row t * block_m + i is block row i. The kernel computes the whole block a
 the tile's rows with a ladder of TMA stores of 2^i rows (as `ragged_dot_mgpu` does), so the
 tiles of other adapters sharing the block are never overwritten. m must be a multiple of
 block_m (the dispatcher pads). Dead tiles (tile_nrows == 0) do no work.
+
+Config (`FusedLoRAConfig.mosaic_kernels()`): block_m rows, block_k the contraction block (k for
+E, n for L), block_n the CTA's output columns (n for E, k for L), num_warps / 4 compute
+warpgroups, num_stages TMA stages, group_m column blocks per planar-snake band.
 
 bf16 / f16 only: wgmma on float32 operands is tf32 (not f32-accurate), so float32 layers stay
 on the Triton kernels (`fused_lora.gemm_backend`). D, I and K (shrink, dS/dB, dA: bandwidth
@@ -47,9 +53,12 @@ except ImportError:  # pragma: no cover - depends on the installed jax
 _F32 = jnp.float32
 _I32 = jnp.int32
 _DROP_ALL = 1 << DROPOUT_BITS  # a dropout threshold no hash reaches: every element dropped
-_REQUIRED = ("kernel", "emit_pipeline", "wgmma", "wgmma_wait", "ACC", "SMEM", "BlockSpec",
-             "nd_loop", "planar_snake", "copy_smem_to_gmem", "wait_smem_to_gmem",
-             "commit_smem", "layout_cast", "Layout", "CompilerParams", "LoweringSemantics")
+EPI_COLS = 64  # columns per chunk of L's LoRA accumulator (fits beside the base accumulator)
+_MEMORY_REGISTERS = 40  # registers of the TMA warpgroup (as in hopper_matmul_mgpu)
+_REQUIRED = ("kernel", "emit_pipeline_warp_specialized", "wgmma", "wgmma_wait", "ACC", "SMEM",
+             "BlockSpec", "Barrier", "nd_loop", "planar_snake", "copy_gmem_to_smem",
+             "copy_smem_to_gmem", "barrier_wait", "wait_smem_to_gmem", "commit_smem",
+             "layout_cast", "Layout", "CompilerParams", "LoweringSemantics")
 
 
 def available() -> bool:
@@ -74,10 +83,6 @@ def _num_programs(num_tiles: int, interpret) -> int:
     return min(num_tiles, getattr(jax.devices()[0], "core_count", None) or 132)
 
 
-def _compiler_params():
-    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
-
-
 class _RowTile:
     """Where row tile t's rows are: the aligned block start `start` (block_ref holds
     tile_row0 // block_m, so the offset is provably on the block grid), the tile's rows at
@@ -89,206 +94,234 @@ class _RowTile:
         self.nrows = end_ref[t] - self.off
 
 
-def _lora_product(lhs_view, rhs_view, shape, rhs_transposed: bool):
-    """[bm, width] float32 = lhs_view [bm, R] @ rhs_view ([R, width], or [width, R] when
-    rhs_transposed): one R-deep wgmma step into its own accumulator."""
-    r = lhs_view.shape[1]
-    rhs_block = (shape[1], r) if rhs_transposed else (r, shape[1])
+def _store_rows(o_smem, out_gmem, rows: _RowTile, col0):
+    """TMA-store rows [off, off + nrows) of o_smem [bm, bw] to out rows start + off .. (columns
+    col0 ..) with a ladder of stores of 2^i rows (static box sizes, run-time row count; as in
+    JAX's ragged_dot_mgpu)."""
+    bm, bw = o_smem.shape
+    plgpu.commit_smem()
+    smem_start = rows.off
+    size = bm
+    while size > 0:
+        chunk = 1 << int(math.log2(size))
+        size //= 2
 
-    def scope(acc_ref):
-        def step(_, lhs_smem, rhs_smem):
-            rhs = rhs_smem.transpose((1, 0)) if rhs_transposed else rhs_smem
-            plgpu.wgmma(acc_ref, lhs_smem, rhs)
-            plgpu.wgmma_wait(0)
+        @pl.when(rows.nrows & chunk != 0)
+        def _store(chunk=chunk, smem_start=smem_start):
+            plgpu.copy_smem_to_gmem(
+                o_smem.at[pl.ds(smem_start, chunk)],
+                out_gmem.at[pl.ds(rows.start + smem_start, chunk), pl.ds(col0, bw)])
 
-        plgpu.emit_pipeline(
-            step, grid=(1,),
-            in_specs=[plgpu.BlockSpec((shape[0], r), lambda i: (0, 0)),
-                      plgpu.BlockSpec(rhs_block, lambda i: (0, 0))],
-            max_concurrent_steps=1,
-        )(lhs_view, rhs_view)
-        return acc_ref[...]
-
-    return pl.run_scoped(scope, plgpu.ACC(shape, _F32))
-
-
-def _base_gemm(lhs_view, rhs_view, nsteps: int, blocks, rhs_transposed: bool, stages: int):
-    """[bm, bw] float32 = lhs_view [bm, K] @ (rhs_view [K, bw] or its [bw, K]^T) over `nsteps`
-    contraction blocks: the TMA + wgmma pipeline. blocks = (bm, bc, bw)."""
-    bm, bc, bw = blocks
-    rhs_spec = (plgpu.BlockSpec((bw, bc), lambda c: (0, c), delay_release=1) if rhs_transposed
-                else plgpu.BlockSpec((bc, bw), lambda c: (c, 0), delay_release=1))
-
-    def compute(acc_ref):
-        def step(_, lhs_smem, rhs_smem):
-            rhs = rhs_smem.transpose((1, 0)) if rhs_transposed else rhs_smem
-            plgpu.wgmma(acc_ref, lhs_smem, rhs)
-
-        plgpu.emit_pipeline(
-            step, grid=(nsteps,),
-            in_specs=[plgpu.BlockSpec((bm, bc), lambda c: (0, c), delay_release=1), rhs_spec],
-            max_concurrent_steps=stages,
-        )(lhs_view, rhs_view)
-        return acc_ref[...]
-
-    return pl.run_scoped(compute, plgpu.ACC((bm, bw), _F32))
-
-
-def _epilogue(base, lora_chunk, out_gmem, rows: _RowTile, col0, bm: int):
-    """out[tile rows, col0 : col0 + bw] = base [bm, bw] + the LoRA term, rounded once.
-
-    lora_chunk(c0, width) -> [bm, width] float32: the LoRA term of columns c0 .. (computed in
-    chunks of <= EPI_COLS columns so its accumulator and `base` fit in registers together).
-    The sum goes to SMEM, then rows [off, off + nrows) go out with a ladder of TMA stores of 2^i
-    rows (static box sizes, run-time row count; as in JAX's ragged_dot_mgpu)."""
-    bw = base.shape[1]
-
-    def scope(o_smem):
-        for c0 in range(0, bw, min(bw, EPI_COLS)):
-            width = min(bw, EPI_COLS)
-            o_smem[:, pl.ds(c0, width)] = (base[:, c0:c0 + width]
-                                           + lora_chunk(c0, width)).astype(o_smem.dtype)
-        plgpu.commit_smem()
-        smem_start = rows.off
-        size = bm
-        while size > 0:
-            chunk = 1 << int(math.log2(size))
-            size //= 2
-
-            @pl.when(rows.nrows & chunk != 0)
-            def _store(chunk=chunk, smem_start=smem_start):
-                plgpu.copy_smem_to_gmem(
-                    o_smem.at[pl.ds(smem_start, chunk)],
-                    out_gmem.at[pl.ds(rows.start + smem_start, chunk), pl.ds(col0, bw)])
-
-            smem_start = smem_start + (rows.nrows & chunk)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    pl.run_scoped(scope, plgpu.SMEM((bm, bw), out_gmem.dtype))
-
-
-EPI_COLS = 64
+        smem_start = smem_start + (rows.nrows & chunk)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _wgmma_iota(shape, dim: int):
     return plgpu.layout_cast(lax.broadcasted_iota(_I32, shape, dim), plgpu.Layout.WGMMA)
 
 
-def _tile_loop(num_m: int, num_n: int, group: int, body):
-    """Run body(mi, ni) over the (row tile, column block) grid: persistent programs over the
-    tiles in planar-snake order (`group` column blocks per band, L2 reuse)."""
-    @plgpu.nd_loop((num_m * num_n,), collective_axes="sm")
-    def _loop(info):
-        mi, ni = plgpu.planar_snake(info.index[0], (num_m, num_n), 1, group)
-        body(mi, ni)
+def _blocks(cfg: FusedLoRAConfig, bm: int):
+    """(bm, bc, cta_w, wgs, bw): rows, contraction block, CTA columns, compute warpgroups,
+    columns per warpgroup."""
+    wgs = max(1, cfg.num_warps // 4)
+    if cfg.block_n % (wgs * 8):
+        raise ValueError(f"block_n {cfg.block_n} must split into {wgs} x multiples of 8")
+    return bm, cfg.block_k, cfg.block_n, wgs, cfg.block_n // wgs
 
 
-# --- E: y = x @ W + s * S @ B ------------------------------------------------------------------
+def _gemm_kernel(tables, lhs_ref, rhs_ref, lora_lhs_ref, lora_rhs_ref, out_ref, *, kind: str,
+                 bm: int, bc: int, cta_w: int, wgs: int, stages: int, group: int, epilogue):
+    """The shared body of E (kind "E": rhs = W [K, N]) and L (kind "L": rhs = W [N, K], used
+    transposed). tables = (block, skip, end, slot) refs; `epilogue(ctx)` adds the LoRA term
+    and stores the warpgroup's output (see `_e_epilogue`, `_l_epilogue`)."""
+    block_ref, skip_ref, end_ref, slot_ref = tables
+    bw = cta_w // wgs
+    transposed = kind == "L"
+    n_steps = lhs_ref.shape[1] // bc
+    num_m = block_ref.shape[0]
+    num_w = (rhs_ref.shape[0] if transposed else rhs_ref.shape[1]) // cta_w
+    r = lora_lhs_ref.shape[1]
+    rhs_block = (cta_w, bc) if transposed else (bc, cta_w)
+    rhs_index = (lambda c: (0, c)) if transposed else (lambda c: (c, 0))
+    lora_rhs_block = (bw, r) if transposed else (r, bw)
 
-def _base_expand_body(block_ref, skip_ref, end_ref, slot_ref, scale_ref, x_ref, w_ref, s_ref,
-                      b_ref, y_ref, *, bm: int, bk: int, bn: int, stages: int, group: int):
-    k = x_ref.shape[1]
-    num_m, num_n = block_ref.shape[0], w_ref.shape[1] // bn
+    def pipeline(body, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(n_steps,), memory_registers=_MEMORY_REGISTERS,
+            in_specs=[plgpu.BlockSpec((bm, bc), lambda c: (0, c)),
+                      plgpu.BlockSpec(rhs_block, rhs_index)],
+            wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=stages,
+            compute_context=context)
 
-    def tile(t, j):
-        rows = _RowTile(block_ref, skip_ref, end_ref, t, bm)
+    def ignore(*_, **__):
+        return None
 
-        @pl.when(rows.nrows > 0)
-        def _compute():
-            slot = slot_ref[t]
-            scale = jnp.where(slot >= 0, scale_ref[t], 0.0)  # S is finite (D zeroes it)
-            s_view = s_ref.at[pl.ds(t * bm, bm)]
-            b_slot = b_ref.at[jnp.maximum(slot, 0)]
+    @functools.partial(
+        pl.run_scoped,
+        allocs=pipeline(ignore, ignore).get_allocations(lhs_ref, rhs_ref),
+        o_smem=plgpu.SMEM((wgs, bm, bw), out_ref.dtype),
+        lhs_smem=plgpu.SMEM((wgs, bm, r), lora_lhs_ref.dtype),
+        rhs_smem=plgpu.SMEM((wgs, *lora_rhs_block), lora_rhs_ref.dtype),
+        barriers=plgpu.Barrier(num_barriers=2 * wgs),
+        collective_axes="wg")
+    def _scope(allocs, o_smem, lhs_smem, rhs_smem, barriers):
+        wg = lax.axis_index("wg")
 
-            def lora_chunk(c0, width):
-                b_view = b_slot.at[:, pl.ds(j * bn + c0, width)]
-                lora = _lora_product(s_view, b_view, (bm, width), rhs_transposed=False)
-                return lora * scale
+        @plgpu.nd_loop((num_m * num_w,), collective_axes="sm")
+        def _tiles(info):
+            t, j = plgpu.planar_snake(info.index[0], (num_m, num_w), 1, group)
+            rows = _RowTile(block_ref, skip_ref, end_ref, t, bm)
+            slot = jnp.maximum(slot_ref[t], 0)
+            col0 = j * cta_w + wg * bw
 
-            base = _base_gemm(x_ref.at[pl.ds(rows.start, bm)], w_ref.at[:, pl.ds(j * bn, bn)],
-                              k // bk, (bm, bk, bn), rhs_transposed=False, stages=stages)
-            _epilogue(base, lora_chunk, y_ref, rows, j * bn, bm)
+            def context(eval_pipeline):
+                # LoRA operands of this warpgroup, loaded while the main loop runs
+                lora_rhs = (lora_rhs_ref.at[slot, pl.ds(col0, bw)] if transposed
+                            else lora_rhs_ref.at[slot, :, pl.ds(col0, bw)])
+                plgpu.copy_gmem_to_smem(lora_lhs_ref.at[pl.ds(t * bm, bm)], lhs_smem.at[wg],
+                                        barriers.at[2 * wg])
+                plgpu.copy_gmem_to_smem(lora_rhs, rhs_smem.at[wg], barriers.at[2 * wg + 1])
 
-    _tile_loop(num_m, num_n, group, tile)
+                def acc_scope(acc_ref):
+                    eval_pipeline(acc_ref)
+                    plgpu.barrier_wait(barriers.at[2 * wg])
+                    plgpu.barrier_wait(barriers.at[2 * wg + 1])
+                    epilogue(_Ctx(t, rows, col0, acc_ref, lhs_smem.at[wg], rhs_smem.at[wg],
+                                  o_smem.at[wg], out_ref))
+
+                pl.run_scoped(acc_scope, plgpu.ACC((bm, bw), _F32))
+
+            def mma(_, lhs, rhs, acc_ref):
+                wg_cols = pl.ds(wg * bw, bw)
+                rhs = rhs.at[wg_cols].transpose((1, 0)) if transposed else rhs.at[:, wg_cols]
+                plgpu.wgmma(acc_ref, lhs, rhs)
+                plgpu.wgmma_wait(0)
+                return acc_ref
+
+            @pl.when(rows.nrows > 0)
+            def _live():
+                rhs_view = (rhs_ref.at[pl.ds(j * cta_w, cta_w)] if transposed
+                            else rhs_ref.at[:, pl.ds(j * cta_w, cta_w)])
+                pipeline(mma, context)(lhs_ref.at[pl.ds(rows.start, bm)], rhs_view,
+                                       allocations=allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def base_expand_mgpu(x, w, s, lora_b, layout: TileLayout, cfg: FusedLoRAConfig, interpret):
-    """E: x [m, k] (m a multiple of block_m), w [k, n], S [T * block_m, R], lora_b [P, R, n]
-    -> y [m, n] (x.dtype). The layout's block_m is the row tile; k, n padded to the blocks."""
-    m, k = x.shape
-    n = w.shape[1]
-    bm, bk, bn = layout.block_m, cfg.block_k, cfg.block_n
-    _check(m, k, n, bm, bk, bn)
-    slot = jnp.where(layout.tile_active, layout.tile_slot, -1)
-    body = functools.partial(_base_expand_body, bm=bm, bk=bk, bn=bn, stages=cfg.num_stages,
-                             group=cfg.group_m)
+class _Ctx:
+    """What an epilogue sees: tile t, its rows, the warpgroup's first output column, its
+    accumulator, its LoRA operands in SMEM, its output SMEM and the output."""
+
+    def __init__(self, t, rows, col0, acc_ref, lhs_smem, rhs_smem, o_smem, out_ref):
+        self.t, self.rows, self.col0, self.acc_ref = t, rows, col0, acc_ref
+        self.lhs_smem, self.rhs_smem, self.o_smem, self.out_ref = lhs_smem, rhs_smem, o_smem, out_ref
+
+
+def _e_epilogue(ctx: _Ctx, scale_ref):
+    """E: acc += (s * S) @ B (the extra K-step; s = 0 for base-only tiles), then store."""
+    scale = scale_ref[ctx.t]
+    ctx.lhs_smem[...] = (ctx.lhs_smem[...].astype(_F32) * scale).astype(ctx.lhs_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.wgmma(ctx.acc_ref, ctx.lhs_smem, ctx.rhs_smem)
+    plgpu.wgmma_wait(0)
+    ctx.o_smem[...] = ctx.acc_ref[...].astype(ctx.o_smem.dtype)
+    _store_rows(ctx.o_smem, ctx.out_ref, ctx.rows, ctx.col0)
+
+
+def _l_epilogue(ctx: _Ctx, thr_ref, inv_ref, seed_ref, slot_ref):
+    """L: out = acc + mask * (dS @ A^T) / (1 - p), the LoRA product in chunks of EPI_COLS
+    columns (its own accumulator), masked and scaled in registers."""
+    bm, bw = ctx.o_smem.shape
+    active = slot_ref[ctx.t] >= 0
+    thr = jnp.where(active, thr_ref[ctx.t], _DROP_ALL)  # inactive: no LoRA term
+    inv, seed = inv_ref[ctx.t], seed_ref[0]
+    base = ctx.acc_ref[...]
+    width = min(bw, EPI_COLS)
+    for c0 in range(0, bw, width):
+        def lora_scope(lora_ref, c0=c0):
+            rhs = ctx.rhs_smem.at[pl.ds(c0, width)].transpose((1, 0))
+            plgpu.wgmma(lora_ref, ctx.lhs_smem, rhs)
+            plgpu.wgmma_wait(0)
+            return lora_ref[...]
+
+        lora = pl.run_scoped(lora_scope, plgpu.ACC((bm, width), _F32))
+        rows = ctx.rows.start + _wgmma_iota((bm, width), 0)
+        cols = ctx.col0 + c0 + _wgmma_iota((bm, width), 1)
+        keep = dropout_keep(seed, rows, cols, thr)
+        out = base[:, c0:c0 + width] + lora * (keep.astype(_F32) * inv)
+        ctx.o_smem[:, pl.ds(c0, width)] = out.astype(ctx.o_smem.dtype)
+    _store_rows(ctx.o_smem, ctx.out_ref, ctx.rows, ctx.col0)
+
+
+def _launch(body, out_shape, num_tiles: int, wgs: int, interpret, *args):
     return plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
-        grid=(_num_programs(layout.num_tiles * (n // bn), interpret),), grid_names=("sm",),
-        compiler_params=_compiler_params(), interpret=interpret or None,
-    )(*_rows_table(layout), slot, layout.tile_scale, x, w, s, lora_b)
-
-
-# --- L: dX = dY W^T + mask * (dS A^T) / (1 - p) --------------------------------------------------
-
-def _grad_x_body(block_ref, skip_ref, end_ref, slot_ref, thr_ref, inv_ref, seed_ref, dy_ref,
-                 w_ref, ds_ref, a_ref, dx_ref, *, bm: int, bk: int, bn: int, stages: int,
-                 group: int):
-    n = dy_ref.shape[1]
-    num_m, num_k = block_ref.shape[0], w_ref.shape[0] // bk
-
-    def tile(t, i):
-        rows = _RowTile(block_ref, skip_ref, end_ref, t, bm)
-
-        @pl.when(rows.nrows > 0)
-        def _compute():
-            slot, inv, seed = slot_ref[t], inv_ref[t], seed_ref[0]
-            thr = jnp.where(slot >= 0, thr_ref[t], _DROP_ALL)  # inactive: no LoRA term
-            ds_view = ds_ref.at[pl.ds(t * bm, bm)]
-            a_slot = a_ref.at[jnp.maximum(slot, 0)]
-
-            def lora_chunk(c0, width):
-                a_view = a_slot.at[pl.ds(i * bk + c0, width)]
-                lora = _lora_product(ds_view, a_view, (bm, width), rhs_transposed=True)
-                caller_rows = rows.start + _wgmma_iota((bm, width), 0)
-                cols = i * bk + c0 + _wgmma_iota((bm, width), 1)
-                keep = dropout_keep(seed, caller_rows, cols, thr)
-                return lora * (keep.astype(_F32) * inv)  # dS is finite (zeroed when inactive)
-
-            base = _base_gemm(dy_ref.at[pl.ds(rows.start, bm)], w_ref.at[pl.ds(i * bk, bk)],
-                              n // bn, (bm, bn, bk), rhs_transposed=True, stages=stages)
-            _epilogue(base, lora_chunk, dx_ref, rows, i * bk, bm)
-
-    _tile_loop(num_m, num_k, group, tile)
-
-
-def grad_x_mgpu(dy, w, ds, lora_a, layout: TileLayout, seed, cfg: FusedLoRAConfig, interpret):
-    """L: dY [m, n] (m a multiple of block_m), w [k, n], dS [T * block_m, R], lora_a [P, k, R],
-    seed int32 [1] -> dX [m, k] (dY.dtype)."""
-    m, n = dy.shape
-    k = w.shape[0]
-    bm, bk, bn = layout.block_m, cfg.block_k, cfg.block_n
-    _check(m, k, n, bm, bk, bn)
-    slot = jnp.where(layout.tile_active, layout.tile_slot, -1)
-    body = functools.partial(_grad_x_body, bm=bm, bk=bk, bn=bn, stages=cfg.num_stages,
-                             group=cfg.group_m)
-    return plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((m, k), dy.dtype),
-        grid=(_num_programs(layout.num_tiles * (k // bk), interpret),), grid_names=("sm",),
-        compiler_params=_compiler_params(), interpret=interpret or None,
-    )(*_rows_table(layout), slot, layout.tile_threshold, layout.tile_inv_keep, seed, dy, w, ds,
-      lora_a)
+        body, out_type=out_shape, grid=(_num_programs(num_tiles, interpret),),
+        grid_names=("sm",), num_threads=wgs + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret or None,
+    )(*args)
 
 
 def _rows_table(layout: TileLayout):
-    """(block index, skip, end) per tile: where its rows are (see `_RowTile`)."""
-    return layout.tile_row0 // layout.block_m, layout.tile_skip, layout.tile_nrows
+    """(block index, skip, end, slot) per tile: where its rows are (see `_RowTile`) and its
+    adapter slot (-1 for tiles without LoRA work)."""
+    slot = jnp.where(layout.tile_active, layout.tile_slot, -1)
+    return layout.tile_row0 // layout.block_m, layout.tile_skip, layout.tile_nrows, slot
 
 
-def _check(m: int, k: int, n: int, bm: int, bk: int, bn: int):
+def _check(m: int, contraction: int, width: int, bm: int, bc: int, cta_w: int):
     if m % bm:
         raise ValueError(f"{m} rows: pad the rows to whole blocks of {bm}")
     if bm % 64:
         raise ValueError(f"block_m {bm} must be a multiple of 64 (one wgmma row group)")
-    if k % bk or n % bn:
-        raise ValueError(f"k {k} / n {n} must be padded to blocks {bk} / {bn}")
+    if contraction % bc or width % cta_w:
+        raise ValueError(f"contraction {contraction} / width {width} must be padded to blocks "
+                         f"{bc} / {cta_w}")
+
+
+# --- E: y = x @ W + s * S @ B ------------------------------------------------------------------
+
+def base_expand_mgpu(x, w, s, lora_b, layout: TileLayout, cfg: FusedLoRAConfig, interpret):
+    """E: x [m, k] (m a multiple of block_m), w [k, n], S [T * block_m, R], lora_b [P, R, n]
+    -> y [m, n] (x.dtype). block_m: the layout's; k, n padded to block_k / block_n."""
+    m, k = x.shape
+    n = w.shape[1]
+    bm, bc, cta_w, wgs, _ = _blocks(cfg, layout.block_m)
+    _check(m, k, n, bm, bc, cta_w)
+
+    def body(block_ref, skip_ref, end_ref, slot_ref, scale_ref, x_ref, w_ref, s_ref, b_ref,
+             y_ref):
+        _gemm_kernel((block_ref, skip_ref, end_ref, slot_ref), x_ref, w_ref, s_ref, b_ref,
+                     y_ref, kind="E", bm=bm, bc=bc, cta_w=cta_w, wgs=wgs,
+                     stages=cfg.num_stages, group=cfg.group_m,
+                     epilogue=functools.partial(_e_epilogue, scale_ref=scale_ref))
+
+    scale = jnp.where(layout.tile_active, layout.tile_scale, 0.0)
+    return _launch(body, jax.ShapeDtypeStruct((m, n), x.dtype),
+                   layout.num_tiles * (n // cta_w), wgs, interpret,
+                   *_rows_table(layout), scale, x, w, s, lora_b)
+
+
+# --- L: dX = dY W^T + mask * (dS A^T) / (1 - p) --------------------------------------------------
+
+def grad_x_mgpu(dy, w, ds, lora_a, layout: TileLayout, seed, cfg: FusedLoRAConfig, interpret):
+    """L: dY [m, n] (m a multiple of block_m), w [k, n], dS [T * block_m, R] (zero rows for
+    inactive tiles), lora_a [P, k, R], seed int32 [1] -> dX [m, k] (dY.dtype)."""
+    m, n = dy.shape
+    k = w.shape[0]
+    bm, bc, cta_w, wgs, _ = _blocks(cfg, layout.block_m)
+    _check(m, n, k, bm, bc, cta_w)
+
+    def body(block_ref, skip_ref, end_ref, slot_ref, thr_ref, inv_ref, seed_ref, dy_ref, w_ref,
+             ds_ref, a_ref, dx_ref):
+        epilogue = functools.partial(_l_epilogue, thr_ref=thr_ref, inv_ref=inv_ref,
+                                     seed_ref=seed_ref, slot_ref=slot_ref)
+        _gemm_kernel((block_ref, skip_ref, end_ref, slot_ref), dy_ref, w_ref, ds_ref, a_ref,
+                     dx_ref, kind="L", bm=bm, bc=bc, cta_w=cta_w, wgs=wgs,
+                     stages=cfg.num_stages, group=cfg.group_m, epilogue=epilogue)
+
+    return _launch(body, jax.ShapeDtypeStruct((m, k), dy.dtype),
+                   layout.num_tiles * (k // cta_w), wgs, interpret,
+                   *_rows_table(layout), layout.tile_threshold, layout.tile_inv_keep, seed,
+                   dy, w, ds, lora_a)

@@ -29,10 +29,10 @@ from pallas_kernels.fused_lora_reference import fused_lora_linear_single_referen
 from tests.pallas_kernels.test_fused_lora import TOL, make_problem, meta, rel_err, value_and_grads
 
 BF16 = jnp.bfloat16
-# 64-row tiles, 32-wide k / n blocks: the tiny shapes span several row tiles, pipeline steps
-# and output blocks.
+# 64-row tiles, 32-deep contraction steps, 64 output columns per CTA in 2 compute warpgroups:
+# the tiny shapes span several row tiles, pipeline steps and output blocks.
 SMALL = FusedLoRAConfig(block_m=32, block_k=32, block_n=32,
-                        mosaic=FusedLoRAConfig(block_m=64, block_k=32, block_n=32,
+                        mosaic=FusedLoRAConfig(block_m=64, block_k=32, block_n=64, num_warps=8,
                                                num_stages=2, group_m=2))
 
 
@@ -108,14 +108,20 @@ def test_auto_selection_runs_the_chosen_kernels(monkeypatch, mosaic_available):
 
 # --- kernels vs reference (Mosaic GPU interpret mode) ---------------------------------------
 
-@pytest.mark.parametrize("m, dropout", [(37, 0.0), (151, 0.3)])
-def test_single_adapter(m, dropout):
-    """Odd m: below one 64-row tile (padded) and 3 tiles with the last one partial."""
-    k, n, r = 96, 64, 8
+# the default blocks at k = n = 256: 128 columns per warpgroup, L's LoRA term in 2 chunks
+WIDE = FusedLoRAConfig(block_m=32, block_k=32, block_n=32)
+
+
+@pytest.mark.parametrize("m, k, n, dropout, config", [(37, 96, 64, 0.0, SMALL),
+                                                      (151, 96, 64, 0.3, SMALL),
+                                                      (130, 256, 256, 0.2, WIDE)])
+def test_single_adapter(m, k, n, dropout, config):
+    """Odd m: below one 64-row tile (padded) and tiles with the last one partial."""
+    r = 8
     x, w, a, b = make_problem(22, m, k, n, 1, r, BF16)
     errors, _ = _errors(
         lambda x, w, a, b: fused_lora_linear_single(x, w, a, b, 0.75, dropout, 9, impl="gpu",
-                                                    config=SMALL, gemm="mosaic"),
+                                                    config=config, gemm="mosaic"),
         lambda x, w, a, b: fused_lora_linear_single_reference(x, w, a, b, 0.75, dropout, 9),
         x, w, a[0], b[0])
     assert max(errors.values()) <= TOL[BF16], errors
@@ -175,7 +181,7 @@ def test_block_layout_tiles_are_segment_block_intersections():
 def test_kernels_lower_for_cuda():
     """The production config's E and L pass Mosaic GPU's layout inference and lowering for a
     CUDA target (jax.export on CPU; interpret mode does not check TMA / wgmma layouts)."""
-    m, k, n, r = 512, 256, 384, 16
+    m, k, n, r = 512, 256, 512, 16
     layout = build_block_layout(*meta([3, 200, 300], [0, 1], [16, 8], [1.0, 2.0], [0.1, 0.0]),
                                 m, MOSAIC_DEFAULT.block_m)
     rows = layout.num_tiles * layout.block_m
