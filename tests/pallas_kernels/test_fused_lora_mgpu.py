@@ -199,6 +199,31 @@ def test_kernels_lower_for_cuda():
         assert "mosaic_gpu" in module and "wgmma" in module, name
 
 
+@pytest.mark.parametrize("gemm", ["mosaic", "triton"])
+def test_fused_op_lowers_for_cuda(monkeypatch, gemm):
+    """The whole layer's gradient (D, E, I, K, L: Triton + either GEMM backend) lowers for an
+    H200 target on CPU: compiled mode forced, Triton's GPU info pinned to the H200's."""
+    from jax._src.pallas.triton import gpu_info
+
+    info = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
+    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: info)
+    monkeypatch.setattr(fused_lora, "resolve_impl", lambda impl: ("gpu", False))
+    m, k, n, r = 1000, 512, 768, 16
+    metadata = meta([0, 100, 333, 700, 1000], [0, 1, 2, 3], [r] * 4, [2.0] * 4, [0.1] * 4)
+
+    def loss(x, w, a, b):
+        y = fused_lora_linear(x, w, a, b, *metadata, 3, impl="gpu", gemm=gemm)
+        return jnp.sum(y.astype(jnp.float32))
+
+    specs = [jax.ShapeDtypeStruct(shape, BF16) for shape in [(m, k), (k, n), (4, k, r),
+                                                             (4, r, n)]]
+    triton_call = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    module = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 2, 3))), platforms=["cuda"],
+                               disabled_checks=[triton_call])(*specs).mlir_module()
+    assert "xla.gpu.triton" in module
+    assert ("mosaic_gpu" in module) == (gemm == "mosaic")
+
+
 # --- compiled kernels (GPU only) ------------------------------------------------------------
 
 def _compiled_case(dtype, dropout, gemm=None):
