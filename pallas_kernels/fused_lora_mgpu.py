@@ -53,12 +53,14 @@ except ImportError:  # pragma: no cover - depends on the installed jax
 _F32 = jnp.float32
 _I32 = jnp.int32
 _DROP_ALL = 1 << DROPOUT_BITS  # a dropout threshold no hash reaches: every element dropped
-EPI_COLS = 64  # columns per chunk of L's LoRA accumulator (fits beside the base accumulator)
+EPI_COLS = 64  # epilogue chunk: columns per output store (2 SMEM slots, the store of one
+#               overlapping the next) and per L LoRA accumulator (fits beside the base one)
 _MEMORY_REGISTERS = 40  # registers of the TMA warpgroup (as in hopper_matmul_mgpu)
 _REQUIRED = ("kernel", "emit_pipeline_warp_specialized", "wgmma", "wgmma_wait", "ACC", "SMEM",
              "BlockSpec", "Barrier", "nd_loop", "planar_snake", "copy_gmem_to_smem",
              "copy_smem_to_gmem", "barrier_wait", "wait_smem_to_gmem", "commit_smem",
-             "layout_cast", "Layout", "CompilerParams", "LoweringSemantics")
+             "commit_smem_to_gmem_group", "layout_cast", "Layout", "CompilerParams",
+             "LoweringSemantics")
 
 
 def available() -> bool:
@@ -97,7 +99,7 @@ class _RowTile:
 def _store_rows(o_smem, out_gmem, rows: _RowTile, col0):
     """TMA-store rows [off, off + nrows) of o_smem [bm, bw] to out rows start + off .. (columns
     col0 ..) with a ladder of stores of 2^i rows (static box sizes, run-time row count; as in
-    JAX's ragged_dot_mgpu)."""
+    JAX's ragged_dot_mgpu), committed as one bulk group (not awaited here)."""
     bm, bw = o_smem.shape
     plgpu.commit_smem()
     smem_start = rows.off
@@ -110,10 +112,25 @@ def _store_rows(o_smem, out_gmem, rows: _RowTile, col0):
         def _store(chunk=chunk, smem_start=smem_start):
             plgpu.copy_smem_to_gmem(
                 o_smem.at[pl.ds(smem_start, chunk)],
-                out_gmem.at[pl.ds(rows.start + smem_start, chunk), pl.ds(col0, bw)])
+                out_gmem.at[pl.ds(rows.start + smem_start, chunk), pl.ds(col0, bw)],
+                commit_group=False)
 
         smem_start = smem_start + (rows.nrows & chunk)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    plgpu.commit_smem_to_gmem_group()
+
+
+def _emit(ctx, chunk_value):
+    """Store the warpgroup's output tile in EPI_COLS-column chunks: chunk_value(c0, width) ->
+    float32 [bm, width] goes to one of the 2 output SMEM slots (waiting only for the store that
+    used that slot two chunks before) and out by `_store_rows`."""
+    slots, bm, width = ctx.o_smem.shape
+    bw = ctx.acc_ref.shape[1]
+    for i, c0 in enumerate(range(0, bw, width)):
+        value = chunk_value(c0, width)
+        plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+        o_slot = ctx.o_smem.at[i % slots]
+        o_slot[...] = value.astype(o_slot.dtype)
+        _store_rows(o_slot, ctx.out_ref, ctx.rows, ctx.col0 + c0)
 
 
 def _wgmma_iota(shape, dim: int):
@@ -136,6 +153,7 @@ def _gemm_kernel(tables, lhs_ref, rhs_ref, lora_lhs_ref, lora_rhs_ref, out_ref, 
     and stores the warpgroup's output (see `_e_epilogue`, `_l_epilogue`)."""
     block_ref, skip_ref, end_ref, slot_ref = tables
     bw = cta_w // wgs
+    epi = min(bw, EPI_COLS)
     transposed = kind == "L"
     n_steps = lhs_ref.shape[1] // bc
     num_m = block_ref.shape[0]
@@ -159,7 +177,7 @@ def _gemm_kernel(tables, lhs_ref, rhs_ref, lora_lhs_ref, lora_rhs_ref, out_ref, 
     @functools.partial(
         pl.run_scoped,
         allocs=pipeline(ignore, ignore).get_allocations(lhs_ref, rhs_ref),
-        o_smem=plgpu.SMEM((wgs, bm, bw), out_ref.dtype),
+        o_smem=plgpu.SMEM((wgs, min(2, bw // epi), bm, epi), out_ref.dtype),
         lhs_smem=plgpu.SMEM((wgs, bm, r), lora_lhs_ref.dtype),
         rhs_smem=plgpu.SMEM((wgs, *lora_rhs_block), lora_rhs_ref.dtype),
         barriers=plgpu.Barrier(num_barriers=2 * wgs),
@@ -224,21 +242,21 @@ def _e_epilogue(ctx: _Ctx, scale_ref):
     plgpu.commit_smem()
     plgpu.wgmma(ctx.acc_ref, ctx.lhs_smem, ctx.rhs_smem)
     plgpu.wgmma_wait(0)
-    ctx.o_smem[...] = ctx.acc_ref[...].astype(ctx.o_smem.dtype)
-    _store_rows(ctx.o_smem, ctx.out_ref, ctx.rows, ctx.col0)
+    acc = ctx.acc_ref[...]
+    _emit(ctx, lambda c0, width: acc[:, c0:c0 + width])
 
 
 def _l_epilogue(ctx: _Ctx, thr_ref, inv_ref, seed_ref, slot_ref):
     """L: out = acc + mask * (dS @ A^T) / (1 - p), the LoRA product in chunks of EPI_COLS
     columns (its own accumulator), masked and scaled in registers."""
-    bm, bw = ctx.o_smem.shape
+    bm = ctx.acc_ref.shape[0]
     active = slot_ref[ctx.t] >= 0
     thr = jnp.where(active, thr_ref[ctx.t], _DROP_ALL)  # inactive: no LoRA term
     inv, seed = inv_ref[ctx.t], seed_ref[0]
     base = ctx.acc_ref[...]
-    width = min(bw, EPI_COLS)
-    for c0 in range(0, bw, width):
-        def lora_scope(lora_ref, c0=c0):
+
+    def chunk_value(c0, width):
+        def lora_scope(lora_ref):
             rhs = ctx.rhs_smem.at[pl.ds(c0, width)].transpose((1, 0))
             plgpu.wgmma(lora_ref, ctx.lhs_smem, rhs)
             plgpu.wgmma_wait(0)
@@ -248,9 +266,9 @@ def _l_epilogue(ctx: _Ctx, thr_ref, inv_ref, seed_ref, slot_ref):
         rows = ctx.rows.start + _wgmma_iota((bm, width), 0)
         cols = ctx.col0 + c0 + _wgmma_iota((bm, width), 1)
         keep = dropout_keep(seed, rows, cols, thr)
-        out = base[:, c0:c0 + width] + lora * (keep.astype(_F32) * inv)
-        ctx.o_smem[:, pl.ds(c0, width)] = out.astype(ctx.o_smem.dtype)
-    _store_rows(ctx.o_smem, ctx.out_ref, ctx.rows, ctx.col0)
+        return base[:, c0:c0 + width] + lora * (keep.astype(_F32) * inv)
+
+    _emit(ctx, chunk_value)
 
 
 def _launch(body, out_shape, num_tiles: int, wgs: int, interpret, *args):
