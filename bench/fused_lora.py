@@ -16,7 +16,8 @@ block_until_ready, median of `samples` such batches):
 and gradient is checked against the float32 reference (`impl="reference"` on upcast inputs,
 highest matmul precision) by relative norm error. A bytes-moved model (which tensors each
 variant reads and writes) is printed beside the times. `--sweep` also times each of the five
-kernels under candidate block configs on the first shape (one adapter).
+kernels under candidate block configs on the first shape (one adapter); `--mosaic-sweep` the
+Mosaic GPU E and L under MOSAIC_SWEEP configs there.
 
 Run from the repo root: PYTHONPATH=. python3 bench/fused_lora.py [--out DIR] [--sweep]
 CPU smoke run (every kernel in interpret mode, tiny shape):
@@ -171,6 +172,33 @@ def gemm_kernels(m, k, n, r, num, gemm, cfg: FusedLoRAConfig):
         l_ = functools.partial(fused_lora_gpu.grad_x_gpu, cfg=cfg, interpret=INTERPRET)
     return {"E": (lambda x, w, s, b, lay: e(x, w, s, b, lay), (x, w, s, b, layout)),
             "L": (lambda dy, w, ds, a, lay: l_(dy, w, ds, a, lay, seed), (dy, w, ds, a, layout))}
+
+
+def mcfg(bn, warps, stages, group=8):
+    """A Mosaic GPU E / L config (128-row tiles, 64-deep steps)."""
+    return FusedLoRAConfig(block_m=128, block_k=64, block_n=bn, num_warps=warps,
+                           num_stages=stages, group_m=group)
+
+
+# the default (2 compute warpgroups x 128 columns, 3 stages) and 2 stages; 2 warpgroups x 64
+# columns with 4 stages; 1 warpgroup x 128 columns with 4 / 3 stages; wider / narrower bands
+MOSAIC_SWEEP = [mcfg(256, 8, 3), mcfg(256, 8, 2), mcfg(128, 8, 4), mcfg(128, 4, 4),
+                mcfg(128, 4, 3), mcfg(256, 8, 3, 16), mcfg(256, 8, 3, 4)]
+
+
+def mosaic_sweep(m, k, n, r, cfg: FusedLoRAConfig, base_us):
+    """E and L (1 adapter) under each MOSAIC_SWEEP config, as fractions of cuBLAS."""
+    rows = []
+    for cand in MOSAIC_SWEEP:
+        trial = dataclasses.replace(cfg, mosaic=cand)
+        try:
+            result = gemm_fractions(m, k, n, r, 1, ["mosaic"], trial, base_us)["mosaic"]
+        except Exception as error:  # a config that does not compile (shared memory, ...)
+            result = f"error: {type(error).__name__}: {str(error)[:200]}"
+        rows.append({"config": dataclasses.asdict(cand), "result": result})
+        log(f"mosaic sweep bn {cand.block_n} warps {cand.num_warps} stages {cand.num_stages} "
+            f"group {cand.group_m}: {result}")
+    return rows
 
 
 def gemm_fractions(m, k, n, r, num, gemms, cfg, base_us):
@@ -447,6 +475,8 @@ def main():
     parser.add_argument("--name", default="fused_lora")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--fine", action="store_true", help="sweep SWEEP_FINE, not SWEEP")
+    parser.add_argument("--mosaic-sweep", action="store_true",
+                        help="time E and L under MOSAIC_SWEEP configs on the first shape")
     parser.add_argument("--shapes", default="all", help="all, indices into SHAPES, or MxKxNxR,...")
     parser.add_argument("--adapters", default="1,4")
     parser.add_argument("--gemms", default=",".join(GEMMS),
@@ -492,6 +522,14 @@ def main():
             save()
             log(f"{m}x{k}x{n} r{r} a{num}: {case['us']} GEMMs {case['gemm_kernels']} "
                 f"err {case['rel_err_fused']} ({time.perf_counter() - start:.0f} s)")
+    if args.mosaic_sweep:
+        m, k, n, r = shapes[0]
+        x, w, _, _, dy = make_inputs(m, k, n, r, 1)
+        base_us = {"base_fwd": device_time(jax.jit(base_fwd), x, w)[0],
+                   "base_dx": device_time(jax.jit(base_dx), dy, w)[0]}
+        results["mosaic_sweep"] = {"shape": [m, k, n, r], "base_us": base_us,
+                                   "rows": mosaic_sweep(m, k, n, r, cfg, base_us)}
+        save()
     if args.sweep:
         m, k, n, r = shapes[0]
         results["kernels_default"] = kernel_times(m, k, n, r, cfg)
