@@ -79,9 +79,11 @@ def interpret_params():
 
 def _num_programs(num_tiles: int, interpret) -> int:
     """Persistent grid size: the SM count on a GPU (132 on an H100 / H200 SXM when lowering off
-    a GPU, e.g. jax.export), a small grid in interpret mode."""
+    a GPU, e.g. jax.export); one program in interpret mode (it loops over every tile; the
+    interpreter runs each warpgroup of each program as a thread, and jax 0.11.2's deadlocked on
+    a 2-core machine with 2 programs)."""
     if interpret:
-        return min(num_tiles, 2)
+        return 1
     return min(num_tiles, getattr(jax.devices()[0], "core_count", None) or 132)
 
 
