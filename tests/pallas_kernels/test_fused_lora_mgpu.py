@@ -17,7 +17,12 @@ import numpy as np
 import pytest
 
 from pallas_kernels import fused_lora, fused_lora_gpu, fused_lora_mgpu
-from pallas_kernels.fused_lora import fused_lora_linear, fused_lora_linear_single, gemm_backend
+from pallas_kernels.fused_lora import (
+    fused_lora_linear,
+    fused_lora_linear_single,
+    gemm_backend,
+    make_layout,
+)
 from pallas_kernels.fused_lora_layout import (
     MOSAIC_DEFAULT,
     FusedLoRAConfig,
@@ -127,16 +132,19 @@ def test_single_adapter(m, k, n, dropout, config):
     assert max(errors.values()) <= TOL[BF16], errors
 
 
-@pytest.mark.parametrize("drops", [(0.0, 0.0, 0.0, 0.0), (0.1, 0.0, 0.5, 0.25)])
-def test_multi_adapter(drops):
+@pytest.mark.parametrize("drops, shared_layout", [((0.0, 0.0, 0.0, 0.0), False),
+                                                  ((0.1, 0.0, 0.5, 0.25), True)])
+def test_multi_adapter(drops, shared_layout):
     """4 adapters (ranks 8/3/16/5; a 1-row segment) + a slot -1 segment, rows before / after
     the segments, odd m, segment starts off the 64-row grid (tiles end mid-block: partial TMA
-    stores)."""
+    stores); with dropout, the block layout built once by make_layout and passed in."""
     m, k, n = 181, 64, 96
     x, w, a, b = make_problem(23, m, k, n, 5, 16, BF16)
     metadata = meta([3, 50, 51, 120, 131, 170], [3, 0, -1, 2, 4],
                     [8, 16, 16, 3, 5], [0.5, 2.0, 1.0, 1.5, 0.25], [drops[0], 0.0, *drops[1:]])
-    call = functools.partial(fused_lora_linear, impl="gpu", config=SMALL)
+    layout = (make_layout(*metadata, m, impl="gpu", dtype=BF16, config=SMALL, gemm="mosaic")
+              if shared_layout else None)
+    call = functools.partial(fused_lora_linear, impl="gpu", config=SMALL, layout=layout)
     errors, y = _errors(
         lambda x, w, a, b: call(x, w, a, b, *metadata, 123, gemm="mosaic"),
         lambda x, w, a, b: fused_lora_linear(x, w, a, b, *metadata, 123, impl="reference"),
