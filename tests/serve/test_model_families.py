@@ -3,8 +3,6 @@ the paged cache, with a sliding window (8) shorter than the prompts and pages (8
 norms and per-layer windows/RoPE bases, base rows and adapter rows in one batch, give the greedy
 tokens of the full forward (no cache) run token by token."""
 
-import os
-
 import numpy as np
 import pytest
 
@@ -37,12 +35,6 @@ def full_forward_greedy(model, prompt, adapter=None):
         logits, _ = model(row, np.arange(row.shape[1])[None], lora=lora)
         tokens.append(int(np.asarray(logits)[0, -1].argmax()))
     return tokens[len(prompt):]
-
-
-# XLA's CPU compiler crashed (SIGSEGV) in this file's first compile late in the full suite's one
-# process, never alone: tests/serve/test_model_families_isolated.py runs it in a process of its own.
-pytestmark = pytest.mark.skipif(not os.environ.get("JAXLORA_ISOLATED_CHILD"),
-                                reason="run in its own process by tests/serve/test_model_families_isolated.py")
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3"])
