@@ -103,7 +103,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -127,6 +127,7 @@ from jaxlora.models.config import PROJECTIONS, projection_shapes
 from jaxlora.models.llama import Llama, LoraInputs
 from jaxlora.models.paged import PagedBatch, PagedKVCache
 from jaxlora.sampling import SamplingParams
+from jaxlora.scheduler.core import TRAIN, CoSchedulePolicy, ServingLoad, WorkItem
 from jaxlora.scheduler.serving import (
     INFERENCE_MODES, PENDING, ModePolicy, SchedulerConfig, Sequence, ServingScheduler, StepPlan, adapter_pages,
     pages_for,
@@ -434,6 +435,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.stats = EngineStats()
+        # Training in the steps serving leaves idle (`jaxlora.scheduler.core`): set by the server.
+        self.training: TrainingSource | None = None
+        self.co_policy = CoSchedulePolicy()
         for name, adapter in (adapters or {}).items():
             self.add_adapter(name, adapter)
         for index, name in enumerate(() if compressed is None else compressed.names):
@@ -1257,11 +1261,32 @@ class Engine:
             self._wake.clear()
             try:
                 busy = self.step()
+                busy = self.train_step() or busy
             except Exception:
                 log.exception("engine loop error")
                 busy = False
             if not busy:
                 self._wake.wait(0.05)
+
+    def serving_load(self) -> ServingLoad:
+        """The serving side's work now: requests waiting (queued commands included) and running
+        (a launched step whose tokens are unread counts as one)."""
+        waiting = len(self.scheduler.waiting) + self._num_waiting_submitted + len(self._commands)
+        return ServingLoad(waiting, len(self.scheduler.running) + (self._in_flight is not None))
+
+    def train_step(self) -> bool:
+        """Runs one step of `training` (a microbatch) when the co-scheduling policy picks training
+        over serving now (`co_policy`: serving first); True if it ran one."""
+        source = self.training
+        if source is None:
+            return False
+        item = source.next_item()
+        if self.co_policy.next_kind(self.serving_load(), item) != TRAIN:
+            return False
+        started = time.perf_counter()
+        source.run_next()
+        self.stats.record_training(item.tokens, time.perf_counter() - started)
+        return True
 
     def run_until_idle(self, max_steps: int = 100_000) -> None:
         """Steps in the calling thread until no request is left (tests, offline use)."""
@@ -1338,6 +1363,16 @@ def _to_device(pool: AdapterPool, adapter: PreparedAdapter, stats: "EngineStats"
     return values
 
 
+class TrainingSource(Protocol):
+    """Training work the engine runs in the steps serving leaves idle (`serve.finetune`)."""
+
+    def next_item(self) -> WorkItem | None:
+        """The next training step's work, None when there is none ready (must not block)."""
+
+    def run_next(self) -> None:
+        """Runs that step (errors are the source's to report: they must not stop serving)."""
+
+
 class _PhaseClock:
     """Adds the time since the previous mark to `seconds[name]` at each `mark(name)`."""
 
@@ -1379,6 +1414,9 @@ class EngineStats:
         self.step_seconds = 0.0
         self.last_step_s = 0.0
         self.dropped = 0  # requests ended by early abort (see EngineConfig.ttft_slo_s)
+        self.train_steps = 0  # training steps run in idle serving steps (`Engine.train_step`)
+        self.train_tokens = 0
+        self.train_seconds = 0.0
         self.phase_seconds: dict[str, float] = {}
         self.kind_steps: dict[str, list] = {}  # kind -> [steps, seconds, tokens]
         self._recent: collections.deque = collections.deque()
@@ -1412,6 +1450,12 @@ class EngineStats:
         self._recent.append((now, generated))
         while self._recent and self._recent[0][0] < now - self.window_s:
             self._recent.popleft()
+
+    def record_training(self, tokens: int, seconds: float) -> None:
+        """Counts one training step (microbatch) of `tokens` that held the engine thread `seconds`."""
+        self.train_steps += 1
+        self.train_tokens += tokens
+        self.train_seconds += seconds
 
     def record_device_load(self, seconds: float) -> None:
         """Counts one host -> device adapter copy of `seconds`."""

@@ -31,6 +31,12 @@ def read_jsonl(path: str) -> list[tuple[int, dict]]:
             lines = f.readlines()
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"{path}: cannot read dataset: {err}") from None
+    return parse_jsonl(lines, path)
+
+
+def parse_jsonl(lines: list[str], where: str) -> list[tuple[int, dict]]:
+    """The records of JSONL `lines` (a training data format each: `text`, `prompt`/`completion`
+    or chat `messages`) with their line numbers; ConfigError naming `where`:line otherwise."""
     records = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -38,11 +44,11 @@ def read_jsonl(path: str) -> list[tuple[int, dict]]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ConfigError(f"{path}:{number}: not valid JSON: {err.msg}") from None
-        _check_record(record, f"{path}:{number}")
+            raise ConfigError(f"{where}:{number}: not valid JSON: {err.msg}") from None
+        _check_record(record, f"{where}:{number}")
         records.append((number, record))
     if not records:
-        raise ConfigError(f"{path}: the dataset is empty")
+        raise ConfigError(f"{where}: the dataset is empty")
     return records
 
 

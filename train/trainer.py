@@ -25,6 +25,7 @@ from jaxlora.lora.peft_io import save_peft_adapter
 from jaxlora.lora.pool import AdapterPool
 from jaxlora.lora.trainable import slot_adapter, split_pool
 from jaxlora.models.config import PROJECTIONS
+from jaxlora.scheduler.core import IDLE, TRAIN, TRAINING_ONLY, WorkItem
 from jaxlora.scheduler.training.data import Sample, TrainingData
 from jaxlora.scheduler.training.schedule import SchedulerConfig
 from train.base_model import base_model_config, load_base_model
@@ -129,6 +130,21 @@ class Trainer:
         return _SharedSchedule(_broadcast_schedule(microbatches))
 
     def run(self, resume: bool = False) -> dict[str, list[float]]:
+        """Trains every job to the end (from the latest checkpoint with `resume`), exports the
+        adapters, returns each job's per-step losses. Each step is what the scheduler core's
+        co-scheduling policy picks with no serving load: the next training microbatch."""
+        self.start(resume)
+        try:
+            while TRAINING_ONLY.next_kind(IDLE, self.next_item()) == TRAIN:
+                self.train_next()
+        except BaseException:
+            self._close()
+            raise
+        return self.finish()
+
+    def start(self, resume: bool = False) -> None:
+        """Prepares a run (restores the latest checkpoint with `resume`); `train_next` then runs it
+        one step (window) at a time, `finish` ends it."""
         start = self._restore() if resume else 0
         if not resume:
             self.checkpointer.clear()
@@ -138,24 +154,53 @@ class Trainer:
         metrics = MetricsLog(self.config, start, self.config.peak_tflops or peak_tflops(device_kind),
                              len(self.devices), writer=self.primary)
         stream = self._schedule()
-        bars = self._progress_bars()
         sizes = {i: job.global_batch_size for i, job in enumerate(self.config.jobs)}
         groups = step_groups(stream, self.config.mesh.data, sizes, self.config.checkpoint_every, start)
-        stop = start
+        self._session = _Session(start, start, metrics, self._progress_bars(), stream, self._windows(groups))
+
+    def next_item(self) -> WorkItem | None:
+        """The next step's work (a TRAIN item over its samples' tokens), None when the run is done;
+        waits for the scheduler to produce it."""
+        session = self._session
+        if session.pending is None:
+            session.pending = next(session.windows, None)
+        if session.pending is None:
+            return None
+        samples = [sample for group in session.pending for sample in group.samples]
+        return WorkItem(TRAIN, tuple(sorted({s.adapter_id for s in samples})), sum(s.num_tokens for s in samples))
+
+    def train_next(self) -> bool:
+        """Runs the next step (window) and checkpoints on schedule; False when the run is done."""
+        if self.next_item() is None:
+            return False
+        session = self._session
+        window, session.pending = session.pending, None
+        self._train_window(window, session.metrics, session.bars)
+        session.stop = window[-1].stop
+        if session.stop % self.config.checkpoint_every == 0 and session.stream.saved.is_set():
+            self._save(session.stop)
+        return True
+
+    @property
+    def microbatches_done(self) -> int:
+        """Microbatches of the schedule trained so far (checkpointed or not)."""
+        return self._session.stop
+
+    def finish(self) -> dict[str, list[float]]:
+        """Saves the final checkpoint, exports each job's adapter (PEFT) and returns the losses."""
+        session = self._session
         try:
-            for window in self._windows(groups):
-                self._train_window(window, metrics, bars)
-                stop = window[-1].stop
-                if stop % self.config.checkpoint_every == 0 and stream.saved.is_set():
-                    self._save(stop)
-            if stop > start and stream.saved.is_set():
-                self._save(stop)
+            if session.stop > session.start and session.stream.saved.is_set():
+                self._save(session.stop)
         finally:
-            for bar in bars:
-                bar.close()
-            metrics.close()
+            self._close()
         self.export()
-        return metrics.losses()
+        return session.metrics.losses()
+
+    def _close(self) -> None:
+        for bar in self._session.bars:
+            bar.close()
+        self._session.metrics.close()
 
     def _windows(self, groups):
         """Steps handed to the executor at once: one (GSPMD), or up to a checkpoint (pipeline)."""
@@ -254,6 +299,20 @@ class Trainer:
         for adapter in adapters:
             save_peft_adapter(adapter, os.path.join(self.config.output_dir, adapter.name),
                               base_model_name=str(self.config.base_model))
+
+
+@dataclasses.dataclass
+class _Session:
+    """A run in progress: its first and next microbatch, metrics, progress bars, schedule, the
+    steps (windows) still to run and the one taken from them but not run yet."""
+
+    start: int
+    stop: int
+    metrics: MetricsLog
+    bars: list
+    stream: object
+    windows: object
+    pending: list | None = None
 
 
 class _SharedSchedule:
