@@ -463,6 +463,12 @@ class Engine:
         key, pages = self.scheduler.slots.keys[slot], self.scheduler.pages
         return pages.rows_of(key) if key is not None and pages.holds(key) else []
 
+    def model_view(self) -> Llama:
+        """The served model as a module over the engine's own weight Variables (no copy; packed
+        projections and the adapter window's columns included): a program given it reads the
+        weights as they are when it runs. Training in the server runs on it (`serve.finetune`)."""
+        return nnx.merge(self._graphdef, self._state)
+
     def _inference_modes(self, config: EngineConfig, mesh, compressed) -> EngineModes | None:
         """The mode state of `config.inference_mode` (its base copy made now, before the KV pages
         are sized); ValueError where the mode cannot run."""

@@ -295,6 +295,11 @@ def _build_head(raw, where) -> HeadConfig:
         raise ConfigError(f"{where('head', 'labels')}: {err}") from None
 
 
+def lora_config(raw: dict, where: str) -> LoraConfig:
+    """A job's `lora:` mapping as a LoraConfig (defaults as in a job file); ConfigError naming `where`."""
+    return _build_lora(raw, lambda *keys: where)
+
+
 def _check_choices(values: dict, where) -> None:
     for key, choices in _CHOICES.items():
         if key in values and values[key] not in choices:

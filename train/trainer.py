@@ -20,11 +20,13 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
+from jaxlora.lora import backends
 from jaxlora.lora.adapter import LoraAdapter, empty_module
 from jaxlora.lora.peft_io import save_peft_adapter
 from jaxlora.lora.pool import AdapterPool
 from jaxlora.lora.trainable import slot_adapter, split_pool
 from jaxlora.models.config import PROJECTIONS
+from jaxlora.models.packed import pack_projections
 from jaxlora.scheduler.core import IDLE, TRAIN, TRAINING_ONLY, WorkItem
 from jaxlora.scheduler.training.data import Sample, TrainingData
 from jaxlora.scheduler.training.schedule import SchedulerConfig
@@ -71,7 +73,7 @@ class Trainer:
                    len(self.devices), jax.process_count())
         if model is None:
             model, tokenizer = load_base_model(config.base_model, jnp.dtype(config.dtype), config.seed, config.tokenizer)
-        self.model, self.tokenizer = model, tokenizer
+        self.model, self.tokenizer = _training_model(config, model), tokenizer
         self.jobs = [self._job_state(job) for job in config.jobs]
         modules = [m for m in PROJECTIONS if any(m in job.lora.target_modules for job in config.jobs)]
         self.pool = AdapterPool(model.config, len(self.jobs), max(j.rank for j in self.jobs), modules,
@@ -180,6 +182,14 @@ class Trainer:
         if session.stop % self.config.checkpoint_every == 0 and session.stream.saved.is_set():
             self._save(session.stop)
         return True
+
+    def wait_for_schedule(self) -> None:
+        """Until the scheduler has produced the whole schedule (then `next_item` never waits)."""
+        self._session.stream.saved.wait()
+
+    def losses(self) -> dict[str, list[float]]:
+        """Each job's per-step losses so far in this run."""
+        return self._session.metrics.losses()
 
     @property
     def microbatches_done(self) -> int:
@@ -301,6 +311,18 @@ class Trainer:
                               base_model_name=str(self.config.base_model))
 
 
+def _training_model(config: TrainConfig, model):
+    """The model the steps run: on one device, without LoRA dropout and with an XLA LoRA backend,
+    its q/k/v and gate/up kernels packed (`jaxlora.models.packed`; a copy unless they already are):
+    4 base GEMMs a layer instead of 7, and the very programs of training inside the server, whose
+    one copy of the weights is the packed serving model (`serve.finetune`), so that a job gives
+    the same adapter there as here. Dropout and the fused backends need each projection's kernel."""
+    if (config.mesh.size > 1 or backends.get(config.lora_backend).fused
+            or any(job.lora.lora_dropout for job in config.jobs)):
+        return model
+    return pack_projections(model)
+
+
 @dataclasses.dataclass
 class _Session:
     """A run in progress: its first and next microbatch, metrics, progress bars, schedule, the
@@ -329,6 +351,10 @@ class _SharedSchedule:
 class _Done:
     @staticmethod
     def is_set() -> bool:
+        return True
+
+    @staticmethod
+    def wait(timeout=None) -> bool:
         return True
 
 
