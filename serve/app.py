@@ -46,6 +46,7 @@ from jaxlora.lora.peft_io import load_peft_adapter
 from jaxlora.tokenizer import TokenizerError
 from jaxlora.sampling import SamplingParams
 from serve.engine import Engine, EngineBusy, RequestError, UnknownAdapter
+from serve.finetune import FinetuneService, FinetuneSettings, add_finetune_routes
 from serve.auth import ApiKeyAuth
 from serve.classify import add_classify_route
 from serve.logprobs import chat_logprobs, completion_logprobs
@@ -58,6 +59,7 @@ from serve.replicas import ReplicaSet, server_state
 from serve.text import TextTracker
 
 log = logging.getLogger("jaxlora.serve")
+UPLOAD_OVERHEAD = 64 << 10  # multipart framing around an uploaded file
 
 @dataclasses.dataclass(frozen=True)
 class ServerSettings:
@@ -69,6 +71,7 @@ class ServerSettings:
     limits: Limits = Limits()
     api_key: str | None = None
     metrics_require_key: bool = False
+    finetune: FinetuneSettings | None = None  # the fine-tuning API (serve.finetune); None: off
 
 
 @dataclasses.dataclass
@@ -431,17 +434,19 @@ def invalid_request_error(err: RequestValidationError) -> ApiError:
 
 
 class BodyLimit:
-    """ASGI middleware: 413 for bodies over `max_bytes` (by Content-Length, or while reading)."""
+    """ASGI middleware: 413 for bodies over `max_bytes` (by Content-Length, or while reading);
+    `paths`: other bounds for some paths (file uploads)."""
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, paths: dict[str, int] | None = None):
+        self.app, self.max_bytes, self.paths = app, max_bytes, dict(paths or {})
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        max_bytes = self.paths.get(scope.get("path"), self.max_bytes)
         length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            return await self._too_large(send)
+        if length is not None and (not length.isdigit() or int(length) > max_bytes):
+            return await self._too_large(send, max_bytes)
         seen = 0
 
         async def limited_receive():
@@ -449,14 +454,15 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise ApiError(413, f"request body exceeds {self.max_bytes} bytes")
+                if seen > max_bytes:
+                    raise ApiError(413, f"request body exceeds {max_bytes} bytes")
             return message
 
         await self.app(scope, limited_receive, send)
 
-    async def _too_large(self, send):
-        response = JSONResponse(ApiError(413, f"request body exceeds {self.max_bytes} bytes").body(), 413)
+    @staticmethod
+    async def _too_large(send, max_bytes: int):
+        response = JSONResponse(ApiError(413, f"request body exceeds {max_bytes} bytes").body(), 413)
         await response({"type": "http"}, None, send)
 
 
@@ -471,7 +477,10 @@ def create_app(engine: Engine, tokenizer, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="jaxlora-serve", lifespan=lifespan)
     app.state.server = server
-    app.add_middleware(BodyLimit, max_bytes=settings.limits.max_body_bytes)
+    service = None if settings.finetune is None else FinetuneService(settings.finetune, engine, tokenizer,
+                                                                      settings.model_name)
+    uploads = {} if service is None else {"/v1/files": settings.finetune.max_file_bytes + UPLOAD_OVERHEAD}
+    app.add_middleware(BodyLimit, max_bytes=settings.limits.max_body_bytes, paths=uploads)
     if settings.api_key:  # added last: runs first, before the body is read
         open_paths = () if settings.metrics_require_key else ("/health", "/metrics")
         app.add_middleware(ApiKeyAuth, api_key=settings.api_key, open_paths=open_paths)
@@ -488,6 +497,8 @@ def create_app(engine: Engine, tokenizer, settings: ServerSettings) -> FastAPI:
     add_classify_route(app, server)
     _add_tokenizer_routes(app, server)
     _add_admin_routes(app, server)
+    if service is not None:
+        add_finetune_routes(app, service)
     return app
 
 

@@ -93,8 +93,44 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on every route but /health and /metrics (default: "
                         "$JAXLORA_API_KEY; none: no authentication)")
     p.add_argument("--metrics-require-key", action="store_true", help="/health and /metrics need the API key too")
+    tune = p.add_argument_group("fine-tuning inside the server (the OpenAI fine-tuning API, serve.finetune)")
+    tune.add_argument("--data-dir", default=None, metavar="DIR",
+                      help="turn on /v1/files and /v1/fine_tuning/jobs: uploads, the job table, checkpoints under DIR "
+                           "(needs --adapter-dir: finished adapters are served from there); jobs resume on restart")
+    tune.add_argument("--max-file-bytes", default="16M", metavar="BYTES", help="largest training file upload")
+    tune.add_argument("--finetune-capacity", type=int, default=512, metavar="TOKENS",
+                      help="tokens per training microbatch (one device step that serving may wait for)")
+    tune.add_argument("--finetune-checkpoint-every", type=int, default=8, metavar="N",
+                      help="checkpoint a job every N microbatches (Orbax)")
+    tune.add_argument("--finetune-learning-rate", type=float, default=1e-3,
+                      help="the learning rate a job's learning_rate_multiplier multiplies")
+    tune.add_argument("--finetune-train-below", type=int, default=0, metavar="N",
+                      help="run a training microbatch between serving steps while at most N requests run and none "
+                           "waits (0: train only when serving is idle)")
     p.add_argument("--log-level", default="info")
     return p
+
+
+def finetune_settings(args):
+    """The fine-tuning settings of the arguments (None without --data-dir); SystemExit for bad values."""
+    if args.data_dir is None:
+        return None
+    from serve.finetune import FinetuneSettings
+    from serve.finetune_jobs import TrainingSettings
+
+    if args.adapter_dir is None:
+        raise SystemExit("jaxlora-serve: --data-dir needs --adapter-dir (finished jobs' adapters are served from there)")
+    for option, value in (("--finetune-capacity", args.finetune_capacity),
+                          ("--finetune-checkpoint-every", args.finetune_checkpoint_every)):
+        if value < 1:
+            raise SystemExit(f"jaxlora-serve: {option} must be >= 1, got {value}")
+    if args.finetune_train_below < 0 or not args.finetune_learning_rate > 0:
+        raise SystemExit("jaxlora-serve: --finetune-train-below must be >= 0 and --finetune-learning-rate > 0")
+    os.makedirs(args.data_dir, exist_ok=True)
+    training = TrainingSettings(args.finetune_capacity, args.finetune_checkpoint_every, args.model, args.dtype)
+    return FinetuneSettings(os.path.abspath(args.data_dir), parse_bytes(args.max_file_bytes),
+                            base_learning_rate=args.finetune_learning_rate, train_below=args.finetune_train_below,
+                            training=training)
 
 
 def parse_adapters(specs: list[str]) -> list[tuple[str, str]]:
@@ -269,8 +305,11 @@ def build_app(args):
     limits = Limits(max_tokens=args.max_tokens_limit, max_body_bytes=args.max_body_bytes)
     settings = ServerSettings(args.served_model_name or default_model_name(args.model),
                               tuple(args.allowed_adapter_dir), limits, api_key=args.api_key,
-                              metrics_require_key=args.metrics_require_key)
-    return create_app(engine, tokenizer, settings)
+                              metrics_require_key=args.metrics_require_key, finetune=finetune_settings(args))
+    try:
+        return create_app(engine, tokenizer, settings)
+    except ValueError as err:  # fine-tuning on an engine that cannot train
+        raise SystemExit(f"jaxlora-serve: {err}")
 
 
 def read_compressed(args):

@@ -207,6 +207,23 @@ class Trainer:
         self.export()
         return session.metrics.losses()
 
+    def abandon(self) -> None:
+        """Ends a run without exporting (its checkpoints stay)."""
+        self._close()
+
+    def warmup(self) -> None:
+        """Compiles the grad step on an empty microbatch (no tokens, nothing learned), so that the
+        first real step does not wait for the compile (one device only: a mesh's steps compile as
+        they run)."""
+        if not isinstance(self.executor, SpmdExecutor) or self.executor.mesh is not None:
+            return
+        rows = [[] for _ in range(self.config.mesh.data)]
+        batch, plan = device_batch(pack_rows(rows, self.config.capacity, len(self.jobs)), len(self.jobs))
+        executor = self.executor
+        key = None if executor.dropout_rate is None else jax.random.key(0)
+        jax.block_until_ready(executor.grad_step(executor.trainable, executor.frozen, batch, plan,
+                                                 executor.dropout_rate, key))
+
     def _close(self) -> None:
         for bar in self._session.bars:
             bar.close()
@@ -316,7 +333,10 @@ def _training_model(config: TrainConfig, model):
     its q/k/v and gate/up kernels packed (`jaxlora.models.packed`; a copy unless they already are):
     4 base GEMMs a layer instead of 7, and the very programs of training inside the server, whose
     one copy of the weights is the packed serving model (`serve.finetune`), so that a job gives
-    the same adapter there as here. Dropout and the fused backends need each projection's kernel."""
+    the same adapter there as here. Dropout and the fused backends need each projection's kernel.
+    A model already packed is used as it is (the server's: its Variables are the engine's)."""
+    if "layers.qkv_proj.kernel" in model.weights:
+        return model
     if (config.mesh.size > 1 or backends.get(config.lora_backend).fused
             or any(job.lora.lora_dropout for job in config.jobs)):
         return model
