@@ -211,11 +211,13 @@ class Record:
 
 
 def run_trace(model, engine_config: EngineConfig, trace: Trace, prompts: list, factory: AdapterFactory | None,
-              mesh=None, step_fn=None, shapes=None, compressed=None) -> dict:
+              mesh=None, step_fn=None, shapes=None, compressed=None, install=None) -> dict:
     """Serves `trace` on a fresh engine (with its adapters if `factory`, or from a compressed
     collection `compressed` (a `SharedBasisSet` naming them adapter<i>), else all on the base model;
     tensor parallel over `mesh` if given), warmed up on `shapes` (default: the greedy steps of its
-    kind, `greedy_shapes`) unless `step_fn` replaces its device step (`Engine(step_fn=...)`)."""
+    kind, `greedy_shapes`) unless `step_fn` replaces its device step (`Engine(step_fn=...)`).
+    install(engine): called once the engine is ready, before the clock starts (e.g. to set its
+    `training`: the driver runs `Engine.train_step` after every step, as the engine thread does)."""
     setup_start = time.perf_counter()
     engine = Engine(model, eos_ids=(), config=engine_config, mesh=mesh, step_fn=step_fn, compressed=compressed)
     with_adapters = factory is not None or compressed is not None
@@ -224,6 +226,8 @@ def run_trace(model, engine_config: EngineConfig, trace: Trace, prompts: list, f
     if factory is not None:
         for index in sorted(set(int(a) for a in trace.adapters)):
             engine.add_adapter(f"adapter{index}", factory(index))
+    if install is not None:
+        install(engine)
     setup_s = time.perf_counter() - setup_start
     names = [f"adapter{int(a)}" if with_adapters else None for a in trace.adapters]
     count = len(names)
@@ -253,7 +257,8 @@ def run_trace(model, engine_config: EngineConfig, trace: Trace, prompts: list, f
             lateness = max(lateness, now - trace.arrivals[i])
             engine.submit(i, prompts[i], names[i], SamplingParams(int(trace.output_lens[i])), callback_for(records[i]))
             submitted += 1
-        if not engine.step() and finished[0] < count:
+        busy = engine.step()
+        if not engine.train_step() and not busy and finished[0] < count:
             if submitted < count:  # idle until the next arrival
                 time.sleep(max(0.0, min(0.05, start + trace.arrivals[submitted] - time.perf_counter())))
             else:
@@ -268,6 +273,7 @@ def run_trace(model, engine_config: EngineConfig, trace: Trace, prompts: list, f
         "mean_step_ms": 1e3 * stats.step_seconds / max(1, stats.steps),
         "max_submit_lateness_s": lateness, "compiles_in_run": stats.step_compiles,
         "phase_ms_per_step": stats.phase_ms_per_step(), "steps_by_kind": stats.steps_by_kind(),
+        "train_steps": stats.train_steps, "train_tokens": stats.train_tokens, "train_seconds": stats.train_seconds,
         **({} if engine.modes is None else {"modes": engine.modes.snapshot()}),
     })
     del engine
