@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxlora.buckets import bucket
 from jaxlora.lora.plan import LoraPlan, build_plan
+from jaxlora.scheduler.core import TRAIN, TokenCapacity, WorkItem
 
 
 @dataclasses.dataclass
@@ -39,11 +40,10 @@ def pack_microbatch(entries, capacity: int, num_slots: int) -> MicrobatchArrays:
     weights = np.zeros((1, capacity), np.float32)
     token_slot = np.full((1, capacity), -1, np.int32)
     adapter_tokens = np.zeros(num_slots, np.int64)
+    TokenCapacity(capacity).check([WorkItem(TRAIN, slot, len(sample.tokens)) for slot, sample, _ in entries])
     offset = 0
     for segment, (slot, sample, weight) in enumerate(entries, start=1):
         length = len(sample.tokens)
-        if offset + length > capacity:
-            raise ValueError(f"microbatch overflows its capacity of {capacity} tokens")
         span = slice(offset, offset + length)
         tokens[0, span], positions[0, span] = sample.tokens, np.arange(length)
         segment_ids[0, span], token_slot[0, span] = segment, slot

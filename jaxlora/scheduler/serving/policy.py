@@ -63,6 +63,7 @@ import enum
 import itertools
 from typing import Any, Callable, Hashable
 
+from jaxlora.scheduler.core import DECODE, PREFILL, TokenCapacity, WorkItem
 from jaxlora.scheduler.serving.adapters import AdapterSlots
 from jaxlora.scheduler.serving.pages import PageAllocator, admission_pages, pages_for
 from jaxlora.scheduler.serving.unified import UnifiedPages
@@ -172,12 +173,19 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(row.count for row in self.rows)
 
+    def work_items(self) -> list[WorkItem]:
+        """The step's rows as the scheduler core's work items: a decode row computes the newest
+        token of a sequence past its prompt, a prefill row a chunk of its prompt (or a recompute)."""
+        return [WorkItem(DECODE if row.count == 1 and row.start >= len(row.seq.prompt) else PREFILL,
+                         row.seq.adapter, row.count) for row in self.rows]
+
 
 class ServingScheduler:
     """Waiting queue, running set, pages and adapter slots; `schedule()` plans the next step."""
 
     def __init__(self, config: SchedulerConfig):
         self.config = config
+        self.capacity = TokenCapacity(config.token_budget)  # every step's work items fit it
         self.slots = AdapterSlots(config.num_adapter_slots)
         self.pages = (UnifiedPages(config.num_pages, config.page_size, in_use=self.slots.pinned,
                                    num_rows=config.adapter_rows)
@@ -266,7 +274,9 @@ class ServingScheduler:
             if row.sample:
                 row.seq.output.append(PENDING)
         rows.sort(key=lambda r: (r.slot < 0, r.slot))
-        return StepPlan(rows, loads, preempted)
+        plan = StepPlan(rows, loads, preempted)
+        self.capacity.check(plan.work_items())
+        return plan
 
     def _grow(self, seq: Sequence, positions: int, preempted: list[Sequence]) -> bool:
         """Gives `seq` the pages of its first `positions` cache positions, preempting the newest
