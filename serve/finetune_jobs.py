@@ -225,6 +225,9 @@ class JobRunner:
         job_id = active.job_id
         try:
             job = self.table.get(job_id)
+            if job["status"] not in ACTIVE:  # cancelled meanwhile: nothing to build
+                active.ready.set()
+                return
             run_dir = os.path.join(self.table.job_dir(job_id), "run")
             config = train_config(job, self.files.path(job["training_file"]), run_dir, self.settings)
             write_jobs_yaml(config, os.path.join(self.table.job_dir(job_id), "jobs.yaml"))
@@ -279,8 +282,9 @@ class JobRunner:
         self.active = None
 
     def _drop(self, active: _Active) -> None:
-        """A cancelled job: its trainer is closed, its checkpoints are kept."""
-        active.trainer.abandon()
+        """A cancelled job: its trainer (if built) is closed, its checkpoints are kept."""
+        if active.trainer is not None:
+            active.trainer.abandon()
         self.active = None
 
 

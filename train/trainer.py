@@ -24,7 +24,7 @@ from jaxlora.lora import backends
 from jaxlora.lora.adapter import LoraAdapter, empty_module
 from jaxlora.lora.peft_io import save_peft_adapter
 from jaxlora.lora.pool import AdapterPool
-from jaxlora.lora.trainable import slot_adapter, split_pool
+from jaxlora.lora.trainable import apply_adapter_update, slot_adapter, split_pool
 from jaxlora.models.config import PROJECTIONS
 from jaxlora.models.packed import pack_projections
 from jaxlora.scheduler.core import IDLE, TRAIN, TRAINING_ONLY, WorkItem
@@ -41,7 +41,7 @@ from train.mesh import build_meshes, check_mesh
 from train.metrics import MetricsLog
 from train.optim import init_lora_a, learning_rate_schedule, make_optimizer
 from train.schedule_stream import ScheduleStream
-from train.step import device_batch, pack_rows
+from train.step import add_trees, device_batch, pack_rows
 
 
 @dataclasses.dataclass
@@ -212,17 +212,22 @@ class Trainer:
         self._close()
 
     def warmup(self) -> None:
-        """Compiles the grad step on an empty microbatch (no tokens, nothing learned), so that the
-        first real step does not wait for the compile (one device only: a mesh's steps compile as
-        they run)."""
-        if not isinstance(self.executor, SpmdExecutor) or self.executor.mesh is not None:
+        """Compiles the programs of a step ahead, so that the first real steps do not wait for a
+        compile: the grad step on an empty microbatch (no tokens, nothing learned), the gradient
+        sum and each adapter's optimizer update on copies of the state (the originals are donated
+        by the real ones and stay untouched). One device only: a mesh's steps compile as they run."""
+        executor = self.executor
+        if not isinstance(executor, SpmdExecutor) or executor.mesh is not None:
             return
         rows = [[] for _ in range(self.config.mesh.data)]
         batch, plan = device_batch(pack_rows(rows, self.config.capacity, len(self.jobs)), len(self.jobs))
-        executor = self.executor
         key = None if executor.dropout_rate is None else jax.random.key(0)
-        jax.block_until_ready(executor.grad_step(executor.trainable, executor.frozen, batch, plan,
-                                                 executor.dropout_rate, key))
+        _, grads = executor.grad_step(executor.trainable, executor.frozen, batch, plan, executor.dropout_rate, key)
+        jax.block_until_ready(add_trees(jax.tree.map(jnp.copy, executor.grads_acc), grads))
+        for slot, (optimizer, rank) in enumerate(zip(executor.optimizers, executor.ranks)):
+            trainable, grads_acc = jax.tree.map(jnp.copy, (executor.trainable, executor.grads_acc))
+            jax.block_until_ready(apply_adapter_update(optimizer, trainable, grads_acc, slot, rank,
+                                                       executor.opt_states[slot]))
 
     def _close(self) -> None:
         for bar in self._session.bars:
