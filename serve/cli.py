@@ -126,6 +126,9 @@ def finetune_settings(args):
             raise SystemExit(f"jaxlora-serve: {option} must be >= 1, got {value}")
     if args.finetune_train_below < 0 or not args.finetune_learning_rate > 0:
         raise SystemExit("jaxlora-serve: --finetune-train-below must be >= 0 and --finetune-learning-rate > 0")
+    if args.replicas > 1 or args.tensor_parallel > 1 or args.inference_mode != "unmerged":
+        raise SystemExit("jaxlora-serve: --data-dir (fine-tuning) runs on one engine on one device with "
+                         "--inference-mode unmerged (not with --replicas, --tensor-parallel or merged modes)")
     os.makedirs(args.data_dir, exist_ok=True)
     training = TrainingSettings(args.finetune_capacity, args.finetune_checkpoint_every, args.model, args.dtype)
     return FinetuneSettings(os.path.abspath(args.data_dir), parse_bytes(args.max_file_bytes),
@@ -250,6 +253,7 @@ def build_app(args):
     from serve.replicas import ReplicaSet
 
     check_engine_options(args)
+    finetune = finetune_settings(args)
     if args.metrics_require_key and not args.api_key:
         raise SystemExit("jaxlora-serve: --metrics-require-key needs --api-key (or JAXLORA_API_KEY)")
     import jax
@@ -305,7 +309,7 @@ def build_app(args):
     limits = Limits(max_tokens=args.max_tokens_limit, max_body_bytes=args.max_body_bytes)
     settings = ServerSettings(args.served_model_name or default_model_name(args.model),
                               tuple(args.allowed_adapter_dir), limits, api_key=args.api_key,
-                              metrics_require_key=args.metrics_require_key, finetune=finetune_settings(args))
+                              metrics_require_key=args.metrics_require_key, finetune=finetune)
     try:
         return create_app(engine, tokenizer, settings)
     except ValueError as err:  # fine-tuning on an engine that cannot train

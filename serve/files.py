@@ -108,23 +108,19 @@ class FileStore:
                 if os.path.exists(leftover):
                     os.remove(leftover)
             raise
-        return self.public(entry)
+        return dict(entry)
 
     def path(self, file_id: str) -> str:
         return os.path.join(self.directory, f"{file_id}.jsonl")
 
     def get(self, file_id: str) -> dict | None:
-        """The file object of `file_id`, None if there is no such file."""
+        """The file object of `file_id` (OpenAI's, plus our record count), None if there is none."""
         with self._lock:
             entry = self._files.get(file_id)
-        return None if entry is None else self.public(entry)
+        return None if entry is None else dict(entry)
 
     def list(self) -> list[dict]:
+        """Every file object, newest first."""
         with self._lock:
             entries = list(self._files.values())
-        return [self.public(e) for e in sorted(entries, key=lambda e: e["created_at"], reverse=True)]
-
-    @staticmethod
-    def public(entry: dict) -> dict:
-        """OpenAI's file object (the record count is ours)."""
-        return dict(entry)
+        return [dict(e) for e in sorted(entries, key=lambda e: (e["created_at"], e["id"]), reverse=True)]

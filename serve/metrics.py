@@ -73,6 +73,10 @@ class Metrics:
                                          "switches (their dispatch)", registry=registry)
         self.mode_steps = Gauge("jaxlora_inference_mode_steps", "Steps run in each inference mode", ["mode"],
                                 registry=registry)
+        self.train_steps = Gauge("jaxlora_train_steps", "Training microbatches run in steps serving left idle "
+                                 "(fine-tuning jobs, serve.finetune) so far", registry=registry)
+        self.train_tokens = Gauge("jaxlora_train_tokens", "Tokens of those microbatches", registry=registry)
+        self.train_seconds = Gauge("jaxlora_train_seconds_sum", "Seconds the engine spent on them", registry=registry)
         self.ttft = Histogram("jaxlora_time_to_first_token_seconds", "Time to first token",
                               buckets=LATENCY_BUCKETS, registry=registry)
         self.e2e = Histogram("jaxlora_request_latency_seconds", "End-to-end request latency",
@@ -101,6 +105,10 @@ class Metrics:
             self.replica_draining.labels(replica).set(int(load["draining"]))
             self.replica_idle.labels(replica).set(int(load["idle"]))
         self._render_modes(snap)
+        stats = self.engine.stats
+        self.train_steps.set(getattr(stats, "train_steps", 0))
+        self.train_tokens.set(getattr(stats, "train_tokens", 0))
+        self.train_seconds.set(getattr(stats, "train_seconds", 0.0))
         return generate_latest(self.registry)
 
     def _render_modes(self, snap: dict) -> None:

@@ -213,16 +213,19 @@ class Trainer:
 
     def warmup(self) -> None:
         """Compiles the programs of a step ahead, so that the first real steps do not wait for a
-        compile: the grad step on an empty microbatch (no tokens, nothing learned), the gradient
-        sum and each adapter's optimizer update on copies of the state (the originals are donated
-        by the real ones and stay untouched). One device only: a mesh's steps compile as they run."""
+        compile: the grad step for a microbatch's shapes (compiled, not run: it reads no weight,
+        so another thread may replace the weights meanwhile, as the server's engine does), the
+        gradient sum and each adapter's optimizer update (run on copies of the trainer's state:
+        the originals are donated by the real ones). One device only: a mesh's steps compile as
+        they run."""
         executor = self.executor
         if not isinstance(executor, SpmdExecutor) or executor.mesh is not None:
             return
         rows = [[] for _ in range(self.config.mesh.data)]
         batch, plan = device_batch(pack_rows(rows, self.config.capacity, len(self.jobs)), len(self.jobs))
         key = None if executor.dropout_rate is None else jax.random.key(0)
-        _, grads = executor.grad_step(executor.trainable, executor.frozen, batch, plan, executor.dropout_rate, key)
+        executor.grad_step.compile_ahead(executor.trainable, executor.frozen, batch, plan, executor.dropout_rate, key)
+        grads = jax.tree.map(jnp.zeros_like, executor.grads_acc)
         jax.block_until_ready(add_trees(jax.tree.map(jnp.copy, executor.grads_acc), grads))
         for slot, (optimizer, rank) in enumerate(zip(executor.optimizers, executor.ranks)):
             trainable, grads_acc = jax.tree.map(jnp.copy, (executor.trainable, executor.grads_acc))

@@ -65,6 +65,13 @@ def make_grad_step(model: Llama, num_slots: int, lora_backend: str = "gather", *
             raise ValueError("LoRA dropout needs the unmapped model: make the grad step without a mesh")
         return jitted_step(state, trainable, frozen, batch, plan, dropout_rate, dropout_key)
 
+    def compile_ahead(trainable, frozen, batch, plan, dropout_rate=None, dropout_key=None) -> None:
+        """Compiles the step for these arguments' shapes without running it: it reads no weight
+        values (a server's weights may be replaced meanwhile by another thread), and the first
+        real call finds the compiled program."""
+        jitted_step.lower(state, trainable, frozen, batch, plan, dropout_rate, dropout_key).compile()
+
+    grad_step.compile_ahead = compile_ahead
     return grad_step
 
 

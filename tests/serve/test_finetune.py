@@ -8,6 +8,7 @@ import os
 import threading
 import time
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -107,7 +108,8 @@ def trained(server):
     events = client.fine_tuning.jobs.list_events(job.id, limit=100).data
     answers = {e["prompt"]: (e["completion"], _greedy(client, finished.fine_tuned_model, e["prompt"]))
                for e in make_examples(TASK, 12, seed=1)}
-    return dict(server, job=finished, events=events, alone=alone, during=during, eval=answers,
+    metrics = httpx.get(server["server"].url + "/metrics").text
+    return dict(server, job=finished, events=events, alone=alone, during=during, eval=answers, metrics=metrics,
                 listed=client.fine_tuning.jobs.list().data, train_steps=server["server"].engine.stats.train_steps)
 
 
@@ -121,6 +123,7 @@ def test_job_trains_while_serving_and_its_adapter_answers(trained):
     assert messages[-1].startswith("Created fine-tuning job") and "successfully completed" in messages[0]
     assert sum(e.type == "metrics" for e in trained["events"]) == 6  # 48 records / batch 8
     assert trained["train_steps"] >= 6 and len(trained["during"]) >= 2
+    assert f"jaxlora_train_steps {float(trained['train_steps'])}" in trained["metrics"]
     assert all(answers == trained["alone"] for answers in trained["during"])  # serving unchanged by training
     correct = [is_correct(answer, expected) for expected, answer in trained["eval"].values()]
     assert all(correct), trained["eval"]
@@ -236,3 +239,18 @@ def test_cancel(server):
     with pytest.raises(openai.BadRequestError, match="already cancelled"):
         client.fine_tuning.jobs.cancel(job.id)
     assert client.fine_tuning.jobs.list_events(job.id).data[0].message == "Fine-tuning job cancelled"
+
+
+@pytest.mark.parametrize("extra, reason", [
+    ([], "--data-dir needs --adapter-dir"),
+    (["--adapter-dir", "{tmp}", "--replicas", "2"], "one engine on one device"),
+    (["--adapter-dir", "{tmp}", "--inference-mode", "merged"], "one engine on one device"),
+    (["--adapter-dir", "{tmp}", "--finetune-capacity", "0"], "--finetune-capacity must be >= 1"),
+])
+def test_cli_refuses_fine_tuning_it_cannot_run(tmp_path, extra, reason):
+    """Checked before the model loads."""
+    from serve.cli import build_app, build_parser
+
+    argv = ["--data-dir", str(tmp_path / "data")] + [a.format(tmp=tmp_path) for a in extra]
+    with pytest.raises(SystemExit, match=reason):
+        build_app(build_parser().parse_args(argv))
