@@ -31,6 +31,7 @@ from train.config import JobConfig, TrainConfig
 log = logging.getLogger("jaxlora.serve")
 
 ACTIVE = ("validating_files", "queued", "running")
+RUNNABLE = ("queued", "running")  # the runner takes these (running: interrupted by a restart)
 FINAL = ("succeeded", "failed", "cancelled")
 MAX_EVENTS = 1000  # per job (the oldest metrics events are dropped first)
 
@@ -44,6 +45,7 @@ class JobTable:
         self._lock = threading.Lock()
         self._jobs: dict[str, dict] = read_json_table(self.path)
         self._events: dict[str, list] = {job_id: self._read_events(job_id) for job_id in self._jobs}
+        self._runnable = {job_id for job_id, job in self._jobs.items() if job["status"] in RUNNABLE}
 
     def job_dir(self, job_id: str) -> str:
         return os.path.join(self.data_dir, "jobs", job_id)
@@ -57,6 +59,8 @@ class JobTable:
             self._events[job["id"]] = []
             self._jobs = {**self._jobs, job["id"]: job}
             write_json_atomic(self.path, self._jobs)
+            if job["status"] in RUNNABLE:
+                self._runnable.add(job["id"])
 
     def get(self, job_id: str) -> dict | None:
         with self._lock:
@@ -74,7 +78,17 @@ class JobTable:
             job = {**self._jobs[job_id], **fields}
             self._jobs = {**self._jobs, job_id: job}
             write_json_atomic(self.path, self._jobs)
+            if job["status"] not in RUNNABLE:
+                self._runnable.discard(job_id)
             return dict(job)
+
+    def next_runnable(self) -> dict | None:
+        """The oldest queued or interrupted job, None if there is none (cheap when there is none)."""
+        with self._lock:
+            if not self._runnable:
+                return None
+            job_id = min(self._runnable, key=lambda i: (self._jobs[i]["created_at"], i))
+            return dict(self._jobs[job_id])
 
     def cancel(self, job_id: str) -> dict:
         """Marks an active job cancelled (the runner stops it before its next microbatch)."""
@@ -84,6 +98,7 @@ class JobTable:
                 job = {**job, "status": "cancelled", "finished_at": int(time.time())}
                 self._jobs = {**self._jobs, job_id: job}
                 write_json_atomic(self.path, self._jobs)
+                self._runnable.discard(job_id)
         self.event(job_id, "Fine-tuning job cancelled")
         return dict(job)
 
@@ -211,7 +226,7 @@ class JobRunner:
     # ---- picking and preparing a job -----------------------------------------------------------
     def _current(self) -> _Active | None:
         if self.active is None:
-            job = next((j for j in self.table.jobs() if j["status"] in ("queued", "running")), None)
+            job = self.table.next_runnable()
             if job is not None:
                 self.active = _Active(job["id"])
                 threading.Thread(target=self._prepare, args=(self.active,), name="jaxlora-finetune-prepare",

@@ -191,11 +191,6 @@ class Trainer:
         """Each job's per-step losses so far in this run."""
         return self._session.metrics.losses()
 
-    @property
-    def microbatches_done(self) -> int:
-        """Microbatches of the schedule trained so far (checkpointed or not)."""
-        return self._session.stop
-
     def finish(self) -> dict[str, list[float]]:
         """Saves the final checkpoint, exports each job's adapter (PEFT) and returns the losses."""
         session = self._session

@@ -254,3 +254,16 @@ def test_cli_refuses_fine_tuning_it_cannot_run(tmp_path, extra, reason):
     argv = ["--data-dir", str(tmp_path / "data")] + [a.format(tmp=tmp_path) for a in extra]
     with pytest.raises(SystemExit, match=reason):
         build_app(build_parser().parse_args(argv))
+
+
+def test_a_job_that_cannot_train_fails_with_the_reason(server):
+    """A prompt longer than a microbatch leaves no token to learn from once truncated: the job
+    fails (the server goes on serving) and says why."""
+    client = server["client"]
+    record = b'{"prompt": "' + b"word " * 400 + b'", "completion": " end"}\n'
+    file = _upload(client, record * 8)
+    job = client.fine_tuning.jobs.create(training_file=file.id, **JOB)
+    failed = _wait(client, job.id)
+    assert failed.status == "failed" and "no token to learn from" in failed.error.message
+    assert client.fine_tuning.jobs.list_events(job.id).data[0].level == "error"
+    assert _greedy(client, BASE, PROMPTS[0])
