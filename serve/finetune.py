@@ -12,9 +12,9 @@ uploaded file's id, `hyperparameters` (or `method: {type: supervised, supervised
 records, at most max_batch_size; "auto": min(8, records)) and `learning_rate_multiplier` (times
 `base_learning_rate`; "auto": 1), `seed`, `suffix`, `metadata`; and our extension field `lora`
 (with the openai client: `extra_body={"lora": {...}}`): `r` (1..the server's max LoRA rank, so the
-adapter is servable), `alpha` (default 2r), `targets` (PEFT module names, default q/k/v/o_proj),
-`use_rslora`. Any other field, a validation file or integrations are refused (400), as is LoRA
-dropout (the server trains on the packed serving kernels; `jaxlora-train` offline has it).
+adapter is servable), `alpha` (default 2r), `dropout` (default 0), `targets` (PEFT module names,
+default q/k/v/o_proj), `use_rslora`. Any other field, a validation file or integrations are
+refused (400).
 
 The job trains as `jaxlora-train DATA/jobs/<id>/jobs.yaml` would (the same `Trainer`, the same
 programs, the same adapter: see `serve.finetune_jobs`), and its adapter is served as
@@ -82,7 +82,7 @@ class Method(_Strict):
 
 
 class LoraRequest(_Strict):
-    """Our extension field: the adapter's LoRA settings (no dropout: see the module doc)."""
+    """Our extension field: the adapter's LoRA settings."""
 
     r: StrictInt = 8
     alpha: StrictFloat | StrictInt | None = None
@@ -185,15 +185,15 @@ class FinetuneService:
         if not 1 <= lora.r <= largest:
             raise ApiError(400, f"lora.r must be in [1, {largest}] (this server's largest servable rank), "
                                 f"got {lora.r}", "lora.r")
-        if lora.dropout:
-            raise ApiError(400, "lora.dropout: this server trains on its packed serving kernels, which LoRA dropout "
-                                "cannot use; train with dropout offline (jaxlora-train)", "lora.dropout")
+        if not 0 <= lora.dropout < 1:
+            raise ApiError(400, f"lora.dropout must be in [0, 1), got {lora.dropout}", "lora.dropout")
         targets = lora.targets or ["q_proj", "k_proj", "v_proj", "o_proj"]
         unknown = sorted(set(targets) - set(PROJECTIONS))
         if unknown or len(set(targets)) != len(targets):
             raise ApiError(400, f"lora.targets: distinct names among {', '.join(PROJECTIONS)}"
                                 + (f" (unknown: {', '.join(unknown)})" if unknown else ""), "lora.targets")
-        raw = {"r": lora.r, "alpha": float(2 * lora.r if lora.alpha is None else lora.alpha), "dropout": 0.0,
+        raw = {"r": lora.r, "alpha": float(2 * lora.r if lora.alpha is None else lora.alpha),
+               "dropout": float(lora.dropout),
                "targets": targets, "use_rslora": lora.use_rslora}
         try:
             lora_config(raw, "lora")

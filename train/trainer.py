@@ -336,8 +336,10 @@ def _training_model(config: TrainConfig, model):
     its q/k/v and gate/up kernels packed (`jaxlora.models.packed`; a copy unless they already are):
     4 base GEMMs a layer instead of 7, and the very programs of training inside the server, whose
     one copy of the weights is the packed serving model (`serve.finetune`), so that a job gives
-    the same adapter there as here. Dropout and the fused backends need each projection's kernel.
-    A model already packed is used as it is (the server's: its Variables are the engine's)."""
+    the same adapter there as here. With dropout or a fused backend each projection runs on its
+    own (on a packed model: on its own columns, `jaxlora.lora.project`, with the same results), so
+    packing buys nothing there. A model already packed is used as it is (the server's: its
+    Variables are the engine's)."""
     if "layers.qkv_proj.kernel" in model.weights:
         return model
     if (config.mesh.size > 1 or backends.get(config.lora_backend).fused

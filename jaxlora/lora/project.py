@@ -88,8 +88,8 @@ def project_group(x: jax.Array, weights: dict[str, jax.Array], names: tuple,
     own, or one GEMM when `weights` hold them packed (`jaxlora.models.packed`: then `sizes` are
     their output widths); the LoRA of the projections that have adapters together
     (`LoraBackend.accumulate_group`: one grouped shrink and expand for the serving kernels).
-    Training inputs (dropout, fused backends) take `project` one by one. Returns [..., n] per
-    name, in x's dtype."""
+    Training inputs (dropout, fused backends) take `project` one by one (a packed kernel: each
+    projection's own columns). Returns [..., n] per name, in x's dtype."""
     packed = PACKED_PROJECTIONS.get(tuple(names))
     if packed is not None and f"{packed}.kernel" in weights:
         return _project_packed(x, weights, names, packed, sizes, layer_lora)
@@ -107,12 +107,15 @@ def project_group(x: jax.Array, weights: dict[str, jax.Array], names: tuple,
 def _project_packed(x: jax.Array, weights: dict[str, jax.Array], names: tuple, packed: str,
                     sizes: tuple[int, ...] | None, layer_lora: LayerLora | None) -> list:
     """`project_group` over the packed kernel `<packed>.kernel` [k, sum(sizes)]: one GEMM, split
-    into the projections' outputs, plus the LoRA of those with adapters. Serving only: training
-    inputs (dropout, fused backends) need the projections' own kernels."""
+    into the projections' outputs, plus the LoRA of those with adapters. Training inputs (LoRA
+    dropout, fused backends) take each projection's own columns (`_unpacked`) and the separate
+    projections' path."""
     if sizes is None or len(sizes) != len(names):
         raise ValueError(f"packed projections {packed} need the output width of each of {names}")
     window = _window_plan(layer_lora)
     grouped = [name for name in names if layer_lora is not None and name in layer_lora.pool]
+    if grouped and window is None and (layer_lora.backend.fused or layer_lora.inputs.dropout_rate is not None):
+        return project_group(x, _unpacked(weights, names, packed, sizes), names, layer_lora)
     delta = None
     if window is not None:
         y, delta = _window_output(x, weights, packed, window)
@@ -124,12 +127,23 @@ def _project_packed(x: jax.Array, weights: dict[str, jax.Array], names: tuple, p
     elif delta is not None:
         ys = dict(zip(names, jnp.split(y + delta, np.cumsum(sizes)[:-1].tolist(), axis=-1)))
     if grouped and window is None:
-        if layer_lora.backend.fused or layer_lora.inputs.dropout_rate is not None:
-            raise ValueError(f"packed projections ({packed}) serve only: training needs each projection's kernel")
         pools = [layer_lora.pool[name] for name in grouped]
         deltas = layer_lora.backend.accumulate_group([ys[name] for name in grouped], x, pools, layer_lora.inputs.plan)
         ys.update(zip(grouped, deltas))
     return [ys[name].astype(x.dtype) for name in names]
+
+
+def _unpacked(weights: dict[str, jax.Array], names: tuple, packed: str, sizes: tuple[int, ...]) -> dict:
+    """Each projection's kernel (and bias) as its own columns of the packed ones (a slice per
+    layer; the adapter window's columns left out): training inputs (LoRA dropout, the fused
+    kernels) run the separate projections' programs on a packed model, with their results."""
+    offsets = np.cumsum([0, *sizes]).tolist()
+    out = {}
+    for index, name in enumerate(names):
+        for part in ("kernel", "bias"):
+            if f"{packed}.{part}" in weights:
+                out[f"{name}.{part}"] = weights[f"{packed}.{part}"][..., offsets[index]: offsets[index + 1]]
+    return out
 
 
 def _base_output(x: jax.Array, weights: dict[str, jax.Array], name: str, dtype=jnp.float32) -> jax.Array:

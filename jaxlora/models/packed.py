@@ -5,8 +5,10 @@ On a decode step the GEMMs are weight-bound and small: packing cut the matmul-on
 shape from 4.74 to 4.23 ms at 32 rows on an H200 (`bench/lora_window.py`,
 bench/results/lora_window_h200.json). `jaxlora.lora.project.project_group` runs a packed kernel
 when the layer's weights hold one; the LoRA of each projection is unchanged (its adapter is added
-to its own columns of the packed output). Serving only: training and the tensor-parallel
-layouts keep one kernel per projection.
+to its own columns of the packed output). The trainer packs too on one device (`train.trainer`:
+the same programs as training inside the server); training inputs (LoRA dropout, the fused
+kernels) run each projection on its own columns. The tensor-parallel layouts keep one kernel per
+projection.
 """
 
 from __future__ import annotations

@@ -215,7 +215,7 @@ def test_bad_jobs_are_refused(server):
         "learning_rate_multiplier must be in": dict(hyperparameters={"learning_rate_multiplier": -1.0}),
         "n_epochs": dict(hyperparameters={"n_epochs": "3"}),
         "lora.r must be in": dict(extra_body={"lora": {"r": 64}}),
-        "lora.dropout": dict(extra_body={"lora": {"dropout": 0.1}}),
+        "lora.dropout must be in": dict(extra_body={"lora": {"dropout": 1.0}}),
         "unknown: qkv": dict(extra_body={"lora": {"targets": ["qkv"]}}),
         "unsupported field": dict(extra_body={"epochs": 3}),
         "method.type": dict(method={"type": "dpo"}),
