@@ -1275,10 +1275,11 @@ class Engine:
                 self._wake.wait(0.05)
 
     def serving_load(self) -> ServingLoad:
-        """The serving side's work now: requests waiting (queued commands included) and running
-        (a launched step whose tokens are unread counts as one)."""
+        """The serving side's work now: sequences running, and waiting (queued commands included;
+        a launched step whose tokens are unread while none runs counts as one: it is read first)."""
+        running = len(self.scheduler.running)
         waiting = len(self.scheduler.waiting) + self._num_waiting_submitted + len(self._commands)
-        return ServingLoad(waiting, len(self.scheduler.running) + (self._in_flight is not None))
+        return ServingLoad(waiting + (self._in_flight is not None and not running), running)
 
     def train_step(self) -> bool:
         """Runs one step of `training` (a microbatch) when the co-scheduling policy picks training

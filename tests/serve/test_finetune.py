@@ -267,3 +267,44 @@ def test_a_job_that_cannot_train_fails_with_the_reason(server):
     assert failed.status == "failed" and "no token to learn from" in failed.error.message
     assert client.fine_tuning.jobs.list_events(job.id).data[0].level == "error"
     assert _greedy(client, BASE, PROMPTS[0])
+
+
+class _Source:
+    """A training source that counts the microbatches the engine runs."""
+
+    def __init__(self):
+        self.ran = 0
+
+    def next_item(self):
+        from jaxlora.scheduler.core import TRAIN, WorkItem
+
+        return WorkItem(TRAIN, "job", 10)
+
+    def run_next(self):
+        self.ran += 1
+
+
+def test_engine_trains_only_when_the_policy_lets_it(smollm2):
+    """Serving first: no microbatch while a request waits or runs (train_below=0), one between
+    serving steps while at most train_below requests run."""
+    from jaxlora.sampling import SamplingParams
+    from jaxlora.scheduler.core import CoSchedulePolicy
+    from serve.engine import Engine, EngineConfig
+
+    model, tokenizer = smollm2
+    engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(**ENGINE))
+    engine.training = source = _Source()
+    events = []
+    engine.submit("a", tokenizer.encode("Hello"), None, SamplingParams(4), events.append)
+    assert not engine.train_step() and source.ran == 0  # a request waits
+    engine.step()
+    assert engine.serving_load().running == 1 and not engine.train_step()
+    engine.co_policy = CoSchedulePolicy(train_below=1)
+    assert engine.train_step() and source.ran == 1  # one running request: training may go between steps
+    engine.co_policy = CoSchedulePolicy()
+    while not events or events[-1].finish_reason is None:
+        engine.step()
+        assert not engine.train_step() or not engine.serving_load().busy
+    engine.step()
+    assert not engine.serving_load().busy and engine.train_step()  # idle: training takes the step
+    assert engine.stats.train_steps == source.ran >= 2 and engine.stats.train_tokens == 10 * source.ran
