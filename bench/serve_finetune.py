@@ -131,8 +131,14 @@ def main() -> None:
     parser.add_argument("--train-below", type=int, default=0, help="the co-scheduling policy's train_below")
     parser.add_argument("--alone-seconds", type=float, default=None, help="trainer-alone run (default 60; --tiny 5)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile-cache", default="/tmp/jaxlora_serve_jit_cache",
+                        help="JAX persistent compilation cache dir ('' to disable): each run's fresh trainer and "
+                             "engine find their programs there")
     parser.add_argument("--out", default="bench/results/serve_finetune.json")
     args = parser.parse_args()
+    if args.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     pick = lambda value, default, tiny_default: value if value is not None else (tiny_default if args.tiny else default)
     args.layers = pick(args.layers, 32, 2)
     args.requests = pick(args.requests, 200, 12)

@@ -123,6 +123,27 @@ class FinetuneService:
         engine.training = self.runner
 
     def create_job(self, body: JobRequest) -> dict:
+        """A new queued job (OpenAI's job object); ApiError 400/429 for a request it refuses."""
+        file = self._check_request(body)
+        hyper = self._hyperparameters(body, file["records"])
+        lora = self._lora(body.lora or LoraRequest())
+        job_id = f"ftjob-{uuid.uuid4().hex[:24]}"
+        seed = secrets.randbelow(2**31) if body.seed is None else body.seed
+        job = {"object": "fine_tuning.job", "id": job_id, "model": body.model, "created_at": int(time.time()),
+               "finished_at": None, "fine_tuned_model": None, "organization_id": "jaxlora", "result_files": [],
+               "status": "queued", "validation_file": None, "training_file": body.training_file,
+               "hyperparameters": hyper, "trained_tokens": None, "error": None, "seed": seed,
+               "estimated_finish": None, "integrations": [], "metadata": body.metadata,
+               "method": {"type": "supervised", "supervised": {"hyperparameters": hyper}},
+               "user_provided_suffix": body.suffix, "lora": lora,
+               "learning_rate": self.settings.base_learning_rate * hyper["learning_rate_multiplier"],
+               "adapter_name": adapter_name(body.model, body.suffix, job_id)}
+        self.table.add(job)
+        self.table.event(job_id, f"Created fine-tuning job: {job_id}")
+        return public_job(job)
+
+    def _check_request(self, body: JobRequest) -> dict:
+        """The training file's object once the request's model, file and plain fields are checked."""
         file = self.files.get(body.training_file)
         if body.model != self.model_name:
             raise ApiError(400, f"model {body.model!r}: this server fine-tunes its base model {self.model_name!r} "
@@ -141,22 +162,7 @@ class FinetuneService:
         active = sum(1 for job in self.table.jobs() if job["status"] not in FINAL)
         if active >= self.settings.max_active_jobs:
             raise ApiError(429, f"{active} fine-tuning jobs are queued or running; try again later")
-        hyper = self._hyperparameters(body, file["records"])
-        lora = self._lora(body.lora or LoraRequest())
-        job_id = f"ftjob-{uuid.uuid4().hex[:24]}"
-        seed = secrets.randbelow(2**31) if body.seed is None else body.seed
-        job = {"object": "fine_tuning.job", "id": job_id, "model": body.model, "created_at": int(time.time()),
-               "finished_at": None, "fine_tuned_model": None, "organization_id": "jaxlora", "result_files": [],
-               "status": "queued", "validation_file": None, "training_file": body.training_file,
-               "hyperparameters": hyper, "trained_tokens": None, "error": None, "seed": seed,
-               "estimated_finish": None, "integrations": [], "metadata": body.metadata,
-               "method": {"type": "supervised", "supervised": {"hyperparameters": hyper}},
-               "user_provided_suffix": body.suffix, "lora": lora,
-               "learning_rate": self.settings.base_learning_rate * hyper["learning_rate_multiplier"],
-               "adapter_name": adapter_name(body.model, body.suffix, job_id)}
-        self.table.add(job)
-        self.table.event(job_id, f"Created fine-tuning job: {job_id}")
-        return public_job(job)
+        return file
 
     def _hyperparameters(self, body: JobRequest, records: int) -> dict:
         """n_epochs, batch_size, learning_rate_multiplier with "auto"/missing resolved; ApiError 400."""
