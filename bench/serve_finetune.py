@@ -16,7 +16,10 @@ training tokens/s obtained during the trace and its ratio to the trainer alone.
 
 The job: `--train-adapters` adapters (r=16, alpha=32, all projections), each on synthetic samples
 of the "het" workload (`bench/synthetic_jobs.py`: a word-level tokenizer, lognormal lengths),
-enough epochs that training outlasts the trace; one microbatch is `--capacity` tokens.
+enough epochs that training outlasts the trace; one microbatch is `--capacity` tokens (samples
+longer are truncated). A request arriving during a microbatch waits for it, so the TTFT ratio is
+about one microbatch's time against TTFT p90: smaller microbatches trade training throughput for
+latency (try --capacity 512 / 1024 / 2048).
 
 The driver runs `Engine.step()` and `Engine.train_step()` in this thread (`bench.serve.run_trace`),
 as the engine thread does in the server. Writes JSON to --out and a PNG next to it.
@@ -127,7 +130,8 @@ def main() -> None:
     parser.add_argument("--train-samples", type=int, default=None, help="per adapter (default 256; --tiny: 16)")
     parser.add_argument("--train-batch", type=int, default=8, help="global batch size of each adapter")
     parser.add_argument("--train-epochs", type=int, default=50, help="epochs (the job should outlast each trace)")
-    parser.add_argument("--capacity", type=int, default=None, help="tokens per microbatch (default 4096; --tiny 128)")
+    parser.add_argument("--capacity", type=int, default=None, help="tokens per microbatch (default 1024; --tiny 128): "
+                        "a request waits for at most one microbatch, so its time against TTFT p90 decides the ratio")
     parser.add_argument("--train-below", type=int, default=0, help="the co-scheduling policy's train_below")
     parser.add_argument("--alone-seconds", type=float, default=None, help="trainer-alone run (default 60; --tiny 5)")
     parser.add_argument("--seed", type=int, default=0)
@@ -143,7 +147,7 @@ def main() -> None:
     args.layers = pick(args.layers, 32, 2)
     args.requests = pick(args.requests, 200, 12)
     args.train_samples = pick(args.train_samples, 256, 16)
-    args.capacity = pick(args.capacity, 4096, 128)
+    args.capacity = pick(args.capacity, 1024, 128)
     args.alone_seconds = pick(args.alone_seconds, 60.0, 5.0)
     min_len, max_len = (4, 24) if args.tiny else (8, 512)
     max_num_seqs, slots = (8, 4) if args.tiny else (64, 64)
