@@ -133,6 +133,7 @@ def main() -> None:
     parser.add_argument("--capacity", type=int, default=None, help="tokens per microbatch (default 1024; --tiny 128): "
                         "a request waits for at most one microbatch, so its time against TTFT p90 decides the ratio")
     parser.add_argument("--train-below", type=int, default=0, help="the co-scheduling policy's train_below")
+    parser.add_argument("--tpot-ms", type=float, default=None, help="the co-scheduling policy's TPOT target (ms)")
     parser.add_argument("--alone-seconds", type=float, default=None, help="trainer-alone run (default 60; --tiny 5)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile-cache", default="/tmp/jaxlora_serve_jit_cache",
@@ -188,10 +189,10 @@ def main() -> None:
               "model": {"shape": "tiny" if args.tiny else "Llama-3.1-8B", "layers": args.layers, "dtype": dtype,
                         "weights": "random"},
               "engine": dataclasses.asdict(engine_config), "settings": vars(args),
-              "co_policy": {"train_below": args.train_below}, "saturation": saturated,
+              "co_policy": {"train_below": args.train_below, "tpot_ms": args.tpot_ms}, "saturation": saturated,
               "trainer_alone": alone_training, "loads": []}
     print(HEADER, flush=True)
-    policy = CoSchedulePolicy(args.train_below)
+    policy = CoSchedulePolicy(args.train_below, None if args.tpot_ms is None else args.tpot_ms / 1e3)
 
     def install(engine: Engine) -> None:
         engine.co_policy = policy

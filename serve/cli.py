@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--finetune-train-below", type=int, default=0, metavar="N",
                       help="run a training microbatch between serving steps while at most N requests run and none "
                            "waits (0: train only when serving is idle)")
+    tune.add_argument("--finetune-tpot-ms", type=float, default=None, metavar="MS",
+                      help="with --finetune-train-below: train between serving steps only if a serving step plus a "
+                           "microbatch (its measured time) stay within MS per output token")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -126,6 +129,8 @@ def finetune_settings(args):
             raise SystemExit(f"jaxlora-serve: {option} must be >= 1, got {value}")
     if args.finetune_train_below < 0 or not args.finetune_learning_rate > 0:
         raise SystemExit("jaxlora-serve: --finetune-train-below must be >= 0 and --finetune-learning-rate > 0")
+    if args.finetune_tpot_ms is not None and not args.finetune_tpot_ms > 0:
+        raise SystemExit(f"jaxlora-serve: --finetune-tpot-ms must be > 0, got {args.finetune_tpot_ms}")
     if args.replicas > 1 or args.tensor_parallel > 1 or args.inference_mode != "unmerged":
         raise SystemExit("jaxlora-serve: --data-dir (fine-tuning) runs on one engine on one device with "
                          "--inference-mode unmerged (not with --replicas, --tensor-parallel or merged modes)")
@@ -133,6 +138,7 @@ def finetune_settings(args):
     training = TrainingSettings(args.finetune_capacity, args.finetune_checkpoint_every, args.model, args.dtype)
     return FinetuneSettings(os.path.abspath(args.data_dir), parse_bytes(args.max_file_bytes),
                             base_learning_rate=args.finetune_learning_rate, train_below=args.finetune_train_below,
+                            tpot_target_s=None if args.finetune_tpot_ms is None else args.finetune_tpot_ms / 1e3,
                             training=training)
 
 

@@ -1279,7 +1279,7 @@ class Engine:
         a launched step whose tokens are unread while none runs counts as one: it is read first)."""
         running = len(self.scheduler.running)
         waiting = len(self.scheduler.waiting) + self._num_waiting_submitted + len(self._commands)
-        return ServingLoad(waiting + (self._in_flight is not None and not running), running)
+        return ServingLoad(waiting + (self._in_flight is not None and not running), running, self.stats.last_step_s)
 
     def train_step(self) -> bool:
         """Runs one step of `training` (a microbatch) when the co-scheduling policy picks training
@@ -1288,7 +1288,7 @@ class Engine:
         if source is None:
             return False
         item = source.next_item()
-        if self.co_policy.next_kind(self.serving_load(), item) != TRAIN:
+        if self.co_policy.next_kind(self.serving_load(), item, self.stats.training_seconds(item)) != TRAIN:
             return False
         started = time.perf_counter()
         source.run_next()
@@ -1457,6 +1457,13 @@ class EngineStats:
         self._recent.append((now, generated))
         while self._recent and self._recent[0][0] < now - self.window_s:
             self._recent.popleft()
+
+    def training_seconds(self, item) -> float:
+        """A training step's expected seconds: its tokens at the mean seconds per token so far (0
+        before the first)."""
+        if item is None or not self.train_tokens:
+            return 0.0
+        return item.tokens * self.train_seconds / self.train_tokens
 
     def record_training(self, tokens: int, seconds: float) -> None:
         """Counts one training step (microbatch) of `tokens` that held the engine thread `seconds`."""

@@ -50,7 +50,8 @@ SUFFIX = re.compile(r"[A-Za-z0-9_-]{1,40}")
 class FinetuneSettings:
     """Where files, jobs and checkpoints live, the bounds of what a client may ask, and how
     training shares the engine: `train_below` running requests or fewer (and none waiting) let a
-    training microbatch run between serving steps (0: only when serving is idle)."""
+    training microbatch run between serving steps (0: only when serving is idle), within
+    `tpot_target_s` per output token when given (`jaxlora.scheduler.core.CoSchedulePolicy`)."""
 
     data_dir: str
     max_file_bytes: int = 16 << 20
@@ -59,6 +60,7 @@ class FinetuneSettings:
     max_active_jobs: int = 64
     base_learning_rate: float = 1e-3
     train_below: int = 0
+    tpot_target_s: float | None = None
     training: TrainingSettings = TrainingSettings()
 
 
@@ -119,7 +121,7 @@ class FinetuneService:
         self.files = FileStore(settings.data_dir, settings.max_file_bytes)
         self.table = JobTable(settings.data_dir)
         self.runner = JobRunner(self.table, self.files, engine, tokenizer, settings.training)
-        engine.co_policy = CoSchedulePolicy(settings.train_below)
+        engine.co_policy = CoSchedulePolicy(settings.train_below, settings.tpot_target_s)
         engine.training = self.runner
 
     def create_job(self, body: JobRequest) -> dict:

@@ -60,10 +60,12 @@ class TokenCapacity:
 @dataclasses.dataclass(frozen=True)
 class ServingLoad:
     """What the serving policy has to do: sequences waiting for admission (or a command not
-    applied yet) and sequences running (decode rows every step)."""
+    applied yet) and sequences running (decode rows every step); step_s: the last serving step's
+    seconds (what a running sequence's next token costs)."""
 
     waiting: int = 0
     running: int = 0
+    step_s: float = 0.0
 
     @property
     def busy(self) -> bool:
@@ -77,21 +79,29 @@ IDLE = ServingLoad()
 class CoSchedulePolicy:
     """Serving first, training on the leftover steps.
 
-    A training microbatch runs when serving has nothing waiting and at most `train_below`
-    running sequences (0: only when serving is idle); then the steps alternate, one serving step
-    and one microbatch, so a waiting request or a decode step is delayed by at most one
-    microbatch. Otherwise a serving step runs; nothing when neither side has work."""
+    A training microbatch runs when serving is idle; or, with nothing waiting and at most
+    `train_below` sequences running, between two serving steps, if the microbatch's expected
+    seconds plus a serving step's stay within `tpot_target_s` (a decode step is never pushed past
+    the time-per-output-token target; None: no target). A waiting request or a decode step is so
+    delayed by at most one microbatch. Otherwise a serving step runs; nothing when neither side
+    has work."""
 
     train_below: int = 0
+    tpot_target_s: float | None = None
 
     def __post_init__(self):
         if self.train_below < 0:
             raise ValueError(f"train_below must be >= 0, got {self.train_below}")
+        if self.tpot_target_s is not None and not self.tpot_target_s > 0:
+            raise ValueError(f"tpot_target_s must be > 0 (or None), got {self.tpot_target_s}")
 
-    def next_kind(self, serving: ServingLoad, training: WorkItem | None) -> str | None:
-        """SERVE, TRAIN or None (nothing to run)."""
+    def next_kind(self, serving: ServingLoad, training: WorkItem | None, training_s: float = 0.0) -> str | None:
+        """SERVE, TRAIN or None (nothing to run); training_s: the training step's expected seconds."""
         if training is not None and serving.waiting == 0 and serving.running <= self.train_below:
-            return TRAIN
+            within = (serving.running == 0 or self.tpot_target_s is None
+                      or serving.step_s + training_s <= self.tpot_target_s)
+            if within:
+                return TRAIN
         return SERVE if serving.busy else None
 
 

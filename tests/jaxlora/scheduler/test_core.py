@@ -29,6 +29,15 @@ def test_train_below_lets_training_run_under_light_load():
         CoSchedulePolicy(train_below=-1)
 
 
+def test_tpot_target_keeps_training_out_of_decode_steps_it_would_push_late():
+    policy = CoSchedulePolicy(train_below=4, tpot_target_s=0.05)
+    assert policy.next_kind(ServingLoad(running=2, step_s=0.02), MICROBATCH, training_s=0.02) == TRAIN
+    assert policy.next_kind(ServingLoad(running=2, step_s=0.02), MICROBATCH, training_s=0.04) == SERVE
+    assert policy.next_kind(IDLE, MICROBATCH, training_s=10.0) == TRAIN  # idle: nothing to delay
+    with pytest.raises(ValueError):
+        CoSchedulePolicy(tpot_target_s=0)
+
+
 def test_capacity_and_items_are_checked():
     capacity = TokenCapacity(8)
     capacity.check([WorkItem(PREFILL, None, 5), WorkItem(DECODE, "a", 3)])
