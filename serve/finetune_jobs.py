@@ -249,9 +249,9 @@ class JobRunner:
             resume = job["status"] == "running"  # interrupted: resume from the latest checkpoint
             trainer = Trainer(config, model=self.engine.model_view(), tokenizer=self.tokenizer)
             trainer.start(resume=resume)
+            active.trainer = trainer  # (not used before `ready`; closed by `_fail` if what follows fails)
             trainer.wait_for_schedule()
             trainer.warmup()
-            active.trainer = trainer
             active.steps_logged = len(trainer.losses().get(config.jobs[0].name, []))
             total = trainer.jobs[0].total_steps
             if self.table.status(job_id) in ACTIVE:
