@@ -12,8 +12,9 @@ uploaded file's id, `hyperparameters` (or `method: {type: supervised, supervised
 records, at most max_batch_size; "auto": min(8, records)) and `learning_rate_multiplier` (times
 `base_learning_rate`; "auto": 1), `seed`, `suffix`, `metadata`; and our extension field `lora`
 (with the openai client: `extra_body={"lora": {...}}`): `r` (1..the server's max LoRA rank, so the
-adapter is servable), `alpha` (default 2r), `dropout` (default 0), `targets` (PEFT module names,
-default q/k/v/o_proj), `use_rslora`. Any other field, a validation file or integrations are
+adapter is servable), `alpha` (default 2r), `dropout` (default 0), `targets` (PEFT module names
+among those the server's adapters may target, `EngineConfig.lora_target_modules`; default
+q/k/v/o_proj), `use_rslora`. Any other field, a validation file or integrations are
 refused (400).
 
 The job trains as `jaxlora-train DATA/jobs/<id>/jobs.yaml` would (the same `Trainer`, the same
@@ -43,6 +44,7 @@ from serve.protocol import ApiError
 from train.config import ConfigError, lora_config
 
 AUTO_EPOCHS, AUTO_BATCH, MAX_LIST = 3, 8, 100
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 SUFFIX = re.compile(r"[A-Za-z0-9_-]{1,40}")
 
 
@@ -195,11 +197,13 @@ class FinetuneService:
                                 f"got {lora.r}", "lora.r")
         if not 0 <= lora.dropout < 1:
             raise ApiError(400, f"lora.dropout must be in [0, 1), got {lora.dropout}", "lora.dropout")
-        targets = lora.targets or ["q_proj", "k_proj", "v_proj", "o_proj"]
-        unknown = sorted(set(targets) - set(PROJECTIONS))
+        servable = self.engine.config.lora_target_modules or PROJECTIONS  # what the device pool holds
+        targets = lora.targets or [m for m in DEFAULT_TARGETS if m in servable] or list(servable)
+        unknown = sorted(set(targets) - set(servable))
         if unknown or len(set(targets)) != len(targets):
-            raise ApiError(400, f"lora.targets: distinct names among {', '.join(PROJECTIONS)}"
-                                + (f" (unknown: {', '.join(unknown)})" if unknown else ""), "lora.targets")
+            raise ApiError(400, f"lora.targets: distinct names among {', '.join(servable)} (what this server's "
+                                "adapters may target)" + (f"; not: {', '.join(unknown)}" if unknown else ""),
+                           "lora.targets")
         raw = {"r": lora.r, "alpha": float(2 * lora.r if lora.alpha is None else lora.alpha),
                "dropout": float(lora.dropout),
                "targets": targets, "use_rslora": lora.use_rslora}

@@ -216,7 +216,7 @@ def test_bad_jobs_are_refused(server):
         "n_epochs": dict(hyperparameters={"n_epochs": "3"}),
         "lora.r must be in": dict(extra_body={"lora": {"r": 64}}),
         "lora.dropout must be in": dict(extra_body={"lora": {"dropout": 1.0}}),
-        "unknown: qkv": dict(extra_body={"lora": {"targets": ["qkv"]}}),
+        "not: qkv": dict(extra_body={"lora": {"targets": ["qkv"]}}),
         "unsupported field": dict(extra_body={"epochs": 3}),
         "method.type": dict(method={"type": "dpo"}),
         "validation_file is not supported": dict(validation_file=file.id),
