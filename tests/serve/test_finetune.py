@@ -27,7 +27,7 @@ MAX_FILE = 32 * 1024
 PROMPTS = ["The capital of France is", "Water boils at", "Once upon a time"]
 
 
-def _server(smollm2, data_dir, adapter_dir, checkpoint_every=2):
+def _server(smollm2, data_dir, adapter_dir, checkpoint_every=2, api_key=None):
     from serve.app import ServerSettings, create_app
     from serve.engine import Engine, EngineConfig
     from serve.finetune import FinetuneSettings
@@ -38,7 +38,7 @@ def _server(smollm2, data_dir, adapter_dir, checkpoint_every=2):
     engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(adapter_dir=str(adapter_dir), **ENGINE))
     finetune = FinetuneSettings(str(data_dir), MAX_FILE, training=TrainingSettings(capacity=192,
                                                                                   checkpoint_every=checkpoint_every))
-    settings = ServerSettings(BASE, limits=Limits(max_tokens=16), finetune=finetune)
+    settings = ServerSettings(BASE, limits=Limits(max_tokens=16), finetune=finetune, api_key=api_key)
     app = create_app(engine, tokenizer, settings)
     engine.start()  # already running: the app skips the warm-up (programs compile when first used)
     return LiveServer(app, engine)
@@ -308,3 +308,16 @@ def test_engine_trains_only_when_the_policy_lets_it(smollm2):
     engine.step()
     assert not engine.serving_load().busy and engine.train_step()  # idle: training takes the step
     assert engine.stats.train_steps == source.ran >= 2 and engine.stats.train_tokens == 10 * source.ran
+
+
+def test_fine_tuning_routes_need_the_api_key(smollm2, tmp_path):
+    (tmp_path / "adapters").mkdir()
+    with _server(smollm2, tmp_path / "data", tmp_path / "adapters", api_key="sesame") as server:
+        anonymous = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+        for call in (anonymous.files.list, anonymous.fine_tuning.jobs.list,
+                     lambda: _upload(anonymous, b'{"text": "x"}\n')):
+            with pytest.raises(openai.AuthenticationError):
+                call()
+        keyed = openai.OpenAI(base_url=server.url + "/v1", api_key="sesame", max_retries=0)
+        assert _upload(keyed, b'{"text": "x"}\n').records == 1
+        assert [f.id for f in keyed.files.list().data] and keyed.fine_tuning.jobs.list().data == []
