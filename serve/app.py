@@ -3,7 +3,8 @@
 Endpoints: /v1/completions, /v1/chat/completions (JSON or SSE streaming), /classify (vLLM's
 classification API over adapters with task heads: `serve.classify`), /v1/models,
 /v1/load_lora_adapter and /v1/unload_lora_adapter, /tokenize and /detokenize (vLLM's bodies),
-/health, /metrics. With an API key (`ServerSettings.api_key`) every route but /health and
+/health, /metrics; with `ServerSettings.finetune`, /v1/files and /v1/fine_tuning/jobs (OpenAI's
+fine-tuning API: adapters trained in the engine's idle steps, `serve.finetune`). With an API key (`ServerSettings.api_key`) every route but /health and
 /metrics (those too with `metrics_require_key`) needs `Authorization: Bearer <key>`
 (`serve.auth`).
 `model` names the base model, a registered adapter or a folder of the engine's adapter directory
