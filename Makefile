@@ -23,6 +23,7 @@ $(RUNTIME_STAMP): pyproject.toml $(VENV)/bin/python
 	touch $@
 
 $(TEST_STAMP): $(RUNTIME_STAMP)
+	scripts/install_torch.sh $(VENV)/bin/python
 	$(PIP_INSTALL) -q -e '.[test]'
 	touch $@
 
