@@ -61,6 +61,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 
 # Run as a script, this file's folder comes first on sys.path and its name would hide the
 # `serve` package: look it up from the repository root instead.
@@ -234,18 +235,6 @@ def run_trace(model, engine_config: EngineConfig, trace: Trace, prompts: list, f
     records = [Record() for _ in range(count)]
     finished = [0]
 
-    def callback_for(record: Record):
-        def callback(event: Event):
-            now = time.perf_counter()
-            if event.token is not None:
-                record.tokens += 1
-                if record.first is None:
-                    record.first = now
-            if event.finish_reason is not None:
-                record.end, record.reason, record.error = now, event.finish_reason, event.error
-                finished[0] += 1
-        return callback
-
     start = time.perf_counter()
     lateness = 0.0
     submitted = 0
@@ -255,7 +244,7 @@ def run_trace(model, engine_config: EngineConfig, trace: Trace, prompts: list, f
             i = submitted
             records[i].submitted = start + trace.arrivals[i]
             lateness = max(lateness, now - trace.arrivals[i])
-            engine.submit(i, prompts[i], names[i], SamplingParams(int(trace.output_lens[i])), callback_for(records[i]))
+            engine.submit(i, prompts[i], names[i], SamplingParams(int(trace.output_lens[i])), recording(records[i], finished))
             submitted += 1
         busy = engine.step()
         if not engine.train_step() and not busy and finished[0] < count:
@@ -283,6 +272,21 @@ def run_trace(model, engine_config: EngineConfig, trace: Trace, prompts: list, f
 
 def _pct(values, q):
     return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+def recording(record: Record, finished: list) -> Callable[[Event], None]:
+    """An engine callback that stamps `record` (first token, tokens, end, finish reason) and counts
+    the finished requests in `finished[0]`."""
+    def callback(event: Event):
+        now = time.perf_counter()
+        if event.token is not None:
+            record.tokens += 1
+            if record.first is None:
+                record.first = now
+        if event.finish_reason is not None:
+            record.end, record.reason, record.error = now, event.finish_reason, event.error
+            finished[0] += 1
+    return callback
 
 
 def summarize(records: list, start: float, end: float) -> dict:

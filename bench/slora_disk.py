@@ -57,7 +57,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from bench.serve import Record, greedy_shapes, make_trace, parse_case, summarize
+from bench.serve import Record, greedy_shapes, make_trace, parse_case, recording, summarize
 from jaxlora.lora import backends as lora_backends
 from jaxlora.lora.adapter import LoraAdapter, ModuleLora
 from jaxlora.lora.config import LoraConfig
@@ -67,7 +67,7 @@ from jaxlora.models.llama import Llama
 from jaxlora.models.presets import llama8b_config
 from jaxlora.sampling import SamplingParams
 from jaxlora.scheduler.serving import pages_for
-from serve.engine import Engine, EngineConfig, Event
+from serve.engine import Engine, EngineConfig
 
 DEFAULT_CASES = ["slora:n=2000,alpha=1", "slora:n=2000,alpha=0.3", "punica:distinct"]
 
@@ -152,17 +152,6 @@ def run_trace(model, config: EngineConfig, trace, prompts: list, names: list) ->
     records = [Record() for _ in names]
     finished = [0]
 
-    def callback_for(record: Record):
-        def callback(event: Event):
-            now = time.perf_counter()
-            if event.token is not None:
-                record.tokens += 1
-                record.first = record.first or now
-            if event.finish_reason is not None:
-                record.end, record.reason, record.error = now, event.finish_reason, event.error
-                finished[0] += 1
-        return callback
-
     peak_pages = {"kv": 0, "adapters": 0}
     peak_rows = 0
     start, submitted, count = time.perf_counter(), 0, len(names)
@@ -171,7 +160,7 @@ def run_trace(model, config: EngineConfig, trace, prompts: list, names: list) ->
         while submitted < count and trace.arrivals[submitted] <= now:
             records[submitted].submitted = start + trace.arrivals[submitted]
             engine.submit(submitted, prompts[submitted], names[submitted],
-                          SamplingParams(int(trace.output_lens[submitted])), callback_for(records[submitted]))
+                          SamplingParams(int(trace.output_lens[submitted])), recording(records[submitted], finished))
             submitted += 1
         busy = engine.step()
         split = engine.scheduler.page_split()
