@@ -77,6 +77,9 @@ class Metrics:
                                  "(fine-tuning jobs, serve.finetune) so far", registry=registry)
         self.train_tokens = Gauge("jaxlora_train_tokens", "Tokens of those microbatches", registry=registry)
         self.train_seconds = Gauge("jaxlora_train_seconds_sum", "Seconds the engine spent on them", registry=registry)
+        self.step_compiles = Gauge("jaxlora_step_compiles", "Step programs compiled by serving steps (shapes the "
+                                   "warm-up did not cover): each one stalls the steps while it compiles",
+                                   registry=registry)
         self.ttft = Histogram("jaxlora_time_to_first_token_seconds", "Time to first token",
                               buckets=LATENCY_BUCKETS, registry=registry)
         self.e2e = Histogram("jaxlora_request_latency_seconds", "End-to-end request latency",
@@ -109,6 +112,7 @@ class Metrics:
         self.train_steps.set(getattr(stats, "train_steps", 0))
         self.train_tokens.set(getattr(stats, "train_tokens", 0))
         self.train_seconds.set(getattr(stats, "train_seconds", 0.0))
+        self.step_compiles.set(getattr(stats, "step_compiles", 0))
         return generate_latest(self.registry)
 
     def _render_modes(self, snap: dict) -> None:
