@@ -169,16 +169,23 @@ def _apply_override(raw: dict, override: str) -> None:
     target[parts[-1]] = yaml.safe_load(value)
 
 
+def _reject_unknown_keys(raw: dict, known, where, kind: str = "") -> None:
+    """A ConfigError for the first key of `raw` not in `known`, at `where(key)` (its file:line),
+    naming the known keys; `kind` names the section ("job", "mesh", ...)."""
+    for key in raw:
+        if key not in known:
+            label = f"{kind} key" if kind else "key"
+            raise ConfigError(f"{where(key)}: unknown {label} {key!r} (known: {', '.join(sorted(known))})")
+
+
 def _build(raw: dict, lines: dict, path: str) -> TrainConfig:
     def where(*keys) -> str:
         return f"{path}:{lines.get(tuple(keys), lines.get(tuple(keys[:1]), 1))}"
 
-    top_fields = {f.name for f in dataclasses.fields(TrainConfig)}
     for key in raw:
         if key in _RETIRED:
             raise ConfigError(f"{where(key)}: {key!r} is {_RETIRED[key]}")
-        if key not in top_fields:
-            raise ConfigError(f"{where(key)}: unknown key {key!r} (known: {', '.join(sorted(top_fields))})")
+    _reject_unknown_keys(raw, {f.name for f in dataclasses.fields(TrainConfig)}, where)
     jobs_raw = raw.get("jobs")
     if not isinstance(jobs_raw, list) or not jobs_raw:
         raise ConfigError(f"{where('jobs')}: 'jobs' must be a non-empty list")
@@ -209,10 +216,7 @@ def _build(raw: dict, lines: dict, path: str) -> TrainConfig:
 def _build_job(job: Any, where, base_dir: str) -> JobConfig:
     if not isinstance(job, dict):
         raise ConfigError(f"{where()}: each job must be a mapping")
-    known = {f.name for f in dataclasses.fields(JobConfig)}
-    for key in job:
-        if key not in known:
-            raise ConfigError(f"{where(key)}: unknown job key {key!r} (known: {', '.join(sorted(known))})")
+    _reject_unknown_keys(job, {f.name for f in dataclasses.fields(JobConfig)}, where, "job")
     for required in ("name", "dataset"):
         if not job.get(required):
             raise ConfigError(f"{where()}: job needs a {required!r}")
@@ -236,9 +240,8 @@ def _build_job(job: Any, where, base_dir: str) -> JobConfig:
 def _build_mesh(raw, where) -> MeshConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{where('mesh')}: 'mesh' must be a mapping like {{data: 4, tensor: 2}}")
+    _reject_unknown_keys(raw, _MESH_KEYS, lambda key: where("mesh", key), "mesh")
     for key, value in raw.items():
-        if key not in _MESH_KEYS:
-            raise ConfigError(f"{where('mesh', key)}: unknown mesh key {key!r} (known: {', '.join(sorted(_MESH_KEYS))})")
         if key == "fsdp":
             if not isinstance(value, bool):
                 raise ConfigError(f"{where('mesh', key)}: mesh.fsdp must be true or false")
@@ -252,10 +255,8 @@ def _build_fusion(raw, jobs: tuple[JobConfig, ...], where) -> FusionConfig:
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise ConfigError(f"{where('fusion')}: 'fusion' must be a mapping like {{order: random, seed: 0}}")
-    known = {f.name for f in dataclasses.fields(FusionConfig)}
-    for key in raw:
-        if key not in known:
-            raise ConfigError(f"{where('fusion', key)}: unknown fusion key {key!r} (known: {', '.join(sorted(known))})")
+    _reject_unknown_keys(raw, {f.name for f in dataclasses.fields(FusionConfig)}, lambda key: where("fusion", key),
+                         "fusion")
     _check_choices(raw, lambda *k: where("fusion", *k))
     tokens = raw.get("max_new_tokens")
     if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
@@ -271,9 +272,7 @@ def _build_fusion(raw, jobs: tuple[JobConfig, ...], where) -> FusionConfig:
 
 
 def _build_lora(raw: dict, where) -> LoraConfig:
-    for key in raw:
-        if key not in _LORA_KEYS:
-            raise ConfigError(f"{where('lora', key)}: unknown lora key {key!r} (known: {', '.join(sorted(_LORA_KEYS))})")
+    _reject_unknown_keys(raw, _LORA_KEYS, lambda key: where("lora", key), "lora")
     rank = int(raw.get("r", 8))
     try:
         return LoraConfig(
