@@ -8,9 +8,14 @@ Loading a slot is one jitted update of every module's arrays with the slot as a 
 so one compile serves every slot (and eviction). With `donate=True` the pool's arrays are donated
 to that update and written in place: arrays taken from `pool.arrays` before a load or eviction
 are then invalid (read `pool.arrays` again after each). `prepare` validates an adapter once and
-keeps it compact (`PreparedAdapter`: each module at its own rank, in the dtype it was stored in);
-it is padded to the pool's max rank and cast to the pool's dtype only when written into a slot
-(`padded`), so a host that holds many adapters holds their own bytes, not max-rank copies.
+keeps it compact (`PreparedAdapter`: each module at its own rank) in the pool's dtype when that is
+no wider than the dtype it was stored in (a float32 adapter for a bfloat16 pool is cast once, here,
+not on every write; a bfloat16 adapter for a float32 pool stays bfloat16 on the host, half the
+bytes). `padded` makes a slot's arrays from it: the compact arrays themselves when they are at the
+pool's max rank and dtype (no copy), else padded with zeros and cast. So a host that holds many
+adapters holds their own bytes, not max-rank copies, and a load on the serving path copies nothing
+on the host for a full-rank adapter (issue 34: a per-load float32 -> bfloat16 cast of 160 MB
+adapters had tripled the mixed steps of the distinct-adapter trace).
 
 With a `mesh` the arrays are placed by their logical axes (`jaxlora.models.axes.pool_axes`;
 S-LoRA: A of row-parallel layers split by input rows, B of column-parallel layers by output
@@ -84,9 +89,10 @@ def _placed_pool_fns(base: LlamaConfig, num_slots: int, max_rank: int, modules: 
 @dataclasses.dataclass(frozen=True)
 class PreparedAdapter:
     """An adapter validated for one pool layout, compact (host arrays, no max-rank padding):
-    values {module: {a [L, k, r_m], b [L, r_m, n] (r_m: the module's largest rank over layers, in
-    the adapter's stored dtype), scale [L] float32, rank [L] int32}} for the modules it targets.
-    `AdapterPool.padded` makes the slot arrays from it."""
+    values {module: {a [L, k, r_m], b [L, r_m, n] (r_m: the module's largest rank over layers; in
+    the pool's dtype, or the adapter's stored dtype where that is narrower: `host_dtype`), scale [L]
+    float32, rank [L] int32}} for the modules it targets. `AdapterPool.padded` makes the slot
+    arrays from it."""
 
     name: str
     values: dict
@@ -129,8 +135,8 @@ class AdapterPool:
 
     @property
     def layout(self) -> tuple:
-        """What a PreparedAdapter must match to be loaded here without checks (not the dtype: a
-        prepared adapter keeps its own, cast when written)."""
+        """What a PreparedAdapter must match to be loaded here without checks (not the dtype: one
+        held in another dtype is cast when written)."""
         return (self.base, self.max_rank, self.target_modules)
 
     def slot_of(self, name: str) -> int | None:
@@ -141,18 +147,30 @@ class AdapterPool:
 
     def prepare(self, adapter: LoraAdapter, check: bool = True) -> PreparedAdapter:
         """Validates `adapter` for this pool (AdapterError naming the problem) and keeps its arrays
-        as they are (own rank, own dtype; not copied), ready for any number of `load`s.
-        check=False skips the validation, for callers that ran equivalent checks themselves."""
+        compact (own rank), cast once to `host_dtype` (not copied when already in it), ready for
+        any number of `load`s. check=False skips the validation, for callers that ran equivalent
+        checks themselves."""
         if check:
             self._validate(adapter)
-        values = {module: {"a": w.a, "b": w.b, "scale": np.asarray(w.scale, np.float32),
-                           "rank": np.asarray(w.rank, np.int32)} for module, w in adapter.modules.items()}
+        values = {}
+        for module, w in adapter.modules.items():
+            dtype = self.host_dtype(w.a.dtype)
+            values[module] = {"a": np.asarray(w.a, dtype), "b": np.asarray(w.b, dtype),
+                              "scale": np.asarray(w.scale, np.float32), "rank": np.asarray(w.rank, np.int32)}
         return PreparedAdapter(adapter.name, values, self.layout)
+
+    def host_dtype(self, stored) -> np.dtype:
+        """The dtype a prepared adapter's A/B stored in `stored` are held in on the host: the pool's
+        when it is no wider (cast once at `prepare`, none per write), else `stored` (narrower: fewer
+        host bytes; cast when written)."""
+        pool, stored = np.dtype(self.dtype), np.dtype(stored)
+        return pool if pool.itemsize <= stored.itemsize else stored
 
     def padded(self, prepared: PreparedAdapter | None) -> dict:
         """One slot's host arrays for every pool module from `prepared` (None: an empty slot):
         {module: {a [L, k, r_max], b [L, r_max, n] in the pool's dtype, scale [L], rank [L]}}, zeros
-        past each module's rank and for modules it does not target. Made per write, then dropped."""
+        past each module's rank and for modules it does not target. A module already at the max rank
+        and in the pool's dtype is passed as it is (no host copy); others are made per write."""
         values = {} if prepared is None else prepared.values
         return {module: self._slot_values(values.get(module), module) for module in self.target_modules}
 
@@ -226,6 +244,9 @@ class AdapterPool:
         module]`; None: zeros), padded to the pool's max rank in the pool's dtype."""
         layers, shapes = self.base.num_layers, projection_shapes(self.base)[module]
         dtype = np.dtype(self.dtype)
+        if compact is not None and compact["a"].shape[2] == self.max_rank and compact["a"].dtype == dtype \
+                and compact["b"].dtype == dtype:
+            return compact
         a = np.zeros((layers, shapes[0], self.max_rank), dtype)
         b = np.zeros((layers, self.max_rank, shapes[1]), dtype)
         scale = np.zeros(layers, np.float32)

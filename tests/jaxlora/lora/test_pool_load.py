@@ -104,3 +104,30 @@ def test_prepared_adapter_is_compact_and_padded_only_when_written():
     f32.load(prepared, slot=0)  # bf16 host copy -> float32 slot
     np.testing.assert_array_equal(np.asarray(f32.arrays["q_proj"]["b"][:, 0, :4]),
                                   stored.b.astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def test_float32_adapter_is_cast_once_for_a_bfloat16_pool_and_loaded_without_a_host_copy():
+    """Issue 34: a float32 adapter prepared for a bfloat16 pool is held in bfloat16 (cast once, at
+    `prepare`); a full-rank module's slot arrays are the prepared arrays themselves (no per-write
+    pad or cast); a lower-rank one is padded; the slot equals the adapter cast to bfloat16."""
+    import ml_dtypes
+
+    pool = AdapterPool(CONFIG, 2, RANK, MODULES, dtype=jnp.bfloat16, donate=True)
+    adapter = random_adapter("full", CONFIG, LoraConfig(r=RANK, lora_alpha=16, target_modules=MODULES), seed=11)
+    prepared = pool.prepare(adapter)
+    for module, weights in adapter.modules.items():
+        held = prepared.values[module]
+        assert held["a"].dtype == ml_dtypes.bfloat16 and held["b"].dtype == ml_dtypes.bfloat16
+        np.testing.assert_array_equal(held["a"], weights.a.astype(ml_dtypes.bfloat16))
+    slot_values = pool.padded(prepared)
+    for module in MODULES:
+        assert slot_values[module]["a"] is prepared.values[module]["a"]
+        assert slot_values[module]["b"] is prepared.values[module]["b"]
+    pool.load(prepared, slot=0)
+    for module, weights in adapter.modules.items():
+        np.testing.assert_array_equal(np.asarray(pool.arrays[module]["b"][:, 0], np.float32),
+                                      weights.b.astype(ml_dtypes.bfloat16).astype(np.float32))
+    low = pool.prepare(_adapters(1)[0])  # rank 4 < RANK: padded per write
+    padded = pool.padded(low)["q_proj"]
+    assert padded["a"].shape[2] == RANK and padded["a"] is not low.values["q_proj"]["a"]
+    assert not np.asarray(padded["a"][:, :, 4:], np.float32).any()
