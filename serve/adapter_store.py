@@ -69,6 +69,7 @@ class Entry:
     removed: bool = False  # unregistered; the engine drops it once no request uses it
     error: str | None = None  # why its last read failed
     read_once: bool = False  # read from disk (or given) successfully at least once
+    estimated_bytes: int | None = None  # its safetensors file's size, looked up once (`_estimate`)
 
 
 @dataclasses.dataclass
@@ -282,11 +283,14 @@ class AdapterStore:
             return self._start_read(entry, self._reserved.get(entry.uid) or self._estimate(entry))
 
     def _estimate(self, entry: Entry) -> int:
-        """Bytes the host copy of `entry` will take: its safetensors file's size."""
-        try:
-            return os.path.getsize(os.path.join(entry.path, WEIGHTS_FILE))
-        except OSError:
-            return 0  # the read will fail and say why
+        """Bytes the host copy of `entry` will take: its safetensors file's size (looked up once per
+        entry: `want` asks for every queued adapter at every step)."""
+        if entry.estimated_bytes is None:
+            try:
+                entry.estimated_bytes = os.path.getsize(os.path.join(entry.path, WEIGHTS_FILE))
+            except OSError:
+                return 0  # the read will fail and say why
+        return entry.estimated_bytes
 
     def _start_read(self, entry: Entry, size: int) -> concurrent.futures.Future:
         future = self._reads.get(entry.uid)

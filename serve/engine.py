@@ -217,6 +217,10 @@ class EngineConfig:
     # targeted base kernels is kept on the device; mixed and auto need the adapter window to cover the pool.
     inference_mode: str = "unmerged"
     mode_policy: ModePolicy | None = None
+    # Host copies of adapters in the device's pinned (page-locked) memory, so a load is one DMA
+    # (jaxlora.lora.pool: 84 MB in 2.1 ms instead of 18.4 ms on an H200). None: on a GPU without a
+    # mesh; a CPU backend copies host memory either way.
+    pinned_host_adapters: bool | None = None
 
     # Bounds of the step sizes (each compiled program is as large as its step; tokens bound rows).
     BOUNDS = {"max_num_seqs": (1, 1024), "token_budget": (1, 65536), "prefill_chunk": (1, 65536)}
@@ -447,15 +451,18 @@ class Engine:
         """The device adapter pool: max-rank slots, or with unified paging rows (`RowPool`, whose
         rows for a slot are those the scheduler's allocator gave the slot's adapter)."""
         targets = config.lora_target_modules or PROJECTIONS
+        pinned = config.pinned_host_adapters
+        if pinned is None:
+            pinned = mesh is None and jax.default_backend() == "gpu"
         if not config.unified_paging:
             return AdapterPool(model.config, config.max_adapters_on_device, config.max_lora_rank, targets,
-                               dtype=model.dtype, donate=True, mesh=mesh)
+                               dtype=model.dtype, donate=True, mesh=mesh, pinned=pinned)
         if mesh is not None or compressed is not None:
             raise ValueError("unified_paging (adapters in device rows) serves on one device without a compressed "
                              "collection")
         rows = config.adapter_rows or config.max_adapters_on_device * config.max_lora_rank
         return RowPool(model.config, config.max_adapters_on_device, config.max_lora_rank, rows, targets,
-                       dtype=model.dtype, rows_of=self._slot_rows)
+                       dtype=model.dtype, rows_of=self._slot_rows, pinned=pinned)
 
     def _slot_rows(self, slot: int) -> list[int]:
         """The device rows the allocator gave the adapter now placed in `slot` (`RowPool.rows_of`); []
@@ -617,11 +624,15 @@ class Engine:
             raise UnknownAdapter(name) from None
 
     def _read_adapter(self, path: str, name: str) -> PreparedAdapter:
-        """Reads and checks one adapter folder for the store's reader thread (stored dtype kept)."""
-        return self.prepare_adapter(load_peft_adapter(path, self.model_config, name, keep_dtype=True))
+        """Reads and checks one adapter folder for the store's reader thread (stored dtype kept;
+        `load_peft_adapter` has checked that its weights are finite)."""
+        adapter = load_peft_adapter(path, self.model_config, name, keep_dtype=True)
+        self.check_adapter(adapter, finite=False)
+        return self.pool.prepare(adapter, check=False)
 
-    def check_adapter(self, adapter: LoraAdapter) -> None:
-        """AdapterError unless `adapter` fits this engine's pool (modules, rank, shapes, finite)."""
+    def check_adapter(self, adapter: LoraAdapter, finite: bool = True) -> None:
+        """AdapterError unless `adapter` fits this engine's pool (modules, rank, shapes; finite
+        weights unless `finite` is False, for a caller that checked them)."""
         extra = sorted(set(adapter.modules) - set(self.pool.target_modules))
         if extra:
             raise AdapterError(f"adapter targets {extra}, which the pool does not hold")
@@ -634,7 +645,8 @@ class Engine:
             layers = self.model_config.num_layers
             if weights.a.shape[:2] != (layers, fan_in) or weights.b.shape[::2] != (layers, fan_out):
                 raise AdapterError(f"{module} weights {weights.a.shape}/{weights.b.shape} do not fit the base model")
-        check_finite(adapter, "adapter")
+        if finite:
+            check_finite(adapter, "adapter")
 
     def prepare_adapter(self, adapter: LoraAdapter) -> PreparedAdapter:
         """`check_adapter`, then the adapter as the pool loads it (compact host arrays)."""
@@ -1363,9 +1375,9 @@ def _prefetch_thread() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def _to_device(pool: AdapterPool, adapter: PreparedAdapter, stats: "EngineStats") -> dict:
-    """`adapter`'s slot arrays (`pool.padded`) copied to the default device (on the prefetch thread)."""
+    """`adapter`'s slot arrays (`pool.padded`) copied to the pool's device (on the prefetch thread)."""
     started = time.perf_counter()
-    values = jax.block_until_ready(jax.device_put(pool.padded(adapter)))
+    values = jax.block_until_ready(pool.to_device(pool.padded(adapter)))
     stats.record_device_load(time.perf_counter() - started)
     return values
 

@@ -91,7 +91,7 @@ class RowPool(AdapterPool):
     arrays; rows_of(slot) -> the row ids (rank order) of the adapter being written into `slot`."""
 
     def __init__(self, base: LlamaConfig, num_slots: int, max_rank: int, num_rows: int,
-                 target_modules=PROJECTIONS, dtype=jnp.float32, rows_of=None):
+                 target_modules=PROJECTIONS, dtype=jnp.float32, rows_of=None, pinned: bool = False):
         if num_slots < 1 or max_rank < 1 or num_rows < max_rank:
             raise ValueError(f"num_slots and max_rank must be >= 1 and num_rows >= max_rank, got {num_slots}, "
                              f"{max_rank}, {num_rows}")
@@ -103,6 +103,7 @@ class RowPool(AdapterPool):
         self.slot_names: list[str | None] = [None] * num_slots
         self.slot_writes = [0] * num_slots
         self._empty: dict | None = None
+        self._set_host_memory(pinned)
 
     @property
     def arrays(self) -> dict:
@@ -141,6 +142,8 @@ class RowPool(AdapterPool):
     def _write_rows(self, slot: int, rows, values: dict) -> None:
         padded_rows = np.full(self.max_rank, self.num_rows, np.int32)  # out of range: dropped
         padded_rows[:len(rows)] = rows
+        if self.pinned:
+            values = self.to_device(values)
         self._modules, self._table = write_rows(self._modules, self._table, np.int32(slot), padded_rows, values)
         self.slot_writes[slot] += 1
 

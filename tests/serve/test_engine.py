@@ -263,12 +263,13 @@ def test_pallas_steps_use_the_serving_plan_without_recompiling(smollm2, adapters
     assert lora_programs() - compiled_before <= len(set(seen)) < len(seen)
 
 
-@pytest.mark.parametrize("slots, rows", [(8, 4), (3, 2)])
-def test_prefetched_adapters_copy_in_the_background(smollm2, adapters8, expected, monkeypatch, slots, rows):
+@pytest.mark.parametrize("slots, rows, pinned", [(8, 4, False), (3, 2, False), (3, 2, True)])
+def test_prefetched_adapters_copy_in_the_background(smollm2, adapters8, expected, monkeypatch, slots, rows, pinned):
     """Adapters of queued requests (few rows per step: requests queue) are copied to the device on
     the prefetch thread and written into their slots before the first step that uses them (here
     the copies wait until a step needs one, so steps run while copies are on their way): the same
-    greedy tokens as with the merged weights."""
+    greedy tokens as with the merged weights; also with the host copies in pinned memory (a GPU
+    server's default)."""
     import threading
 
     import serve.engine as engine_module
@@ -283,8 +284,10 @@ def test_prefetched_adapters_copy_in_the_background(smollm2, adapters8, expected
         return real_copy(pool, adapter, stats)
 
     monkeypatch.setattr(engine_module, "_to_device", held_copy)
-    config = EngineConfig(**{**SMALL_ENGINE, "max_adapters_on_device": slots, "max_num_seqs": rows})
+    config = EngineConfig(**{**SMALL_ENGINE, "max_adapters_on_device": slots, "max_num_seqs": rows,
+                             "pinned_host_adapters": pinned})
     engine = Engine(model, tokenizer.eos_token_ids, config, adapters8)
+    assert engine.pool.pinned is pinned
     engine.background_prefetch = True  # off by default on a CPU backend
     real_commit = engine._commit_staged
 

@@ -135,3 +135,19 @@ def test_evict_frees_the_slot_and_zeroes_it(pool):
     for arrays in pool.arrays.values():
         assert not np.asarray(arrays["a"][:, slot]).any() and not np.asarray(arrays["rank"][:, slot]).any()
     assert np.asarray(pool.arrays["q_proj"]["a"][:, 0]).any()  # the resident adapter is untouched
+
+
+def test_nonfinite_on_the_bits_of_16_bit_floats_matches_isfinite_on_every_bit_pattern():
+    """`nonfinite` tests bfloat16/float16 on their exponent bits: for all 65536 bit patterns it
+    agrees with np.isfinite of the values widened to float32."""
+    import ml_dtypes
+
+    from jaxlora.lora.adapter import nonfinite
+
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    for dtype in (ml_dtypes.bfloat16, np.float16):
+        values = bits.view(dtype)
+        np.testing.assert_array_equal(nonfinite(values), ~np.isfinite(values.astype(np.float32)))
+    floats = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    floats[[3, 500]] = [np.nan, -np.inf]
+    np.testing.assert_array_equal(nonfinite(floats), ~np.isfinite(floats))

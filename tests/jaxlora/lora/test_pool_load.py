@@ -131,3 +131,30 @@ def test_float32_adapter_is_cast_once_for_a_bfloat16_pool_and_loaded_without_a_h
     padded = pool.padded(low)["q_proj"]
     assert padded["a"].shape[2] == RANK and padded["a"] is not low.values["q_proj"]["a"]
     assert not np.asarray(padded["a"][:, :, 4:], np.float32).any()
+
+
+@pytest.mark.parametrize("rows", [False, True])
+def test_pinned_host_adapters_load_the_same_slots(rows):
+    """A pool with `pinned=True` holds prepared A/B as jax arrays in pinned host memory and writes
+    slots equal to a numpy-held pool's (full and lower rank; the row pool too); `to_device` puts
+    them in device memory."""
+    from jaxlora.lora.rows import RowPool
+
+    def make(pinned):
+        if rows:
+            return RowPool(CONFIG, 2, RANK, 2 * RANK, MODULES, dtype=jnp.float32,
+                           rows_of=lambda slot: list(range(slot * RANK, (slot + 1) * RANK)), pinned=pinned)
+        return AdapterPool(CONFIG, 2, RANK, MODULES, dtype=jnp.float32, donate=True, pinned=pinned)
+
+    adapters = [random_adapter("full", CONFIG, LoraConfig(r=RANK, lora_alpha=16, target_modules=MODULES), seed=3),
+                _adapters(1)[0]]  # rank RANK, rank 4
+    pinned, plain = make(True), make(False)
+    for slot, adapter in enumerate(adapters):
+        held = pinned.prepare(adapter)
+        assert all(v["a"].sharding.memory_kind == "pinned_host" for v in held.values.values())
+        assert pinned.to_device(pinned.padded(held))["q_proj"]["a"].sharding.memory_kind == "device"
+        pinned.load(held, slot=slot)
+        plain.load(plain.prepare(adapter), slot=slot)
+    for module in MODULES:
+        for key, value in plain.arrays[module].items():
+            np.testing.assert_array_equal(np.asarray(pinned.arrays[module][key]), np.asarray(value))
