@@ -92,7 +92,8 @@ def test_slora_disk_figures_from_a_slora_disk_report():
 def test_the_h200_reference_names_figures_the_extraction_produces():
     with open(regress.os.path.join(regress.ROOT, "bench", "regress_reference.json")) as f:
         h200 = json.load(f)["devices"]["NVIDIA H200"]["figures"]
-    serve = serve_report()
+    serve = serve_report()  # every Punica case with decode and mixed steps, as a real run has
+    serve["results"][1]["lora"] = serve["results"][0]["lora"]
     serve["results"][2] = {**serve["results"][1], "spec": punica_spec("skewed")}
     serve["results"].append({**serve["results"][1], "spec": punica_spec("uniform")})
     disk = slora_report()
@@ -178,3 +179,23 @@ def test_main_no_reference_then_update_then_drop(tmp_path, monkeypatch):
     assert written["exit_code"] == 1 and written["verdicts"]["serve base tok/s"]["verdict"] == "DROP"
     monkeypatch.setattr(regress, "measure", fake_measure(1.0, failed=["serve"]))
     assert regress.main(argv) == 3
+
+
+def test_the_readme_serving_tables_show_the_h200_reference():
+    """The README's serving and disk-tier tables and bench/regress_reference.json come from the same
+    run (`--update` and the tables change together): each Punica row shows the reference's LoRA
+    tok/s, base tok/s and LoRA/base, each disk row its disk/one ratio."""
+    root = regress.ROOT
+    with open(regress.os.path.join(root, "bench", "regress_reference.json")) as f:
+        h200 = json.load(f)["devices"]["NVIDIA H200"]["figures"]
+    with open(regress.os.path.join(root, "README.md")) as f:
+        rows = {line.split("|")[1].strip(): line for line in f if line.startswith("| ")}
+    base = f"{h200['serve base tok/s']['value']:,.0f}"
+    for case in ("distinct", "uniform", "skewed", "identical"):
+        row = rows[f"Punica {case}"]
+        for figure in (f"{h200[f'serve punica {case} lora tok/s']['value']:,.0f}", base,
+                       f"{h200[f'serve punica {case} lora/base']['value']:.2f}"):
+            assert f" {figure} " in row, (case, figure, row)
+    for alpha in ("1", "0.3"):
+        ratio = h200[f"slora_disk slora n=2000 a={alpha} disk/one"]["value"]
+        assert f" {ratio:.2f} " in rows[f"S-LoRA n=2000, alpha={alpha}"], alpha
