@@ -14,6 +14,7 @@ from pallas_kernels.lora_delta import sgmv_lora_delta
 from pallas_kernels.ops import (
     bgmv_expand,
     bgmv_lora,
+    bgmv_lora_fused,
     bgmv_lora_grouped,
     bgmv_lora_stacked,
     bgmv_shrink,
@@ -36,6 +37,7 @@ __all__ = [
     "TileRouting",
     "bgmv_expand",
     "bgmv_lora",
+    "bgmv_lora_fused",
     "bgmv_lora_grouped",
     "bgmv_lora_stacked",
     "bgmv_shrink",

@@ -418,3 +418,45 @@ def bgmv_lora_grouped(ys, x, lora_as, lora_bs, row_slot, slot_ranks, slot_scales
                                             [scale.astype(jnp.float32) for scale in slot_scales], expand_cfg,
                                             interpret)
     return tuple(out[:, :n] for out, n in zip(outs, widths))
+
+
+# The fused decode kernel's default tiles (bgmv_fused_gpu: one program per row and column group of
+# block_n * col_blocks columns, each recomputing the row's shrink): wide column groups keep the
+# shrink's A re-reads (from L2) few. Untuned: bench/bgmv_sweep.py --fused measures them.
+FUSED_TILES = TileConfig(block_rows=1, block_k=512, block_n=256, rank_chunk=16, k_splits=1, num_warps=4,
+                         num_stages=2, col_blocks=4)
+
+
+def bgmv_lora_fused(ys, x, lora_as, lora_bs, row_slot, slot_ranks, slot_scales, slot_offset, *, impl=None,
+                    tiles: TileConfig | None = None):
+    """`bgmv_lora_grouped` in one launch: each row's shrink and expand in the same programs
+    (`bgmv_fused_gpu`), for G >= 1 projections of one input. Same arguments and result (a tuple
+    of G [B, n_g]); tiles: one TileConfig (default `FUSED_TILES`, fitted to the shapes)."""
+    style, interpret = resolve_impl(impl)
+    if style != "gpu":
+        return tuple(bgmv_lora_stacked(y, x, a, b, row_slot, rank, scale, slot_offset, impl=impl)
+                     for y, a, b, rank, scale in zip(ys, lora_as, lora_bs, slot_ranks, slot_scales))
+    from pallas_kernels.bgmv_fused_gpu import bgmv_fused_gpu
+
+    cfg, widths = fused_tiles(x.shape[1], [y.shape[1] for y in ys], lora_as[0].shape[-1], tiles), [y.shape[1] for y in ys]
+    x_p = pad_to(x, (None, cfg.block_k))
+    a_p = [pad_to(a, (None, cfg.block_k, cfg.rank_chunk)) for a in lora_as]
+    b_p = [pad_to(b, (None, cfg.rank_chunk, cfg.block_n)) for b in lora_bs]
+    ys_p = [pad_to(y, (None, cfg.block_n)) for y in ys]
+    outs = bgmv_fused_gpu(ys_p, x_p, a_p, b_p, row_slot.astype(jnp.int32), slot_offset,
+                          [rank.astype(jnp.int32) for rank in slot_ranks],
+                          [scale.astype(jnp.float32) for scale in slot_scales], cfg, interpret)
+    return tuple(out[:, :n] for out, n in zip(outs, widths))
+
+
+def fused_tiles(k: int, widths: list[int], r_max: int, tiles: TileConfig | None = None) -> TileConfig:
+    """`tiles` (default FUSED_TILES) fitted to a call: block_k and block_n powers of two no larger
+    than the dimensions need (>= 16), rank_chunk <= the padded rank, col_blocks halved until it
+    divides every projection's block count."""
+    cfg = tiles or FUSED_TILES
+    fit = lambda block, dim: max(16, min(block, 1 << max(int(dim) - 1, 0).bit_length()))
+    cfg = dataclasses.replace(cfg, block_k=fit(cfg.block_k, k), block_n=fit(cfg.block_n, max(widths)),
+                              rank_chunk=fit(cfg.rank_chunk, r_max))
+    while cfg.col_blocks > 1 and any(round_up(n, cfg.block_n) // cfg.block_n % cfg.col_blocks for n in widths):
+        cfg = dataclasses.replace(cfg, col_blocks=cfg.col_blocks // 2)
+    return cfg
