@@ -108,12 +108,11 @@ def _xla(name: str, row_delta: Callable) -> LoraBackend:
                        row_delta=row_delta)
 
 
-def _pallas(name: str, style: str | None, fused_decode: bool = False) -> LoraBackend:
-    return LoraBackend(name, ServingPlan, partitionable=False, custom_kernel=True, serves=True, trains=not fused_decode,
+def _pallas(name: str, style: str | None) -> LoraBackend:
+    return LoraBackend(name, ServingPlan, partitionable=False, custom_kernel=True, serves=True, trains=True,
                        row_delta=functools.partial(ops.pallas_delta, style=style),
-                       in_place=functools.partial(ops.pallas_accumulate, style=style, fused_decode=fused_decode),
-                       in_place_group=functools.partial(ops.pallas_accumulate_group, style=style,
-                                                        fused_decode=fused_decode))
+                       in_place=functools.partial(ops.pallas_accumulate, style=style),
+                       in_place_group=functools.partial(ops.pallas_accumulate_group, style=style))
 
 
 def _fused(name: str, style: str | None) -> LoraBackend:
@@ -130,13 +129,12 @@ _HYBRID_MIXED = LoraBackend("hybrid", ServingPlan, partitionable=False, custom_k
                             in_place_group=ops.segment_accumulate_group)
 
 
-def _hybrid_route(plan, decode: str = "pallas") -> LoraBackend:
-    """With a `ServingPlan`: BGMV alone on a decode-only step (the `decode` backend: "pallas", or
-    "pallas_fused_decode" for hybrid_fused), the segment GEMM + BGMV on a mixed one; with any other
-    plan the one-hot GEMMs."""
+def _hybrid_route(plan) -> LoraBackend:
+    """With a `ServingPlan`: BGMV alone on a decode-only step, the segment GEMM + BGMV on a mixed
+    one; with any other plan the one-hot GEMMs."""
     if not isinstance(plan, ServingPlan):
         return _REGISTRY["onehot"]
-    return _REGISTRY[decode] if plan.seg_starts is None else _HYBRID_MIXED
+    return _REGISTRY["pallas"] if plan.seg_starts is None else _HYBRID_MIXED
 
 
 _REGISTRY: dict[str, LoraBackend] = {backend.name: backend for backend in (
@@ -149,11 +147,6 @@ _REGISTRY: dict[str, LoraBackend] = {backend.name: backend for backend in (
     _pallas("pallas_tpu", "tpu"),
     LoraBackend("hybrid", ServingPlan, partitionable=False, custom_kernel=True, serves=True, trains=True,
                 route=_hybrid_route),
-    # hybrid with each decode step's BGMV fused (shrink and expand in one launch per projection
-    # group: pallas_kernels.bgmv_fused_gpu); under measurement (bench/bgmv_fused.py, NOTES_serve.md)
-    _pallas("pallas_fused_decode", None, fused_decode=True),
-    LoraBackend("hybrid_fused", ServingPlan, partitionable=False, custom_kernel=True, serves=True, trains=False,
-                route=functools.partial(_hybrid_route, decode="pallas_fused_decode")),
     _fused("fused", None),
     _fused("fused_tpu", "tpu"),
     LoraBackend("compressed", LoraPlan, partitionable=False, custom_kernel=False, serves=True, trains=False,

@@ -163,25 +163,21 @@ def pallas_delta(rows, module_pool, plan, style: str | None = None):
     return delta.astype(_F32)[plan.inv_perm]
 
 
-def pallas_accumulate(y: jax.Array, x: jax.Array, module_pool, plan: ServingPlan, style: str | None = None,
-                      fused_decode: bool = False):
+def pallas_accumulate(y: jax.Array, x: jax.Array, module_pool, plan: ServingPlan, style: str | None = None):
     """y [..., n] float32 plus the LoRA of x [..., k] (rows in the `ServingPlan`'s order), the
-    kernels accumulating in place on y (no zeroed delta buffer, no add). fused_decode: the
-    one-token rows through the fused BGMV (`pallas_kernels.bgmv_lora_fused`, one launch)."""
+    kernels accumulating in place on y (no zeroed delta buffer, no add)."""
     rows, out = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1]).astype(_F32)
-    style = pallas_kernels.kernel_style(style)
-    return _serving_kernels(out, rows, module_pool, plan, style, fused_decode).reshape(y.shape)
+    return _serving_kernels(out, rows, module_pool, plan, pallas_kernels.kernel_style(style)).reshape(y.shape)
 
 
-def pallas_accumulate_group(ys, x: jax.Array, module_pools, plan: ServingPlan, style: str | None = None,
-                            fused_decode: bool = False) -> tuple:
+def pallas_accumulate_group(ys, x: jax.Array, module_pools, plan: ServingPlan, style: str | None = None) -> tuple:
     """`pallas_accumulate` for several projections of one input x [..., k] (q/k/v, gate/up): ys are
     their float32 outputs [..., n_g], module_pools their pools. The one-token rows of all of them go
     through one grouped BGMV shrink and one expand (x read once, 2 launches instead of 2 per
     projection); prefill segments through SGMV per projection. Paged pools: `pallas_accumulate`
     per projection (no grouped paged kernel)."""
     if any(isinstance(pool, PagedModulePool) for pool in module_pools):
-        return tuple(pallas_accumulate(y, x, pool, plan, style, fused_decode) for y, pool in zip(ys, module_pools))
+        return tuple(pallas_accumulate(y, x, pool, plan, style) for y, pool in zip(ys, module_pools))
     style = pallas_kernels.kernel_style(style)
     rows = x.reshape(-1, x.shape[-1])
     outs, entries = [], [_entries(pool) for pool in module_pools]
@@ -192,12 +188,12 @@ def pallas_accumulate_group(ys, x: jax.Array, module_pools, plan: ServingPlan, s
                                                    offset, impl=style)
         outs.append(out)
     lora_as, lora_bs, ranks, scales = ([e[i] for e in entries] for i in range(4))
-    bgmv = pallas_kernels.bgmv_lora_fused if fused_decode else pallas_kernels.bgmv_lora_grouped
-    outs = bgmv(outs, rows, lora_as, lora_bs, plan.decode_slot, ranks, scales, entries[0][4], impl=style)
+    outs = pallas_kernels.bgmv_lora_grouped(outs, rows, lora_as, lora_bs, plan.decode_slot, ranks, scales,
+                                            entries[0][4], impl=style)
     return tuple(out.reshape(y.shape) for out, y in zip(outs, ys))
 
 
-def _serving_kernels(y, rows, module_pool, plan: ServingPlan, style: str, fused_decode: bool = False):
+def _serving_kernels(y, rows, module_pool, plan: ServingPlan, style: str):
     """y [N, n] float32 plus the LoRA of rows [N, k] already in the plan's order: SGMV over the
     prefill segments (none in a decode-only step), then BGMV over the one-token rows, both in
     place on y (2 or 4 kernel launches, no gathers, no per-call rank/scale lookups: the kernels
@@ -209,9 +205,6 @@ def _serving_kernels(y, rows, module_pool, plan: ServingPlan, style: str, fused_
     if plan.seg_starts is not None:
         y = pallas_kernels.sgmv_lora_stacked(y, rows, a, b, plan.seg_starts, plan.seg_slot, rank, scale, offset,
                                              impl=style)
-    if fused_decode:
-        return pallas_kernels.bgmv_lora_fused([y], rows, [a], [b], plan.decode_slot, [rank], [scale], offset,
-                                              impl=style)[0]
     return pallas_kernels.bgmv_lora_stacked(y, rows, a, b, plan.decode_slot, rank, scale, offset, impl=style)
 
 
