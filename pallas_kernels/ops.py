@@ -422,7 +422,7 @@ def bgmv_lora_grouped(ys, x, lora_as, lora_bs, row_slot, slot_ranks, slot_scales
 
 # The fused decode kernel's default tiles (bgmv_fused_gpu: one program per row and column group of
 # block_n * col_blocks columns, each recomputing the row's shrink): wide column groups keep the
-# shrink's A re-reads (from L2) few. Untuned: bench/bgmv_sweep.py --fused measures them.
+# shrink's A re-reads (from L2) few. bench/bgmv_fused.py times a few configs against the pair.
 FUSED_TILES = TileConfig(block_rows=1, block_k=512, block_n=256, rank_chunk=16, k_splits=1, num_warps=4,
                          num_stages=2, col_blocks=4)
 
