@@ -11,16 +11,20 @@ import jax
 
 from jaxlora.lora import backends
 from jaxlora.scheduler.serving import INFERENCE_MODES
+from jaxlora.dtypes import DTYPES
 from serve.protocol import Limits
 
 DEFAULT_COMPILE_CACHE = "~/.cache/jaxlora/jit"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jaxlora-serve", description="OpenAI-compatible multi-LoRA server (jaxlora).")
+    p = argparse.ArgumentParser(prog="jaxlora-serve", description="OpenAI-compatible multi-LoRA server (jaxlora).",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="default", help='"default" (embedded SmolLM2-135M-Instruct), a HF dir or .gguf')
     p.add_argument("--served-model-name", default=None, help="the base model's name in the API")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="the weights' dtype; auto: bfloat16 on a GPU or TPU (the checkpoint's bfloat16, or float32 "
+                        "cast), float32 on a CPU")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH", help="a PEFT adapter to serve")
     p.add_argument("--compressed", default=None, metavar="PATH",
                    help="a compressed collection (jaxlora-compress): every adapter in it is served by name; JD "
@@ -245,6 +249,17 @@ def check_engine_options(args) -> None:
         raise SystemExit(f"jaxlora-serve: --ttft-slo-ms must be > 0, got {args.ttft_slo_ms}")
 
 
+def resolve_dtype(args) -> None:
+    """Replaces `args.dtype` ("auto" or a dtype) by the dtype the weights load in, once, and logs it
+    with the reason (`jaxlora.dtypes.choose_dtype`: bfloat16 on a GPU or TPU, float32 on a CPU)."""
+    import jax
+
+    from jaxlora.dtypes import checkpoint_dtype, choose_dtype
+
+    args.dtype, why = choose_dtype(args.dtype, jax.default_backend(), checkpoint_dtype(args.model))
+    logging.getLogger("jaxlora.serve").info("weights in %s (%s)", args.dtype, why)
+
+
 def build_app(args):
     """Loads everything the arguments name and returns the FastAPI app (errors exit with a message)."""
     import jax.numpy as jnp
@@ -259,6 +274,7 @@ def build_app(args):
     from serve.replicas import ReplicaSet
 
     check_engine_options(args)
+    resolve_dtype(args)
     finetune = finetune_settings(args)
     if args.metrics_require_key and not args.api_key:
         raise SystemExit("jaxlora-serve: --metrics-require-key needs --api-key (or JAXLORA_API_KEY)")

@@ -87,3 +87,33 @@ def test_host_cache_bound_options():
             parse_bytes(bad)
     args = build_parser().parse_args(["--adapter-dir", "/tmp", "--max-cpu-adapters", "100"])
     assert (args.adapter_dir, args.max_cpu_adapters, args.max_cpu_adapter_memory) == ("/tmp", 100, None)
+
+
+def test_dtype_auto_is_the_default_and_resolves_per_platform(tmp_path, monkeypatch):
+    """--dtype auto (the default, shown by --help): float32 on a CPU, bfloat16 on a GPU or TPU (a
+    float32 checkpoint cast, a bfloat16 one kept); an explicit dtype is kept; a wrong one is refused."""
+    import json
+
+    import jax
+
+    from jaxlora.dtypes import checkpoint_dtype, choose_dtype
+    from serve.cli import resolve_dtype
+
+    parser = build_parser()
+    assert parser.parse_args([]).dtype == "auto"
+    assert "default: auto" in " ".join(parser.format_help().split())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--dtype", "float64"])
+    with pytest.raises(ValueError, match="dtype must be one of auto, float32, bfloat16"):
+        choose_dtype("fp8", "gpu", None)
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
+    assert checkpoint_dtype(str(tmp_path)) == "float32" and checkpoint_dtype("default") is None
+    assert choose_dtype("auto", "gpu", "float32") == ("bfloat16", "auto: bfloat16 on gpu (checkpoint float32)")
+    assert choose_dtype("auto", "tpu", "bfloat16")[0] == "bfloat16"
+    assert choose_dtype("auto", "cpu", "bfloat16")[0] == "float32"
+    assert choose_dtype("float32", "gpu", "bfloat16")[0] == "float32"
+    for platform, expected in (("cpu", "float32"), ("gpu", "bfloat16")):  # the server's resolution, platform mocked
+        monkeypatch.setattr(jax, "default_backend", lambda platform=platform: platform)
+        args = parser.parse_args(["--model", str(tmp_path)])
+        resolve_dtype(args)
+        assert args.dtype == expected
