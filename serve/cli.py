@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 import jax
 
@@ -292,7 +293,10 @@ def build_app(args):
     if devices is not None and collection is not None and collection.method != "svd":
         raise SystemExit("jaxlora-serve: a compressed JD collection is served by one engine (no --replicas)")
     try:
+        started = time.perf_counter()
         model, tokenizer = load_model(args.model, jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
+        logging.getLogger("jaxlora.serve").info("model loaded in %.1f s (%d layers, %s)", time.perf_counter() - started,
+                                                model.config.num_layers, args.dtype)
         paths = dict(parse_adapters(args.adapter))
         adapters = {name: load_peft_adapter(path, model.config, name, keep_dtype=True) for name, path in paths.items()}
     except (WeightsError, AdapterError, OSError) as err:

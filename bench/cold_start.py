@@ -1,0 +1,257 @@
+"""Cold start of the real server: launch -> /health ready -> first completion of `jaxlora-serve`
+on a random Llama-3.1-8B-shaped HF checkpoint with LoRA on (adapters from --adapter-dir), with an
+empty and then a warm persistent compile cache, in one run (issue 35: measure first).
+
+    PYTHONPATH=. python bench/cold_start.py [--layers 32] [--out FILE]     # on a GPU machine
+    PYTHONPATH=. python bench/cold_start.py --tiny                          # CPU smoke test
+
+What it writes first (resumable: kept when present under --dir): a HF directory (config.json,
+bf16 safetensors in per-layer shards with an index, a tokenizer.json: a small BPE trained here,
+its ids below the model's vocabulary) whose weights are slices of one random buffer (no 8B random
+draws), and `--adapters` PEFT folders (r=16, all seven projections, bf16). Then per cache state
+("cold": a fresh --compile-cache directory; "warm": the same directory again) it starts
+`python -m serve` with the README's engine sizes (64 adapter slots, rank 16, 256 rows, 2048-token
+steps; --tiny: the CPU sizes), timestamps every log line the server prints, polls /health, sends
+one completion naming an adapter, and stops the server. Reported per run: seconds from launch to
+each of: the first log line, weights loaded (the server's "model loaded in" line), /health ready, the
+first completion; and the log with its timestamps. JSON (device, jax, date) at --out."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import ml_dtypes
+import numpy as np
+
+from jaxlora.lora.adapter import LoraAdapter, ModuleLora
+from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.peft_io import save_peft_adapter
+from jaxlora.models.config import PROJECTIONS, LlamaConfig, projection_shapes
+from jaxlora.models.presets import llama8b_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HF_NAMES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+# ---- the checkpoint -----------------------------------------------------------------------------
+
+class Slices:
+    """bf16 arrays cut from one random buffer at moving offsets (different values, no big draws)."""
+
+    def __init__(self, seed: int = 0, size: int = 1 << 24):
+        self.buffer = (np.random.default_rng(seed).standard_normal(size, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+        self.offset = 0
+
+    def take(self, shape) -> np.ndarray:
+        count = int(np.prod(shape))
+        reps = -(-count // self.buffer.size) + 1
+        start = self.offset % self.buffer.size
+        self.offset += 7919
+        return np.resize(np.roll(self.buffer, -start), reps * self.buffer.size)[:count].reshape(shape) \
+            if count > self.buffer.size - start else self.buffer[start:start + count].reshape(shape).copy()
+
+
+def hf_config(config: LlamaConfig) -> dict:
+    """config.json of a Llama with `config`'s shape (llama3 RoPE scaling when it has one)."""
+    raw = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": config.vocab_size,
+           "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+           "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+           "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim, "rms_norm_eps": 1e-5,
+           "rope_theta": config.rope_theta, "max_position_embeddings": config.max_position_embeddings,
+           "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
+    if config.rope_scaling is not None:
+        scaling = config.rope_scaling
+        raw["rope_scaling"] = {"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
+                               "high_freq_factor": scaling.high_freq_factor,
+                               "original_max_position_embeddings": scaling.original_max_position_embeddings}
+    return raw
+
+
+def write_checkpoint(directory: str, config: LlamaConfig) -> float:
+    """The HF directory (module doc); seconds spent (0 when it was there already)."""
+    from safetensors.numpy import save_file
+
+    if os.path.exists(os.path.join(directory, "model.safetensors.index.json")):
+        return 0.0
+    started, slices, weight_map = time.perf_counter(), Slices(), {}
+    os.makedirs(directory, exist_ok=True)
+    shapes = projection_shapes(config)
+    shards = {"model-embed.safetensors": {
+        "model.embed_tokens.weight": slices.take((config.vocab_size, config.hidden_size)),
+        "model.norm.weight": np.ones(config.hidden_size, ml_dtypes.bfloat16),
+        "lm_head.weight": slices.take((config.vocab_size, config.hidden_size))}}
+    for layer in range(config.num_layers):
+        prefix = f"model.layers.{layer}"
+        tensors = {f"{prefix}.{HF_NAMES[m]}.{m}.weight": slices.take(shapes[m][::-1]) for m in PROJECTIONS}
+        tensors[f"{prefix}.input_layernorm.weight"] = np.ones(config.hidden_size, ml_dtypes.bfloat16)
+        tensors[f"{prefix}.post_attention_layernorm.weight"] = np.ones(config.hidden_size, ml_dtypes.bfloat16)
+        shards[f"model-layer{layer:03d}.safetensors"] = tensors
+    for name, tensors in shards.items():
+        save_file(tensors, os.path.join(directory, name), metadata={"format": "pt"})
+        weight_map.update({key: name for key in tensors})
+    write_tokenizer(directory, config.vocab_size)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(hf_config(config), f, indent=1)
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:  # last: marks it complete
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return time.perf_counter() - started
+
+
+def write_tokenizer(directory: str, vocab_size: int) -> None:
+    """tokenizer.json: a byte-level BPE trained on a few sentences (ids < vocab_size), with <s>/</s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    text = ["The capital of France is Paris.", "Once upon a time there was a model.", "Write a short answer."] * 20
+    trainer = trainers.BpeTrainer(vocab_size=min(vocab_size, 400), special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(text, trainer)
+    tokenizer.save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>"}, f)
+
+
+def write_adapters(directory: str, config: LlamaConfig, count: int, rank: int = 16) -> None:
+    """`count` PEFT folders adapter-0.. (r=rank on all seven projections, bf16), kept when present."""
+    slices, lora = Slices(seed=1), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=PROJECTIONS)
+    for index in range(count):
+        path = os.path.join(directory, f"adapter-{index}")
+        if os.path.exists(os.path.join(path, "adapter_config.json")):
+            continue
+        modules = {}
+        for module, (fan_in, fan_out) in projection_shapes(config).items():
+            layers = config.num_layers
+            modules[module] = ModuleLora(a=slices.take((layers, fan_in, rank)), b=slices.take((layers, rank, fan_out)),
+                                         scale=np.full(layers, 2.0, np.float32), rank=np.full(layers, rank, np.int32))
+        save_peft_adapter(LoraAdapter(f"adapter-{index}", lora, modules), path)
+
+
+# ---- one launch ---------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args, model_dir: str, adapter_dir: str, cache_dir: str, label: str) -> dict:
+    """Starts the server, waits for /health and one completion; the phase times and the log."""
+    port = free_port()
+    command = [sys.executable, "-m", "serve", "--model", model_dir, "--adapter-dir", adapter_dir, "--port", str(port),
+               "--compile-cache", cache_dir, "--max-tokens-limit", "16", *args.server_args.split()]
+    started, lines = time.perf_counter(), []
+    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    reader = threading.Thread(target=lambda: [lines.append((time.perf_counter() - started, line.rstrip()))
+                                              for line in process.stdout], daemon=True)
+    reader.start()
+    result = {"cache": label, "command": command}
+    try:
+        result["ready_s"] = wait_ready(port, process, started, args.timeout)
+        result["first_completion_s"], result["completion"] = first_completion(port, started)
+    except Exception as err:  # report what happened, keep the log
+        result["error"] = f"{type(err).__name__}: {err}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        reader.join(timeout=5)
+    result["log"] = [f"{t:8.2f} s  {line}" for t, line in lines if "GET /health" not in line]
+    result["first_log_s"] = lines[0][0] if lines else None
+    result["weights_loaded_s"] = next((t for t, line in lines if "model loaded in" in line), None)
+    return result
+
+
+def wait_ready(port: int, process, started: float, timeout: float) -> float:
+    while time.perf_counter() - started < timeout:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with status {process.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
+                if reply.status == 200:
+                    return time.perf_counter() - started
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"/health not ready within {timeout} s")
+
+
+def first_completion(port: int, started: float) -> tuple[float, dict]:
+    body = json.dumps({"model": "adapter-0", "prompt": "The capital of France is", "max_tokens": 8}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as reply:
+        answer = json.load(reply)
+    return time.perf_counter() - started, {"text": answer["choices"][0]["text"], "usage": answer.get("usage")}
+
+
+# ---- main -----------------------------------------------------------------------------------------
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 32; --tiny: 2)")
+    parser.add_argument("--dir", default=None, help="checkpoint and adapters (default /tmp/jaxlora_cold_start[_tiny])")
+    parser.add_argument("--adapters", type=int, default=4)
+    parser.add_argument("--runs", nargs="+", default=["cold", "warm"], choices=("cold", "warm"))
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for /health per run")
+    parser.add_argument("--server-args", default=None, help="extra jaxlora-serve options (default: the README's sizes)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    tiny = args.tiny
+    layers = args.layers or (2 if tiny else 32)
+    config = llama8b_config(layers, tiny)
+    if tiny:
+        config = dataclasses.replace(config, max_position_embeddings=512)
+    args.dir = args.dir or f"/tmp/jaxlora_cold_start{'_tiny' if tiny else ''}"
+    args.out = args.out or f"bench/results/cold_start{'_cpu' if tiny else ''}.json"
+    if args.server_args is None:
+        args.server_args = ("--max-adapters-on-device 4 --max-model-len 256" if tiny else
+                            "--max-adapters-on-device 64 --max-lora-rank 16 --max-num-seqs 256 "
+                            "--max-num-batched-tokens 2048 --max-model-len 1024")
+    model_dir, adapter_dir = os.path.join(args.dir, "model"), os.path.join(args.dir, "adapters")
+    write_s = write_checkpoint(model_dir, config)
+    write_adapters(adapter_dir, config, args.adapters)
+    import jax  # after the writes: the report's device (the server runs in its own process)
+
+    report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "layers": layers,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "checkpoint_write_s": write_s, "server_args": args.server_args, "runs": []}
+    cache_dir = tempfile.mkdtemp(prefix="jaxlora_cold_cache_")
+    try:
+        for label in args.runs:
+            result = launch(args, model_dir, adapter_dir, cache_dir, label)
+            report["runs"].append(result)
+            print(f"{label:5}: first log {result['first_log_s'] or float('nan'):6.1f} s, weights "
+                  f"{result['weights_loaded_s'] or float('nan'):6.1f} s, ready {result.get('ready_s', float('nan')):6.1f} s,"
+                  f" first completion {result.get('first_completion_s', float('nan')):6.1f} s"
+                  f"{'  ERROR ' + result['error'] if 'error' in result else ''}", flush=True)
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    print(f"device {report['device']}, jax {report['jax']}; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
