@@ -380,6 +380,8 @@ def main(argv: list[str] | None = None) -> None:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    if args.log_level.lower() != "debug":  # jax's "Unable to initialize backend 'tpu'" lines on every start
+        logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     use_compile_cache(args.compile_cache)
     app = build_app(args)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30)

@@ -910,9 +910,11 @@ class Engine:
         shapes = self.step_shapes() if shapes is None else shapes
         before = len(self.programs)
         threads = min(8, os.cpu_count() or 1) if threads is None else threads
+        log.info("compiling %d step programs (%d threads)", len(shapes), threads)
         for program in ("forward", "sample", "sample_state"):  # samplers take the forwards' logits sharding
             todo = [shape for shape in shapes if shape.program == program]
-            self.programs.compile_all([(shape, self._padding_args(shape)) for shape in todo], threads)
+            self.programs.compile_all([(shape, self._padding_args(shape)) for shape in todo], threads,
+                                      _progress_log(program, started))
         free = self.pool.free_slot()
         if free is not None:  # an empty slot written with zeros: compiles the update, changes nothing
             self.pool.evict(free)
@@ -920,7 +922,9 @@ class Engine:
             self._window_fill_program()
         if self.modes is not None:
             self.modes.warmup(self)
-        return {"programs": len(self.programs) - before, "seconds": time.perf_counter() - started}
+        seconds = time.perf_counter() - started
+        log.info("step programs ready: %d compiled in %.1f s", len(self.programs) - before, seconds)
+        return {"programs": len(self.programs) - before, "seconds": seconds}
 
     def _has_bucket(self, tokens: int, lora: bool, decode_only: bool) -> bool:
         """Whether a forward variant over `tokens` padded tokens exists (see `_padded_tokens`)."""
@@ -1366,6 +1370,12 @@ def _classified(head: TaskHead, features: np.ndarray | None, row: int) -> Event:
     if features is None:
         return Event(None, "error", "this engine's step function returns no features to classify")
     return Event(None, "classified", probs=head.probs(features[row][None])[0])
+
+
+def _progress_log(program: str, started: float) -> Callable[[int, int], None]:
+    """`Programs.compile_all`'s progress callback: one log line per compiled program of `program`."""
+    return lambda done, total: log.info("compiled %s program %d/%d (%.1f s)", program, done, total,
+                                        time.perf_counter() - started)
 
 
 @functools.lru_cache(maxsize=1)

@@ -230,12 +230,23 @@ class Programs:
                 return program.output_shardings[1]
         return None
 
-    def compile_all(self, shape_args: list[tuple[StepShape, tuple]], threads: int) -> None:
-        """Compiles every (shape, args) pair not compiled yet, `threads` at a time."""
+    def compile_all(self, shape_args: list[tuple[StepShape, tuple]], threads: int,
+                    progress: Callable[[int, int], None] | None = None) -> None:
+        """Compiles every (shape, args) pair not compiled yet, `threads` at a time;
+        `progress(done, total)` after each (start-up logs)."""
         todo = [(shape, args) for shape, args in shape_args if shape not in self._compiled]
+        done, lock = [0], threading.Lock()
+
+        def compile_one(item) -> None:
+            self.compile(*item)
+            with lock:
+                done[0] += 1
+                if progress is not None:
+                    progress(done[0], len(todo))
+
         if threads <= 1:
-            for shape, args in todo:
-                self.compile(shape, args)
+            for item in todo:
+                compile_one(item)
             return
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jaxlora-compile") as pool:
-            list(pool.map(lambda item: self.compile(*item), todo))
+            list(pool.map(compile_one, todo))
