@@ -250,6 +250,14 @@ def check_engine_options(args) -> None:
         raise SystemExit(f"jaxlora-serve: --ttft-slo-ms must be > 0, got {args.ttft_slo_ms}")
 
 
+def configure_logging(level: str) -> None:
+    """The server's log at `level` on stderr; below debug, without jax's backend probes ("Unable to
+    initialize backend 'tpu'" on every start of a machine without one)."""
+    logging.basicConfig(level=level.upper(), stream=sys.stderr)
+    probes = logging.getLogger("jax._src.xla_bridge")
+    probes.setLevel(logging.NOTSET if level.lower() == "debug" else logging.WARNING)
+
+
 def resolve_dtype(args) -> None:
     """Replaces `args.dtype` ("auto" or a dtype) by the dtype the weights load in, once, and logs it
     with the reason (`jaxlora.dtypes.choose_dtype`: bfloat16 on a GPU or TPU, float32 on a CPU)."""
@@ -379,9 +387,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
-    if args.log_level.lower() != "debug":  # jax's "Unable to initialize backend 'tpu'" lines on every start
-        logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    configure_logging(args.log_level)
     use_compile_cache(args.compile_cache)
     app = build_app(args)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30)

@@ -117,3 +117,28 @@ def test_dtype_auto_is_the_default_and_resolves_per_platform(tmp_path, monkeypat
         args = parser.parse_args(["--model", str(tmp_path)])
         resolve_dtype(args)
         assert args.dtype == expected
+
+
+def test_start_up_logs_progress_without_backend_noise(smollm2, caplog):
+    """Start-up says what it does (issue 36): the engine's warm-up logs the programs to compile, one
+    line per compiled program and when they are ready; the server's logging hides jax's backend
+    probes ("Unable to initialize backend 'tpu'") unless at debug level."""
+    import logging
+
+    from serve.cli import configure_logging
+    from serve.engine import Engine, EngineConfig
+    from tests.serve.conftest import SMALL_ENGINE
+
+    configure_logging("info")
+    assert logging.getLogger("jax._src.xla_bridge").getEffectiveLevel() == logging.WARNING
+    configure_logging("debug")
+    assert logging.getLogger("jax._src.xla_bridge").level == logging.NOTSET
+    model, tokenizer = smollm2
+    engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(max_adapters_on_device=2, **SMALL_ENGINE))
+    shapes = engine.step_shapes()[:2]
+    with caplog.at_level(logging.INFO, logger="jaxlora.serve"):
+        engine.warmup(shapes, threads=1)
+    messages = [record.getMessage() for record in caplog.records if record.name == "jaxlora.serve"]
+    assert messages[0] == "compiling 2 step programs (1 threads)"
+    assert any(m.startswith("compiled forward program 1/") for m in messages)
+    assert messages[-1].startswith("step programs ready:")
