@@ -23,6 +23,11 @@ Start-up (as vLLM's): the server binds at once, and the engine compiles its step
 (`Engine.warmup`) on a thread before its loop starts; `/health` answers 503 "warming up" until
 then (requests sent meanwhile wait in the queue), so a load balancer routes no request to a
 server that would still compile.
+
+Every error is answered in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`):
+also an unknown route (404) and a wrong method (405, with `Allow`), through `add_error_handlers`.
+A body over the limit (`BodyLimit`) is read and discarded up to a bound before its 413, so a
+client still sending receives the answer rather than a broken pipe.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.concurrency import run_in_threadpool
 
 from jaxlora.lora.config import AdapterError
@@ -434,12 +440,55 @@ def invalid_request_error(err: RequestValidationError) -> ApiError:
     return ApiError(400, "invalid request: " + "; ".join(parts), first)
 
 
+DRAIN_MAX_BYTES = 64 << 20  # the most an over-limit body is read for its 413 (8x the limit below that)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Answers ApiError, pydantic's refusals (400) and Starlette's HTTP errors (unknown route 404,
+    wrong method 405, ...) in OpenAI's error shape."""
+
+    @app.exception_handler(ApiError)
+    async def api_error(request, err: ApiError):
+        return JSONResponse(err.body(), err.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, err: RequestValidationError):
+        return JSONResponse(invalid_request_error(err).body(), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, err: StarletteHTTPException):
+        api = http_api_error(request, err)
+        return JSONResponse(api.body(), api.status, headers=err.headers)
+
+
+def http_api_error(request, err: StarletteHTTPException) -> ApiError:
+    """The ApiError of a Starlette HTTP error: 404 and 405 name the method and path (405 the allowed
+    methods too); FastAPI's 400 for a body it could not read is the ApiError that stopped the read
+    (413 from `BodyLimit`); others keep their detail."""
+    if isinstance(err.__cause__, ApiError):
+        return err.__cause__
+    where = f"{request.method} {request.url.path}"
+    allowed = {k.lower(): v for k, v in (err.headers or {}).items()}.get("allow")
+    if err.status_code == 404 and err.detail == "Not Found":
+        return ApiError(404, f"no route {where} (see /docs for this server's routes)")
+    if err.status_code == 405 and err.detail == "Method Not Allowed":
+        return ApiError(405, f"method not allowed: {where}" + (f" (allowed: {allowed})" if allowed else ""))
+    return ApiError(err.status_code, str(err.detail))
+
+
 class BodyLimit:
     """ASGI middleware: 413 for bodies over `max_bytes` (by Content-Length, or while reading);
-    `paths`: other bounds for some paths (file uploads)."""
+    `paths`: other bounds for some paths (file uploads). Before the 413 the rest of the body is read
+    and discarded up to `drain_bound` bytes (so the client, done sending, reads the answer); a
+    longer body is not read and its connection is closed after the 413."""
 
     def __init__(self, app, max_bytes: int, paths: dict[str, int] | None = None):
         self.app, self.max_bytes, self.paths = app, max_bytes, dict(paths or {})
+
+    @staticmethod
+    def drain_bound(max_bytes: int) -> int:
+        """How much of an over-limit body is read before its 413: 8x the limit, at most 64 MiB."""
+        return min(8 * max_bytes, DRAIN_MAX_BYTES)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -447,7 +496,9 @@ class BodyLimit:
         max_bytes = self.paths.get(scope.get("path"), self.max_bytes)
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > max_bytes):
-            return await self._too_large(send, max_bytes)
+            drained = length.isdigit() and int(length) <= self.drain_bound(max_bytes) \
+                and await _drain(receive, 0, self.drain_bound(max_bytes))
+            return await self._too_large(send, max_bytes, close=not drained)
         seen = 0
 
         async def limited_receive():
@@ -456,15 +507,34 @@ class BodyLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > max_bytes:
+                    if message.get("more_body", False):
+                        await _drain(receive, seen, self.drain_bound(max_bytes))
                     raise ApiError(413, f"request body exceeds {max_bytes} bytes")
             return message
 
         await self.app(scope, limited_receive, send)
 
     @staticmethod
-    async def _too_large(send, max_bytes: int):
-        response = JSONResponse(ApiError(413, f"request body exceeds {max_bytes} bytes").body(), 413)
+    async def _too_large(send, max_bytes: int, close: bool):
+        """The 413 (with `Connection: close` when the body was not read to its end)."""
+        headers = {"Connection": "close"} if close else None
+        response = JSONResponse(ApiError(413, f"request body exceeds {max_bytes} bytes").body(), 413, headers=headers)
         await response({"type": "http"}, None, send)
+
+
+async def _drain(receive, seen: int, bound: int) -> bool:
+    """Reads and discards request body messages to the body's end; False if the body passed `bound`
+    bytes in all (`seen`: bytes read before) or the client disconnected first."""
+    more = True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            return False
+        seen += len(message.get("body", b""))
+        if seen > bound:
+            return False
+        more = message.get("more_body", False)
+    return True
 
 
 def create_app(engine: Engine, tokenizer, settings: ServerSettings) -> FastAPI:
@@ -486,14 +556,7 @@ def create_app(engine: Engine, tokenizer, settings: ServerSettings) -> FastAPI:
         open_paths = () if settings.metrics_require_key else ("/health", "/metrics")
         app.add_middleware(ApiKeyAuth, api_key=settings.api_key, open_paths=open_paths)
 
-    @app.exception_handler(ApiError)
-    async def api_error(request, err: ApiError):
-        return JSONResponse(err.body(), err.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request, err: RequestValidationError):
-        return JSONResponse(invalid_request_error(err).body(), 400)
-
+    add_error_handlers(app)
     _add_generation_routes(app, server)
     add_classify_route(app, server)
     _add_tokenizer_routes(app, server)

@@ -42,7 +42,8 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.kind = kind or {400: "invalid_request_error", 403: "permission_error", 404: "not_found_error",
-                             413: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
+                             405: "invalid_request_error", 413: "invalid_request_error",
+                             429: "rate_limit_error"}.get(status, "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}

@@ -45,13 +45,12 @@ import uuid
 
 import httpx
 from fastapi import FastAPI
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import BaseModel, ConfigDict
 
 from jaxlora.scheduler.serving import ReplicaState, place
-from serve.app import BodyLimit, invalid_request_error
+from serve.app import BodyLimit, add_error_handlers
 from serve.auth import ApiKeyAuth
 from serve.protocol import ApiError, ChatRequest, ClassifyRequest, CompletionRequest
 
@@ -444,17 +443,11 @@ def create_router_app(router: Router, api_key: str | None = None, max_body_bytes
     if api_key:
         app.add_middleware(ApiKeyAuth, api_key=api_key, open_paths=("/health", "/metrics"))
 
-    @app.exception_handler(ApiError)
-    async def api_error(request, err: ApiError):
-        return JSONResponse(err.body(), err.status)
+    add_error_handlers(app)
 
     @app.exception_handler(BackendReply)
     async def backend_reply(request, err: BackendReply):
         return Response(err.body, err.status, media_type="application/json")
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request, err: RequestValidationError):
-        return JSONResponse(invalid_request_error(err).body(), 400)
 
     async def generate(endpoint: str, body):
         need = await router.need(endpoint, body)
