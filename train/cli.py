@@ -81,7 +81,7 @@ def _train(config, resume: bool) -> tuple[bool, dict[str, list[float]]]:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        config = load_train_config(args.config, args.overrides)
+        config = load_train_config(args.config, args.overrides, check_files=True)
         _join_processes(args)
         if config.fusion is not None:
             return _fuse(config, args.resume)

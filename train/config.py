@@ -3,6 +3,7 @@ checked key by key with errors that name the file and line."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from typing import Any
@@ -107,6 +108,8 @@ class TrainConfig:
 
 
 _MESH_KEYS = {f.name for f in dataclasses.fields(MeshConfig)}
+_JOB_DEFAULTS = {f.name: f.default for f in dataclasses.fields(JobConfig) if f.default is not dataclasses.MISSING}
+_TRAIN_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
 _RETIRED = {"pipeline_stages": "replaced by mesh.pipeline (mesh: {pipeline: N})"}
 _SECTIONS = ("mesh",)  # mappings an override may create (`mesh.data=4` with no mesh: in the file)
 _LORA_KEYS = {"r", "alpha", "dropout", "targets", "use_rslora", "rank_pattern", "alpha_pattern"}
@@ -115,9 +118,36 @@ _CHOICES = {"schedule": ("constant", "linear", "cosine"), "overlong": ("truncate
             "remat": REMAT_POLICIES, "order": ("random", "given"), "policy": ("next_fit", "first_fit")}
 
 
-def load_train_config(path: str, overrides: list[str] = ()) -> TrainConfig:
+class _Problems:
+    """The errors found in one configuration, collected so that all are reported at once."""
+
+    def __init__(self):
+        self.messages: list[str] = []
+
+    def add(self, message: str) -> None:
+        self.messages.append(message)
+
+    @contextlib.contextmanager
+    def collect(self):
+        """Records a ConfigError raised inside the block instead of letting it through."""
+        try:
+            yield
+        except ConfigError as err:
+            self.messages.append(str(err))
+
+    def raise_all(self, path: str) -> None:
+        """One ConfigError listing every message (a single one as it is)."""
+        if len(self.messages) == 1:
+            raise ConfigError(self.messages[0])
+        if self.messages:
+            lines = "\n".join(f"  {message}" for message in self.messages)
+            raise ConfigError(f"{path}: {len(self.messages)} errors:\n{lines}")
+
+
+def load_train_config(path: str, overrides: list[str] = (), check_files: bool = False) -> TrainConfig:
     """Reads `path` (YAML), applies `key=value` overrides (e.g. `capacity=512`,
-    `jobs.0.learning_rate=1e-3`), and checks every key and value."""
+    `jobs.0.learning_rate=1e-3`), and checks every key and value; `check_files`: also that each
+    job's dataset (and eval_dataset) is a readable file. Every error found is in one ConfigError."""
     try:
         with open(path) as f:
             text = f.read()
@@ -133,9 +163,13 @@ def load_train_config(path: str, overrides: list[str] = ()) -> TrainConfig:
     lines = _key_lines(root)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}:1: expected a mapping with a 'jobs' list")
+    problems = _Problems()
     for override in overrides:
-        _apply_override(raw, override)
-    return _build(raw, lines, path)
+        with problems.collect():
+            _apply_override(raw, override)
+    config = _build(raw, lines, path, problems, check_files)
+    problems.raise_all(path)
+    return config
 
 
 def _key_lines(node, prefix: tuple = ()) -> dict[tuple, int]:
@@ -151,6 +185,13 @@ def _key_lines(node, prefix: tuple = ()) -> dict[tuple, int]:
             lines[prefix + (index,)] = item.start_mark.line + 1
             lines.update(_key_lines(item, prefix + (index,)))
     return lines
+
+
+def _where(path: str, lines: dict, keys: tuple) -> str:
+    """`file:line` of the key at `keys`, else of its nearest enclosing key (one set by an override
+    is not in the file), else line 1."""
+    found = (lines[tuple(keys[:n])] for n in range(len(keys), 0, -1) if tuple(keys[:n]) in lines)
+    return f"{path}:{next(found, 1)}"
 
 
 def _apply_override(raw: dict, override: str) -> None:
@@ -169,112 +210,132 @@ def _apply_override(raw: dict, override: str) -> None:
     target[parts[-1]] = yaml.safe_load(value)
 
 
-def _reject_unknown_keys(raw: dict, known, where, kind: str = "") -> None:
-    """A ConfigError for the first key of `raw` not in `known`, at `where(key)` (its file:line),
-    naming the known keys; `kind` names the section ("job", "mesh", ...)."""
+def _reject_unknown_keys(raw: dict, known, where, problems: _Problems, kind: str = "") -> dict:
+    """A problem for every key of `raw` not in `known`, at `where(key)` (its file:line), naming the
+    known keys; `kind` names the section ("job", "mesh", ...). Returns `raw`'s known keys."""
+    label = f"{kind} key" if kind else "key"
     for key in raw:
         if key not in known:
-            label = f"{kind} key" if kind else "key"
-            raise ConfigError(f"{where(key)}: unknown {label} {key!r} (known: {', '.join(sorted(known))})")
+            problems.add(f"{where(key)}: unknown {label} {key!r} (known: {', '.join(sorted(known))})")
+    return {key: value for key, value in raw.items() if key in known}
 
 
-def _build(raw: dict, lines: dict, path: str) -> TrainConfig:
+def _build(raw: dict, lines: dict, path: str, problems: _Problems, check_files: bool) -> TrainConfig | None:
+    """The TrainConfig of `raw` (None where it cannot be built); every error goes to `problems`."""
     def where(*keys) -> str:
-        return f"{path}:{lines.get(tuple(keys), lines.get(tuple(keys[:1]), 1))}"
+        return _where(path, lines, keys)
 
     for key in raw:
         if key in _RETIRED:
-            raise ConfigError(f"{where(key)}: {key!r} is {_RETIRED[key]}")
-    _reject_unknown_keys(raw, {f.name for f in dataclasses.fields(TrainConfig)}, where)
-    jobs_raw = raw.get("jobs")
-    if not isinstance(jobs_raw, list) or not jobs_raw:
-        raise ConfigError(f"{where('jobs')}: 'jobs' must be a non-empty list")
-    jobs = tuple(_build_job(job, lambda *k, i=i: where("jobs", i, *k), os.path.dirname(path))
-                 for i, job in enumerate(jobs_raw))
-    names = [job.name for job in jobs]
-    for index, name in enumerate(names):
-        if names.index(name) != index:
-            raise ConfigError(f"{where('jobs', index, 'name')}: duplicate job name {name!r}")
-    settings = {key: value for key, value in raw.items() if key != "jobs"}
-    _check_choices(settings, where)
-    settings["mesh"] = _build_mesh(settings.get("mesh") or {}, where)
+            problems.add(f"{where(key)}: {key!r} is {_RETIRED[key]}")
+    settings = _reject_unknown_keys({k: v for k, v in raw.items() if k not in _RETIRED},
+                                    {f.name for f in dataclasses.fields(TrainConfig)}, where, problems)
+    jobs = _build_jobs(settings.pop("jobs", None), where, os.path.dirname(path), problems, check_files)
+    _check_choices(settings, where, problems)
+    with problems.collect():
+        settings["mesh"] = MeshConfig()
+        settings["mesh"] = _build_mesh(raw.get("mesh") or {}, where, problems)
     if "fusion" in settings:
-        settings["fusion"] = _build_fusion(settings["fusion"], jobs, where)
+        settings["fusion"] = None
+        with problems.collect():
+            settings["fusion"] = _build_fusion(raw["fusion"], jobs, where, problems)
     if settings.get("tokenizer") is not None and not os.path.isabs(str(settings["tokenizer"])) \
             and settings["tokenizer"] != "default":
         settings["tokenizer"] = os.path.join(os.path.dirname(path), str(settings["tokenizer"]))
     output_dir = str(settings.get("output_dir", TrainConfig.output_dir))
     settings["output_dir"] = output_dir if os.path.isabs(output_dir) else os.path.join(os.path.dirname(path), output_dir)
-    try:
-        config = TrainConfig(jobs=jobs, **settings)
-    except TypeError as err:
-        raise ConfigError(f"{path}: {err}") from None
-    _check_positive(config, where)
-    return config
+    _check_positive({**_TRAIN_DEFAULTS, **settings}, where, problems)
+    return None if problems.messages else TrainConfig(jobs=tuple(jobs), **settings)
 
 
-def _build_job(job: Any, where, base_dir: str) -> JobConfig:
+def _build_jobs(jobs_raw, where, base_dir: str, problems: _Problems, check_files: bool) -> list[JobConfig | None]:
+    """Each job of the `jobs:` list (None for one with errors), and duplicate names refused."""
+    if not isinstance(jobs_raw, list) or not jobs_raw:
+        problems.add(f"{where('jobs')}: 'jobs' must be a non-empty list")
+        return []
+    jobs = [_build_job(job, lambda *k, i=i: where("jobs", i, *k), base_dir, problems, check_files)
+            for i, job in enumerate(jobs_raw)]
+    names = [job.name if job else None for job in jobs]
+    for index, name in enumerate(names):
+        if name is not None and names.index(name) != index:
+            problems.add(f"{where('jobs', index, 'name')}: duplicate job name {name!r}")
+    return jobs
+
+
+def _build_job(job: Any, where, base_dir: str, problems: _Problems, check_files: bool) -> JobConfig | None:
+    """One job's JobConfig, or None (its errors in `problems`); `check_files`: its datasets are
+    readable files."""
     if not isinstance(job, dict):
-        raise ConfigError(f"{where()}: each job must be a mapping")
-    _reject_unknown_keys(job, {f.name for f in dataclasses.fields(JobConfig)}, where, "job")
+        problems.add(f"{where()}: each job must be a mapping")
+        return None
+    before = len(problems.messages)
+    values = _reject_unknown_keys(job, {f.name for f in dataclasses.fields(JobConfig)}, where, problems, "job")
     for required in ("name", "dataset"):
         if not job.get(required):
-            raise ConfigError(f"{where()}: job needs a {required!r}")
-    _check_choices(job, where)
-    values = dict(job)
-    values["lora"] = _build_lora(job.get("lora") or {}, where)
-    if job.get("head") is not None:
-        values["head"] = _build_head(job["head"], where)
-    dataset = str(job["dataset"])
-    values["dataset"] = dataset if os.path.isabs(dataset) else os.path.join(base_dir, dataset)
-    if job.get("eval_dataset") is not None:
-        values["eval_dataset"] = os.path.join(base_dir, str(job["eval_dataset"]))  # join keeps absolute paths
+            problems.add(f"{where()}: job needs a {required!r}")
+    _check_choices(job, where, problems)
+    if job.get("steps") is not None and job.get("epochs") is not None:
+        problems.add(f"{where('steps')}: give 'steps' or 'epochs', not both (steps={job['steps']!r}, "
+                     f"epochs={job['epochs']!r}; an override can drop one: jobs.N.epochs=null)")
     if values.get("steps") is not None:
         values["epochs"] = None
-    try:
-        return JobConfig(**values)
-    except TypeError as err:
-        raise ConfigError(f"{where()}: {err}") from None
+    _check_job_values({**_JOB_DEFAULTS, **values}, where, problems)
+    with problems.collect():
+        values["lora"] = _build_lora(job.get("lora") or {}, where)
+    if job.get("head") is not None:
+        with problems.collect():
+            values["head"] = _build_head(job["head"], where)
+    for key in ("dataset", "eval_dataset"):
+        if job.get(key):
+            values[key] = os.path.join(base_dir, str(job[key]))  # join keeps absolute paths
+            if check_files:
+                _check_file(values[key], f"{where(key)}: {key}", problems)
+    return None if len(problems.messages) > before else JobConfig(**values)
 
 
-def _build_mesh(raw, where) -> MeshConfig:
+def _build_mesh(raw, where, problems: _Problems) -> MeshConfig:
+    """The `mesh:` mapping; a bad one raises ConfigError (its key errors are all in `problems`)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{where('mesh')}: 'mesh' must be a mapping like {{data: 4, tensor: 2}}")
-    _reject_unknown_keys(raw, _MESH_KEYS, lambda key: where("mesh", key), "mesh")
+    before = len(problems.messages)
+    raw = _reject_unknown_keys(raw, _MESH_KEYS, lambda key: where("mesh", key), problems, "mesh")
     for key, value in raw.items():
         if key == "fsdp":
             if not isinstance(value, bool):
-                raise ConfigError(f"{where('mesh', key)}: mesh.fsdp must be true or false")
+                problems.add(f"{where('mesh', key)}: mesh.fsdp must be true or false")
         elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{where('mesh', key)}: mesh.{key} must be a positive integer, not {value!r}")
-    return MeshConfig(**raw)
+            problems.add(f"{where('mesh', key)}: mesh.{key} must be a positive integer, not {value!r}")
+    return MeshConfig(**raw) if len(problems.messages) == before else MeshConfig()
 
 
-def _build_fusion(raw, jobs: tuple[JobConfig, ...], where) -> FusionConfig:
+def _build_fusion(raw, jobs: list[JobConfig | None], where, problems: _Problems) -> FusionConfig:
     """The `fusion:` mapping (empty: the defaults); every job then needs eval_dataset and min_accuracy."""
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise ConfigError(f"{where('fusion')}: 'fusion' must be a mapping like {{order: random, seed: 0}}")
-    _reject_unknown_keys(raw, {f.name for f in dataclasses.fields(FusionConfig)}, lambda key: where("fusion", key),
-                         "fusion")
-    _check_choices(raw, lambda *k: where("fusion", *k))
+    raw = _reject_unknown_keys(raw, {f.name for f in dataclasses.fields(FusionConfig)},
+                               lambda key: where("fusion", key), problems, "fusion")
+    _check_choices(raw, lambda *k: where("fusion", *k), problems)
     tokens = raw.get("max_new_tokens")
     if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
-        raise ConfigError(f"{where('fusion', 'max_new_tokens')}: max_new_tokens must be a positive integer")
+        problems.add(f"{where('fusion', 'max_new_tokens')}: max_new_tokens must be a positive integer")
     for index, job in enumerate(jobs):
-        if job.eval_dataset is None or job.min_accuracy is None:
-            raise ConfigError(f"{where('jobs', index)}: job {job.name!r} needs 'eval_dataset' and 'min_accuracy' "
-                              "(fusion: packs tasks by their accuracy requirements)")
-    try:
-        return FusionConfig(**raw)
-    except TypeError as err:
-        raise ConfigError(f"{where('fusion')}: {err}") from None
+        if job is not None and (job.eval_dataset is None or job.min_accuracy is None):
+            problems.add(f"{where('jobs', index)}: job {job.name!r} needs 'eval_dataset' and 'min_accuracy' "
+                         "(fusion: packs tasks by their accuracy requirements)")
+    return FusionConfig(**raw)
 
 
 def _build_lora(raw: dict, where) -> LoraConfig:
-    _reject_unknown_keys(raw, _LORA_KEYS, lambda key: where("lora", key), "lora")
-    rank = int(raw.get("r", 8))
+    """A job's `lora:` mapping; ConfigError listing every unknown key, or LoraConfig's refusal."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where('lora')}: 'lora' must be a mapping like {{r: 8, alpha: 16}}")
+    problems = _Problems()
+    raw = _reject_unknown_keys(raw, _LORA_KEYS, lambda key: where("lora", key), problems, "lora")
+    if problems.messages:
+        raise ConfigError("; ".join(problems.messages))
     try:
+        rank = int(raw.get("r", 8))
         return LoraConfig(
             r=rank, lora_alpha=float(raw.get("alpha", 2 * rank)), lora_dropout=float(raw.get("dropout", 0.0)),
             target_modules=tuple(raw.get("targets", ("q_proj", "k_proj", "v_proj", "o_proj"))),
@@ -299,28 +360,47 @@ def lora_config(raw: dict, where: str) -> LoraConfig:
     return _build_lora(raw, lambda *keys: where)
 
 
-def _check_choices(values: dict, where) -> None:
+def _check_choices(values: dict, where, problems: _Problems) -> None:
+    """A problem for each key of `values` whose value is not one of its choices."""
     for key, choices in _CHOICES.items():
         if key in values and values[key] not in choices:
-            raise ConfigError(f"{where(key)}: {key}={values[key]!r} is not one of {', '.join(choices)}")
+            problems.add(f"{where(key)}: {key}={values[key]!r} is not one of {', '.join(choices)}")
 
 
-def _check_positive(config: TrainConfig, where) -> None:
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_positive(settings: dict, where, problems: _Problems) -> None:
+    """The run's counts and peak_tflops are positive (`settings`: its values over the defaults)."""
     for key in ("capacity", "checkpoint_every"):
-        if not isinstance(getattr(config, key), int) or getattr(config, key) < 1:
-            raise ConfigError(f"{where(key)}: {key} must be a positive integer")
-    for index, job in enumerate(config.jobs):
-        if job.global_batch_size < 1:
-            raise ConfigError(f"{where('jobs', index, 'global_batch_size')}: global_batch_size must be >= 1")
-        if (job.steps is None) == (job.epochs is None) or (job.steps or job.epochs or 0) < 1:
-            raise ConfigError(f"{where('jobs', index)}: give a positive 'epochs' or 'steps'")
-        if isinstance(job.learning_rate, bool) or not isinstance(job.learning_rate, (int, float)) \
-                or job.learning_rate <= 0:
-            raise ConfigError(f"{where('jobs', index, 'learning_rate')}: learning_rate must be a number > 0, not "
-                              f"{job.learning_rate!r} (YAML reads 2e-3 as text: write 2.0e-3)")
-        accuracy = job.min_accuracy
-        if accuracy is not None and (isinstance(accuracy, bool) or not isinstance(accuracy, (int, float))
-                                     or not 0 <= accuracy <= 1):
-            raise ConfigError(f"{where('jobs', index, 'min_accuracy')}: min_accuracy must be a number in [0, 1]")
-    if config.peak_tflops is not None and not (isinstance(config.peak_tflops, (int, float)) and config.peak_tflops > 0):
-        raise ConfigError(f"{where('peak_tflops')}: peak_tflops must be a positive number (TFLOP/s per device)")
+        if not _positive_int(settings[key]):
+            problems.add(f"{where(key)}: {key} must be a positive integer")
+    peak = settings["peak_tflops"]
+    if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float)) or peak <= 0):
+        problems.add(f"{where('peak_tflops')}: peak_tflops must be a positive number (TFLOP/s per device)")
+
+
+def _check_job_values(job: dict, where, problems: _Problems) -> None:
+    """A job's batch size, length (epochs or steps), learning rate and min_accuracy are in range
+    (`job`: its values over the defaults)."""
+    if not _positive_int(job["global_batch_size"]):
+        problems.add(f"{where('global_batch_size')}: global_batch_size must be >= 1")
+    if not _positive_int(job["steps"] if job["steps"] is not None else job["epochs"]):
+        problems.add(f"{where()}: give a positive 'epochs' or 'steps'")
+    rate = job["learning_rate"]
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0:
+        problems.add(f"{where('learning_rate')}: learning_rate must be a number > 0, not "
+                     f"{rate!r} (YAML reads 2e-3 as text: write 2.0e-3)")
+    accuracy = job["min_accuracy"]
+    if accuracy is not None and (isinstance(accuracy, bool) or not isinstance(accuracy, (int, float))
+                                 or not 0 <= accuracy <= 1):
+        problems.add(f"{where('min_accuracy')}: min_accuracy must be a number in [0, 1]")
+
+
+def _check_file(path: str, label: str, problems: _Problems) -> None:
+    """A problem unless `path` is a readable file (datasets are checked before a model is loaded)."""
+    reason = "a directory" if os.path.isdir(path) else "no such file" if not os.path.isfile(path) \
+        else None if os.access(path, os.R_OK) else "not readable"
+    if reason:
+        problems.add(f"{label} {path}: cannot read dataset: {reason}")
