@@ -65,6 +65,8 @@ def _train(config, resume: bool) -> tuple[bool, dict[str, list[float]]]:
     if heads and (resume or jax.process_count() > 1):
         raise ConfigError(f"head jobs ({', '.join(job.name for job in heads)}) train in one process and are not "
                           "checkpointed: run them without --resume / --distributed")
+    print(f"weights in {config.dtype} (the config's dtype; auto: bfloat16 on a GPU or TPU, float32 on a CPU)",
+          file=sys.stderr)
     model = tokenizer = None
     if heads:
         model, tokenizer = load_base_model(config.base_model, jax.numpy.dtype(config.dtype), config.seed,

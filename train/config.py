@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from jaxlora.dtypes import DTYPES, checkpoint_dtype, choose_dtype
 from jaxlora.lora.config import AdapterError, LoraConfig
 from jaxlora.lora.head import check_labels
 from jaxlora.lora import backends
@@ -85,7 +86,7 @@ class TrainConfig:
     base_model: str = "default"  # or a HF directory, a .gguf file, preset:NAME (random weights)
     tokenizer: str | None = None  # a HF directory or .gguf whose tokenizer reads the datasets; default: base_model's
     output_dir: str = "runs/train"  # relative paths (here and for datasets) start at the YAML file
-    dtype: str = "float32"
+    dtype: str = "float32"  # a YAML file's default is "auto" (`load_train_config` resolves it)
     capacity: int = 1024  # tokens per microbatch
     max_seq_len: int | None = None  # longest sample; default: capacity
     overlong: str = "truncate"  # truncate | refuse
@@ -114,7 +115,7 @@ _RETIRED = {"pipeline_stages": "replaced by mesh.pipeline (mesh: {pipeline: N})"
 _SECTIONS = ("mesh",)  # mappings an override may create (`mesh.data=4` with no mesh: in the file)
 _LORA_KEYS = {"r", "alpha", "dropout", "targets", "use_rslora", "rank_pattern", "alpha_pattern"}
 _CHOICES = {"schedule": ("constant", "linear", "cosine"), "overlong": ("truncate", "refuse"),
-            "scheduler": ("milp", "greedy"), "dtype": ("float32", "bfloat16"), "lora_backend": backends.names(trains=True),
+            "scheduler": ("milp", "greedy"), "dtype": DTYPES, "lora_backend": backends.names(trains=True),
             "remat": REMAT_POLICIES, "order": ("random", "given"), "policy": ("next_fit", "first_fit")}
 
 
@@ -167,9 +168,21 @@ def load_train_config(path: str, overrides: list[str] = (), check_files: bool = 
     for override in overrides:
         with problems.collect():
             _apply_override(raw, override)
+    raw.setdefault("dtype", "auto")
     config = _build(raw, lines, path, problems, check_files)
     problems.raise_all(path)
-    return config
+    return _resolved_dtype(config)
+
+
+def _resolved_dtype(config: TrainConfig) -> TrainConfig:
+    """`config` with dtype "auto" replaced once (`jaxlora.dtypes.choose_dtype`: bfloat16 on a GPU or
+    TPU, float32 on a CPU), so every consumer reads a concrete dtype."""
+    if config.dtype != "auto":
+        return config
+    import jax
+
+    base = None if config.base_model.startswith("preset:") else config.base_model
+    return dataclasses.replace(config, dtype=choose_dtype("auto", jax.default_backend(), checkpoint_dtype(base))[0])
 
 
 def _key_lines(node, prefix: tuple = ()) -> dict[tuple, int]:

@@ -140,3 +140,17 @@ def test_cli_reports_missing_datasets_before_loading_the_model(tmp_path, monkeyp
     assert main([_write(tmp_path, GOOD)]) == 2
     err = capsys.readouterr().err
     assert "2 errors" in err and "a.jsonl: cannot read dataset" in err and "b.jsonl: cannot read dataset" in err
+
+
+def test_dtype_auto_is_the_default_and_resolves_per_platform(tmp_path, monkeypatch):
+    """A config without `dtype` means auto (issue 35, like jaxlora-serve): float32 on a CPU, bfloat16
+    on a GPU (platform mocked); an explicit dtype is kept; an unknown one lists the choices."""
+    import jax
+
+    path = _write(tmp_path, GOOD)
+    assert load_train_config(path).dtype == "float32"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert load_train_config(path).dtype == "bfloat16"
+    assert load_train_config(path, ["dtype=float32"]).dtype == "float32"
+    with pytest.raises(ConfigError, match=r"dtype='fp8'.*auto, float32, bfloat16"):
+        load_train_config(path, ["dtype=fp8"])
