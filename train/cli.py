@@ -18,7 +18,7 @@ import sys
 
 from jaxlora.lora.config import AdapterError
 from jaxlora.weights import WeightsError
-from train.config import ConfigError, load_train_config
+from train.config import ConfigError, load_train_config, resolved_dtype
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -83,8 +83,9 @@ def _train(config, resume: bool) -> tuple[bool, dict[str, list[float]]]:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        config = load_train_config(args.config, args.overrides, check_files=True)
-        _join_processes(args)
+        config = load_train_config(args.config, args.overrides, check_files=True, resolve_dtype=False)
+        _join_processes(args)  # before anything starts jax's backend (resolving dtype "auto" does)
+        config = resolved_dtype(config)
         if config.fusion is not None:
             return _fuse(config, args.resume)
         primary, losses = _train(config, args.resume)

@@ -145,10 +145,14 @@ class _Problems:
             raise ConfigError(f"{path}: {len(self.messages)} errors:\n{lines}")
 
 
-def load_train_config(path: str, overrides: list[str] = (), check_files: bool = False) -> TrainConfig:
+def load_train_config(path: str, overrides: list[str] = (), check_files: bool = False,
+                      resolve_dtype: bool = True) -> TrainConfig:
     """Reads `path` (YAML), applies `key=value` overrides (e.g. `capacity=512`,
     `jobs.0.learning_rate=1e-3`), and checks every key and value; `check_files`: also that each
-    job's dataset (and eval_dataset) is a readable file. Every error found is in one ConfigError."""
+    job's dataset (and eval_dataset) is a readable file. Every error found is in one ConfigError.
+    dtype "auto" (the default) is resolved here (`resolved_dtype`: it asks jax for the platform,
+    which starts the backend) unless `resolve_dtype` is False: a multi-process run resolves it
+    after `jax.distributed.initialize`, which must come first."""
     try:
         with open(path) as f:
             text = f.read()
@@ -171,10 +175,10 @@ def load_train_config(path: str, overrides: list[str] = (), check_files: bool = 
     raw.setdefault("dtype", "auto")
     config = _build(raw, lines, path, problems, check_files)
     problems.raise_all(path)
-    return _resolved_dtype(config)
+    return resolved_dtype(config) if resolve_dtype else config
 
 
-def _resolved_dtype(config: TrainConfig) -> TrainConfig:
+def resolved_dtype(config: TrainConfig) -> TrainConfig:
     """`config` with dtype "auto" replaced once (`jaxlora.dtypes.choose_dtype`: bfloat16 on a GPU or
     TPU, float32 on a CPU), so every consumer reads a concrete dtype."""
     if config.dtype != "auto":
