@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.bgmv_gpu import _F32, _expand_chunk, _offset, _params, _row, _shrink_chunk
+from pallas_kernels.bgmv_gpu import _F32, _offset, _params, _row, _shrink_chunk, write_columns
 from pallas_kernels.tiles import TileConfig
 
 
@@ -52,21 +52,6 @@ def _row_shrink(x_ref, a_ref, row, entry, rank, active, cfg: TileConfig, num_chu
     return [jnp.where(ranks(c) < rank, accs[c], 0.0) for c in range(num_chunks)]
 
 
-def _write_columns(vs, b_ref, y_ref, out_ref, row, entry, rank, scale, first_block, cfg: TileConfig,
-                   num_chunks: int):
-    """out[row, col_blocks column blocks from first_block] = y + scale * v @ B[entry]."""
-    bn, rc = cfg.block_n, cfg.rank_chunk
-    for j in range(cfg.col_blocks):
-        col0 = pl.multiple_of((first_block + j) * bn, bn)
-        delta = _expand_chunk(vs[0], b_ref, entry, rank, col0, 0, bn, rc)
-        for c in range(1, num_chunks):
-            add = functools.partial(
-                lambda d, c, col0: d + _expand_chunk(vs[c], b_ref, entry, rank, col0, c, bn, rc), c=c, col0=col0)
-            delta = lax.cond(c * rc < rank, add, lambda d: d, delta)
-        out = y_ref[row, pl.ds(col0, bn)].astype(_F32) + scale * delta
-        out_ref[row, pl.ds(col0, bn)] = out.astype(out_ref.dtype)
-
-
 def _fused_kernel(*refs, cfg: TileConfig, num_chunks: int, num_k_blocks: int, block_starts: tuple):
     groups = len(block_starts) - 1
     slot_ref, offset_ref, *refs = refs
@@ -83,7 +68,7 @@ def _fused_kernel(*refs, cfg: TileConfig, num_chunks: int, num_k_blocks: int, bl
         @pl.when(active)
         def _():
             vs = _row_shrink(x_ref, a_refs[g], row, entry, rank, active, cfg, num_chunks, num_k_blocks)
-            _write_columns(vs, b_refs[g], y_refs[g], out_refs[g], row, entry, rank, scale_refs[g][entry],
+            write_columns(vs, b_refs[g], y_refs[g], out_refs[g], row, entry, rank, scale_refs[g][entry],
                            (col_group - block_starts[g]) * cfg.col_blocks, cfg, num_chunks)
 
     for g in range(groups):  # the projection whose column groups this program covers

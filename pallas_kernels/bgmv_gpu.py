@@ -96,8 +96,16 @@ def _expand_columns(v_ref, b_ref, y_ref, out_ref, row, entry, rank, scale, v_col
     """out[row, blocks first_block .. first_block + col_blocks) = y + scale * v @ B[entry] over
     those block_n-wide column blocks; v (its split-K parts summed) is loaded once for all of
     them (`col_blocks` > 1 divides the v traffic of the expand by col_blocks)."""
+    vs = [_load_v(v_ref, row, rank, v_col0, c, cfg.rank_chunk) for c in range(num_chunks)]
+    write_columns(vs, b_ref, y_ref, out_ref, row, entry, rank, scale, first_block, cfg, num_chunks)
+
+
+def write_columns(vs, b_ref, y_ref, out_ref, row, entry, rank, scale, first_block, cfg: TileConfig,
+                  num_chunks: int):
+    """out[row, col_blocks column blocks from first_block] = y + scale * v @ B[entry], v given as
+    its rank chunks `vs` (float32 [rank_chunk] each, masked to the row's rank); chunks past the
+    rank are skipped (`lax.cond`). Shared by the split expand and the fused kernel (`bgmv_fused_gpu`)."""
     bn, rc = cfg.block_n, cfg.rank_chunk
-    vs = [_load_v(v_ref, row, rank, v_col0, c, rc) for c in range(num_chunks)]
     for j in range(cfg.col_blocks):
         col0 = pl.multiple_of((first_block + j) * bn, bn)
         delta = _expand_chunk(vs[0], b_ref, entry, rank, col0, 0, bn, rc)
