@@ -8,7 +8,8 @@ empty and then a warm persistent compile cache, in one run (issue 35: measure fi
 What it writes first (resumable: kept when present under --dir): a HF directory (config.json,
 bf16 safetensors in per-layer shards with an index, a tokenizer.json: a small BPE trained here,
 its ids below the model's vocabulary) whose weights are slices of one random buffer (no 8B random
-draws), and `--adapters` PEFT folders (r=16, all seven projections, bf16). Then per cache state
+draws), and `--adapters` PEFT folders (r=16, all seven projections, bf16; `bench/slora_disk.py`'s
+writer, folders task-0000..). Then per cache state
 ("cold": a fresh --compile-cache directory; "warm": the same directory again) it starts
 `python -m serve` with the README's engine sizes (64 adapter slots, rank 16, 256 rows, 2048-token
 steps; --tiny: the CPU sizes), timestamps every log line the server prints, polls /health, sends
@@ -37,9 +38,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirna
 import ml_dtypes
 import numpy as np
 
-from jaxlora.lora.adapter import LoraAdapter, ModuleLora
-from jaxlora.lora.config import LoraConfig
-from jaxlora.lora.peft_io import save_peft_adapter
+from bench.slora_disk import adapter_name, write_adapters
 from jaxlora.models.config import PROJECTIONS, LlamaConfig, projection_shapes
 from jaxlora.models.presets import llama8b_config
 
@@ -58,12 +57,9 @@ class Slices:
         self.offset = 0
 
     def take(self, shape) -> np.ndarray:
-        count = int(np.prod(shape))
-        reps = -(-count // self.buffer.size) + 1
         start = self.offset % self.buffer.size
         self.offset += 7919
-        return np.resize(np.roll(self.buffer, -start), reps * self.buffer.size)[:count].reshape(shape) \
-            if count > self.buffer.size - start else self.buffer[start:start + count].reshape(shape).copy()
+        return np.resize(self.buffer[start:], shape)  # repeats the buffer's tail cyclically
 
 
 def hf_config(config: LlamaConfig) -> dict:
@@ -128,21 +124,6 @@ def write_tokenizer(directory: str, vocab_size: int) -> None:
         json.dump({"bos_token": "<s>", "eos_token": "</s>"}, f)
 
 
-def write_adapters(directory: str, config: LlamaConfig, count: int, rank: int = 16) -> None:
-    """`count` PEFT folders adapter-0.. (r=rank on all seven projections, bf16), kept when present."""
-    slices, lora = Slices(seed=1), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=PROJECTIONS)
-    for index in range(count):
-        path = os.path.join(directory, f"adapter-{index}")
-        if os.path.exists(os.path.join(path, "adapter_config.json")):
-            continue
-        modules = {}
-        for module, (fan_in, fan_out) in projection_shapes(config).items():
-            layers = config.num_layers
-            modules[module] = ModuleLora(a=slices.take((layers, fan_in, rank)), b=slices.take((layers, rank, fan_out)),
-                                         scale=np.full(layers, 2.0, np.float32), rank=np.full(layers, rank, np.int32))
-        save_peft_adapter(LoraAdapter(f"adapter-{index}", lora, modules), path)
-
-
 # ---- one launch ---------------------------------------------------------------------------------
 
 def free_port() -> int:
@@ -196,7 +177,7 @@ def wait_ready(port: int, process, started: float, timeout: float) -> float:
 
 
 def first_completion(port: int, started: float) -> tuple[float, dict]:
-    body = json.dumps({"model": "adapter-0", "prompt": "The capital of France is", "max_tokens": 8}).encode()
+    body = json.dumps({"model": adapter_name(0), "prompt": "The capital of France is", "max_tokens": 8}).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                      {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=600) as reply:
@@ -230,7 +211,7 @@ def main() -> None:
                             "--max-num-batched-tokens 2048 --max-model-len 1024")
     model_dir, adapter_dir = os.path.join(args.dir, "model"), os.path.join(args.dir, "adapters")
     write_s = write_checkpoint(model_dir, config)
-    write_adapters(adapter_dir, config, args.adapters)
+    write_adapters(adapter_dir, config, args.adapters, [16], PROJECTIONS)  # bench/slora_disk.py's writer
     import jax  # after the writes: the report's device (the server runs in its own process)
 
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "layers": layers,
