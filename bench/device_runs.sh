@@ -132,6 +132,22 @@ train_and_serve() {  # one GPU, one call: the training benchmark (JAX, then PEFT
       --out "$OUT/serve_h200.json" 2>&1 | grep -v cuda_timer | tail -n 16
 }
 
+compile_probe() {  # 4 GPUs: bench/compile_time.py per variant (default with XLA's phase timers, no GEMM
+  # autotuning, layers as a scan, half the KV pool), one GPU each
+  nvidia-smi -L
+  local t=$((LIMIT - 20))
+  job default 0 $t env TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=gpu_compiler=1,nvptx_compiler=1 \
+      python3 bench/compile_time.py --label default --out "$OUT/compile_default.jsonl" "$@"
+  job noautotune 1 $t env XLA_FLAGS=--xla_gpu_autotune_level=0 \
+      python3 bench/compile_time.py --label noautotune --out "$OUT/compile_noautotune.jsonl" "$@"
+  job scan 2 $t python3 bench/compile_time.py --label scan --layers-as scan --out "$OUT/compile_scan.jsonl" "$@"
+  job mem05 3 $t python3 bench/compile_time.py --label mem05 --memory 0.5 --out "$OUT/compile_mem05.jsonl" "$@"
+  wait
+  grep -a "time:\|remat\|RESOURCE\|Out of memory" "$OUT/log_default.txt" | head -n 400 >"$OUT/log_default_timers.txt"
+  grep -av "^I[0-9]\{4\} " "$OUT/log_default.txt" >"$OUT/default.tmp"; mv "$OUT/default.tmp" "$OUT/log_default.txt"
+  collect_logs compile_probe
+}
+
 two_gpus() {  # 2 GPUs: TP=2 serving vs one GPU, then PP=2 training vs one GPU
   nvidia-smi -L
   timeout 270 python3 bench/tp_serve.py --out "$OUT/tp_serve_2xh200.json" 2>&1 | tail -n 15

@@ -279,7 +279,7 @@ def build_app(args):
     from jaxlora.models.packed import pack_projections
     from jaxlora.weights import WeightsError, load_model
     from serve.app import ServerSettings, create_app
-    from serve.engine import Engine, EngineConfig
+    from serve.engine import Engine
     from serve.replicas import ReplicaSet
 
     check_engine_options(args)
@@ -317,15 +317,7 @@ def build_app(args):
     max_rank = args.max_lora_rank or max([16] + [a.max_rank for a in adapters.values()])
     context = min(args.max_model_len, model.config.max_position_embeddings)
     try:
-        config = EngineConfig(
-            max_adapters_on_device=args.max_adapters_on_device, max_lora_rank=max_rank, page_size=args.page_size,
-            num_pages=args.num_kv_pages, max_model_len=context, max_num_seqs=args.max_num_seqs,
-            token_budget=args.max_num_batched_tokens, prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting,
-            lora_backend=args.lora_backend, ttft_slo_s=None if args.ttft_slo_ms is None else args.ttft_slo_ms / 1e3,
-            gpu_memory_utilization=args.gpu_memory_utilization, adapter_dir=args.adapter_dir,
-            max_host_adapter_bytes=host_bound, max_host_adapters=args.max_cpu_adapters,
-            reserve_output_kv=not args.grow_kv, inference_mode=args.inference_mode,
-            unified_paging=args.unified_paging, adapter_rows=args.adapter_rows)
+        config = engine_config(args, max_rank, context, host_bound)
         if devices is not None:  # each replica places its own copy on its device
             engine = ReplicaSet.on_devices(model, tokenizer.eos_token_ids, config, None, devices)
             first = engine.engines[0]
@@ -348,6 +340,22 @@ def build_app(args):
         return create_app(engine, tokenizer, settings)
     except ValueError as err:  # fine-tuning on an engine that cannot train
         raise SystemExit(f"jaxlora-serve: {err}")
+
+
+def engine_config(args, max_rank: int, context: int, host_bound: int | None):
+    """The `EngineConfig` the parsed arguments describe (`max_rank`: the pool's rank, `context`: the
+    model length capped by the model's positions, `host_bound`: the host cache's bytes or None)."""
+    from serve.engine import EngineConfig
+
+    return EngineConfig(
+        max_adapters_on_device=args.max_adapters_on_device, max_lora_rank=max_rank, page_size=args.page_size,
+        num_pages=args.num_kv_pages, max_model_len=context, max_num_seqs=args.max_num_seqs,
+        token_budget=args.max_num_batched_tokens, prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting,
+        lora_backend=args.lora_backend, ttft_slo_s=None if args.ttft_slo_ms is None else args.ttft_slo_ms / 1e3,
+        gpu_memory_utilization=args.gpu_memory_utilization, adapter_dir=args.adapter_dir,
+        max_host_adapter_bytes=host_bound, max_host_adapters=args.max_cpu_adapters,
+        reserve_output_kv=not args.grow_kv, inference_mode=args.inference_mode,
+        unified_paging=args.unified_paging, adapter_rows=args.adapter_rows)
 
 
 def read_compressed(args):
