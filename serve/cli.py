@@ -13,7 +13,6 @@ import jax
 from jaxlora.lora import backends
 from jaxlora.scheduler.serving import INFERENCE_MODES
 from jaxlora.dtypes import DTYPES
-from serve.protocol import Limits
 
 DEFAULT_COMPILE_CACHE = "~/.cache/jaxlora/jit"
 
@@ -279,6 +278,7 @@ def build_app(args):
     from jaxlora.models.packed import pack_projections
     from jaxlora.weights import WeightsError, load_model
     from serve.app import ServerSettings, create_app
+    from serve.protocol import Limits
     from serve.engine import Engine
     from serve.replicas import ReplicaSet
 
