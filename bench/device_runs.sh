@@ -148,6 +148,20 @@ compile_probe() {  # 4 GPUs: bench/compile_time.py per variant (default with XLA
   collect_logs compile_probe
 }
 
+scan_probe() {  # 4 GPUs: the layers as a scan with XLA flags that may let the GEMMs read the stacked
+  # weights in place (no per-layer copy), against the unrolled layers; one GPU each
+  nvidia-smi -L
+  local t=$((LIMIT - 20)) p="--programs base_decode64 lora_decode64 lora_mixed256 base_mixed2048"
+  job unrolled 0 $t python3 bench/compile_time.py --label unrolled --out "$OUT/scan_unrolled.jsonl" $p "$@"
+  job scan 1 $t python3 bench/compile_time.py --label scan --layers-as scan --out "$OUT/scan_scan.jsonl" $p "$@"
+  job dsfusion 2 $t env XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true python3 bench/compile_time.py \
+      --label scan_dsfusion --layers-as scan --out "$OUT/scan_dsfusion.jsonl" $p "$@"
+  job tritonany 3 $t env XLA_FLAGS=--xla_gpu_triton_gemm_any=true python3 bench/compile_time.py \
+      --label scan_tritonany --layers-as scan --out "$OUT/scan_tritonany.jsonl" $p "$@"
+  wait
+  collect_logs scan_probe
+}
+
 two_gpus() {  # 2 GPUs: TP=2 serving vs one GPU, then PP=2 training vs one GPU
   nvidia-smi -L
   timeout 270 python3 bench/tp_serve.py --out "$OUT/tp_serve_2xh200.json" 2>&1 | tail -n 15
