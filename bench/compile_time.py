@@ -44,7 +44,9 @@ from serve.step import StepShape
 
 # name -> (tokens, lora, decode_only, window); rows follow the engine's rule (min(tokens, rows))
 PROGRAMS = {
+    "base_decode32": (32, False, False, False),
     "base_decode64": (64, False, False, False),
+    "lora_decode128": (128, True, True, False),
     "lora_decode64": (64, True, True, False),
     "window_decode64": (64, True, False, True),
     "lora_mixed2048": (2048, True, False, False),

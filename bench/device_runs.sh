@@ -162,6 +162,23 @@ scan_probe() {  # 4 GPUs: the layers as a scan with XLA flags that may let the G
   collect_logs scan_probe
 }
 
+fallback_probe() {  # 4 GPUs: XLA's Triton GEMMs without the cuBLAS fallback (a Triton GEMM fusion reads a
+  # dynamic slice of the stacked weights in place; cuBLAS needs it copied out), scan vs unrolled
+  nvidia-smi -L
+  local t=$((LIMIT - 20)) p="--programs base_decode64 lora_decode64 lora_mixed256 base_mixed2048"
+  local f=--xla_gpu_cublas_fallback=false
+  job scan_nofb 0 $t env XLA_FLAGS=$f python3 bench/compile_time.py --label scan_nofallback --layers-as scan \
+      --out "$OUT/fb_scan.jsonl" $p "$@"
+  job unrolled_nofb 1 $t env XLA_FLAGS=$f python3 bench/compile_time.py --label unrolled_nofallback \
+      --layers-as unrolled --out "$OUT/fb_unrolled.jsonl" $p "$@"
+  job scan_nofb_ds 2 $t env XLA_FLAGS="$f --xla_gpu_enable_dynamic_slice_fusion=true" python3 bench/compile_time.py \
+      --label scan_nofallback_dsfusion --layers-as scan --out "$OUT/fb_scan_ds.jsonl" $p "$@"
+  job scan_nofb_more 3 $t env XLA_FLAGS=$f python3 bench/compile_time.py --label scan_nofallback_more --layers-as scan \
+      --out "$OUT/fb_scan_more.jsonl" --programs base_decode32 window_decode64 lora_decode128 window_mixed2048 "$@"
+  wait
+  collect_logs fallback_probe
+}
+
 two_gpus() {  # 2 GPUs: TP=2 serving vs one GPU, then PP=2 training vs one GPU
   nvidia-smi -L
   timeout 270 python3 bench/tp_serve.py --out "$OUT/tp_serve_2xh200.json" 2>&1 | tail -n 15
