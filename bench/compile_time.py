@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 32; --tiny: 2)")
     parser.add_argument("--programs", nargs="+", choices=sorted(PROGRAMS),
                         default=["base_decode64", "lora_decode64", "window_decode64", "lora_mixed2048", "base_mixed2048"])
-    parser.add_argument("--layers-as", choices=("auto", "unrolled", "scan"), default="auto",
+    parser.add_argument("--layers-as", choices=("auto", "unrolled", "scan", "opaque"), default="auto",
                         help="auto: the engine's choice (unrolled on a GPU/TPU, a scan on a CPU)")
     parser.add_argument("--memory", type=float, default=0.9, help="--gpu-memory-utilization (sizes the KV pool)")
     parser.add_argument("--runs", type=int, default=5)
@@ -124,7 +124,8 @@ def main() -> None:
     args = parser.parse_args()
     args.layers = args.layers or (2 if args.tiny else 32)
     if args.layers_as != "auto":  # the engine's forward with its layers unrolled, or as one scan body
-        serve.step.paged_hidden = functools.partial(serve.step.paged_hidden, unroll_layers=args.layers_as == "unrolled")
+        serve.step.paged_hidden = functools.partial(serve.step.paged_hidden, unroll_layers=args.layers_as != "scan",
+                                                    opaque_layer_index=args.layers_as == "opaque")
     started = time.perf_counter()
     engine = build_engine(args)
     head = {"program": "setup", "label": args.label, "device": jax.devices()[0].device_kind, "jax": jax.__version__,

@@ -179,6 +179,20 @@ fallback_probe() {  # 4 GPUs: XLA's Triton GEMMs without the cuBLAS fallback (a 
   collect_logs fallback_probe
 }
 
+autotune_probe() {  # 4 GPUs: the unrolled layers' compile is XLA's GEMM autotuning (config-assigner, 38 of
+  # 43 s): cheaper autotuning levels, and layers that index the weights with an opaque layer number
+  nvidia-smi -L
+  local t=$((LIMIT - 20)) p="--programs base_decode64 lora_decode64 lora_mixed256"
+  job unrolled 0 $t python3 bench/compile_time.py --label unrolled --layers-as unrolled --out "$OUT/at_unrolled.jsonl" $p "$@"
+  job level1 1 $t env XLA_FLAGS=--xla_gpu_autotune_level=1 python3 bench/compile_time.py --label autotune1 \
+      --layers-as unrolled --out "$OUT/at_level1.jsonl" $p "$@"
+  job level2 2 $t env XLA_FLAGS=--xla_gpu_autotune_level=2 python3 bench/compile_time.py --label autotune2 \
+      --layers-as unrolled --out "$OUT/at_level2.jsonl" $p "$@"
+  job opaque 3 $t python3 bench/compile_time.py --label opaque --layers-as opaque --out "$OUT/at_opaque.jsonl" $p "$@"
+  wait
+  collect_logs autotune_probe
+}
+
 two_gpus() {  # 2 GPUs: TP=2 serving vs one GPU, then PP=2 training vs one GPU
   nvidia-smi -L
   timeout 270 python3 bench/tp_serve.py --out "$OUT/tp_serve_2xh200.json" 2>&1 | tail -n 15
