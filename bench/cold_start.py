@@ -138,7 +138,8 @@ def launch(args, model_dir: str, adapter_dir: str, cache_dir: str, label: str) -
     command = [sys.executable, "-m", "serve", "--model", model_dir, "--adapter-dir", adapter_dir, "--port", str(port),
                "--compile-cache", cache_dir, "--max-tokens-limit", "16", *args.server_args.split()]
     started, lines = time.perf_counter(), []
-    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+           "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     reader = threading.Thread(target=lambda: [lines.append((time.perf_counter() - started, line.rstrip()))
                                               for line in process.stdout], daemon=True)

@@ -9,8 +9,10 @@ it (median of --runs, after one warm-up run). One JSON line per program is appen
 finishes, so a call that runs out of time still returns what it measured.
 
 Variants for comparing what the compile costs (one process each; XLA flags from XLA_FLAGS):
-  --layers-as scan     the decoder layers as a `lax.scan` (one compiled layer body; each layer's
-                       weights are sliced out of the stacked arrays) instead of unrolled.
+  --layers-as scan     every program's decoder layers as a `lax.scan` (one compiled layer body;
+                       each layer's weights are sliced out of the stacked arrays);
+  --layers-as unrolled every program's layers unrolled (default: the engine's choice by tokens,
+                       `EngineConfig.scan_layers_from_tokens`).
 
     PYTHONPATH=. python bench/compile_time.py --tiny                      # CPU smoke test
     PYTHONPATH=. python bench/compile_time.py --out $OUT/default.jsonl   # on a GPU
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import os
 import statistics
@@ -34,7 +35,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import serve.step
 from jaxlora.models.llama import Llama
 from jaxlora.models.packed import pack_projections
 from jaxlora.models.presets import llama8b_config
@@ -83,9 +83,8 @@ def measure(engine: Engine, name: str, runs: int) -> dict:
     """Lower, compile, memory analysis and run time of the program `name`."""
     shape = program_shape(engine, name)
     args = engine._padding_args(shape)
-    fn, static = engine.programs._static["forward"]
     started = time.perf_counter()
-    lowered = fn.lower(*static, *args)
+    lowered = engine.programs.lower(shape, args)
     lowered_s = time.perf_counter() - started
     started = time.perf_counter()
     compiled = lowered.compile()
@@ -115,19 +114,18 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 32; --tiny: 2)")
     parser.add_argument("--programs", nargs="+", choices=sorted(PROGRAMS),
                         default=["base_decode64", "lora_decode64", "window_decode64", "lora_mixed2048", "base_mixed2048"])
-    parser.add_argument("--layers-as", choices=("auto", "unrolled", "scan", "opaque"), default="auto",
-                        help="auto: the engine's choice (unrolled on a GPU/TPU, a scan on a CPU)")
+    parser.add_argument("--layers-as", choices=("auto", "unrolled", "scan"), default="auto",
+                        help="auto: the engine's choice (EngineConfig.scan_layers_from_tokens)")
     parser.add_argument("--memory", type=float, default=0.9, help="--gpu-memory-utilization (sizes the KV pool)")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--label", default="default")
     parser.add_argument("--out", default="bench/results/compile_time.jsonl")
     args = parser.parse_args()
     args.layers = args.layers or (2 if args.tiny else 32)
-    if args.layers_as != "auto":  # the engine's forward with its layers unrolled, or as one scan body
-        serve.step.paged_hidden = functools.partial(serve.step.paged_hidden, unroll_layers=args.layers_as != "scan",
-                                                    opaque_layer_index=args.layers_as == "opaque")
     started = time.perf_counter()
     engine = build_engine(args)
+    if args.layers_as != "auto":  # every forward's layers unrolled, or one scan body
+        engine.programs.scan_from_tokens = 1 << 30 if args.layers_as == "unrolled" else 0
     head = {"program": "setup", "label": args.label, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "layers": args.layers, "layers_as": args.layers_as,

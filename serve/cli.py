@@ -60,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="most prompt tokens of one request per step (default: the token budget on a GPU/TPU, 64 on "
                         "a CPU)")
+    p.add_argument("--background-compile", choices=("auto", "on", "off"), default="auto",
+                   help="on: /health turns ready once the step programs that can serve any step are compiled, the "
+                        "rest compile while serving (steps meanwhile run in larger compiled buckets); off: compile "
+                        "every step program first; auto: on for a GPU/TPU")
+    p.add_argument("--scan-layers-from-tokens", type=int, default=None,
+                   help="steps of at least this many tokens run the layers as one compiled scan body (5-10x faster "
+                        "to compile), smaller ones unrolled (default: 256 on a GPU/TPU, 1 on a CPU)")
     p.add_argument("--max-tokens-limit", type=int, default=1024, help="largest max_tokens a request may ask")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--max-waiting", type=int, default=1024, help="queued sequences before 429")
@@ -243,6 +250,8 @@ def check_engine_options(args) -> None:
         low, high = EngineConfig.BOUNDS[field]
         if value is not None and not low <= value <= high:
             raise SystemExit(f"jaxlora-serve: {option} must be in [{low}, {high}], got {value}")
+    if args.scan_layers_from_tokens is not None and args.scan_layers_from_tokens < 0:
+        raise SystemExit(f"jaxlora-serve: --scan-layers-from-tokens must be >= 0, got {args.scan_layers_from_tokens}")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise SystemExit(f"jaxlora-serve: --gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     if args.ttft_slo_ms is not None and not args.ttft_slo_ms > 0:
@@ -355,7 +364,9 @@ def engine_config(args, max_rank: int, context: int, host_bound: int | None):
         gpu_memory_utilization=args.gpu_memory_utilization, adapter_dir=args.adapter_dir,
         max_host_adapter_bytes=host_bound, max_host_adapters=args.max_cpu_adapters,
         reserve_output_kv=not args.grow_kv, inference_mode=args.inference_mode,
-        unified_paging=args.unified_paging, adapter_rows=args.adapter_rows)
+        unified_paging=args.unified_paging, adapter_rows=args.adapter_rows,
+        scan_layers_from_tokens=args.scan_layers_from_tokens,
+        background_compile={"auto": None, "on": True, "off": False}[args.background_compile])
 
 
 def read_compressed(args):

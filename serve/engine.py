@@ -190,6 +190,16 @@ class EngineConfig:
     # for the 8B model, so fewer, larger buckets (bench/NOTES_serve.md); powers of two.
     min_step_tokens: int | None = None
     min_lora_mixed_tokens: int | None = None
+    # Start-up (issue 35). Forwards over at least `scan_layers_from_tokens` tokens run their layers
+    # as one scan body, compiled 5-10x faster at the same step time; smaller ones (decode steps,
+    # whose GEMMs must read the weights in place) are unrolled (`serve.step.Programs`). None: 256 on a
+    # GPU/TPU, 1 on a CPU (every program a scan, as before). `background_compile`: `warmup` compiles
+    # the programs that can serve any step (the largest token bucket of each variant, and 256-token
+    # ones where the budget is larger), the server turns ready, and the rest compile on a background
+    # thread, smallest buckets first; until a step's own bucket is compiled it runs in the smallest
+    # compiled larger one (a request never waits on a compile). None: on a GPU/TPU, off on a CPU.
+    scan_layers_from_tokens: int | None = None
+    background_compile: bool | None = None
     # The adapter window (`jaxlora.models.packed.add_adapter_window`): a step whose rows use at most
     # this many adapters runs them as extra columns of the packed base GEMMs and one expand GEMM per
     # group, no LoRA kernel (bench/NOTES_serve.md). None: 8 on a GPU/TPU, 4 on a CPU; 0: off. Capped
@@ -225,9 +235,10 @@ class EngineConfig:
     # Bounds of the step sizes (each compiled program is as large as its step; tokens bound rows).
     BOUNDS = {"max_num_seqs": (1, 1024), "token_budget": (1, 65536), "prefill_chunk": (1, 65536)}
     ACCELERATOR_STEP = {"max_num_seqs": 256, "token_budget": 2048, "min_step_tokens": 32, "min_lora_mixed_tokens": 256,
-                        "adapter_window": 8}
+                        "adapter_window": 8, "scan_layers_from_tokens": 256, "background_compile": True}
     CPU_STEP = {"max_num_seqs": 32, "token_budget": 128, "prefill_chunk": 64, "min_step_tokens": 8,
-                "min_lora_mixed_tokens": 8, "adapter_window": 4}
+                "min_lora_mixed_tokens": 8, "adapter_window": 4, "scan_layers_from_tokens": 1,
+                "background_compile": False}
     CPU_CONTEXTS = 8  # KV pages of a device without memory stats: this many full contexts
 
     def __post_init__(self):
@@ -240,6 +251,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not low <= value <= high:
                 raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+        if self.scan_layers_from_tokens is not None and self.scan_layers_from_tokens < 0:
+            raise ValueError(f"scan_layers_from_tokens must be >= 0, got {self.scan_layers_from_tokens}")
         for name in ("min_step_tokens", "min_lora_mixed_tokens"):
             value = getattr(self, name)
             if value is not None and not (0 < value <= 65536 and value & (value - 1) == 0):
@@ -413,7 +426,8 @@ class Engine:
                                    bucket(config.token_budget, self._min_tokens))
         fixed = 0 if compressed is None else min(len(compressed.names), self.max_rows)  # distinct per step
         self._num_segments = bucket(config.max_adapters_on_device + 1 + fixed, 4)
-        self.programs = Programs(self._graphdef, config.lora_backend, self.max_rows)
+        self.programs = Programs(self._graphdef, config.lora_backend, self.max_rows, config.scan_layers_from_tokens)
+        self._background: threading.Thread | None = None  # `warmup`'s background compile
         self.sampler_slots = SamplerSlots(config.max_num_seqs, model.config.vocab_size,
                                           None if mesh is None else NamedSharding(mesh, jax.sharding.PartitionSpec()))
         self.step_fn = step_fn or self.device_step
@@ -900,21 +914,29 @@ class Engine:
         return shapes + [StepShape(sampler, 0, rows) for sampler in ("sample", "sample_state")
                          for rows in sorted({self._rows(t) for t in tokens})]
 
-    def warmup(self, shapes: list[StepShape] | None = None, threads: int | None = None) -> dict:
+    def warmup(self, shapes: list[StepShape] | None = None, threads: int | None = None,
+               background: bool | None = None) -> dict:
         """Compiles the programs of `shapes` (default: all of `step_shapes()`), `threads` at a time
         (default: one per CPU core, at most 8), the adapter pool's slot update, the adapter window's
         slot copy and the inference modes' switch; changes nothing the engine serves from (nothing
-        runs but an update of an empty slot with zeros). Returns
-        {"programs": compiled now, "seconds": wall time}."""
+        runs but an update of an empty slot with zeros). With `background` (None: the config's
+        `background_compile`; only for the default shapes) it compiles now only the programs that
+        can serve any step (`first_shapes`) and the rest on a background thread (`_compile_rest`).
+        Returns {"programs": compiled now, "seconds": wall time, "background": programs left to the
+        background thread}."""
         started = time.perf_counter()
-        shapes = self.step_shapes() if shapes is None else shapes
+        background = self.config.background_compile if background is None else background
+        rest: list[StepShape] = []
+        if shapes is None:
+            shapes = self.step_shapes()
+            if background:
+                first = self.first_shapes(shapes)
+                shapes, rest = first, [shape for shape in shapes if shape not in first]
         before = len(self.programs)
         threads = min(8, os.cpu_count() or 1) if threads is None else threads
-        log.info("compiling %d step programs (%d threads)", len(shapes), threads)
-        for program in ("forward", "sample", "sample_state"):  # samplers take the forwards' logits sharding
-            todo = [shape for shape in shapes if shape.program == program]
-            self.programs.compile_all([(shape, self._padding_args(shape)) for shape in todo], threads,
-                                      _progress_log(program, started))
+        log.info("compiling %d step programs (%d threads)%s", len(shapes), threads,
+                 f"; {len(rest)} more in the background once serving" if rest else "")
+        self._compile_shapes(shapes, threads, _progress_log(started))
         free = self.pool.free_slot()
         if free is not None:  # an empty slot written with zeros: compiles the update, changes nothing
             self.pool.evict(free)
@@ -924,7 +946,67 @@ class Engine:
             self.modes.warmup(self)
         seconds = time.perf_counter() - started
         log.info("step programs ready: %d compiled in %.1f s", len(self.programs) - before, seconds)
-        return {"programs": len(self.programs) - before, "seconds": seconds}
+        if rest:
+            self._background = threading.Thread(target=self._compile_rest, args=(rest,), daemon=True,
+                                                name="jaxlora-compile-background")
+            self._background.start()
+        return {"programs": len(self.programs) - before, "seconds": seconds, "background": len(rest)}
+
+    def first_shapes(self, shapes: list[StepShape]) -> list[StepShape]:
+        """The programs of `shapes` that serve any step until the rest are compiled: per forward
+        variant (LoRA or not, decode-only, window, table width) its largest token bucket and its
+        smallest one with scanned layers (fast to compile), and the samplers over their rows."""
+        forwards = [shape for shape in shapes if shape.program == "forward"]
+        first = set()
+        for variant in {(s.width, s.lora, s.decode_only, s.window) for s in forwards}:
+            tokens = sorted(s.tokens for s in forwards if (s.width, s.lora, s.decode_only, s.window) == variant)
+            scanned = [t for t in tokens if t >= self.programs.scan_from_tokens]
+            first |= {s for s in forwards if (s.width, s.lora, s.decode_only, s.window) == variant
+                      and s.tokens in (tokens[-1], scanned[0] if scanned else tokens[-1])}
+        rows = {shape.rows for shape in first}
+        return [shape for shape in shapes if shape in first or (shape.program != "forward" and shape.rows in rows)]
+
+    def _compile_shapes(self, shapes: list[StepShape], threads: int, progress=None) -> None:
+        """Compiles `shapes` (forwards first: the samplers take the forwards' logits sharding)."""
+        for program in ("forward", "sample", "sample_state"):
+            todo = [shape for shape in shapes if shape.program == program]
+            self.programs.compile_all([(shape, self._padding_args(shape)) for shape in todo], threads,
+                                      None if progress is None else progress(program))
+
+    def _compile_rest(self, shapes: list[StepShape]) -> None:
+        """The background thread of `warmup`: the forwards of each token bucket, smallest first, then
+        the samplers over their rows, one program at a time; stops with the engine."""
+        started = time.perf_counter()
+        for tokens in sorted({shape.tokens for shape in shapes if shape.program == "forward"}):
+            if self._stopping:
+                return
+            forwards = [shape for shape in shapes if shape.program == "forward" and shape.tokens == tokens]
+            samplers = [shape for shape in shapes if shape.program != "forward" and shape.rows == self._rows(tokens)]
+            try:
+                self._compile_shapes(forwards + samplers, 1)
+            except Exception:  # the step compiles it when it needs it (and raises there)
+                log.exception("background compile of the %d-token programs failed", tokens)
+        left = [shape for shape in shapes if shape not in self.programs]
+        if left and not self._stopping:
+            self._compile_shapes(left, 1)
+        log.info("background compile done: %d programs in %.1f s", len(shapes), time.perf_counter() - started)
+
+    def _compiled_tokens(self, tokens: int, width: int, lora: bool, decode_only: bool, window: bool) -> int:
+        """`tokens`, or while the background compile runs and that bucket's forward (or its samplers)
+        is not compiled yet, the smallest larger bucket of the same variant that is."""
+        if self._background is None or not self._background.is_alive():
+            return tokens
+
+        def ready(t: int) -> bool:
+            rows = self._rows(t)
+            return (StepShape("forward", t, rows, width, lora, decode_only, window) in self.programs
+                    and StepShape("sample", 0, rows) in self.programs and StepShape("sample_state", 0, rows) in self.programs)
+
+        if ready(tokens):
+            return tokens
+        larger = [s.tokens for s in self.programs.shapes() if s.program == "forward" and s.tokens > tokens
+                  and (s.width, s.lora, s.decode_only, s.window) == (width, lora, decode_only, window) and ready(s.tokens)]
+        return min(larger, default=tokens)
 
     def _has_bucket(self, tokens: int, lora: bool, decode_only: bool) -> bool:
         """Whether a forward variant over `tokens` padded tokens exists (see `_padded_tokens`)."""
@@ -1093,12 +1175,16 @@ class Engine:
         """(PagedBatch, token_slot [T], one_token [T]) of the step's rows in their order (a window
         step: any token bucket)."""
         num_tokens = bucket(plan.num_tokens, self._min_tokens) if in_window else self._padded_tokens(plan)
+        widest = max(pages_for(row.start + row.count, self.config.page_size) for row in plan.rows)
+        width = self._table_width(widest)
+        lora = any(row.slot >= 0 for row in plan.rows)
+        decode_only = (lora and not in_window and all(row.count == 1 for row in plan.rows)
+                       and self._has_decode_variant())
+        num_tokens = self._compiled_tokens(num_tokens, width, lora or in_window, decode_only, in_window)
         rows = self._rows(num_tokens)  # a function of the tokens bucket: no variants of its own
         if len(plan.rows) > rows:
             raise ValueError(f"a step of this engine has at most {rows} rows ({num_tokens} tokens, max_num_seqs "
                              f"{self.config.max_num_seqs}); the plan has {len(plan.rows)}")
-        widest = max(pages_for(row.start + row.count, self.config.page_size) for row in plan.rows)
-        width = self._table_width(widest)
         tokens = np.zeros(num_tokens, np.int32)
         positions = np.zeros(num_tokens, np.int32)
         token_row = np.full(num_tokens, -1, np.int32)
@@ -1372,10 +1458,10 @@ def _classified(head: TaskHead, features: np.ndarray | None, row: int) -> Event:
     return Event(None, "classified", probs=head.probs(features[row][None])[0])
 
 
-def _progress_log(program: str, started: float) -> Callable[[int, int], None]:
-    """`Programs.compile_all`'s progress callback: one log line per compiled program of `program`."""
-    return lambda done, total: log.info("compiled %s program %d/%d (%.1f s)", program, done, total,
-                                        time.perf_counter() - started)
+def _progress_log(started: float) -> Callable[[str], Callable[[int, int], None]]:
+    """`Programs.compile_all`'s progress callbacks by program name: one log line per compiled program."""
+    return lambda program: lambda done, total: log.info("compiled %s program %d/%d (%.1f s)", program, done, total,
+                                                        time.perf_counter() - started)
 
 
 @functools.lru_cache(maxsize=1)

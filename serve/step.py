@@ -140,14 +140,14 @@ class SamplerState(NamedTuple):
     stop_mask: jax.Array
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
-def _forward(graphdef, backend: str, max_rows: int, state, cache: PagedKVCache, batch: PagedBatch, lora,
-             prev_tokens, token_src):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
+def _forward(graphdef, backend: str, max_rows: int, unroll: bool, state, cache: PagedKVCache, batch: PagedBatch,
+             lora, prev_tokens, token_src):
     """(greedy tokens [max_rows] int32, logits [R, V] float32, the updated cache, features [R, d]
-    float32) of one step."""
+    float32) of one step; unroll: the layers unrolled (False: one scan body)."""
     tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], batch.tokens)
     model = nnx.merge(graphdef, state)
-    hidden, cache = paged_hidden(model, batch._replace(tokens=tokens), cache, lora, backend)
+    hidden, cache = paged_hidden(model, batch._replace(tokens=tokens), cache, lora, backend, unroll_layers=unroll)
     logits = model.unembed(hidden)
     return _pad_rows(greedy_rows(logits), max_rows), logits, cache, model.final_hidden(hidden).astype(jnp.float32)
 
@@ -189,11 +189,20 @@ def _pad_rows(tokens: jax.Array, max_rows: int) -> jax.Array:
 
 
 class Programs:
-    """The compiled forward and sampler programs of one engine, by `StepShape`."""
+    """The compiled forward and sampler programs of one engine, by `StepShape`.
 
-    def __init__(self, graphdef, backend: str, max_rows: int):
+    A forward over fewer than `scan_from_tokens` tokens has its layers unrolled: each layer's
+    weights are static slices of the stacked arrays that feed the GEMMs in place, which a decode
+    step's memory-bound GEMMs need (a scan copies every layer's weights out of the stack: 2x a
+    decode step on an H200). From `scan_from_tokens` up the layers are one scan body: XLA's GEMM
+    autotuning, most of a program's compile, then tunes one layer instead of 32 (each unrolled
+    layer's fusions differ by their slice), 5-10x faster to compile at the same step time
+    (bench/NOTES_serve.md, issue 35)."""
+
+    def __init__(self, graphdef, backend: str, max_rows: int, scan_from_tokens: int = 1):
         self._static = {"forward": (_forward, (graphdef, backend, max_rows)), "sample": (_sample, (max_rows,)),
                         "sample_state": (_sample_state, (max_rows,))}
+        self.scan_from_tokens = scan_from_tokens
         self._compiled: dict[StepShape, Callable] = {}
         self._lock = threading.Lock()
 
@@ -214,10 +223,16 @@ class Programs:
             program = self.compile(shape, args)
         return program(*args)
 
+    def lower(self, shape: StepShape, args: tuple):
+        """The program `shape` lowered for `args` (arrays or `jax.ShapeDtypeStruct`s), not compiled."""
+        fn, static = self._static[shape.program]
+        if shape.program == "forward":
+            static = static + (shape.tokens < self.scan_from_tokens,)
+        return fn.lower(*static, *args)
+
     def compile(self, shape: StepShape, args: tuple) -> Callable:
         """Compiles the program `shape` for `args` (arrays or `jax.ShapeDtypeStruct`s) and keeps it."""
-        fn, static = self._static[shape.program]
-        program = fn.lower(*static, *args).compile()
+        program = self.lower(shape, args).compile()
         with self._lock:
             self._compiled[shape] = program
         return program

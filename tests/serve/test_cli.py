@@ -47,6 +47,7 @@ def test_tensor_parallel_option_errors():
     ("--prefill-chunk", "100000", r"--prefill-chunk must be in \[1, 65536\], got 100000"),
     ("--gpu-memory-utilization", "0", r"--gpu-memory-utilization must be in \(0, 1\], got 0.0"),
     ("--gpu-memory-utilization", "1.5", r"--gpu-memory-utilization must be in \(0, 1\], got 1.5"),
+    ("--scan-layers-from-tokens", "-1", r"--scan-layers-from-tokens must be >= 0, got -1"),
 ])
 def test_step_size_and_memory_options_are_bounded(option, value, message):
     from serve.cli import check_engine_options
@@ -142,3 +143,15 @@ def test_start_up_logs_progress_without_backend_noise(smollm2, caplog):
     assert messages[0] == "compiling 2 step programs (1 threads)"
     assert any(m.startswith("compiled forward program 1/") for m in messages)
     assert messages[-1].startswith("step programs ready:")
+
+
+def test_start_up_compile_options_reach_the_engine_config():
+    from serve.cli import build_parser, engine_config
+
+    for value, expected in (("auto", None), ("on", True), ("off", False)):
+        args = build_parser().parse_args(["--background-compile", value, "--scan-layers-from-tokens", "512",
+                                          "--lora-backend", "gather"])
+        config = engine_config(args, 16, 2048, None)
+        assert (config.background_compile, config.scan_layers_from_tokens) == (expected, 512)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--background-compile", "maybe"])

@@ -1,0 +1,94 @@
+"""Start-up (issue 35): `warmup` with background compiling turns ready after the programs that can
+serve any step, steps run in the smallest compiled larger bucket until their own is compiled (no
+step waits on a compile), and forwards with scanned layers (from `scan_layers_from_tokens` tokens)
+give the tokens of unrolled ones."""
+
+import threading
+
+import pytest
+
+from jaxlora.sampling import SamplingParams
+from serve.engine import Engine, EngineConfig
+
+# One block-table width (32 tokens = 4 pages) and two token buckets (8, 16): few programs.
+TINY_ENGINE = dict(page_size=8, num_pages=16, max_model_len=32, max_num_seqs=4, token_budget=16, prefill_chunk=16,
+                   max_lora_rank=8, max_adapters_on_device=2)
+PROMPTS = ["The capital of France is", "Once upon a time", "Water boils at", "Dear diary, today"]
+
+
+def _serve(engine, tokenizer):
+    """Greedy tokens of four requests (two on ad0, one on ad1, one on the base model)."""
+    got = {i: [] for i in range(len(PROMPTS))}
+    for i, (prompt, name) in enumerate(zip(PROMPTS, ["ad0", "ad1", None, "ad0"])):
+        engine.submit(i, tokenizer.encode(prompt), name, SamplingParams(6), lambda e, i=i: got[i].append(e))
+    engine.run_until_idle()
+    return [[e.token for e in got[i] if e.token is not None] for i in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def expected(smollm2, adapters8):
+    """Tokens of an engine that compiled everything first, every forward a scan (the CPU default)."""
+    model, tokenizer = smollm2
+    engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(**TINY_ENGINE),
+                    {name: adapters8[name] for name in ("ad0", "ad1")})
+    engine.warmup()
+    return _serve(engine, tokenizer)
+
+
+def test_platform_defaults_and_bounds():
+    gpu, cpu = EngineConfig().for_platform("gpu"), EngineConfig().for_platform("cpu")
+    assert (gpu.scan_layers_from_tokens, gpu.background_compile) == (256, True)
+    assert (cpu.scan_layers_from_tokens, cpu.background_compile) == (1, False)
+    with pytest.raises(ValueError, match="scan_layers_from_tokens"):
+        EngineConfig(scan_layers_from_tokens=-1)
+
+
+def test_first_shapes_serve_every_variant_with_scanned_programs(smollm2, adapters8):
+    model, tokenizer = smollm2
+    config = EngineConfig(**TINY_ENGINE, scan_layers_from_tokens=16)
+    engine = Engine(model, tokenizer.eos_token_ids, config, {"ad0": adapters8["ad0"]})
+    shapes = engine.step_shapes()
+    first = engine.first_shapes(shapes)
+    forwards = [s for s in shapes if s.program == "forward"]
+    variants = {(s.width, s.lora, s.decode_only, s.window) for s in forwards}
+    assert len(variants) >= 3  # base, LoRA, window (and the decode-only LoRA variant where it exists)
+    for variant in variants:
+        largest = max(s.tokens for s in forwards if (s.width, s.lora, s.decode_only, s.window) == variant)
+        assert any((s.width, s.lora, s.decode_only, s.window, s.tokens) == (*variant, largest) for s in first)
+    assert all(s.tokens >= 16 for s in first if s.program == "forward")  # scanned: fast to compile
+    assert {s.rows for s in first if s.program != "forward"} == {s.rows for s in first if s.program == "forward"}
+    assert {s.program for s in first} == {"forward", "sample", "sample_state"}
+    assert len(first) < len(shapes)
+
+
+def test_steps_run_in_larger_compiled_buckets_until_their_own_is_compiled(smollm2, adapters8, expected):
+    model, tokenizer = smollm2
+    config = EngineConfig(**TINY_ENGINE, scan_layers_from_tokens=16, background_compile=True)
+    engine = Engine(model, tokenizer.eos_token_ids, config, {name: adapters8[name] for name in ("ad0", "ad1")})
+    release, compile_rest = threading.Event(), engine._compile_rest
+
+    def held(shapes):  # the background thread waits until the first requests are served
+        release.wait(timeout=300)
+        compile_rest(shapes)
+
+    engine._compile_rest = held
+    info = engine.warmup()
+    assert info["background"] > 0 and len(engine.programs) < len(engine.step_shapes())
+    try:
+        assert _serve(engine, tokenizer) == expected  # 8-token steps ran in the 16-token programs
+        assert engine.stats.step_compiles == 0
+    finally:
+        release.set()
+        engine._background.join(timeout=300)
+    assert set(engine.step_shapes()) <= set(engine.programs.shapes())
+    assert _serve(engine, tokenizer) == expected  # now in their own (unrolled) 8-token programs
+    assert engine.stats.step_compiles == 0
+
+
+def test_explicit_shapes_compile_in_the_foreground(smollm2):
+    model, tokenizer = smollm2
+    engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(**TINY_ENGINE, background_compile=True))
+    shapes = [s for s in engine.step_shapes() if not s.lora][:2]
+    info = engine.warmup(shapes, threads=1)
+    assert info["background"] == 0 and engine._background is None
+    assert set(shapes) <= set(engine.programs.shapes())
