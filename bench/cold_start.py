@@ -148,6 +148,8 @@ def launch(args, model_dir: str, adapter_dir: str, cache_dir: str, label: str) -
     try:
         result["ready_s"] = wait_ready(port, process, started, args.timeout)
         result["first_completion_s"], result["completion"] = first_completion(port, started)
+        if args.after_ready:
+            result["after_ready"] = serve_after_ready(port, started, lines, args.after_ready)
     except Exception as err:  # report what happened, keep the log
         result["error"] = f"{type(err).__name__}: {err}"
     finally:
@@ -160,7 +162,24 @@ def launch(args, model_dir: str, adapter_dir: str, cache_dir: str, label: str) -
     result["log"] = [f"{t:8.2f} s  {line}" for t, line in lines if "GET /health" not in line]
     result["first_log_s"] = lines[0][0] if lines else None
     result["weights_loaded_s"] = next((t for t, line in lines if "model loaded in" in line), None)
+    result["background_done_s"] = next((t for t, line in lines if "background compile done" in line), None)
     return result
+
+
+def serve_after_ready(port: int, started: float, lines: list, seconds: float) -> list:
+    """One completion after another for up to `seconds` while the server compiles in the background,
+    then 5 more once its log says the background compile is done: [(seconds since launch, latency
+    seconds, background done)] (how much slower serving is until every program is compiled)."""
+    done_line = lambda: any("background compile done" in line for _, line in list(lines))
+    times, after = [], 0
+    deadline = time.perf_counter() + seconds
+    while after < 5 and time.perf_counter() < deadline:
+        done = done_line()
+        t0 = time.perf_counter()
+        first_completion(port, started)
+        times.append((round(t0 - started, 2), round(time.perf_counter() - t0, 4), done))
+        after += done
+    return times
 
 
 def wait_ready(port: int, process, started: float, timeout: float) -> float:
@@ -197,6 +216,9 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=["cold", "warm"], choices=("cold", "warm"))
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for /health per run")
     parser.add_argument("--server-args", default=None, help="extra jaxlora-serve options (default: the README's sizes)")
+    parser.add_argument("--after-ready", type=float, default=0.0,
+                        help="seconds of one completion after another after the first (latency while the server "
+                             "compiles in the background, then steady)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     tiny = args.tiny

@@ -138,7 +138,6 @@ def paged_hidden(
     lora_backend: str = "gather",
     attention: str = "auto",
     unroll_layers: bool | None = None,
-    opaque_layer_index: bool = False,
 ) -> tuple[jax.Array, PagedKVCache]:
     """Runs one serving step over a paged cache (donate `cache` to the jitted caller: it is
     updated in place).
@@ -153,8 +152,6 @@ def paged_hidden(
       attention: the paged attention implementation (`pallas_kernels.paged_attention`'s `kernel`):
         "auto" runs the kernel on a GPU/TPU and the jnp reference on a CPU.
       unroll_layers: None: unrolled on a GPU/TPU, a scan on a CPU (compiles faster).
-      opaque_layer_index: unrolled layers index the stacked weights with a layer number XLA cannot
-        see (dynamic slices), so every layer's fusions are the same program (probe).
 
     Returns:
       (the last layer's hidden states [R, d] at `batch.logit_indices`, before the final norm;
@@ -181,12 +178,5 @@ def paged_hidden(
     per_layer_pool = None if lora is None or isinstance(lora.plan, ServingPlan) else lora.pool
     carry = (model.embed(batch.tokens[None]), cache.k, cache.v)
     per_layer = (model.layer_weights(), per_layer_pool, jnp.arange(config.num_layers))
-    if unroll and opaque_layer_index:
-        ids = jax.lax.optimization_barrier(jnp.arange(config.num_layers, dtype=jnp.int32))
-        take = lambda i: lambda w: jax.lax.dynamic_index_in_dim(w, i, 0, keepdims=False)
-        for index in range(config.num_layers):
-            carry, _ = layer(carry, jax.tree.map(take(ids[index]), per_layer[:2]) + (ids[index],))
-        hidden, k, v = carry
-    else:
-        (hidden, k, v), _ = jax.lax.scan(layer, carry, per_layer, unroll=config.num_layers if unroll else 1)
+    (hidden, k, v), _ = jax.lax.scan(layer, carry, per_layer, unroll=config.num_layers if unroll else 1)
     return hidden[0, batch.logit_indices], PagedKVCache(k, v)
