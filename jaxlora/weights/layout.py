@@ -1,12 +1,20 @@
 """Maps HF tensor names to the model's stacked weight names and assembles the stacked arrays
-(Phi-3's fused qkv_proj / gate_up_proj split into the q/k/v and gate/up kernels)."""
+(Phi-3's fused qkv_proj / gate_up_proj split into the q/k/v and gate/up kernels).
+
+On a GPU/TPU each tensor goes to the device as the file holds it (HF's [out, in], the checkpoint's
+dtype) and the stacking over layers, the transpose to the model's [in, out] and the cast run there
+as one fused copy per weight: on an 8B checkpoint the host's strided bfloat16 transposes and casts
+were most of a 67 s load on an H200 machine (issue 35). On a CPU (where XLA's bfloat16 transposes
+are slower than numpy's) the host assembles them."""
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Callable, Iterable
 
-import ml_dtypes
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxlora.models.config import LlamaConfig, fused_parts
@@ -48,31 +56,81 @@ def stack_weights(
     dtype,
     source: str,
     file_of: Callable[[str], str] | None = None,
-) -> dict[str, np.ndarray]:
-    """Reads every HF-named tensor with `read(name)` and returns the model's flat weight dict.
+) -> dict[str, jax.Array]:
+    """Reads every HF-named tensor with `read(name)` and returns the model's flat weight dict (on
+    the default device, in `dtype`).
 
     Checks that each tensor has the shape the config implies and that none is missing; errors
     name `file_of(tensor name)` (default: `source`)."""
     file_of = file_of or (lambda _: source)
     expected = weight_shapes(config)
-    np_dtype = ml_dtypes.bfloat16 if np.dtype(dtype) == ml_dtypes.bfloat16 else np.dtype(dtype)
-    stacked: dict[str, np.ndarray] = {}
-    seen: dict[str, set[int]] = {}
+    single: dict[str, jax.Array] = {}
+    layers: dict[str, dict[int, tuple[jax.Array, bool]]] = {}  # name -> layer -> (tensor, transposed)
     for hf_name in tensor_names:
         mapped = hf_to_model_name(hf_name)
         if mapped is None:
             continue
         if mapped[0] == "lm_head" and config.tie_word_embeddings:
             continue
-        for name, layer, tensor in _checked_tensors(config, expected, hf_name, mapped, read, file_of):
-            _place(config, stacked, seen, expected, name, layer, tensor, np_dtype, hf_name, file_of)
-    _check_complete(expected, stacked, seen, config.num_layers, source)
-    return stacked
+        for name, layer, tensor, transpose in _checked_tensors(config, expected, hf_name, mapped, read, file_of):
+            if layer is None:
+                single[name] = _on_device(tensor, transpose, dtype)
+                continue
+            if not 0 <= layer < config.num_layers:
+                raise WeightsError(f"{file_of(hf_name)}: tensor {hf_name} names layer {layer}, "
+                                   f"but the config has {config.num_layers} layers")
+            piece = tensor if _host_assembles() else jnp.asarray(tensor)
+            layers.setdefault(name, {})[layer] = (piece, transpose)
+    _check_complete(expected, {**single, **layers}, {name: set(got) for name, got in layers.items()},
+                    config.num_layers, source)
+    for name in list(layers):  # stacked one name at a time: the pieces are freed before the next
+        pieces = layers.pop(name)
+        single[name] = _stacked(pieces, dtype)
+    return single
+
+
+def _on_device(tensor: np.ndarray, transpose: bool, dtype) -> jax.Array:
+    if _host_assembles():
+        return jnp.asarray(np.asarray(tensor.T if transpose else tensor, _np_dtype(dtype)))
+    array = jnp.asarray(tensor)
+    return (array.T if transpose else array).astype(dtype)
+
+
+def _host_assembles() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+def _np_dtype(dtype) -> np.dtype:
+    return np.dtype(jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _stack(pieces: list[jax.Array], transpose: bool, dtype) -> jax.Array:
+    """pieces [L] of [a, b] -> [L, a, b] ([L, b, a] with `transpose`) in `dtype`: one fused copy."""
+    stacked = jnp.stack(pieces)
+    return (jnp.swapaxes(stacked, 1, 2) if transpose else stacked).astype(dtype)
+
+
+def _stacked(pieces: dict[int, tuple[jax.Array, bool]], dtype) -> jax.Array:
+    """The layers' tensors {layer: (tensor, transposed)} as one [L, ...] array in the model's
+    layout and `dtype` (`pieces` is emptied: its tensors are freed once stacked)."""
+    transpose = pieces[0][1]
+    if _host_assembles():
+        first = pieces[0][0]
+        stacked = np.empty((len(pieces),) + (first.shape[::-1] if transpose else first.shape), _np_dtype(dtype))
+        for layer, (tensor, _) in pieces.items():
+            stacked[layer] = tensor.T if transpose else tensor
+        pieces.clear()
+        return jnp.asarray(stacked)
+    ordered = [pieces[layer][0] for layer in range(len(pieces))]
+    pieces.clear()
+    return _stack(ordered, transpose, jnp.dtype(dtype))
 
 
 def _checked_tensors(config, expected, hf_name, mapped, read, file_of):
-    """[(model name, layer, tensor in the model's layout)] of one HF tensor: itself, or the parts
-    of a fused projection (rows split in `fused_parts` order)."""
+    """[(model name, layer, tensor as read or a row range of it, whether the model's layout is its
+    transpose)] of one HF tensor: itself, or the parts of a fused projection (rows split in
+    `fused_parts` order)."""
     name, layer, transpose = mapped
     parts = fused_parts(config, name[len("layers."):-len(".kernel")]) if name.endswith(".kernel") else None
     if parts is None and name not in expected:
@@ -88,25 +146,10 @@ def _checked_tensors(config, expected, hf_name, mapped, read, file_of):
         raise WeightsError(f"{file_of(hf_name)}: tensor {hf_name} has shape {tuple(tensor.shape)}, "
                            f"but the config implies {want}")
     if parts is None:
-        return [(name, layer, tensor.T if transpose else tensor)]
+        return [(name, layer, tensor, transpose)]
     bounds = np.cumsum([0] + [size for _, size in parts])
-    return [(f"layers.{part}.kernel", layer, tensor[start:stop].T)
+    return [(f"layers.{part}.kernel", layer, tensor[start:stop], True)
             for (part, _), start, stop in zip(parts, bounds[:-1], bounds[1:])]
-
-
-def _place(config, stacked, seen, expected, name, layer, tensor, np_dtype, hf_name, file_of):
-    """Puts one tensor into the flat dict (a layer's slice of its stack)."""
-    if layer is None:
-        stacked[name] = np.asarray(tensor, np_dtype)
-        return
-    if not 0 <= layer < config.num_layers:
-        raise WeightsError(f"{file_of(hf_name)}: tensor {hf_name} names layer {layer}, "
-                           f"but the config has {config.num_layers} layers")
-    if name not in stacked:
-        stacked[name] = np.empty(expected[name], np_dtype)
-        seen[name] = set()
-    stacked[name][layer] = tensor
-    seen[name].add(layer)
 
 
 def _check_complete(expected, stacked, seen, num_layers, source):

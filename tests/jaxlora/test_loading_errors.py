@@ -95,3 +95,27 @@ def test_unsupported_gguf_tensor_type(tmp_path, hf_dir):
     write_llama_gguf(reference, path, tensor_types={"blk.1.ffn_up.weight": gguf.GGMLQuantizationType.Q5_0})
     with pytest.raises(WeightsError, match=r"q5\.gguf: tensor blk\.1\.ffn_up\.weight has GGUF type Q5_0"):
         load_llama(path)
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_device_assembly_equals_the_host_assembly(tmp_path, monkeypatch, family):
+    """On a GPU/TPU the stacking, transposes (and Phi-3's fused split) and the cast run on the
+    device (`jaxlora.weights.layout`); forced here on the CPU, it gives the host path's arrays."""
+    import jax.numpy as jnp
+
+    import jaxlora.weights.layout as layout
+    from jaxlora.weights.hf import load_hf_weights, read_hf_config
+    from tests.jaxlora.hf_checkpoints import save_random_model, tiny_llama_config, tiny_phi3_config
+
+    directory = str(tmp_path / "model")
+    save_random_model((tiny_llama_config if family == "llama" else tiny_phi3_config)(), directory)
+    config = read_hf_config(directory)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        host = load_hf_weights(directory, config, dtype)
+        monkeypatch.setattr(layout, "_host_assembles", lambda: False)
+        device = load_hf_weights(directory, config, dtype)
+        monkeypatch.undo()
+        assert set(host) == set(device)
+        for name in host:
+            assert host[name].dtype == device[name].dtype == jnp.dtype(dtype), name
+            np.testing.assert_array_equal(np.asarray(host[name]), np.asarray(device[name]), err_msg=name)
