@@ -269,7 +269,7 @@ def main(argv=None) -> None:
     engines, placement = build_engines(args.replicas)
     started = time.perf_counter()
     for engine in engines:
-        engine.warmup()
+        engine.warmup(background=False)  # every program before the timed run
     warmup_s = time.perf_counter() - started
     requests = workload(args.duration, args.peak_rate, 8, args.seed)
     measured = {name: run_measured(engines, make(), requests) for name, make in POLICIES.items()}
