@@ -41,6 +41,8 @@ class SamplingParams:
     many output tokens.
     logprobs: None, or the number (0 .. MAX_LOGPROBS) of most likely tokens whose log-probabilities
     come with each token (the drawn token's own always does).
+    prompt_logprobs: None, or as `logprobs` for each prompt token after the first (its
+    log-probability given the tokens before it; evaluation harnesses' log-likelihoods).
     """
 
     max_new_tokens: int = 32
@@ -57,6 +59,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         checks = [
@@ -71,6 +74,8 @@ class SamplingParams:
             (all(abs(b) <= MAX_LOGIT_BIAS for _, b in self.logit_bias), "logit_bias values must be in [-100, 100]"),
             (0 <= self.min_tokens <= self.max_new_tokens, "min_tokens must be in [0, max_new_tokens]"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]"),
         ]
         for ok, message in checks:
             if not ok:

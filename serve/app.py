@@ -56,7 +56,7 @@ from serve.engine import Engine, EngineBusy, RequestError, UnknownAdapter
 from serve.finetune import FinetuneService, FinetuneSettings, add_finetune_routes
 from serve.auth import ApiKeyAuth
 from serve.classify import add_classify_route
-from serve.logprobs import chat_logprobs, completion_logprobs
+from serve.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from serve.metrics import Metrics
 from serve.protocol import (
     ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, DrainRequest, Limits, LoadAdapterRequest,
@@ -89,6 +89,7 @@ class SeqSpec:
     adapter: str | None
     sampling: SamplingParams
     stops: list[str]
+    prompt_only: bool = False  # max_tokens 0 (with echo): the one token generated is not returned
 
 
 class Generation:
@@ -100,6 +101,7 @@ class Generation:
         self.request_id = uuid.uuid4().hex
         self.trackers = [TextTracker(tokenizer, spec.stops, spec.sampling.stop_token_ids) for spec in specs]
         self.logprobs: list[list] = [[] for _ in specs]  # entries not yielded yet
+        self.prompt_logprobs: list[list | None] = [None] * len(specs)  # the engine's, once the prompt is scored
         self.ids_taken = [0] * len(specs)  # token ids of each choice handed out by `token_fields`
         self.done = [False] * len(specs)
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -138,6 +140,10 @@ class Generation:
                     raise ApiError(status, event.error)
                 if event.token is not None and self.first_token_at is None:
                     self.first_token_at = time.monotonic()
+                if event.prompt_logprobs is not None:
+                    self.prompt_logprobs[index] = event.prompt_logprobs
+                if self.specs[index].prompt_only:  # max_tokens 0: the prompt alone, finished by length
+                    event = event._replace(token=None, logprobs=None, finish_reason="length")
                 if event.logprobs is not None:
                     self.logprobs[index].append((event.token, *event.logprobs))
                 delta, reason = self.trackers[index].add(event.token, event.finish_reason)
@@ -260,19 +266,21 @@ class Server:
                                 f"of {context} tokens", "max_tokens")
         return requested
 
-    def specs(self, body, prompts: list[list[int]], default_max: int, logprobs: int | None) -> list[SeqSpec]:
+    def specs(self, body, prompts: list[list[int]], default_max: int, logprobs: int | None,
+              prompt_logprobs: int | None = None) -> list[SeqSpec]:
         adapter = self.resolve_model(body.model)
         check_token_ids(body, self.engine.model_config.vocab_size)
         seed = secrets.randbits(32) if body.seed is None else body.seed
         requested = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        prompt_only = requested == 0  # (echo) one token is generated and dropped
         specs = []
         for prompt in prompts:
-            max_tokens = self.max_tokens_for(len(prompt), requested, default_max)
+            max_tokens = self.max_tokens_for(len(prompt), 1 if prompt_only else requested, default_max)
             if body.min_tokens > max_tokens:
                 raise ApiError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
             for choice in range(body.n):
-                sampling = sampling_params(body, max_tokens, (seed + choice) % (1 << 32), logprobs)
-                specs.append(SeqSpec(prompt, adapter, sampling, stop_list(body.stop)))
+                sampling = sampling_params(body, max_tokens, (seed + choice) % (1 << 32), logprobs, prompt_logprobs)
+                specs.append(SeqSpec(prompt, adapter, sampling, stop_list(body.stop), prompt_only))
         if len(specs) > self.limits.max_sequences:
             raise ApiError(400, f"prompts x n = {len(specs)} exceeds {self.limits.max_sequences}", "n")
         return specs
@@ -413,7 +421,16 @@ class Server:
             self.finished(generation, endpoint, status)
 
 
-def sampling_params(body, max_tokens: int, seed: int, logprobs: int | None) -> SamplingParams:
+def prompt_entries(generation: Generation, index: int, k: int) -> list:
+    """The engine's prompt log-probability entries of choice `index` with its first prompt token
+    ahead (no log-probability: nothing precedes it), each top list cut to `k`."""
+    prompt = generation.specs[index].prompt
+    scored = generation.prompt_logprobs[index] or []
+    return [(prompt[0], None, None)] + [(token, logprob, top[:k]) for token, logprob, top in scored]
+
+
+def sampling_params(body, max_tokens: int, seed: int, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's SamplingParams of a checked request body (`check_common`)."""
     return SamplingParams(
         max_tokens, 1.0 if body.temperature is None else body.temperature, 1.0 if body.top_p is None else body.top_p,
@@ -421,7 +438,7 @@ def sampling_params(body, max_tokens: int, seed: int, logprobs: int | None) -> S
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
         logit_bias=tuple((int(k), v) for k, v in sorted((body.logit_bias or {}).items())),
         stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
-        logprobs=logprobs)
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 def _sse(payload: dict) -> str:
@@ -573,30 +590,45 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         check_completion(body)
         prompts = server.completion_prompts(body)
         await server.read_adapter(body.model)
-        generation = server.start(server.specs(body, prompts, server.limits.default_max_tokens, body.logprobs))
+        echo_scores = body.echo and body.logprobs is not None  # the prompt's tokens in `logprobs` too
+        wanted = [k for k in (body.logprobs if echo_scores else None, body.prompt_logprobs) if k is not None]
+        generation = server.start(server.specs(body, prompts, server.limits.default_max_tokens, body.logprobs,
+                                               max(wanted) if wanted else None))
         cid, created = f"cmpl-{generation.request_id}", int(time.time())
         echoes = [text if body.echo else "" for text in server.prompt_texts(body) for _ in range(body.n)]
-        offsets = [len(echo) for echo in echoes]  # text offset of each choice's next token
+        offsets = [0 if echo_scores else len(echo) for echo in echoes]  # text offset of each choice's next token
+        prompt_done, prompt_sent = [False] * len(echoes), [False] * len(echoes)
 
         def logprobs_of(index, entries):
             if body.logprobs is None:
                 return None
+            if echo_scores and not prompt_done[index]:  # the prompt's entries first, its first token's null
+                prompt_done[index] = True
+                entries = prompt_entries(generation, index, body.logprobs) + entries
             result = completion_logprobs(server.tokenizer, entries, offsets[index])
             offsets[index] += sum(len(t) for t in result["tokens"])
             return result
+
+        def prompt_fields(index):  # vLLM's prompt_logprobs, once per choice
+            if body.prompt_logprobs is None or prompt_sent[index]:
+                return {}
+            prompt_sent[index] = True
+            return {"prompt_logprobs": vllm_prompt_logprobs(server.tokenizer, prompt_entries(
+                generation, index, body.prompt_logprobs))}
 
         if body.stream:
             def chunk(index, delta, reason, entries):
                 text, echoes[index] = echoes[index] + delta, ""
                 return {"id": cid, "object": "text_completion", "created": created, "model": body.model,
-                        "choices": [{"index": index, "text": text, "logprobs": logprobs_of(index, entries),
-                                     "finish_reason": reason, **generation.token_fields(body, index)}]}
+                        "choices": [{"index": index, "text": text, **prompt_fields(index),
+                                     "logprobs": logprobs_of(index, entries), "finish_reason": reason,
+                                     **generation.token_fields(body, index)}]}
 
             final = _usage_chunks(body, generation, cid, created, "text_completion")
             return _streaming(server.stream(generation, "completions", chunk, final))
         texts, reasons, logprobs = await server.collect(generation, request, "completions")
-        choices = [{"index": i, "text": echoes[i] + t, "logprobs": logprobs_of(i, logprobs[i]), "finish_reason": r,
-                    **generation.token_fields(body, i, everything=True)}
+        choices = [{"index": i, "text": echoes[i] + t, **prompt_fields(i), "logprobs": logprobs_of(i, logprobs[i]),
+                    "finish_reason": r, **generation.token_fields(body, i, everything=True)}
                    for i, (t, r) in enumerate(zip(texts, reasons))]
         return {"id": cid, "object": "text_completion", "created": created, "model": body.model,
                 "choices": choices, "usage": generation.usage()}
@@ -670,6 +702,22 @@ def _add_tokenizer_routes(app: FastAPI, server: Server) -> None:
         tokens = server.tokenizer.encode(text, add_bos=None if body.add_special_tokens else False)
         strs = [server.tokenizer.token_text(t) for t in tokens] if body.return_token_strs else None
         return {"count": len(tokens), "max_model_len": context, "tokens": tokens, "token_strs": strs}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """vLLM's /tokenizer_info: what a client needs to rebuild the tokenizer's text handling (the
+        chat template, the special tokens, the added tokens)."""
+        tok = server.tokenizer
+        text = lambda i: None if i is None else tok.token_text(i)
+        eos = tok.eos_token_ids[0] if tok.eos_token_ids else None
+        added = tok.backend.get_added_tokens_decoder()
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": tok.chat_template,
+                "bos_token": text(tok.bos_token_id), "eos_token": text(eos), "pad_token": text(tok.pad_token_id),
+                "bos_token_id": tok.bos_token_id, "eos_token_ids": list(tok.eos_token_ids),
+                "pad_token_id": tok.pad_token_id, "add_bos_token": tok.add_bos, "vocab_size": tok.vocab_size,
+                "model_max_length": server.engine.config.max_model_len,
+                "added_tokens_decoder": {str(i): {"content": t.content, "special": t.special}
+                                         for i, t in sorted(added.items())}}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):

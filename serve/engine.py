@@ -305,6 +305,9 @@ class Event(NamedTuple):
     error: str | None = None
     logprobs: tuple | None = None
     probs: np.ndarray | None = None  # a classification's label probabilities [num_labels] (`Engine.classify`)
+    # prompt log-probabilities (SamplingParams.prompt_logprobs), with a request's first event: one
+    # (token id, log-probability, [(id, log-probability)] of the most likely) per prompt token after the first
+    prompt_logprobs: list | None = None
 
 
 @dataclasses.dataclass
@@ -313,6 +316,8 @@ class _Request:
     callback: Callable[[Event], None]
     submitted: float
     head: TaskHead | None = None  # a classification (`Engine.classify`): the head its features go through
+    prompt_entries: list = dataclasses.field(default_factory=list)  # prompt log-probabilities so far
+    scored_to: int = 1  # the next prompt position whose log-probability is due (recomputed chunks skip)
 
 
 class Handoff(NamedTuple):
@@ -337,6 +342,7 @@ class _InFlight(NamedTuple):
     launched: float
     logprobs: tuple | None = None
     features: object = None  # the rows' features [R, d] (device array), None from a `step_fn` stub
+    scores: tuple | None = None  # a scoring step's (target log-probs [T], top values [T, K], ids [T, K])
 
 
 def check_mesh(mesh: Mesh, model_config, lora_backend: str) -> None:
@@ -350,6 +356,30 @@ def check_mesh(mesh: Mesh, model_config, lora_backend: str) -> None:
     if shape["tensor"] > 1:
         backends.get(lora_backend, serves=True, partitionable=True)
     sharding.check_divisible(model_config, mesh)
+
+
+def _scores_prompt(row) -> bool:
+    """Whether a step row's tokens give prompt log-probabilities (its request asks for them and the
+    row covers a prompt position followed by another prompt token)."""
+    return _prompt_k(row.seq) is not None and row.start < len(row.seq.prompt) - 1
+
+
+def _prompt_k(seq: Sequence) -> int | None:
+    """The request's SamplingParams.prompt_logprobs (None: none asked, or no SamplingParams)."""
+    return getattr(seq.sampling, "prompt_logprobs", None)
+
+
+def _score_targets(plan: StepPlan, num_tokens: int) -> np.ndarray:
+    """[T] int32: each token's next prompt token in the rows that score their prompt, else -1."""
+    targets = np.full(num_tokens, -1, np.int32)
+    offset = 0
+    for row in plan.rows:
+        if _scores_prompt(row):
+            prompt = row.seq.prompt
+            stop = min(row.start + row.count, len(prompt) - 1)
+            targets[offset: offset + stop - row.start] = prompt[row.start + 1: stop + 1]
+        offset += row.count
+    return targets
 
 
 def _row_tokens(seq: Sequence, start: int, count: int) -> list[int]:
@@ -434,6 +464,7 @@ class Engine:
         self._last_tokens = np.zeros(self.max_rows, np.int32)  # the previous step's sampled tokens
         self._last_logprobs = None  # the last step's log-probabilities (device arrays), if it made them
         self._last_features = None  # the last step's row features [R, d] (device array; `classify`)
+        self._last_scores = None  # the last scoring step's prompt log-probabilities (device arrays)
         self._heads: dict[int, TaskHead | None] = {}  # adapter uid -> its task head, once looked up
         self._in_flight: _InFlight | None = None  # launched, tokens not read yet (async scheduling)
         self._last_done = 0.0  # when the last step's tokens were read
@@ -693,6 +724,9 @@ class Engine:
         self.validate(len(prompt), sampling.max_new_tokens)
         if head is not None and (sampling.max_new_tokens != 1 or output):
             raise RequestError("a classification (head) is one prefill-only sequence: max_new_tokens 1, no output")
+        if sampling.prompt_logprobs is not None and (self.modes is not None or output):
+            raise RequestError("prompt log-probabilities are computed in the unmerged inference mode, for a request "
+                               "without resumed output")
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in [t for t, _ in sampling.logit_bias] + list(sampling.stop_token_ids)):
             raise RequestError(f"logit_bias and stop_token_ids take token ids in [0, {vocab})")
@@ -833,7 +867,7 @@ class Engine:
                 self.scheduler.slots.pin(row.seq.adapter)
         self._stage(self.scheduler.prefetch())  # overlaps the step running on the device
         phases.mark("prefetch")
-        return _InFlight(step, tokens, time.monotonic(), self._last_logprobs, self._last_features)
+        return _InFlight(step, tokens, time.monotonic(), self._last_logprobs, self._last_features, self._last_scores)
 
     def _finish(self, flight: "_InFlight", phases: "_PhaseClock") -> None:
         """Reads a launched step's tokens (waits for it), unpins its slots and completes its rows."""
@@ -843,6 +877,7 @@ class Engine:
             features = None
             if flight.features is not None and self._classifies(flight.step):
                 features = np.asarray(flight.features)
+            scores = None if flight.scores is None else tuple(np.asarray(a) for a in flight.scores)
             phases.mark("wait")
         except Exception as err:
             log.exception("engine step failed")
@@ -855,7 +890,7 @@ class Engine:
             return
         done = time.monotonic()
         started, self._last_done = max(flight.launched, self._last_done), done
-        self._complete(flight.step, tokens, done - started, logprobs, features)
+        self._complete(flight.step, tokens, done - started, logprobs, features, scores)
         phases.mark("complete")
 
     def _classifies(self, step: Step) -> bool:
@@ -872,7 +907,7 @@ class Engine:
     def run_step(self, step: Step):
         """Runs `step` through `step_fn` (the cache is updated); returns its sampled tokens (row r's
         at index r; a device array by default: reading it waits for the step)."""
-        self._last_logprobs = self._last_features = None
+        self._last_logprobs = self._last_features = self._last_scores = None
         tokens, self.cache = self.step_fn(step, self.cache)
         self._last_tokens = tokens
         return tokens
@@ -883,8 +918,9 @@ class Engine:
         for shape in step.shapes:
             self.stats.step_compiles += shape not in self.programs
         forward = step.shapes[0]
-        greedy, logits, cache, self._last_features = self.programs.run(
-            forward, self._state, cache, step.batch, step.lora, step.prev_tokens, step.token_src)
+        scoring = () if step.score_targets is None else (step.score_targets,)
+        greedy, logits, cache, self._last_features, self._last_scores = self.programs.run(
+            forward, self._state, cache, step.batch, step.lora, step.prev_tokens, step.token_src, *scoring)
         if step.sampling is None:
             return greedy, cache
         sampler = step.shapes[1]
@@ -929,9 +965,9 @@ class Engine:
         rest: list[StepShape] = []
         if shapes is None:
             shapes = self.step_shapes()
-            if background:
+            if background:  # the scoring programs (prompt log-probabilities) last
                 first = self.first_shapes(shapes)
-                shapes, rest = first, [shape for shape in shapes if shape not in first]
+                shapes, rest = first, [shape for shape in shapes if shape not in first] + self._score_shapes(shapes)
         before = len(self.programs)
         threads = min(8, os.cpu_count() or 1) if threads is None else threads
         log.info("compiling %d step programs (%d threads)%s", len(shapes), threads,
@@ -966,6 +1002,12 @@ class Engine:
         rows = {shape.rows for shape in first}
         return [shape for shape in shapes if shape in first or (shape.program != "forward" and shape.rows in rows)]
 
+    def _score_shapes(self, shapes: list[StepShape]) -> list[StepShape]:
+        """The scoring variants of `shapes`' base and LoRA (not decode-only, not window) forwards over
+        buckets of scanned layers (where a scoring step runs: `_batch_arrays`)."""
+        return [shape._replace(score=True) for shape in shapes if shape.program == "forward" and not shape.window
+                and not shape.decode_only and shape.tokens >= self.programs.scan_from_tokens]
+
     def _compile_shapes(self, shapes: list[StepShape], threads: int, progress=None) -> None:
         """Compiles `shapes` (forwards first: the samplers take the forwards' logits sharding)."""
         for program in ("forward", "sample", "sample_state"):
@@ -975,12 +1017,14 @@ class Engine:
 
     def _compile_rest(self, shapes: list[StepShape]) -> None:
         """The background thread of `warmup`: the forwards of each token bucket, smallest first, then
-        the samplers over their rows, one program at a time; stops with the engine."""
+        the samplers over their rows, one program at a time, the scoring forwards last; stops with
+        the engine."""
         started = time.perf_counter()
         for tokens in sorted({shape.tokens for shape in shapes if shape.program == "forward"}):
             if self._stopping:
                 return
-            forwards = [shape for shape in shapes if shape.program == "forward" and shape.tokens == tokens]
+            forwards = [shape for shape in shapes
+                        if shape.program == "forward" and shape.tokens == tokens and not shape.score]
             samplers = [shape for shape in shapes if shape.program != "forward" and shape.rows == self._rows(tokens)]
             try:
                 self._compile_shapes(forwards + samplers, 1)
@@ -1057,15 +1101,19 @@ class Engine:
             lora = LoraInputs({}, build_window_plan(no_rows, self.window.slots, self.window.rank))
         elif shape.lora:
             lora = LoraInputs(self._lora_arrays(), self._lora_plan(no_rows, np.zeros(tokens, bool), shape.decode_only))
-        return self._state, self.cache, batch, lora, self._last_tokens, no_rows
+        scoring = (no_rows,) if shape.score else ()
+        return (self._state, self.cache, batch, lora, self._last_tokens, no_rows) + scoring
 
     def _build_step(self, plan: StepPlan, phases: "_PhaseClock") -> Step:
         order = serving_order([row.slot for row in plan.rows], [row.count for row in plan.rows])
         plan = dataclasses.replace(plan, rows=[plan.rows[i] for i in order])
         phases.mark("order")
         delora = None if self.modes is None else self.modes.delora_key(self, plan)  # mixed: the -ΔW branch
-        in_window = self._place_in_window(sorted({row.slot for row in plan.rows if row.slot >= 0}), delora)
+        scoring = any(_scores_prompt(row) for row in plan.rows)  # such steps skip the window (no score variant)
+        in_window = None if scoring else self._place_in_window(sorted({row.slot for row in plan.rows if row.slot >= 0}),
+                                                                delora)
         batch, token_slot, one_token = self._batch_arrays(plan, in_window is not None)
+        score_targets = _score_targets(plan, len(batch.tokens)) if scoring else None
         phases.mark("batch")
         decode_only = bool(one_token[: plan.num_tokens].all())
         lora = None
@@ -1086,7 +1134,7 @@ class Engine:
         rows, width = batch.block_tables.shape
         forward = StepShape("forward", len(batch.tokens), rows, width, lora is not None,
                             isinstance(lora and lora.plan, ServingPlan) and lora.plan.seg_starts is None,
-                            in_window is not None)
+                            in_window is not None, scoring)
         sampler = step_sampling(plan.rows, rows, self.sampler_slots, self.eos_ids)
         sampling = None if sampler is None else sampler[1]
         shapes = (forward,) if sampler is None else (forward, StepShape(sampler[0], 0, rows))
@@ -1094,7 +1142,7 @@ class Engine:
         kind = ("base " if lora is None else "window " if in_window is not None else "lora ") + (
             "decode" if decode_only else "mixed")
         return Step(plan, shapes, kind, batch, lora, self._last_tokens, self._token_sources(plan, batch.tokens),
-                    sampling)
+                    sampling, score_targets)
 
     def _place_in_window(self, slots: list[int], extra: tuple | None = None) -> dict[int, int] | None:
         """{pool slot: window slot} for a step whose rows use the pool slots `slots` (and the window
@@ -1180,7 +1228,11 @@ class Engine:
         lora = any(row.slot >= 0 for row in plan.rows)
         decode_only = (lora and not in_window and all(row.count == 1 for row in plan.rows)
                        and self._has_decode_variant())
-        num_tokens = self._compiled_tokens(num_tokens, width, lora or in_window, decode_only, in_window)
+        if any(_scores_prompt(row) for row in plan.rows):  # a scoring step: a scanned program (fast to compile)
+            num_tokens = max(num_tokens, min(bucket(self.programs.scan_from_tokens, self._min_tokens),
+                                             bucket(self.config.token_budget, self._min_tokens)))
+        else:
+            num_tokens = self._compiled_tokens(num_tokens, width, lora or in_window, decode_only, in_window)
         rows = self._rows(num_tokens)  # a function of the tokens bucket: no variants of its own
         if len(plan.rows) > rows:
             raise ValueError(f"a step of this engine has at most {rows} rows ({num_tokens} tokens, max_num_seqs "
@@ -1205,11 +1257,13 @@ class Engine:
         return PagedBatch(tokens, positions, token_row, tables, logit_indices), token_slot, one_token
 
     def _complete(self, step: Step, next_tokens: np.ndarray, seconds: float, logprobs: tuple | None = None,
-                  features: np.ndarray | None = None) -> None:
+                  features: np.ndarray | None = None, scores: tuple | None = None) -> None:
         """Hands a step's sampled tokens (row r's at r) to the scheduler and its events to the
         requests; logprobs: the step's (chosen [R], top values [R, K], top ids [R, K]) or None;
         features: the rows' features [R, d] (read when a classification's prompt ends here)."""
         plan = step.plan
+        if scores is not None:
+            self._collect_scores(plan, scores)
         sampled = {row.seq.seq_id: int(next_tokens[r]) for r, row in enumerate(plan.rows) if row.sample}
         row_of = {row.seq.seq_id: r for r, row in enumerate(plan.rows) if row.sample}
         events = self.scheduler.complete(plan, sampled)
@@ -1222,7 +1276,29 @@ class Engine:
             if request.head is not None:
                 self._deliver(request, _classified(request.head, features, row_of[seq.seq_id]))
                 continue
-            self._deliver(request, Event(token, reason, logprobs=_row_logprobs(logprobs, row_of[seq.seq_id], seq)))
+            prompt_logprobs = None
+            if _prompt_k(seq) is not None and request.scored_to >= 0:
+                prompt_logprobs, request.prompt_entries, request.scored_to = request.prompt_entries, [], -1
+            self._deliver(request, Event(token, reason, logprobs=_row_logprobs(logprobs, row_of[seq.seq_id], seq),
+                                         prompt_logprobs=prompt_logprobs))
+
+    def _collect_scores(self, plan: StepPlan, scores: tuple) -> None:
+        """Appends a scoring step's prompt log-probabilities to its rows' requests (once per prompt
+        position: a recomputed chunk adds nothing): (target log-prob [T], top values [T, K], ids [T, K])."""
+        chosen, values, ids = scores
+        offset = 0
+        for row in plan.rows:
+            request = self._requests.get(row.seq.seq_id)
+            k = _prompt_k(row.seq)
+            if request is not None and k is not None and request.scored_to >= 0:
+                prompt = row.seq.prompt
+                for t in range(offset, offset + row.count):
+                    target = row.start + (t - offset) + 1
+                    if target == request.scored_to and target < len(prompt):
+                        top = [(int(i), float(v)) for i, v in zip(ids[t, :k], values[t, :k])]
+                        request.prompt_entries.append((prompt[target], float(chosen[t]), top))
+                        request.scored_to += 1
+            offset += row.count
 
     def _deliver(self, request: _Request, event: Event) -> None:
         try:

@@ -97,6 +97,7 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' log-probabilities and top-N
     best_of: int | None = None
     suffix: str | None = None
 
@@ -187,8 +188,10 @@ def check_common(body: _Sampling, limits: Limits) -> None:
                        "temperature")
     if body.top_p is not None and not 0 < body.top_p <= 1:
         raise ApiError(400, f"top_p must be in (0, 1], got {body.top_p}", "top_p")
-    if body.max_tokens is not None and not 1 <= body.max_tokens <= limits.max_tokens:
-        raise ApiError(400, f"max_tokens must be in [1, {limits.max_tokens}], got {body.max_tokens}", "max_tokens")
+    lowest = 0 if getattr(body, "echo", False) else 1  # 0 with echo: the prompt (and its log-probabilities) only
+    if body.max_tokens is not None and not lowest <= body.max_tokens <= limits.max_tokens:
+        raise ApiError(400, f"max_tokens must be in [{lowest}, {limits.max_tokens}] (0 only with echo), got "
+                            f"{body.max_tokens}", "max_tokens")
     if body.seed is not None and not 0 <= body.seed < 2**63:
         raise ApiError(400, "seed must be in [0, 2**63)", "seed")
     stops = stop_list(body.stop)
@@ -221,9 +224,8 @@ def check_completion(body: CompletionRequest) -> None:
     """ApiError(400) for completion-only fields out of range or not supported."""
     if body.logprobs is not None:
         _check_ranges(body, [("logprobs", 0, MAX_LOGPROBS)])
-        if body.echo:
-            raise ApiError(400, "echo with logprobs is not supported (prompt log-probabilities are not computed)",
-                           "echo")
+    if body.prompt_logprobs is not None:
+        _check_ranges(body, [("prompt_logprobs", 0, MAX_LOGPROBS)])
     if (body.best_of or 1) != 1:
         raise ApiError(400, "best_of other than 1 is not supported", "best_of")
     if body.suffix:

@@ -52,7 +52,8 @@ class StepShape(NamedTuple):
     table `width` pages wide; `lora`: with LoRA inputs (False: every row on the base model);
     `decode_only`: a `ServingPlan` without prefill segments (a serving-plan backend's BGMV-only
     step); `window`: a `WindowPlan` (every adapter of the step in the adapter window: no LoRA
-    kernel). program "sample" or "sample_state": sampling over `rows` rows' logits (tokens,
+    kernel); `score`: also the log-probabilities of each token's target (the next prompt token)
+    and the top MAX_LOGPROBS at every token (prompt log-probabilities; compiled when first needed). program "sample" or "sample_state": sampling over `rows` rows' logits (tokens,
     width 0; lora, decode_only, window False).
     """
 
@@ -63,6 +64,7 @@ class StepShape(NamedTuple):
     lora: bool = False
     decode_only: bool = False
     window: bool = False
+    score: bool = False
 
 
 class Step(NamedTuple):
@@ -77,6 +79,8 @@ class Step(NamedTuple):
     token_src [T] int32: row of `prev_tokens` that is token t's input, -1: `batch.tokens[t]`.
     sampling: the sampler's inputs, None when every row takes the forward's greedy token:
     (`RowSampling`,) for "sample", (`RowSampling`, `RowState`) for "sample_state".
+    score_targets [T] int32: the token whose log-probability each token's logits give (the next
+    prompt token of a row that asks for prompt log-probabilities, -1: none); None: no scoring.
     """
 
     plan: StepPlan
@@ -87,6 +91,7 @@ class Step(NamedTuple):
     prev_tokens: jax.Array | np.ndarray
     token_src: np.ndarray
     sampling: tuple | None
+    score_targets: np.ndarray | None = None
 
 
 class RowSampling(NamedTuple):
@@ -142,14 +147,24 @@ class SamplerState(NamedTuple):
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
 def _forward(graphdef, backend: str, max_rows: int, unroll: bool, state, cache: PagedKVCache, batch: PagedBatch,
-             lora, prev_tokens, token_src):
+             lora, prev_tokens, token_src, score_targets=None):
     """(greedy tokens [max_rows] int32, logits [R, V] float32, the updated cache, features [R, d]
-    float32) of one step; unroll: the layers unrolled (False: one scan body)."""
+    float32, scores) of one step; unroll: the layers unrolled (False: one scan body). With
+    score_targets [T] (a "score" program): scores = (log-probability of each token's target [T]
+    (0 where the target is -1), the MAX_LOGPROBS largest [T, K], their ids [T, K]); else None."""
     tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], batch.tokens)
     model = nnx.merge(graphdef, state)
-    hidden, cache = paged_hidden(model, batch._replace(tokens=tokens), cache, lora, backend, unroll_layers=unroll)
+    batch = batch._replace(tokens=tokens)
+    scores = None
+    if score_targets is None:
+        hidden, cache = paged_hidden(model, batch, cache, lora, backend, unroll_layers=unroll)
+    else:
+        every, cache = paged_hidden(model, batch, cache, lora, backend, unroll_layers=unroll, every_token=True)
+        hidden = every[batch.logit_indices]
+        scores = token_logprobs(model.unembed(every), jnp.maximum(score_targets, 0), MAX_LOGPROBS)
     logits = model.unembed(hidden)
-    return _pad_rows(greedy_rows(logits), max_rows), logits, cache, model.final_hidden(hidden).astype(jnp.float32)
+    return (_pad_rows(greedy_rows(logits), max_rows), logits, cache, model.final_hidden(hidden).astype(jnp.float32),
+            scores)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))

@@ -138,6 +138,7 @@ def paged_hidden(
     lora_backend: str = "gather",
     attention: str = "auto",
     unroll_layers: bool | None = None,
+    every_token: bool = False,
 ) -> tuple[jax.Array, PagedKVCache]:
     """Runs one serving step over a paged cache (donate `cache` to the jitted caller: it is
     updated in place).
@@ -152,6 +153,7 @@ def paged_hidden(
       attention: the paged attention implementation (`pallas_kernels.paged_attention`'s `kernel`):
         "auto" runs the kernel on a GPU/TPU and the jnp reference on a CPU.
       unroll_layers: None: unrolled on a GPU/TPU, a scan on a CPU (compiles faster).
+      every_token: return every token's hidden state [T, d] instead of the rows' (scoring).
 
     Returns:
       (the last layer's hidden states [R, d] at `batch.logit_indices`, before the final norm;
@@ -179,4 +181,4 @@ def paged_hidden(
     carry = (model.embed(batch.tokens[None]), cache.k, cache.v)
     per_layer = (model.layer_weights(), per_layer_pool, jnp.arange(config.num_layers))
     (hidden, k, v), _ = jax.lax.scan(layer, carry, per_layer, unroll=config.num_layers if unroll else 1)
-    return hidden[0, batch.logit_indices], PagedKVCache(k, v)
+    return (hidden[0] if every_token else hidden[0, batch.logit_indices]), PagedKVCache(k, v)

@@ -92,3 +92,18 @@ def test_explicit_shapes_compile_in_the_foreground(smollm2):
     info = engine.warmup(shapes, threads=1)
     assert info["background"] == 0 and engine._background is None
     assert set(shapes) <= set(engine.programs.shapes())
+
+
+def test_background_compile_ends_with_the_scoring_programs(smollm2):
+    model, tokenizer = smollm2
+    config = EngineConfig(**TINY_ENGINE, scan_layers_from_tokens=16, background_compile=True)
+    engine = Engine(model, tokenizer.eos_token_ids, config)
+    engine.warmup()
+    engine._background.join(timeout=300)
+    scoring = [s for s in engine.programs.shapes() if s.score]
+    assert scoring and all(s.tokens >= 16 and not s.window and not s.decode_only for s in scoring)
+    got = []  # a scoring request (its prompt spans both buckets) compiles nothing now
+    engine.submit(0, tokenizer.encode("The capital of France is Paris, and"), None,
+                  SamplingParams(2, prompt_logprobs=1), got.append)
+    engine.run_until_idle()
+    assert got[0].prompt_logprobs and engine.stats.step_compiles == 0

@@ -172,7 +172,7 @@ def test_echo_prepends_the_prompt(client):
     ({"best_of": 3}, "best_of"), ({"top_k": -2}, "top_k"), ({"min_p": 2.0}, "min_p"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 500}}, "logit_bias"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
-    ({"logprobs": 50}, "logprobs"), ({"min_tokens": 9}, "min_tokens"), ({"echo": True, "logprobs": 1}, "echo"),
+    ({"logprobs": 50}, "logprobs"), ({"min_tokens": 9}, "min_tokens"),
     ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}}, "continuous_usage_stats"),
 ])
 def test_unsupported_or_out_of_range_fields_are_400_naming_them(client, extra, field):
