@@ -465,6 +465,7 @@ class Engine:
         self._last_logprobs = None  # the last step's log-probabilities (device arrays), if it made them
         self._last_features = None  # the last step's row features [R, d] (device array; `classify`)
         self._last_scores = None  # the last scoring step's prompt log-probabilities (device arrays)
+        self._scoring = 0  # requests whose prompt log-probabilities are not delivered yet (>=: steps check rows)
         self._heads: dict[int, TaskHead | None] = {}  # adapter uid -> its task head, once looked up
         self._in_flight: _InFlight | None = None  # launched, tokens not read yet (async scheduling)
         self._last_done = 0.0  # when the last step's tokens were read
@@ -801,6 +802,7 @@ class Engine:
             return
         self._requests[request.seq.seq_id] = request
         request.seq.arrival = request.submitted
+        self._scoring += _prompt_k(request.seq) is not None
         self.scheduler.add(request.seq)
 
     def _abort(self, request_id) -> None:
@@ -1109,10 +1111,10 @@ class Engine:
         plan = dataclasses.replace(plan, rows=[plan.rows[i] for i in order])
         phases.mark("order")
         delora = None if self.modes is None else self.modes.delora_key(self, plan)  # mixed: the -ΔW branch
-        scoring = any(_scores_prompt(row) for row in plan.rows)  # such steps skip the window (no score variant)
+        scoring = self._scoring > 0 and any(_scores_prompt(row) for row in plan.rows)  # no window (no score variant)
         in_window = None if scoring else self._place_in_window(sorted({row.slot for row in plan.rows if row.slot >= 0}),
                                                                 delora)
-        batch, token_slot, one_token = self._batch_arrays(plan, in_window is not None)
+        batch, token_slot, one_token = self._batch_arrays(plan, in_window is not None, scoring)
         score_targets = _score_targets(plan, len(batch.tokens)) if scoring else None
         phases.mark("batch")
         decode_only = bool(one_token[: plan.num_tokens].all())
@@ -1219,16 +1221,16 @@ class Engine:
             return self._max_pages
         return min(bucket(pages, 4), self._max_pages)
 
-    def _batch_arrays(self, plan: StepPlan, in_window: bool = False):
+    def _batch_arrays(self, plan: StepPlan, in_window: bool = False, scoring: bool = False):
         """(PagedBatch, token_slot [T], one_token [T]) of the step's rows in their order (a window
-        step: any token bucket)."""
+        step: any token bucket; a scoring step: at least the smallest bucket of scanned layers)."""
         num_tokens = bucket(plan.num_tokens, self._min_tokens) if in_window else self._padded_tokens(plan)
         widest = max(pages_for(row.start + row.count, self.config.page_size) for row in plan.rows)
         width = self._table_width(widest)
         lora = any(row.slot >= 0 for row in plan.rows)
         decode_only = (lora and not in_window and all(row.count == 1 for row in plan.rows)
                        and self._has_decode_variant())
-        if any(_scores_prompt(row) for row in plan.rows):  # a scoring step: a scanned program (fast to compile)
+        if scoring:  # a scoring step: a scanned program (fast to compile)
             num_tokens = max(num_tokens, min(bucket(self.programs.scan_from_tokens, self._min_tokens),
                                              bucket(self.config.token_budget, self._min_tokens)))
         else:
@@ -1277,8 +1279,9 @@ class Engine:
                 self._deliver(request, _classified(request.head, features, row_of[seq.seq_id]))
                 continue
             prompt_logprobs = None
-            if _prompt_k(seq) is not None and request.scored_to >= 0:
+            if self._scoring and _prompt_k(seq) is not None and request.scored_to >= 0:
                 prompt_logprobs, request.prompt_entries, request.scored_to = request.prompt_entries, [], -1
+                self._scoring -= 1
             self._deliver(request, Event(token, reason, logprobs=_row_logprobs(logprobs, row_of[seq.seq_id], seq),
                                          prompt_logprobs=prompt_logprobs))
 
