@@ -217,12 +217,25 @@ _fused_core.defvjp(_fused_core_fwd, _fused_core_bwd)
 
 # --- public ops -------------------------------------------------------------------------------
 
-def mosaic_blocks(cfg: FusedLoRAConfig, k: int, n: int) -> FusedLoRAConfig:
+def mosaic_blocks(cfg: FusedLoRAConfig, k: int, n: int, rank: int = 16, itemsize: int = 2) -> FusedLoRAConfig:
     """The Mosaic GPU E / L config with its blocks fitted to k and n (its block_k / block_n
-    are contraction / output blocks of both GEMMs, so both fit the smaller dimension)."""
+    are contraction / output blocks of both GEMMs, so both fit the smaller dimension) and to an
+    SM's shared memory at the padded `rank` (`fused_lora_mgpu.smem_bytes`): fewer pipeline stages
+    first (down to 2), then narrower output blocks, so the resolver never picks blocks that cannot
+    launch (ValueError when nothing fits)."""
     mosaic = cfg.mosaic_kernels()
-    return dataclasses.replace(mosaic, block_k=fit_block("gpu", mosaic.block_k, min(k, n)),
-                               block_n=fit_block("gpu", mosaic.block_n, min(k, n)))
+    fitted = dataclasses.replace(mosaic, block_k=fit_block("gpu", mosaic.block_k, min(k, n)),
+                                 block_n=fit_block("gpu", mosaic.block_n, min(k, n)))
+    wgs = max(1, fitted.num_warps // 4)
+    while fused_lora_mgpu.smem_bytes(fitted, rank, itemsize) > fused_lora_mgpu.MAX_SMEM_BYTES:
+        if fitted.num_stages > 2:
+            fitted = dataclasses.replace(fitted, num_stages=fitted.num_stages - 1)
+        elif fitted.block_n // 2 >= wgs * 64:
+            fitted = dataclasses.replace(fitted, block_n=fitted.block_n // 2)
+        else:
+            break
+    fused_lora_mgpu.check_smem(fitted, rank, itemsize)
+    return fitted
 
 
 def _blocks(style, cfg: FusedLoRAConfig, k: int, n: int, gemm: str = "triton"):
@@ -252,7 +265,7 @@ def _prepare(style, interpret, cfg, x, w, lora_a, lora_b, gemm):
     a_p = pad_axis(pad_axis(lora_a.astype(dtype), 1, kp), 2, r_pad)
     b_p = pad_axis(pad_axis(lora_b.astype(dtype), 1, r_pad), 2, np_)
     plan = _Plan(style, interpret, cfg, bk, bn, gemm, _gemm_interpret(gemm, interpret),
-                 mosaic_blocks(cfg, kp, np_) if gemm == "mosaic" else None)
+                 mosaic_blocks(cfg, kp, np_, r_pad, jnp.dtype(dtype).itemsize) if gemm == "mosaic" else None)
     return plan, kp, w_p, a_p, b_p
 
 

@@ -34,6 +34,7 @@ on the Triton kernels (`fused_lora.gemm_backend`). D, I and K (shrink, dS/dB, dA
 bound, rank-16 outputs) stay on the Triton kernels too.
 """
 
+import dataclasses
 import functools
 import math
 
@@ -56,6 +57,8 @@ _DROP_ALL = 1 << DROPOUT_BITS  # a dropout threshold no hash reaches: every elem
 EPI_COLS = 64  # epilogue chunk: columns per output store (2 SMEM slots, the store of one
 #               overlapping the next) and per L LoRA accumulator (fits beside the base one)
 _MEMORY_REGISTERS = 40  # registers of the TMA warpgroup (as in hopper_matmul_mgpu)
+# Shared memory one CTA may take on Hopper (227 KB: Mosaic GPU's max_smem_bytes on an H100/H200).
+MAX_SMEM_BYTES = 232448
 _REQUIRED = ("kernel", "emit_pipeline_warp_specialized", "wgmma", "wgmma_wait", "ACC", "SMEM",
              "BlockSpec", "Barrier", "nd_loop", "planar_snake", "copy_gmem_to_smem",
              "copy_smem_to_gmem", "barrier_wait", "wait_smem_to_gmem", "commit_smem",
@@ -283,6 +286,27 @@ def _launch(body, out_shape, num_tiles: int, wgs: int, interpret, *args):
     )(*args)
 
 
+def smem_bytes(cfg: FusedLoRAConfig, rank: int, itemsize: int = 2) -> int:
+    """Shared memory of an E / L kernel with blocks `cfg` (as `_gemm_kernel` allocates it) for the
+    padded rank `rank` and operands of `itemsize` bytes: the TMA pipeline's stages of the x / W
+    blocks, the output tile's store slots, the LoRA operands per warpgroup, and the barriers.
+    (MOSAIC_DEFAULT at rank 32: 245,840 bytes, what Mosaic GPU reported on an H200.)"""
+    bm, bc, cta_w, wgs, bw = _blocks(cfg, cfg.block_m)
+    epi = min(bw, EPI_COLS)
+    elements = (cfg.num_stages * (bm * bc + bc * cta_w) + wgs * min(2, bw // epi) * bm * epi
+                + wgs * bm * rank + wgs * rank * bw)
+    return itemsize * elements + 8 * (2 * cfg.num_stages + 2 * wgs)
+
+
+def check_smem(cfg: FusedLoRAConfig, rank: int, itemsize: int = 2) -> None:
+    """ValueError (naming the blocks and what fits) for blocks whose shared memory exceeds an SM's."""
+    need = smem_bytes(cfg, rank, itemsize)
+    if need > MAX_SMEM_BYTES:
+        raise ValueError(f"Mosaic GPU blocks {cfg.block_m}x{cfg.block_k}x{cfg.block_n}, {cfg.num_stages} stages, "
+                         f"{cfg.num_warps} warps need {need} bytes of shared memory at rank {rank}; an SM has "
+                         f"{MAX_SMEM_BYTES}: fewer stages or a smaller block_n")
+
+
 def _rows_table(layout: TileLayout):
     """(block index, skip, end, slot) per tile: where its rows are (see `_RowTile`) and its
     adapter slot (-1 for tiles without LoRA work)."""
@@ -309,6 +333,7 @@ def base_expand_mgpu(x, w, s, lora_b, layout: TileLayout, cfg: FusedLoRAConfig, 
     n = w.shape[1]
     bm, bc, cta_w, wgs, _ = _blocks(cfg, layout.block_m)
     _check(m, k, n, bm, bc, cta_w)
+    check_smem(dataclasses.replace(cfg, block_m=bm), s.shape[1], jnp.dtype(x.dtype).itemsize)
 
     def body(block_ref, skip_ref, end_ref, slot_ref, scale_ref, x_ref, w_ref, s_ref, b_ref,
              y_ref):
@@ -332,6 +357,7 @@ def grad_x_mgpu(dy, w, ds, lora_a, layout: TileLayout, seed, cfg: FusedLoRAConfi
     k = w.shape[0]
     bm, bc, cta_w, wgs, _ = _blocks(cfg, layout.block_m)
     _check(m, n, k, bm, bc, cta_w)
+    check_smem(dataclasses.replace(cfg, block_m=bm), ds.shape[1], jnp.dtype(dy.dtype).itemsize)
 
     def body(block_ref, skip_ref, end_ref, slot_ref, thr_ref, inv_ref, seed_ref, dy_ref, w_ref,
              ds_ref, a_ref, dx_ref):
