@@ -193,6 +193,15 @@ autotune_probe() {  # 4 GPUs: the unrolled layers' compile is XLA's GEMM autotun
   collect_logs autotune_probe
 }
 
+cold_start() {  # one GPU: bench/cold_start.py (the real server: cold and warm compile cache) with the
+  # server's wheels carried in .whl (bench/server_wheels.txt); extra arguments go to cold_start.py
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl || return 1
+  PYTHONPATH=.:/tmp/site timeout $((LIMIT - 10)) python3 bench/cold_start.py --after-ready 60 \
+      --out "$OUT/cold_start_$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | awk '{print tolower($2)}').json" \
+      "$@" 2>&1 | tail -n 20
+}
+
 two_gpus() {  # 2 GPUs: TP=2 serving vs one GPU, then PP=2 training vs one GPU
   nvidia-smi -L
   timeout 270 python3 bench/tp_serve.py --out "$OUT/tp_serve_2xh200.json" 2>&1 | tail -n 15
