@@ -64,8 +64,9 @@ def stack_weights(
     name `file_of(tensor name)` (default: `source`)."""
     file_of = file_of or (lambda _: source)
     expected = weight_shapes(config)
-    single: dict[str, jax.Array] = {}
-    layers: dict[str, dict[int, tuple[jax.Array, bool]]] = {}  # name -> layer -> (tensor, transposed)
+    on_host = jax.default_backend() == "cpu"  # where the stacking, transposes and casts run
+    weights: dict[str, jax.Array] = {}
+    layers: dict[str, dict[int, tuple]] = {}  # name -> layer -> (tensor, transposed)
     for hf_name in tensor_names:
         mapped = hf_to_model_name(hf_name)
         if mapped is None:
@@ -74,57 +75,41 @@ def stack_weights(
             continue
         for name, layer, tensor, transpose in _checked_tensors(config, expected, hf_name, mapped, read, file_of):
             if layer is None:
-                single[name] = _on_device(tensor, transpose, dtype)
+                weights[name] = _assemble([tensor], transpose, dtype, on_host, stack=False)
                 continue
             if not 0 <= layer < config.num_layers:
                 raise WeightsError(f"{file_of(hf_name)}: tensor {hf_name} names layer {layer}, "
                                    f"but the config has {config.num_layers} layers")
-            piece = tensor if _host_assembles() else jnp.asarray(tensor)
-            layers.setdefault(name, {})[layer] = (piece, transpose)
-    _check_complete(expected, {**single, **layers}, {name: set(got) for name, got in layers.items()},
+            layers.setdefault(name, {})[layer] = (tensor if on_host else jnp.asarray(tensor), transpose)
+    _check_complete(expected, {**weights, **layers}, {name: set(got) for name, got in layers.items()},
                     config.num_layers, source)
-    for name in list(layers):  # stacked one name at a time: the pieces are freed before the next
+    for name in list(layers):  # one name at a time: its pieces are freed before the next is stacked
         pieces = layers.pop(name)
-        single[name] = _stacked(pieces, dtype)
-    return single
+        transpose = pieces[0][1]
+        ordered = [pieces.pop(layer)[0] for layer in range(config.num_layers)]
+        weights[name] = _assemble(ordered, transpose, dtype, on_host, stack=True)
+    return weights
 
 
-def _on_device(tensor: np.ndarray, transpose: bool, dtype) -> jax.Array:
-    if _host_assembles():
-        return jnp.asarray(np.asarray(tensor.T if transpose else tensor, _np_dtype(dtype)))
-    array = jnp.asarray(tensor)
-    return (array.T if transpose else array).astype(dtype)
+def _assemble(tensors: list, transpose: bool, dtype, on_host: bool, stack: bool) -> jax.Array:
+    """tensors (one, or one per layer with `stack`) as the model's array: each transposed if the
+    model's layout is its transpose, stacked over layers, in `dtype`. on_host: numpy writes the
+    result (one copy), then it goes to the device; else the tensors are device arrays and one
+    jitted copy does it all there."""
+    if not on_host:
+        return _device_assemble(tuple(tensors), transpose, jnp.dtype(dtype), stack)
+    layout = [t.T if transpose else t for t in tensors]
+    out = np.empty(((len(layout),) if stack else ()) + layout[0].shape, np.dtype(jnp.dtype(dtype)))
+    for i, tensor in enumerate(layout):
+        out[i if stack else ...] = tensor
+    return jnp.asarray(out)
 
 
-def _host_assembles() -> bool:
-    return jax.default_backend() == "cpu"
-
-
-def _np_dtype(dtype) -> np.dtype:
-    return np.dtype(jnp.dtype(dtype))
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _stack(pieces: list[jax.Array], transpose: bool, dtype) -> jax.Array:
-    """pieces [L] of [a, b] -> [L, a, b] ([L, b, a] with `transpose`) in `dtype`: one fused copy."""
-    stacked = jnp.stack(pieces)
-    return (jnp.swapaxes(stacked, 1, 2) if transpose else stacked).astype(dtype)
-
-
-def _stacked(pieces: dict[int, tuple[jax.Array, bool]], dtype) -> jax.Array:
-    """The layers' tensors {layer: (tensor, transposed)} as one [L, ...] array in the model's
-    layout and `dtype` (`pieces` is emptied: its tensors are freed once stacked)."""
-    transpose = pieces[0][1]
-    if _host_assembles():
-        first = pieces[0][0]
-        stacked = np.empty((len(pieces),) + (first.shape[::-1] if transpose else first.shape), _np_dtype(dtype))
-        for layer, (tensor, _) in pieces.items():
-            stacked[layer] = tensor.T if transpose else tensor
-        pieces.clear()
-        return jnp.asarray(stacked)
-    ordered = [pieces[layer][0] for layer in range(len(pieces))]
-    pieces.clear()
-    return _stack(ordered, transpose, jnp.dtype(dtype))
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _device_assemble(tensors: tuple, transpose: bool, dtype, stack: bool) -> jax.Array:
+    """`_assemble` on the device: [a, b] pieces -> [L, a, b] ([L, b, a] transposed), or one piece."""
+    out = jnp.stack(tensors) if stack else tensors[0]
+    return (jnp.swapaxes(out, -1, -2) if transpose else out).astype(dtype)
 
 
 def _checked_tensors(config, expected, hf_name, mapped, read, file_of):
