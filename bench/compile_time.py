@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxlora.lora import backends
 from jaxlora.models.llama import Llama
 from jaxlora.models.packed import pack_projections
 from jaxlora.models.presets import llama8b_config
@@ -65,7 +66,6 @@ def build_engine(args) -> Engine:
     config = llama8b_config(args.layers, args.tiny)
     model = pack_projections(Llama(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16))
     jax.block_until_ready(nnx.state(model))
-    from jaxlora.lora import backends
     cli.lora_backend = backends.resolve(cli.lora_backend, jax.default_backend(), 1)
     return Engine(model, [2], engine_config(cli, 16, min(cli.max_model_len, config.max_position_embeddings), None))
 

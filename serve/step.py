@@ -53,8 +53,9 @@ class StepShape(NamedTuple):
     `decode_only`: a `ServingPlan` without prefill segments (a serving-plan backend's BGMV-only
     step); `window`: a `WindowPlan` (every adapter of the step in the adapter window: no LoRA
     kernel); `score`: also the log-probabilities of each token's target (the next prompt token)
-    and the top MAX_LOGPROBS at every token (prompt log-probabilities; compiled when first needed). program "sample" or "sample_state": sampling over `rows` rows' logits (tokens,
-    width 0; lora, decode_only, window False).
+    and the top MAX_LOGPROBS at every token (prompt log-probabilities). program "sample" or
+    "sample_state": sampling over `rows` rows' logits (tokens, width 0; lora, decode_only, window,
+    score False).
     """
 
     program: str
@@ -155,14 +156,12 @@ def _forward(graphdef, backend: str, max_rows: int, unroll: bool, state, cache: 
     tokens = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], batch.tokens)
     model = nnx.merge(graphdef, state)
     batch = batch._replace(tokens=tokens)
-    scores = None
-    if score_targets is None:
-        hidden, cache = paged_hidden(model, batch, cache, lora, backend, unroll_layers=unroll)
-    else:
-        every, cache = paged_hidden(model, batch, cache, lora, backend, unroll_layers=unroll, every_token=True)
-        hidden = every[batch.logit_indices]
-        scores = token_logprobs(model.unembed(every), jnp.maximum(score_targets, 0), MAX_LOGPROBS)
-    logits = model.unembed(hidden)
+    scoring = score_targets is not None
+    hidden, cache = paged_hidden(model, batch, cache, lora, backend, unroll_layers=unroll, every_token=scoring)
+    logits, scores = model.unembed(hidden), None
+    if scoring:  # every token's logits: the rows' are among them
+        scores = token_logprobs(logits, jnp.maximum(score_targets, 0), MAX_LOGPROBS)
+        hidden, logits = hidden[batch.logit_indices], logits[batch.logit_indices]
     return (_pad_rows(greedy_rows(logits), max_rows), logits, cache, model.final_hidden(hidden).astype(jnp.float32),
             scores)
 
