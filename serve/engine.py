@@ -1037,21 +1037,25 @@ class Engine:
             self._compile_shapes(left, 1)
         log.info("background compile done: %d programs in %.1f s", len(shapes), time.perf_counter() - started)
 
-    def _compiled_tokens(self, tokens: int, width: int, lora: bool, decode_only: bool, window: bool) -> int:
+    def _compiled_tokens(self, tokens: int, width: int, plan: StepPlan, window: bool) -> int:
         """`tokens`, or while the background compile runs and that bucket's forward (or its samplers)
-        is not compiled yet, the smallest larger bucket of the same variant that is."""
+        is not compiled yet, the smallest larger bucket of the step's variant that is."""
         if self._background is None or not self._background.is_alive():
             return tokens
+        lora = window or any(row.slot >= 0 for row in plan.rows)
+        decode_only = (lora and not window and all(row.count == 1 for row in plan.rows)
+                       and self._has_decode_variant())
+        variant = (width, lora, decode_only, window)
 
         def ready(t: int) -> bool:
             rows = self._rows(t)
-            return (StepShape("forward", t, rows, width, lora, decode_only, window) in self.programs
+            return (StepShape("forward", t, rows, *variant) in self.programs
                     and StepShape("sample", 0, rows) in self.programs and StepShape("sample_state", 0, rows) in self.programs)
 
         if ready(tokens):
             return tokens
-        larger = [s.tokens for s in self.programs.shapes() if s.program == "forward" and s.tokens > tokens
-                  and (s.width, s.lora, s.decode_only, s.window) == (width, lora, decode_only, window) and ready(s.tokens)]
+        larger = [s.tokens for s in self.programs.shapes() if s.program == "forward" and not s.score
+                  and s.tokens > tokens and (s.width, s.lora, s.decode_only, s.window) == variant and ready(s.tokens)]
         return min(larger, default=tokens)
 
     def _has_bucket(self, tokens: int, lora: bool, decode_only: bool) -> bool:
@@ -1227,14 +1231,11 @@ class Engine:
         num_tokens = bucket(plan.num_tokens, self._min_tokens) if in_window else self._padded_tokens(plan)
         widest = max(pages_for(row.start + row.count, self.config.page_size) for row in plan.rows)
         width = self._table_width(widest)
-        lora = any(row.slot >= 0 for row in plan.rows)
-        decode_only = (lora and not in_window and all(row.count == 1 for row in plan.rows)
-                       and self._has_decode_variant())
         if scoring:  # a scoring step: a scanned program (fast to compile)
             num_tokens = max(num_tokens, min(bucket(self.programs.scan_from_tokens, self._min_tokens),
                                              bucket(self.config.token_budget, self._min_tokens)))
         else:
-            num_tokens = self._compiled_tokens(num_tokens, width, lora or in_window, decode_only, in_window)
+            num_tokens = self._compiled_tokens(num_tokens, width, plan, in_window)
         rows = self._rows(num_tokens)  # a function of the tokens bucket: no variants of its own
         if len(plan.rows) > rows:
             raise ValueError(f"a step of this engine has at most {rows} rows ({num_tokens} tokens, max_num_seqs "
