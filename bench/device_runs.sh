@@ -202,6 +202,30 @@ cold_start() {  # one GPU: bench/cold_start.py (the real server: cold and warm c
       "$@" 2>&1 | tail -n 20
 }
 
+many_adapters() {  # 4 x H200, issue 34 in one call: GPU 0 the regression guard's serving trace
+  # (bench/regress.py --only serve), GPU 1 the 100-request distinct trace then the GPU kernel tests,
+  # GPU 2 Compress-then-Serve (1000 adapters, uncompressed beside compressed), GPU 3 the guard's
+  # slora_disk n=2000 case. Needs .jitcache carried; everything comes back as many_adapters.tgz, and
+  # the guard's compile cache as jitcache.partNN (carry it as .jitcache next time).
+  nvidia-smi -L
+  local final=$OUT work=/tmp/many_adapters
+  mkdir -p $work/regress $work/slora && OUT=$work
+  python3 bench/jit_cache.py unpack .jitcache/jitcache /tmp/jaxlora_serve_jit_cache
+  cp -r /tmp/jaxlora_serve_jit_cache /tmp/jc_regress  # the guard's own cache comes back as .jitcache parts
+  job regress 0 $((LIMIT - 20)) python3 bench/regress.py --only serve --out-dir $work/regress \
+      --compile-cache /tmp/jc_regress
+  job serve100_tests 1 $((LIMIT - 20)) bash -c "python3 bench/serve.py --lora-backend hybrid --max-num-seqs 256 \
+      --token-budget 2048 --prefill-chunk 2048 --requests 100 --cases punica:distinct --out $work/serve100_h200.json; \
+      python3 -m pytest -q -rA -m gpu_only tests/pallas_kernels -p no:cacheprovider > $work/gpu_tests_h200.txt 2>&1"
+  job compress 2 $((LIMIT - 20)) python3 bench/compress_serve.py --requests 300 --out $work/compress_serve_h200.json
+  job slora 3 $((LIMIT - 20)) python3 bench/regress.py --only slora_disk --out-dir $work/slora
+  wait
+  collect_logs many_adapters
+  OUT=$final
+  tar czf "$OUT/many_adapters.tgz" -C $work .
+  python3 bench/jit_cache.py pack /tmp/jc_regress "$OUT/jitcache"
+}
+
 two_gpus() {  # 2 GPUs: TP=2 serving vs one GPU, then PP=2 training vs one GPU
   nvidia-smi -L
   timeout 270 python3 bench/tp_serve.py --out "$OUT/tp_serve_2xh200.json" 2>&1 | tail -n 15

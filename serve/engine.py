@@ -439,23 +439,24 @@ class Engine:
         if config.num_pages is None:  # sized now: after the weights and the pool are on the devices
             config = self.config = dataclasses.replace(config, num_pages=self._pages_that_fit(devices))
         self.cache = self._new_cache()
+        self.max_rows = bucket(min(config.max_num_seqs, config.token_budget), 8)  # most rows of a step
+        fixed = 0 if compressed is None else min(len(compressed.names), self.max_rows)  # distinct per step
+        self._num_segments, chunk_bound = self._segments(config, fixed)
         self.scheduler = ServingScheduler(SchedulerConfig(
             num_pages=config.num_pages, page_size=config.page_size,
             num_adapter_slots=config.max_adapters_on_device, max_num_seqs=config.max_num_seqs,
             token_budget=config.token_budget, prefill_chunk=config.prefill_chunk,
             unified_paging=config.unified_paging, reserve_output=config.reserve_output_kv,
-            adapter_rows=self.pool.num_rows if isinstance(self.pool, RowPool) else 0))
+            adapter_rows=self.pool.num_rows if isinstance(self.pool, RowPool) else 0,
+            max_prefill_adapters=chunk_bound))
         self.scheduler.adapter_pages = self._adapter_pages
         self.scheduler.adapter_rows = lambda uid: adapter_rank(self._host_copy(uid))
         self.handoff: Callable[[Handoff], None] | None = None  # set by a replica set (module doc)
         self._max_pages = bucket(pages_for(config.max_model_len, config.page_size), 1)
-        self.max_rows = bucket(min(config.max_num_seqs, config.token_budget), 8)  # most rows of a step
         self._decode_variant: bool | None = None  # `_has_decode_variant`, once known
         self._min_tokens = config.min_step_tokens  # the smallest token bucket (`_padded_tokens`)
         self._min_lora_mixed = min(bucket(config.min_lora_mixed_tokens, self._min_tokens),
                                    bucket(config.token_budget, self._min_tokens))
-        fixed = 0 if compressed is None else min(len(compressed.names), self.max_rows)  # distinct per step
-        self._num_segments = bucket(config.max_adapters_on_device + 1 + fixed, 4)
         self.programs = Programs(self._graphdef, config.lora_backend, self.max_rows, config.scan_layers_from_tokens)
         self._background: threading.Thread | None = None  # `warmup`'s background compile
         self.sampler_slots = SamplerSlots(config.max_num_seqs, model.config.vocab_size,
@@ -1208,13 +1209,28 @@ class Engine:
             token_src[pending] = [rows[plan.rows[r].seq.seq_id] for r in owner]
         return token_src
 
+    @staticmethod
+    def _segments(config: EngineConfig, fixed: int) -> tuple[int, int]:
+        """(segments of a step's LoRA plan, the scheduler's `max_prefill_adapters`): every adapter
+        that can be on the device (+ the base model and `fixed` compressed ones) and no bound; a
+        backend with a segment window (hybrid) plans that many segments and the scheduler keeps
+        a step's prompt chunks to that many adapters."""
+        segments = bucket(config.max_adapters_on_device + 1 + fixed, 4)
+        window = backends.get(config.lora_backend).segment_window
+        if window is None or window >= segments:
+            return segments, 0
+        return window, window
+
     def _lora_plan(self, token_slot: np.ndarray, one_token: np.ndarray, decode_only: bool):
         """The step's LoRA plan over its tokens [T] (in `serving_order` of the rows): a `ServingPlan`
         for the backends that take one (without segments when `decode_only`: the BGMV-only
-        variant), else a `LoraPlan`. one_token [T]: the token is its row's only one."""
+        variant; a mixed one lists its one-token rows when the step has more tokens than rows, so
+        BGMV runs over `max_rows` rows, not T), else a `LoraPlan`. one_token [T]: the token is its
+        row's only one."""
         if backends.get(self.config.lora_backend).plan_type is not ServingPlan:
             return build_plan(token_slot, self._num_segments)
-        return build_serving_plan(token_slot, one_token, 0 if decode_only else self._num_segments)
+        bgmv_rows = self.max_rows if self.max_rows < token_slot.size else None
+        return build_serving_plan(token_slot, one_token, 0 if decode_only else self._num_segments, bgmv_rows)
 
     def _table_width(self, pages: int) -> int:
         """Block-table width of a step whose longest row spans `pages` pages. On a GPU/TPU the

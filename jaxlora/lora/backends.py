@@ -50,6 +50,11 @@ class LoraBackend:
     fused_linear: the fused projection (`ops.fused_linear`), or None.
     route: plan -> the backend that computes that plan (hybrid), or None: itself.
     shared_basis: it serves the adapters of a compressed collection (`jaxlora.lora.compressed`).
+    adds_in_input_dtype: the projection's output stays in x's dtype and the LoRA is added to it in
+      that dtype (as PEFT adds it; a bf16 GEMM writes bf16), not in float32.
+    segment_window: the most prefill segments its mixed `ServingPlan`s should hold (a mixed step's
+      segment GEMM covers that many; the engine plans no more: `jaxlora.lora.ops.SEGMENT_WINDOW`);
+      None: no bound.
     """
 
     name: str
@@ -64,6 +69,8 @@ class LoraBackend:
     fused_linear: Callable | None = None
     route: Callable | None = None
     shared_basis: bool = False
+    adds_in_input_dtype: bool = False
+    segment_window: int | None = None
 
     @property
     def fused(self) -> bool:
@@ -126,15 +133,21 @@ def _fused(name: str, style: str | None) -> LoraBackend:
 # step of the H200 (bench/NOTES_serve.md).
 _HYBRID_MIXED = LoraBackend("hybrid", ServingPlan, partitionable=False, custom_kernel=True, serves=True, trains=False,
                             row_delta=ops.segment_delta, in_place=ops.segment_accumulate,
-                            in_place_group=ops.segment_accumulate_group)
+                            in_place_group=ops.segment_accumulate_group, adds_in_input_dtype=True)
+
+
+# hybrid's route for a decode-only ServingPlan: the BGMV kernels in place on the projection's
+# output in the activations' dtype (the base GEMM writes bf16, the kernels add into it).
+_HYBRID_DECODE = dataclasses.replace(_pallas("hybrid", None), trains=False, adds_in_input_dtype=True)
 
 
 def _hybrid_route(plan) -> LoraBackend:
     """With a `ServingPlan`: BGMV alone on a decode-only step, the segment GEMM + BGMV on a mixed
-    one; with any other plan the one-hot GEMMs."""
+    one (both adding into the outputs in the activations' dtype); with any other plan the
+    one-hot GEMMs."""
     if not isinstance(plan, ServingPlan):
         return _REGISTRY["onehot"]
-    return _REGISTRY["pallas"] if plan.seg_starts is None else _HYBRID_MIXED
+    return _HYBRID_DECODE if plan.seg_starts is None else _HYBRID_MIXED
 
 
 _REGISTRY: dict[str, LoraBackend] = {backend.name: backend for backend in (
@@ -146,7 +159,7 @@ _REGISTRY: dict[str, LoraBackend] = {backend.name: backend for backend in (
     _pallas("pallas_gpu", "gpu"),
     _pallas("pallas_tpu", "tpu"),
     LoraBackend("hybrid", ServingPlan, partitionable=False, custom_kernel=True, serves=True, trains=True,
-                route=_hybrid_route),
+                route=_hybrid_route, segment_window=ops.SEGMENT_WINDOW),
     _fused("fused", None),
     _fused("fused_tpu", "tpu"),
     LoraBackend("compressed", LoraPlan, partitionable=False, custom_kernel=False, serves=True, trains=False,

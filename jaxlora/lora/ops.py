@@ -15,7 +15,7 @@ A module's pool is a layer's dict {"a" [slots, k, r], "b" [slots, r, n], "scale"
 or a `StackedModulePool` (every layer's arrays and the layer to use: the serving engine's layer
 scan passes the stack so the kernels index it in place and no per-layer slice is copied). A paged
 pool (`jaxlora.lora.paged_ops`: adapters as rows through a row table, unified paging) comes as a
-`PagedModulePool` to the serving kernels (which then read the rows: `paged_ops.serving_kernels`)
+`PagedModulePool` to the serving kernels (which then read the rows: `paged_ops.sgmv`, `paged_ops.bgmv`)
 and as one layer's paged dict to the XLA deltas (`layer_pool` makes it padded slots).
 """
 
@@ -164,15 +164,15 @@ def pallas_delta(rows, module_pool, plan, style: str | None = None):
 
 
 def pallas_accumulate(y: jax.Array, x: jax.Array, module_pool, plan: ServingPlan, style: str | None = None):
-    """y [..., n] float32 plus the LoRA of x [..., k] (rows in the `ServingPlan`'s order), the
-    kernels accumulating in place on y (no zeroed delta buffer, no add)."""
-    rows, out = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1]).astype(_F32)
+    """y [..., n] (float32, or x's dtype) plus the LoRA of x [..., k] (rows in the `ServingPlan`'s
+    order), the kernels accumulating in place on y in its dtype (no zeroed delta buffer, no add)."""
+    rows, out = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
     return _serving_kernels(out, rows, module_pool, plan, pallas_kernels.kernel_style(style)).reshape(y.shape)
 
 
 def pallas_accumulate_group(ys, x: jax.Array, module_pools, plan: ServingPlan, style: str | None = None) -> tuple:
     """`pallas_accumulate` for several projections of one input x [..., k] (q/k/v, gate/up): ys are
-    their float32 outputs [..., n_g], module_pools their pools. The one-token rows of all of them go
+    their outputs [..., n_g] (float32, or x's dtype: kept), module_pools their pools. The one-token rows of all of them go
     through one grouped BGMV shrink and one expand (x read once, 2 launches instead of 2 per
     projection); prefill segments through SGMV per projection. Paged pools: `pallas_accumulate`
     per projection (no grouped paged kernel)."""
@@ -182,15 +182,43 @@ def pallas_accumulate_group(ys, x: jax.Array, module_pools, plan: ServingPlan, s
     rows = x.reshape(-1, x.shape[-1])
     outs, entries = [], [_entries(pool) for pool in module_pools]
     for y, (a, b, rank, scale, offset) in zip(ys, entries):
-        out = y.reshape(-1, y.shape[-1]).astype(_F32)
+        out = y.reshape(-1, y.shape[-1])
         if plan.seg_starts is not None:
             out = pallas_kernels.sgmv_lora_stacked(out, rows, a, b, plan.seg_starts, plan.seg_slot, rank, scale,
                                                    offset, impl=style)
         outs.append(out)
-    lora_as, lora_bs, ranks, scales = ([e[i] for e in entries] for i in range(4))
-    outs = pallas_kernels.bgmv_lora_grouped(outs, rows, lora_as, lora_bs, plan.decode_slot, ranks, scales,
-                                            entries[0][4], impl=style)
+    outs = _on_bgmv_rows(outs, rows, plan.decode_slot, plan.decode_rows, _grouped_bgmv(entries, style))
     return tuple(out.reshape(y.shape) for out, y in zip(outs, ys))
+
+
+def _grouped_bgmv(entries, style: str):
+    """(outs, rows, row_slot) -> outs plus the LoRA of the rows with slot >= 0: the grouped BGMV
+    kernels of the projections whose stacked pools' `_entries` are `entries` (one: the plain pair)."""
+    lora_as, lora_bs, ranks, scales = ([e[i] for e in entries] for i in range(4))
+    offset = entries[0][4]
+    if len(entries) == 1:
+        return lambda outs, rows, slot: [pallas_kernels.bgmv_lora_stacked(
+            outs[0], rows, lora_as[0], lora_bs[0], slot, ranks[0], scales[0], offset, impl=style)]
+    return lambda outs, rows, slot: list(pallas_kernels.bgmv_lora_grouped(
+        outs, rows, lora_as, lora_bs, slot, ranks, scales, offset, impl=style))
+
+
+def _paged_bgmv(module_pools, style: str):
+    """`_grouped_bgmv` for paged pools: the paged BGMV per projection."""
+    return lambda outs, rows, slot: [paged_ops.bgmv(out, rows, pool, slot, style)
+                                     for out, pool in zip(outs, module_pools)]
+
+
+def _on_bgmv_rows(outs: list, rows: jax.Array, row_slot: jax.Array, decode_rows, kernel) -> list:
+    """`kernel(outs, rows, row_slot)` (outs [N, n_g], rows [N, k], row_slot [N]: BGMV in place on
+    the rows with slot >= 0) run over all N rows, or with `decode_rows` [D] (a `ServingPlan`'s:
+    every row with slot >= 0 is among them; padding N) over those D rows only, gathered and
+    written back: a mixed step's kernels then launch programs for D rows, not N."""
+    if decode_rows is None:
+        return kernel(outs, rows, row_slot)
+    take = lambda array, fill: jnp.asarray(array).at[decode_rows].get(mode="fill", fill_value=fill)
+    done = kernel([take(out, 0) for out in outs], take(rows, 0), take(row_slot, -1))
+    return [out.at[decode_rows].set(part, mode="drop") for out, part in zip(outs, done)]
 
 
 def _serving_kernels(y, rows, module_pool, plan: ServingPlan, style: str):
@@ -200,21 +228,27 @@ def _serving_kernels(y, rows, module_pool, plan: ServingPlan, style: str):
     read them by slot; forward only: no VJP). module_pool: a layer's dict or a StackedModulePool
     (a PagedModulePool: the paged kernels, reading the adapters' rows through the row table)."""
     if isinstance(module_pool, PagedModulePool):
-        return paged_ops.serving_kernels(y, rows, module_pool, plan, style)
-    a, b, rank, scale, offset = _entries(module_pool)
-    if plan.seg_starts is not None:
-        y = pallas_kernels.sgmv_lora_stacked(y, rows, a, b, plan.seg_starts, plan.seg_slot, rank, scale, offset,
-                                             impl=style)
-    return pallas_kernels.bgmv_lora_stacked(y, rows, a, b, plan.decode_slot, rank, scale, offset, impl=style)
+        if plan.seg_starts is not None:
+            y = paged_ops.sgmv(y, rows, module_pool, plan, style)
+        kernel = _paged_bgmv([module_pool], style)
+    else:
+        entries = _entries(module_pool)
+        if plan.seg_starts is not None:
+            a, b, rank, scale, offset = entries
+            y = pallas_kernels.sgmv_lora_stacked(y, rows, a, b, plan.seg_starts, plan.seg_slot, rank, scale, offset,
+                                                 impl=style)
+        kernel = _grouped_bgmv([entries], style)
+    return _on_bgmv_rows([y], rows, plan.decode_slot, plan.decode_rows, kernel)[0]
 
 
 # ---- the segment GEMM (hybrid on a mixed ServingPlan) -------------------------------------------
 
-# Prefill segments a mixed step's segment GEMM covers; the rest go through BGMV row by row. 16
-# measured worse than 4 on the H200 trace (2048-token mixed steps 82-87 ms against 69-75 for one
-# to 12 adapters, 119 either way for 64: the wider GEMM's cost, not the overflow rows, which BGMV
-# takes cheaply; bench/NOTES_serve.md, session 9).
-SEGMENT_WINDOW = 4
+# Prefill segments a mixed step's segment GEMM covers; rows of any further segments go through
+# BGMV over all the step's rows. The serving engine plans at most this many (its scheduler admits
+# at most this many adapters' prompt chunks to a step), so its BGMV runs over the one-token rows
+# only (`ServingPlan.decode_rows`). Each row keeps its own segment's shrink columns by a mask
+# computed inside the fusion after the shrink GEMM (no per-row coefficient array).
+SEGMENT_WINDOW = 16
 
 
 def _stack(module_pool):
@@ -230,10 +264,10 @@ def _window(plan: ServingPlan) -> int:
     return min(SEGMENT_WINDOW, plan.seg_slot.shape[0])
 
 
-def _segment_window_arrays(module_pool, plan: ServingPlan, num_rows: int):
+def _segment_window_arrays(module_pool, plan: ServingPlan):
     """The first `_window` segments' adapters of one projection, for every layer of the stack:
-    (a [L, k, w*r] (segment s in columns s*r:(s+1)*r), b [L, w*r, n], coeff [L, N, w*r] float32:
-    row t's weight on column (s, j) = scale of segment s if t is in s and j < its rank, else 0).
+    (a [L, k, w*r] (segment s in columns s*r:(s+1)*r), b [L, w*r, n], column scale [L, w*r]
+    float32: segment s's scale on its columns j < its rank, 0 elsewhere and for empty segments).
 
     Nothing here depends on the layer: every layer of an unrolled stack (or every iteration of a
     scan) builds the same arrays from the same operands, which XLA computes once per step (CSE,
@@ -246,12 +280,15 @@ def _segment_window_arrays(module_pool, plan: ServingPlan, num_rows: int):
     layers, _, k, r = a.shape
     a_win = jnp.swapaxes(a, 1, 2).reshape(layers, k, w * r)  # [L, w, k, r] -> [L, k, w*r]
     b_win = b.reshape(layers, w * r, b.shape[-1])
-    rows = jnp.arange(num_rows)[:, None]
-    in_seg = (rows >= plan.seg_starts[None, :w]) & (rows < plan.seg_starts[None, 1: w + 1]) & valid[None]  # [N, w]
-    seg_scale = jnp.where(valid[None], scale, 0.0).astype(_F32)  # [L, w]
     in_rank = jnp.arange(r)[None, None, :] < rank[:, :, None]  # [L, w, r]
-    coeff = in_seg[None, :, :, None] * (seg_scale[:, :, None] * in_rank)[:, None]  # [L, N, w, r]
-    return a_win, b_win, coeff.reshape(layers, num_rows, w * r).astype(_F32)
+    column_scale = jnp.where(valid[None, :, None] & in_rank, scale[:, :, None], 0.0).astype(_F32)
+    return a_win, b_win, column_scale.reshape(layers, w * r)
+
+
+def _row_segments(plan: ServingPlan, num_rows: int, w: int) -> jax.Array:
+    """[N] int32: the window segment (0..w-1) of each row, w for rows after the window's segments."""
+    rows = jnp.arange(num_rows, dtype=jnp.int32)[:, None]
+    return jnp.sum(rows >= jnp.asarray(plan.seg_starts)[None, 1: w + 1], axis=1, dtype=jnp.int32)
 
 
 def _window_entries(module_pool, entry):
@@ -268,47 +305,47 @@ def _layer(array, layer):
 
 
 def segment_accumulate_group(ys, x: jax.Array, module_pools, plan: ServingPlan, style: str | None = None) -> tuple:
-    """ys [..., n_g] float32 (the outputs of projections of one input x [..., k]) plus their LoRA,
-    for a mixed `ServingPlan` (prefill segments first, one-token rows after):
+    """ys [..., n_g] (the outputs of projections of one input x [..., k], in float32 or in x's
+    dtype) plus their LoRA, for a mixed `ServingPlan` (prefill segments first, one-token rows
+    after), each output in its own dtype:
 
     - the first `SEGMENT_WINDOW` prefill segments through a segment GEMM: x @ A_win [k, G*w*r]
-      (the segments' own A of all G projections side by side: one GEMM), each row masked to its
-      own segment (scaled, rank-masked), then @ B_win [w*r, n_g] per projection, added into y;
-    - every other LoRA row (one-token rows, and prefill rows of segments beyond the window) through
-      the BGMV kernels in place, as on a decode-only step.
+      (the segments' own A of all G projections side by side: one GEMM), each row keeping its
+      own segment's columns (scaled, rank-masked), then @ B_win [w*r, n_g] per projection;
+    - every other LoRA row through the BGMV kernels in place: the one-token rows (only those,
+      gathered, when the window holds every segment and the plan lists them in `decode_rows`),
+      and prefill rows of segments beyond the window.
 
     No relayout of the pool: only the window's entries are gathered (once per step, see
     `_segment_window_arrays`). Forward only."""
     style = pallas_kernels.kernel_style(style)
     rows = x.reshape(-1, x.shape[-1])
-    num_rows = rows.shape[0]
-    windows = [_segment_window_arrays(pool, plan, num_rows) for pool in module_pools]
+    num_rows, w = rows.shape[0], _window(plan)
+    windows = [_segment_window_arrays(pool, plan) for pool in module_pools]
     layer = module_pools[0].layer if isinstance(module_pools[0], PagedModulePool) else _stack(module_pools[0])[-1]
     a_cat = jnp.concatenate([a_win for a_win, _, _ in windows], axis=-1)  # [L, k, G*w*r]
-    coeff = jnp.concatenate([c for _, _, c in windows], axis=-1)  # [L, N, G*w*r]
-    shrunk = dense(rows, _layer(a_cat, layer)) * _layer(coeff, layer)
+    column_scale = jnp.concatenate([c for _, _, c in windows], axis=-1)  # [L, G*w*r]
     width = windows[0][0].shape[-1]
+    column_segment = jnp.tile(jnp.arange(width, dtype=jnp.int32) // (width // w), len(windows))
+    own = _row_segments(plan, num_rows, w)[:, None] == column_segment[None, :]  # [N, G*w*r], fused
+    shrunk = jnp.where(own, dense(rows, _layer(a_cat, layer)) * _layer(column_scale, layer)[None], 0.0)
     deltas = []
-    for g, (_, b_win, _) in enumerate(windows):
+    for g, ((_, b_win, _), y) in enumerate(zip(windows, ys)):
         b_layer = _layer(b_win, layer)
-        deltas.append(dense(shrunk[:, g * width:(g + 1) * width].astype(b_layer.dtype), b_layer))
-    # BGMV rows: every LoRA token from the window's end on (one-token rows; overflow prefill rows),
-    # in place on y; the segment deltas are added after it, where XLA fuses the add into the
-    # projection's consumers (the cast to the activations' dtype): added before it, each add was
+        deltas.append(jnp.dot(shrunk[:, g * width:(g + 1) * width].astype(b_layer.dtype), b_layer,
+                              preferred_element_type=y.dtype))
+    # BGMV rows, in place on y; the segment deltas are added after it, where XLA fuses the add into
+    # the projection's consumers (the cast to the activations' dtype): added before it, each add was
     # its own kernel over y (H200 profile, bench/NOTES_serve.md)
-    bgmv_slot = jnp.where(jnp.arange(num_rows) >= plan.seg_starts[_window(plan)], plan.token_slot, -1)
-    outs = [y.reshape(num_rows, -1).astype(_F32) for y in ys]
+    outs = [y.reshape(num_rows, -1) for y in ys]
     if isinstance(module_pools[0], PagedModulePool):
-        outs = [paged_ops.bgmv(out, rows, pool, bgmv_slot, style) for out, pool in zip(outs, module_pools)]
-        return tuple((out + delta).reshape(y.shape) for out, delta, y in zip(outs, deltas, ys))
-    entries = [_entries(pool) for pool in module_pools]
-    if len(ys) == 1:
-        a, b, rank, scale, offset = entries[0]
-        outs = [pallas_kernels.bgmv_lora_stacked(outs[0], rows, a, b, bgmv_slot, rank, scale, offset, impl=style)]
+        kernel = _paged_bgmv(module_pools, style)
     else:
-        lora_as, lora_bs, ranks, scales = ([e[i] for e in entries] for i in range(4))
-        outs = pallas_kernels.bgmv_lora_grouped(outs, rows, lora_as, lora_bs, bgmv_slot, ranks, scales,
-                                                entries[0][4], impl=style)
+        kernel = _grouped_bgmv([_entries(pool) for pool in module_pools], style)
+    if w == plan.seg_slot.shape[0]:  # the window holds every segment: BGMV on the one-token rows
+        outs = _on_bgmv_rows(outs, rows, plan.decode_slot, plan.decode_rows, kernel)
+    else:
+        outs = kernel(outs, rows, jnp.where(jnp.arange(num_rows) >= plan.seg_starts[w], plan.token_slot, -1))
     return tuple((out + delta).reshape(y.shape) for out, delta, y in zip(outs, deltas, ys))
 
 

@@ -62,24 +62,24 @@ def padded_view(layer_pool: dict) -> dict:
     return {"a": jnp.swapaxes(a, 1, 2), "b": b, "scale": layer_pool["scale"], "rank": rank}
 
 
-def serving_kernels(y, rows, module_pool: PagedModulePool, plan, style: str):
-    """y [N, n] float32 plus the LoRA of rows [N, k] in a `ServingPlan`'s order, reading the
-    adapters' rows through the table: paged SGMV over the prefill segments, paged BGMV over the
-    one-token rows (`pallas_kernels.paged_lora`)."""
+def sgmv(y, rows, module_pool: PagedModulePool, plan, style: str):
+    """y [N, n] float32 plus the LoRA of the prefill segments of a `ServingPlan` with segments
+    (rows [N, k] in its order), reading the adapters' rows through the table (paged SGMV,
+    `pallas_kernels.paged_lora`); the one-token rows are `bgmv`'s."""
     a_rows, b_rows, table, rank, scale, row_offset, entry_offset = module_pool.flat()
-    impl = "reference" if style == "tpu" else style  # no Mosaic kernel reads paged rows yet
-    if plan.seg_starts is not None:
-        y = sgmv_lora_paged(y, rows, a_rows, b_rows, plan.seg_starts, plan.seg_slot, table, rank, scale,
-                            row_offset, entry_offset, impl=impl)
-    return bgmv_lora_paged(y, rows, a_rows, b_rows, plan.decode_slot, table, rank, scale, row_offset,
-                           entry_offset, impl=impl)
+    return sgmv_lora_paged(y, rows, a_rows, b_rows, plan.seg_starts, plan.seg_slot, table, rank, scale,
+                           row_offset, entry_offset, impl=_impl(style))
 
 
 def bgmv(y, rows, module_pool: PagedModulePool, row_slot, style: str):
     """y [N, n] float32 plus the LoRA of the rows whose slot `row_slot` [N] is >= 0 (paged BGMV)."""
     a_rows, b_rows, table, rank, scale, row_offset, entry_offset = module_pool.flat()
     return bgmv_lora_paged(y, rows, a_rows, b_rows, row_slot, table, rank, scale, row_offset, entry_offset,
-                           impl="reference" if style == "tpu" else style)
+                           impl=_impl(style))
+
+
+def _impl(style: str) -> str:
+    return "reference" if style == "tpu" else style  # no Mosaic kernel reads paged rows yet
 
 
 def window_entries(module_pool: PagedModulePool, entry: jax.Array):

@@ -81,12 +81,16 @@ class ServingPlan(NamedTuple):
     seg_starts [S+1], seg_slot [S]: segments over the multi-token prefix (SGMV); the tail from
       seg_starts[S] on is no segment's. Both None when built with S = 0 (the engine does so for
       steps without multi-token rows: decode only), which makes it its own compiled variant.
+    decode_rows [D] or None: the rows of the one-token adapter tokens (those with decode_slot >= 0)
+      ascending, padded with N (no row): a mixed step's BGMV runs over these D rows only, gathered
+      and written back, instead of over all N (`jaxlora.lora.ops`); None: over all N rows.
     """
 
     token_slot: np.ndarray
     decode_slot: np.ndarray
     seg_starts: np.ndarray | None
     seg_slot: np.ndarray | None
+    decode_rows: np.ndarray | None = None
 
 
 def serving_order(row_slot, row_tokens) -> np.ndarray:
@@ -101,13 +105,16 @@ def serving_order(row_slot, row_tokens) -> np.ndarray:
     return np.argsort(key, kind="stable")
 
 
-def build_serving_plan(token_slot, one_token, num_segments: int) -> ServingPlan:
+def build_serving_plan(token_slot, one_token, num_segments: int, bgmv_rows: int | None = None) -> ServingPlan:
     """Plan for tokens in `serving_order` (ValueError otherwise).
 
     Args:
       token_slot: [N] int, the adapter slot of every token, -1 for the base model and padding.
       one_token: [N] bool, the token is its row's only token (served by BGMV).
       num_segments: S, the padded number of segments; 0 for a step without multi-token rows.
+      bgmv_rows: D, the most one-token adapter tokens the step may have (a static bound, e.g. the
+        engine's rows per step): a plan with segments lists them in `decode_rows` [D] (ValueError
+        if there are more); None, or a plan without segments: BGMV over all N rows.
     """
     token_slot = np.asarray(token_slot, np.int32).reshape(-1)
     one_token = np.asarray(one_token, bool).reshape(-1)
@@ -120,7 +127,19 @@ def build_serving_plan(token_slot, one_token, num_segments: int) -> ServingPlan:
         return ServingPlan(token_slot, decode_slot, None, None)
     slots, counts = np.unique(token_slot[:prefix], return_counts=True)
     seg_starts, seg_slot = _segments(slots, counts, num_segments)
-    return ServingPlan(token_slot, decode_slot, seg_starts, seg_slot)
+    return ServingPlan(token_slot, decode_slot, seg_starts, seg_slot, _decode_rows(decode_slot, bgmv_rows))
+
+
+def _decode_rows(decode_slot: np.ndarray, bgmv_rows: int | None) -> np.ndarray | None:
+    """[D] the rows with decode_slot >= 0, ascending, padded with N; None without a bound."""
+    if bgmv_rows is None:
+        return None
+    rows = np.flatnonzero(decode_slot >= 0).astype(np.int32)
+    if len(rows) > bgmv_rows:
+        raise ValueError(f"{len(rows)} one-token adapter rows exceed the step's bound of {bgmv_rows}")
+    decode_rows = np.full(bgmv_rows, decode_slot.size, np.int32)
+    decode_rows[: len(rows)] = rows
+    return decode_rows
 
 
 class WindowPlan(NamedTuple):

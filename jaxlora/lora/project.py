@@ -71,8 +71,8 @@ def project(x: jax.Array, weights: dict[str, jax.Array], name: str, layer_lora: 
         y = _fused_project(x, weights[f"{name}.kernel"], name, layer_lora)
         if f"{name}.bias" in weights:
             y = y + weights[f"{name}.bias"]
-    else:  # a serving kernel with window columns: x's dtype out (no LoRA here to add in float32)
-        y = _base_output(x, weights, name, jnp.float32 if has_lora else x.dtype)
+    else:  # float32 for a LoRA added in float32; else x's dtype (a serving kernel writes it directly)
+        y = _base_output(x, weights, name, _output_dtype(x, layer_lora) if has_lora else x.dtype)
     if has_lora and not layer_lora.backend.fused:
         lora = layer_lora.inputs
         lora_input = x
@@ -97,7 +97,7 @@ def project_group(x: jax.Array, weights: dict[str, jax.Array], names: tuple,
     if len(grouped) < 2 or layer_lora.backend.fused or layer_lora.inputs.dropout_rate is not None:
         return [project(x, weights, name, layer_lora) for name in names]
     outputs = {name: project(x, weights, name) for name in names if name not in grouped}  # no adapters
-    ys = [_base_output(x, weights, name) for name in grouped]
+    ys = [_base_output(x, weights, name, _output_dtype(x, layer_lora)) for name in grouped]
     pools = [layer_lora.pool[name] for name in grouped]
     for name, y in zip(grouped, layer_lora.backend.accumulate_group(ys, x, pools, layer_lora.inputs.plan)):
         outputs[name] = y.astype(x.dtype)
@@ -120,7 +120,7 @@ def _project_packed(x: jax.Array, weights: dict[str, jax.Array], names: tuple, p
     if window is not None:
         y, delta = _window_output(x, weights, packed, window)
     else:
-        y = _base_output(x, weights, packed, jnp.float32 if grouped else x.dtype)
+        y = _base_output(x, weights, packed, _output_dtype(x, layer_lora) if grouped else x.dtype)
     ys = dict(zip(names, jnp.split(y, np.cumsum(sizes)[:-1].tolist(), axis=-1)))
     if delta is not None and delta.ndim > y.ndim:  # one delta per projection: [P, ..., T, n_p]
         ys = {name: ys[name] + delta[p] for p, name in enumerate(names)}
@@ -146,13 +146,21 @@ def _unpacked(weights: dict[str, jax.Array], names: tuple, packed: str, sizes: t
     return out
 
 
+def _output_dtype(x: jax.Array, layer_lora: LayerLora):
+    """The dtype a projection with LoRA leaves its output in for the LoRA to be added: x's where the
+    backend computing this plan adds in it (`LoraBackend.adds_in_input_dtype`), else float32."""
+    backend = layer_lora.backend.for_plan(layer_lora.inputs.plan)
+    return x.dtype if backend.adds_in_input_dtype else jnp.float32
+
+
 def _base_output(x: jax.Array, weights: dict[str, jax.Array], name: str, dtype=jnp.float32) -> jax.Array:
-    """x @ W (+ bias) in float32; a serving kernel with the adapter window's columns: without
-    them, in `dtype` (x's for a projection without LoRA: the GEMM writes x's dtype, as the base
-    model's own step does after its cast, with no float32 copy of the window's columns)."""
+    """x @ W (+ bias), accumulated in float32, in `dtype` (x's: the GEMM writes x's dtype, as the
+    base model's own step does after its cast); a serving kernel with the adapter window's
+    columns: without them (no copy of the window's columns in any dtype)."""
     if f"{name}.window_b" not in weights:
         y = dense(x, weights[f"{name}.kernel"])
-        return y + weights[f"{name}.bias"] if f"{name}.bias" in weights else y
+        y = y + weights[f"{name}.bias"] if f"{name}.bias" in weights else y
+        return y.astype(dtype)
     y = jnp.dot(x, weights[f"{name}.kernel"], preferred_element_type=dtype)[..., : _window_width(weights, name)]
     return y + weights[f"{name}.bias"].astype(dtype) if f"{name}.bias" in weights else y
 

@@ -231,6 +231,25 @@ def test_hybrid_backend_runs_bgmv_and_the_segment_gemm_never_sgmv(smollm2, adapt
     assert bgmv_calls, "no decode-only step went through BGMV"
 
 
+def test_hybrid_segment_window_bounds_the_prompt_chunks_of_a_step(smollm2, adapters8, expected, monkeypatch):
+    """With hybrid's segment window at 2 (the engine's is 16) the engine plans 2 segments, its
+    scheduler admits prompt chunks of at most 2 adapters a step (a plan with a third would be a
+    ValueError), the segment GEMM covers every segment and BGMV only the listed one-token rows;
+    the greedy tokens are those of the merged weights."""
+    from jaxlora.lora import backends, ops
+
+    monkeypatch.setattr(ops, "SEGMENT_WINDOW", 2)
+    monkeypatch.setitem(backends._REGISTRY, "hybrid",
+                        dataclasses.replace(backends._REGISTRY["hybrid"], segment_window=2))
+    model, tokenizer = smollm2
+    requests, outputs = expected
+    engine = Engine(model, tokenizer.eos_token_ids,
+                    EngineConfig(max_adapters_on_device=8, lora_backend="hybrid", adapter_window=0, **SMALL_ENGINE),
+                    adapters8)
+    assert engine._num_segments == 2 and engine.scheduler.config.max_prefill_adapters == 2
+    assert _serve_all(engine, requests[:12]) == outputs[:12]
+
+
 def test_pallas_steps_use_the_serving_plan_without_recompiling(smollm2, adapters8, expected, monkeypatch):
     """With a Pallas backend every LoRA step gets a `ServingPlan` (rows ordered once on the host):
     mixed prefill + decode steps with SGMV segments and decode-only steps without; base-model

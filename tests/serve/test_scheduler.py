@@ -132,3 +132,23 @@ def test_early_abort_drops_only_waiting_requests_that_cannot_meet_the_slo():
     c = s.waiting[0]
     assert s.expire(now=100.0, ttft_slo_s=1.0) == [c] and s.running  # running: never dropped
     assert s.pages.num_free == 1  # only a's pages are held
+
+
+def test_prompt_chunks_of_at_most_max_prefill_adapters_per_step():
+    """With `max_prefill_adapters` a step holds prompt chunks of at most that many adapters: a
+    request of a further adapter waits (later ones of the step's adapters and of the base model
+    pass it); decode rows of any adapter are not bounded; every request completes."""
+    s = _scheduler(num_pages=64, num_adapter_slots=6, max_num_seqs=8, token_budget=64, max_prefill_adapters=2)
+    for i, adapter in enumerate(["a", "b", "c", "a", None, "d"]):
+        s.add(Sequence(i, [1] * 5, max_tokens=3, adapter=adapter))
+    plan, _ = _run_step(s)
+    assert sorted(r.seq.seq_id for r in plan.rows) == [0, 1, 3, 4]  # "c" and "d" wait; "a" again and base pass
+    steps = 1
+    while s.has_work():
+        plan, _ = _run_step(s)
+        steps += 1
+        chunked = {r.seq.adapter for r in plan.rows if r.count > 1 and r.seq.adapter is not None}
+        assert len(chunked) <= 2
+    assert steps <= 6
+    with pytest.raises(ValueError, match="max_prefill_adapters"):
+        SchedulerConfig(num_pages=8, page_size=4, num_adapter_slots=2, max_prefill_adapters=-1)

@@ -44,6 +44,13 @@ victim frees its pages, and an adapter in use (its slot pinned) is never evicted
 `adapter_rows` the adapter also takes `adapter_rows(key)` (its rank) rows of the device row pool
 (`jaxlora.lora.rows`): a slot is then only a row-table entry, the rows hold the weights.
 
+Prompt chunks per step (`max_prefill_adapters`, 0: no bound): a step holds the prompt chunks
+(rows of more than one token) of at most that many distinct adapters, base-model chunks aside; a
+running request in prefill whose adapter would be one more waits for the next step, and admission
+passes over such a request (later ones of the step's adapters, or of the base model, may go
+first). The engine sets it to its LoRA backend's segment window (a mixed step's segment GEMM covers
+that many adapters; `jaxlora.lora.ops.SEGMENT_WINDOW`).
+
 Inference modes: `runs(key)` (the caller's; default always) says whether requests of an adapter
 get rows this step: in merged mode only the merged adapter's do; the others keep their pages and
 wait, running or queued.
@@ -141,10 +148,13 @@ class SchedulerConfig:
     unified_paging: bool = False  # KV and adapter pages in one budget (module doc)
     adapter_rows: int = 0  # unified paging: device rows adapters take at their rank (0: none; module doc)
     reserve_output: bool = True  # admission reserves prompt + max_tokens pages (else: pages grow; module doc)
+    max_prefill_adapters: int = 0  # distinct adapters with prompt chunks in one step (0: no bound; module doc)
 
     def __post_init__(self):
         if min(self.max_num_seqs, self.token_budget, self.prefill_chunk) < 1:
             raise ValueError("max_num_seqs, token_budget and prefill_chunk must be >= 1")
+        if self.max_prefill_adapters < 0:
+            raise ValueError("max_prefill_adapters must be >= 0 (0: no bound)")
 
 
 @dataclasses.dataclass
@@ -253,19 +263,23 @@ class ServingScheduler:
         budget = self.config.token_budget
         rows: list[StepRow] = []
         preempted: list[Sequence] = []
+        chunked: set = set()  # adapters with a prompt chunk in this step (`max_prefill_adapters`)
         for seq in sorted(self.running, key=lambda s: (s.in_prefill, s.order)):
             if budget == 0:
                 break
             if seq.all_planned or seq.status is not Status.RUNNING or not self.runs(seq.adapter):
                 continue  # its last token is on its way, it was preempted just now, or its mode does not run it
             row = self._row(seq, budget)
+            if not self._chunk_fits(chunked, row):
+                continue  # its adapter would be one more with a prompt chunk in this step
             if not self._grow(seq, row.start + row.count, preempted):
                 continue
             rows.append(row)
             budget -= row.count
+            self._count_chunk(chunked, row)
         budget += sum(row.count for row in rows if row.seq.status is not Status.RUNNING)
         rows = [row for row in rows if row.seq.status is Status.RUNNING]  # a victim has no row yet; kept safe
-        loads = self._admit(rows, budget)
+        loads = self._admit(rows, budget, chunked)
         self.waiting = sorted(self.waiting + preempted, key=lambda s: s.order)  # not re-admitted this step
         for row in rows:
             if row.seq.adapter is not None:
@@ -314,7 +328,18 @@ class ServingScheduler:
         slot = -1 if seq.adapter is None else self.slots.slot_of(seq.adapter)
         return StepRow(seq, seq.num_computed, count, slot, seq.num_computed + count == len(seq.tokens))
 
-    def _admit(self, rows: list[StepRow], budget: int) -> list[tuple[int, Hashable]]:
+    def _chunk_fits(self, chunked: set, row: StepRow) -> bool:
+        """Whether `row` keeps the step within `max_prefill_adapters` adapters with prompt chunks
+        (`chunked`: those the step has so far)."""
+        bound, key = self.config.max_prefill_adapters, row.seq.adapter
+        return not bound or row.count < 2 or key is None or key in chunked or len(chunked) < bound
+
+    @staticmethod
+    def _count_chunk(chunked: set, row: StepRow) -> None:
+        if row.count > 1 and row.seq.adapter is not None:
+            chunked.add(row.seq.adapter)
+
+    def _admit(self, rows: list[StepRow], budget: int, chunked: set) -> list[tuple[int, Hashable]]:
         loads = []
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
@@ -323,6 +348,8 @@ class ServingScheduler:
                 continue  # its adapter is still on its way to the host
             if not self.runs(seq.adapter):
                 continue
+            if not self._chunk_fits(chunked, self._row(seq, budget)):
+                continue  # its adapter would be one more with a prompt chunk in this step
             if not self._fits(seq):
                 if self._unified_pages_needed(seq) > self.config.num_pages:  # its adapter's pages: never
                     self.finish(seq, "too_large")
@@ -344,6 +371,7 @@ class ServingScheduler:
             row = self._row(seq, budget)
             rows.append(row)
             budget -= row.count
+            self._count_chunk(chunked, row)
         return loads
 
     def prefetch(self) -> list[tuple[int, Hashable]]:

@@ -214,3 +214,59 @@ def test_hybrid_grouped_projections_of_a_stacked_pool_equal_the_reference(small_
     for y, out, stack in zip(ys, got, stacks):
         expected = np.asarray(y) + np.asarray(lora_delta(x, stack[layer], build_plan(token_slot), "gather"))
         assert relative_error(out, expected) <= 1e-5
+
+
+def test_mixed_plan_lists_its_one_token_adapter_rows_within_the_bound():
+    token_slot, one_token = ordered_tokens(STEPS["mixed"], 32)
+    plan = build_serving_plan(token_slot, one_token, 4, bgmv_rows=6)
+    assert list(plan.decode_rows) == [19, 20, 22, 32, 32, 32]  # the decode_slot >= 0 rows, then N
+    assert np.array_equal(np.flatnonzero(plan.decode_slot >= 0), plan.decode_rows[:3])
+    with pytest.raises(ValueError, match="exceed the step's bound of 2"):
+        build_serving_plan(token_slot, one_token, 4, bgmv_rows=2)
+    decode_slot, decode_one = ordered_tokens(STEPS["decode_only"], 32)
+    assert build_serving_plan(decode_slot, decode_one, 0, bgmv_rows=6).decode_rows is None  # all rows: BGMV's
+
+
+@pytest.mark.parametrize("backend", ["hybrid", "pallas_gpu"])
+@pytest.mark.parametrize("step", ["mixed", "several_segments_with_base_rows", "empty_segments",
+                                  "one_segment_no_decode_rows"])
+def test_bgmv_over_the_listed_rows_equals_the_reference(step, backend):
+    """A mixed plan with `decode_rows` (the engine's when a step has more tokens than rows): BGMV
+    runs on those rows only, gathered and written back; hybrid's window holds every segment."""
+    rows, segments = HYBRID_STEPS.get(step, (STEPS.get(step), 4))
+    rng = np.random.default_rng(zlib.crc32(f"listed {step} {backend}".encode()))
+    pool = random_pool(rng)
+    token_slot, one_token = ordered_tokens(rows, 40)
+    plan = build_serving_plan(token_slot, one_token, segments, bgmv_rows=8)
+    x = rng.normal(size=(token_slot.size, IN_DIM)).astype(np.float32)
+    got = np.asarray(lora_delta(x, pool, plan, backend))
+    reference = np.asarray(lora_delta(x, pool, build_plan(token_slot), "gather"))
+    assert np.abs(reference).max() > 0.1
+    assert np.all(got[token_slot < 0] == 0.0)
+    assert relative_error(got, reference) <= 1e-5
+
+
+def test_hybrid_adds_in_the_outputs_dtype():
+    """hybrid on a mixed and on a decode-only plan leaves bfloat16 projection outputs in bfloat16
+    (the LoRA added in it, as PEFT does) within bf16 rounding of the float32 sum; float32 outputs
+    stay float32."""
+    rng = np.random.default_rng(11)
+    rows, segments = HYBRID_STEPS["several_segments_with_base_rows"]
+    token_slot, one_token = ordered_tokens(rows, 40)
+    plan = build_serving_plan(token_slot, one_token, segments, bgmv_rows=8)
+    pool = random_pool(rng)
+    x = jnp.asarray(rng.normal(size=(token_slot.size, IN_DIM)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(token_slot.size, OUT_DIM)), jnp.float32)
+    expected = np.asarray(y) + np.asarray(lora_delta(x, pool, build_plan(token_slot), "gather"))
+    hybrid = backends.get("hybrid")
+    out32 = hybrid.accumulate(y, x, pool, plan)
+    out16 = hybrid.accumulate(y.astype(jnp.bfloat16), x, pool, plan)
+    assert out32.dtype == jnp.float32 and relative_error(out32, expected) <= 1e-5
+    assert out16.dtype == jnp.bfloat16 and relative_error(out16.astype(jnp.float32), expected) <= 1e-2
+    decode = build_serving_plan(token_slot[token_slot >= 0][-4:], np.ones(4, bool), 0)
+    y4 = y[:4].astype(jnp.bfloat16)
+    decode16 = hybrid.accumulate(y4, x[:4], pool, decode)
+    expected4 = np.asarray(y[:4]) + np.asarray(lora_delta(x[:4], pool, build_plan(decode.token_slot), "gather"))
+    assert decode16.dtype == jnp.bfloat16 and relative_error(decode16.astype(jnp.float32), expected4) <= 1e-2
+    assert hybrid.for_plan(plan).adds_in_input_dtype and hybrid.for_plan(decode).adds_in_input_dtype
+    assert not backends.get("pallas").adds_in_input_dtype  # a training backend adds in float32
