@@ -68,6 +68,8 @@ def test_cli_refuses_a_bad_mesh_before_compiling(jobs, capsys):
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, *args, **kwargs: compiles.append(event) if "compile" in event else None)
-    assert main([jobs, f"mesh.data={jax.device_count() + 1}"]) == 2
-    assert "mesh.data=2 x mesh.tensor=1 x mesh.pipeline=1 = 2 devices, but 1 are available" in capsys.readouterr().err
+    devices = jax.device_count()
+    assert main([jobs, f"mesh.data={devices + 1}"]) == 2
+    assert (f"mesh.data={devices + 1} x mesh.tensor=1 x mesh.pipeline=1 = {devices + 1} devices, "
+            f"but {devices} are available") in capsys.readouterr().err
     assert compiles == []
