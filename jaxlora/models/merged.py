@@ -9,7 +9,8 @@ comes back bit-identical). A rounded add cannot be undone exactly from the merge
 alone (`round(W + Δ) - Δ` need not round back to W: where W's exponent is smaller than the sum's,
 several W round to the same merged value), so the exact base needs per-element information of
 the base's own size; the copy is the simplest such store, it is read instead of the merged
-kernel (a switch reads the copy and writes the kernel: 2 bytes moved per weight byte), and its
+kernel (a switch reads the copy and writes the kernel: 2 bytes moved per weight byte, the floor
+`pallas_kernels.merge_gpu` runs at on a GPU), and its
 memory is the targeted projections' base weights (e.g. the 8B shape, q/k/v/o: 2.7 GB in bf16;
 all seven projections: 14 GB). The window's columns of a packed kernel
 (`jaxlora.models.packed.add_adapter_window`) are never touched.
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlora.models.config import PACKED_PROJECTIONS, LlamaConfig, projection_shapes
+from pallas_kernels.merge_gpu import merge_columns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,22 +76,15 @@ def set_merged(layout: MergeLayout, kernels: dict, base: dict, pool: dict, slot,
     scalar), else to `base` itself (unmerged: bit-identical to the copy). base: `base_copy`;
     pool: `jaxlora.lora.pool` arrays ({projection: a [L, slots, k, r], b [L, slots, r, n],
     scale [L, slots]}; a projection the slot's adapter does not target has zero B and scale).
-    ΔW is formed in float32 one layer at a time (layers unrolled, as the serving forward unrolls
-    them on a GPU: static slices, no while loop; no [L, k, n] float32 temporary) and added to the
-    base in float32, rounded once to the kernel's dtype. One compile serves every slot, merge
-    and unmerge."""
+    Each projection's columns in one pass (`pallas_kernels.merge_gpu.merge_columns`: on a GPU one
+    kernel reading the base copy and writing the kernel, ΔW formed per tile in float32 and never
+    stored; elsewhere the jnp form, per layer), rounded once to the kernel's dtype. One compile
+    serves every slot, merge and unmerge."""
     kernels = dict(kernels)
     for name, key, offset, width in layout.targets:
         module = pool[name]
         a = jax.lax.dynamic_index_in_dim(module["a"], slot, axis=1, keepdims=False)  # [L, k, r]
         b = jax.lax.dynamic_index_in_dim(module["b"], slot, axis=1, keepdims=False)  # [L, r, n]
         scale = jax.lax.dynamic_index_in_dim(module["scale"], slot, axis=1, keepdims=False)  # [L]
-        kernel = kernels[key]
-        for layer in range(kernel.shape[0]):
-            delta = jnp.dot(a[layer].astype(jnp.float32), b[layer].astype(jnp.float32),
-                            precision=jax.lax.Precision.HIGHEST) * scale[layer]
-            own = base[name][layer]  # [k, n_p]
-            value = jnp.where(merged, (own.astype(jnp.float32) + delta).astype(kernel.dtype), own)
-            kernel = kernel.at[layer, :, offset: offset + width].set(value)
-        kernels[key] = kernel
+        kernels[key] = merge_columns(kernels[key], base[name], a, b, scale, merged, offset)
     return kernels
