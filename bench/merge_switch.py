@@ -56,24 +56,25 @@ def make_arrays(shape, layers: int, rank: int, seed: int = 0):
     return kernels, base, adapter
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "impl"), donate_argnums=(0,))
-def switch(kernels, base, adapter, merged, shape, impl):
+@functools.partial(jax.jit, static_argnames=("shape", "impl", "blocks"), donate_argnums=(0,))
+def switch(kernels, base, adapter, merged, shape, impl, blocks=None):
     """Every projection's columns of `kernels` (donated) set to base + ΔW (merged) or base."""
     kernels = dict(kernels)
     for name, _, targets, _ in shape:
         for projection, offset, _ in targets:
             a, b, scale = adapter[projection]
-            kernels[name] = merge_columns(kernels[name], base[projection], a, b, scale, merged, offset, impl=impl)
+            kernels[name] = merge_columns(kernels[name], base[projection], a, b, scale, merged, offset, impl=impl,
+                                          blocks=blocks)
     return kernels
 
 
-def time_switches(kernels, base, adapter, shape, impl, repeats: int):
+def time_switches(kernels, base, adapter, shape, impl, repeats: int, blocks=None):
     """(kernels, {"merge": [ms...], "unmerge": [ms...]}) after a warm-up pair (compiles)."""
     times = {"merge": [], "unmerge": []}
     for i in range(repeats + 1):
         for kind, merged in (("merge", True), ("unmerge", False)):
             started = time.perf_counter()
-            kernels = jax.block_until_ready(switch(kernels, base, adapter, jnp.bool_(merged), shape, impl))
+            kernels = jax.block_until_ready(switch(kernels, base, adapter, jnp.bool_(merged), shape, impl, blocks))
             if i:
                 times[kind].append(1e3 * (time.perf_counter() - started))
     return kernels, times
@@ -86,6 +87,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--bandwidth-tbs", type=float, default=4.0, help="the device's copy bandwidth (H200: 4.0)")
+    parser.add_argument("--blocks", nargs="*", default=[],
+                        help="also time the kernel under these block_k,block_n,num_warps triples (e.g. 128,256,8)")
     parser.add_argument("--out", default=None, help="JSON (default bench/results/merge_switch_<device>.json)")
     args = parser.parse_args(argv)
     shape = TINY if args.tiny else LLAMA_8B
@@ -116,6 +119,15 @@ def main(argv=None) -> dict:
         print(f"{name:9s} merge {row['merge']['ms_median']:7.2f} ms (max {row['merge']['ms_max']:.2f}), "
               f"unmerge {row['unmerge']['ms_median']:7.2f} ms; {row['merge']['gb_per_s']:.0f} GB/s, "
               f"{row['merge']['fraction_of_floor']:.2f} of the {args.bandwidth_tbs} TB/s floor", flush=True)
+    report["blocks_sweep"] = []
+    for spec in args.blocks:
+        blocks = tuple(int(v) for v in spec.split(","))
+        kernels, times = time_switches(kernels, base, adapter, shape, kernel_impl, max(3, args.repeats // 2), blocks)
+        median = statistics.median(times["merge"])
+        report["blocks_sweep"].append({"blocks": blocks, "merge_ms_median": median,
+                                       "unmerge_ms_median": statistics.median(times["unmerge"])})
+        print(f"kernel blocks {blocks}: merge {median:.2f} ms, unmerge {statistics.median(times['unmerge']):.2f} ms",
+              flush=True)
     restored = all(np.asarray(kernels[name][:, :, offset: offset + n]).tobytes() == np.asarray(base[p]).tobytes()
                    for name, _, targets, _ in shape[:2] for p, offset, n in targets)
     report["unmerge_restores_base_bits"] = bool(restored)

@@ -386,16 +386,19 @@ def profile_steps(model, engine_config: EngineConfig, factory: AdapterFactory, b
     (`Engine.build_step` / `run_step`) for each PROFILE_STEPS batch and each of
     `profile_variants` (an engine each), with every pool slot holding an adapter. Returns one
     entry per (step, variant); `names`: which of PROFILE_STEPS; `only`: which variants (None: all).
-    The KV pool is sized to half the device memory: the programs compile with the engine in place
-    (GEMM autotuning needs room) and one step needs few pages."""
+    The KV pool holds just the profiled rows' pages (each row its own, `profile_plan`): the programs
+    compile with the engine in place (GEMM autotuning needs room), and a pool sized to a share of the
+    device (it was half) left no room for the 16 GiB the first 8B forward allocated on an H200."""
     from bench.timing import kernel_times, median_call_seconds
 
     chosen = {name: PROFILE_STEPS[name] for name in names}
     most_rows = max(chunks + decode_rows for chunks, _, decode_rows in chosen.values())
     most_tokens = max(chunks * tokens + decode_rows for chunks, tokens, decode_rows in chosen.values())
+    most_chunk = max(tokens for _, tokens, _ in chosen.values())
+    num_pages = most_rows * pages_for(context + most_chunk + 1, engine_config.page_size)
     engine_config = dataclasses.replace(  # room for the largest profiled step (--tiny's engine is smaller)
         engine_config, max_num_seqs=max(engine_config.max_num_seqs, most_rows),
-        token_budget=max(engine_config.token_budget, most_tokens), gpu_memory_utilization=0.5)
+        token_budget=max(engine_config.token_budget, most_tokens), num_pages=num_pages)
     out = []
     for variant, (config, adapters) in profile_variants(engine_config, backends, windows).items():
         if only and variant not in only:

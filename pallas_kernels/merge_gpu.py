@@ -32,22 +32,25 @@ from jax.experimental.pallas import triton as plt
 
 _F32 = jnp.float32
 MIN_DOT = 16  # Triton's smallest dot dimension
-BLOCK_K, BLOCK_N = 64, 256
+BLOCKS = (64, 256, 4)  # (block_k, block_n, num_warps)
 
 
-def merge_columns(kernel, base, a, b, scale, merged, offset: int, *, impl: str | None = None):
+def merge_columns(kernel, base, a, b, scale, merged, offset: int, *, impl: str | None = None,
+                  blocks: tuple[int, int, int] | None = None):
     """`kernel` with columns offset:offset+n of every layer set to base + scale * a @ b (merged)
     or to base (module doc). impl: None (the device's: the GPU kernel on a GPU, else the
-    reference), "gpu" (interpret mode off a GPU) or "reference". Returns [L, k, n_kernel]."""
+    reference), "gpu" (interpret mode off a GPU) or "reference"; blocks: the GPU kernel's
+    (block_k, block_n, num_warps) (None: `BLOCKS`, fitted to the shapes). Returns [L, k, n_kernel]."""
     if impl not in (None, "gpu", "reference"):
         raise ValueError(f"impl must be None, 'gpu' or 'reference', got {impl!r}")
     layers, k, n = base.shape
     if kernel.shape[:2] != (layers, k) or offset < 0 or offset + n > kernel.shape[2]:
         raise ValueError(f"columns {offset}:{offset + n} of {base.shape} do not fit kernel {kernel.shape}")
     on_gpu = jax.default_backend() == "gpu"
-    if impl == "reference" or (impl is None and not on_gpu) or not _tiles(k, n, offset, kernel.shape[2]):
+    tiles = _tiles(k, n, offset, kernel.shape[2], blocks or BLOCKS)
+    if impl == "reference" or (impl is None and not on_gpu) or tiles is None:
         return merge_columns_reference(kernel, base, a, b, scale, merged, offset)
-    return _merge_gpu(kernel, base, a, b, scale, merged, offset, interpret=not on_gpu)
+    return _merge_gpu(kernel, base, a, b, scale, merged, offset, tiles=tiles, interpret=not on_gpu)
 
 
 def merge_columns_reference(kernel, base, a, b, scale, merged, offset: int):
@@ -61,12 +64,14 @@ def merge_columns_reference(kernel, base, a, b, scale, merged, offset: int):
     return kernel
 
 
-def _tiles(k: int, n: int, offset: int, width: int) -> tuple[int, int] | None:
-    """(block_k, block_n) that tile [k, n] at column `offset` of a kernel `width` wide exactly,
-    or None (the reference)."""
-    block_n = next((bn for bn in (BLOCK_N, 128, 64, 32, 16) if not (n % bn or offset % bn or width % bn)), None)
-    block_k = next((bk for bk in (BLOCK_K, 32, 16) if k % bk == 0), None)
-    return None if block_n is None or block_k is None else (block_k, block_n)
+def _tiles(k: int, n: int, offset: int, width: int, blocks: tuple[int, int, int]) -> tuple[int, int, int] | None:
+    """(block_k, block_n, num_warps): the largest blocks up to `blocks`' that tile [k, n] at
+    column `offset` of a kernel `width` wide exactly, or None (the reference)."""
+    most_k, most_n, warps = blocks
+    block_n = next((bn for bn in (512, 256, 128, 64, 32, 16) if bn <= most_n and not (n % bn or offset % bn or width % bn)),
+                   None)
+    block_k = next((bk for bk in (256, 128, 64, 32, 16) if bk <= most_k and k % bk == 0), None)
+    return None if block_n is None or block_k is None else (block_k, block_n, warps)
 
 
 def _merge_kernel(flag_ref, scale_ref, base_ref, a_ref, b_ref, _kernel_ref, out_ref, *, precision):
@@ -76,10 +81,10 @@ def _merge_kernel(flag_ref, scale_ref, base_ref, a_ref, b_ref, _kernel_ref, out_
     out_ref[...] = jnp.where(flag_ref[0] != 0, merged, base.astype(out_ref.dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("offset", "interpret"), donate_argnums=(0,))
-def _merge_gpu(kernel, base, a, b, scale, merged, offset: int, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("offset", "tiles", "interpret"), donate_argnums=(0,))
+def _merge_gpu(kernel, base, a, b, scale, merged, offset: int, tiles: tuple[int, int, int], interpret: bool):
     layers, k, n = base.shape
-    block_k, block_n = _tiles(k, n, offset, kernel.shape[2])
+    block_k, block_n, num_warps = tiles
     rank = max(MIN_DOT, -(-a.shape[-1] // MIN_DOT) * MIN_DOT)
     a = jnp.pad(a, ((0, 0), (0, 0), (0, rank - a.shape[-1])))  # zero rank columns add nothing
     b = jnp.pad(b, ((0, 0), (0, rank - b.shape[1]), (0, 0)))
@@ -101,6 +106,6 @@ def _merge_gpu(kernel, base, a, b, scale, merged, offset: int, interpret: bool):
         ],
         out_specs=pl.BlockSpec((None, block_k, block_n), lambda l, i, j: (l, i, column0 + j)),
         input_output_aliases={5: 0},
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
     )(flag, scale.astype(_F32), base, a, b, kernel)
