@@ -226,6 +226,16 @@ many_adapters() {  # 4 x H200, issue 34 in one call: GPU 0 the regression guard'
   python3 bench/jit_cache.py pack /tmp/jc_regress "$OUT/jitcache"
 }
 
+serve_check() {  # one H200: the guard's serving trace, the merged-mode switch under block sweeps, then
+  # the server's cold start (wheels in .whl carried); sequential, each result in $OUT
+  nvidia-smi -L
+  timeout 240 python3 bench/regress.py --only serve --out-dir "$OUT" 2>&1 | grep -v cuda_timer | tail -n 40
+  rm -f "$OUT/regress_serve.png" "$OUT/regress_log.txt"
+  timeout 100 python3 bench/merge_switch.py --repeats 6 --blocks 16,256,4 32,512,4 32,256,2 16,512,4 32,128,4 \
+      --out "$OUT/merge_switch_h200.json" 2>&1 | grep -v cuda_timer | tail -n 10
+  LIMIT=$((LIMIT - SECONDS)) cold_start --after-ready 30
+}
+
 two_gpus() {  # 2 GPUs: TP=2 serving vs one GPU, then PP=2 training vs one GPU
   nvidia-smi -L
   timeout 270 python3 bench/tp_serve.py --out "$OUT/tp_serve_2xh200.json" 2>&1 | tail -n 15

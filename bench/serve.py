@@ -257,7 +257,8 @@ def run_trace(model, engine_config: EngineConfig, trace: Trace, prompts: list, f
     result = summarize(records, start, end)
     result.update({
         "setup_s": setup_s, "adapters_registered": len(engine.adapter_names()),
-        "adapter_loads": stats.adapter_loads, "steps": stats.steps,
+        "adapter_loads": stats.adapter_loads, "adapter_load_seconds": stats.adapter_load_seconds,
+        "adapter_load_max_s": stats.adapter_load_max_s, "steps": stats.steps,
         "mean_step_tokens": stats.step_tokens / max(1, stats.steps),
         "mean_step_ms": 1e3 * stats.step_seconds / max(1, stats.steps),
         "max_submit_lateness_s": lateness, "compiles_in_run": stats.step_compiles,

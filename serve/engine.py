@@ -851,8 +851,9 @@ class Engine:
             self._hand_off(plan.preempted)
         phases.mark("schedule")
         self._load(plan.loads)
-        self._commit_staged({row.slot for row in plan.rows})
         phases.mark("load")
+        self._commit_staged({row.slot for row in plan.rows})
+        phases.mark("commit")
         if not plan.rows:
             return None
         try:
@@ -1603,13 +1604,14 @@ class EngineStats:
     """Step counters, host time per step phase and a sliding window of generated tokens for tokens/s.
 
     phase_seconds: cumulative seconds of each phase of `Engine.step` (PHASES, in step order):
-    schedule (commands, drops, the scheduler), load (admissions' adapter copies), order
+    schedule (commands, drops, the scheduler), load (admissions' adapter copies not prefetched),
+    commit (prefetched copies written into their slots, waiting for those the step needs), order
     (serving_order), batch (token/position/block-table arrays), lora_plan, sampling (arrays),
     dispatch (the jitted call: argument transfer and launch), prefetch (queued adapters' copies),
     wait (until the sampled tokens are on the host), complete (tokens to requests, callbacks)."""
 
-    PHASES = ("schedule", "load", "order", "batch", "lora_plan", "sampling", "dispatch", "prefetch", "wait",
-              "complete")
+    PHASES = ("schedule", "load", "commit", "order", "batch", "lora_plan", "sampling", "dispatch", "prefetch",
+              "wait", "complete")
 
     def __init__(self, window_s: float = 10.0):
         self.window_s = window_s

@@ -210,15 +210,22 @@ def _paged_bgmv(module_pools, style: str):
 
 
 def _on_bgmv_rows(outs: list, rows: jax.Array, row_slot: jax.Array, decode_rows, kernel) -> list:
-    """`kernel(outs, rows, row_slot)` (outs [N, n_g], rows [N, k], row_slot [N]: BGMV in place on
-    the rows with slot >= 0) run over all N rows, or with `decode_rows` [D] (a `ServingPlan`'s:
-    every row with slot >= 0 is among them; padding N) over those D rows only, gathered and
-    written back: a mixed step's kernels then launch programs for D rows, not N."""
+    """outs [N, n_g] plus the BGMV LoRA of the rows whose slot `row_slot` [N] is >= 0, by
+    `kernel(outs, rows, row_slot)` (in place on its outs). Without `decode_rows`: over all N rows,
+    in place on outs. With `decode_rows` [D] (a `ServingPlan`'s: every row with slot >= 0 is among
+    them; padding N): the kernel runs on those D rows only, into float32 zeros, and each output
+    row adds its own (gathered by row: zero for rows not listed) in one elementwise pass with the
+    result rounded once; no scatter, so a slice of a packed projection output is never copied."""
     if decode_rows is None:
         return kernel(outs, rows, row_slot)
+    decode_rows = jnp.asarray(decode_rows)
+    listed = decode_rows.shape[0]
     take = lambda array, fill: jnp.asarray(array).at[decode_rows].get(mode="fill", fill_value=fill)
-    done = kernel([take(out, 0) for out in outs], take(rows, 0), take(row_slot, -1))
-    return [out.at[decode_rows].set(part, mode="drop") for out, part in zip(outs, done)]
+    parts = kernel([jnp.zeros((listed, out.shape[-1]), _F32) for out in outs], take(rows, 0), take(row_slot, -1))
+    position = jnp.full(rows.shape[0], listed, jnp.int32).at[decode_rows].set(
+        jnp.arange(listed, dtype=jnp.int32), mode="drop")  # [N]: its index in decode_rows, D if none
+    return [(out.astype(_F32) + jnp.concatenate([part, jnp.zeros((1, part.shape[-1]), _F32)])[position])
+            .astype(out.dtype) for out, part in zip(outs, parts)]
 
 
 def _serving_kernels(y, rows, module_pool, plan: ServingPlan, style: str):
@@ -334,18 +341,20 @@ def segment_accumulate_group(ys, x: jax.Array, module_pools, plan: ServingPlan, 
         b_layer = _layer(b_win, layer)
         deltas.append(jnp.dot(shrunk[:, g * width:(g + 1) * width].astype(b_layer.dtype), b_layer,
                               preferred_element_type=y.dtype))
-    # BGMV rows, in place on y; the segment deltas are added after it, where XLA fuses the add into
-    # the projection's consumers (the cast to the activations' dtype): added before it, each add was
-    # its own kernel over y (H200 profile, bench/NOTES_serve.md)
     outs = [y.reshape(num_rows, -1) for y in ys]
     if isinstance(module_pools[0], PagedModulePool):
         kernel = _paged_bgmv(module_pools, style)
     else:
         kernel = _grouped_bgmv([_entries(pool) for pool in module_pools], style)
-    if w == plan.seg_slot.shape[0]:  # the window holds every segment: BGMV on the one-token rows
-        outs = _on_bgmv_rows(outs, rows, plan.decode_slot, plan.decode_rows, kernel)
-    else:
-        outs = kernel(outs, rows, jnp.where(jnp.arange(num_rows) >= plan.seg_starts[w], plan.token_slot, -1))
+    if w == plan.seg_slot.shape[0]:  # the window holds every segment: BGMV on the one-token rows,
+        # whose segment delta is zero (each row is rounded once), added by row after the segment deltas
+        outs = _on_bgmv_rows([out + delta for out, delta in zip(outs, deltas)], rows, plan.decode_slot,
+                             plan.decode_rows, kernel)
+        return tuple(out.reshape(y.shape) for out, y in zip(outs, ys))
+    # BGMV rows in place on y; the segment deltas are added after it, where XLA fuses the add into
+    # the projection's consumers (added before it, each add was its own kernel over y: H200
+    # profile, bench/NOTES_serve.md)
+    outs = kernel(outs, rows, jnp.where(jnp.arange(num_rows) >= plan.seg_starts[w], plan.token_slot, -1))
     return tuple((out + delta).reshape(y.shape) for out, delta, y in zip(outs, deltas, ys))
 
 
