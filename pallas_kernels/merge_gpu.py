@@ -32,7 +32,7 @@ from jax.experimental.pallas import triton as plt
 
 _F32 = jnp.float32
 MIN_DOT = 16  # Triton's smallest dot dimension
-BLOCKS = (32, 256, 4)  # (block_k, block_n, num_warps): the fastest of bench/merge_switch.py --blocks on an H200
+BLOCKS = (32, 128, 4)  # (block_k, block_n, num_warps): the fastest of bench/merge_switch.py --blocks on an H200
 
 
 def merge_columns(kernel, base, a, b, scale, merged, offset: int, *, impl: str | None = None,
