@@ -474,7 +474,6 @@ class Engine:
         self.adapters = AdapterStore(self._read_adapter, config.adapter_dir, config.max_host_adapter_bytes,
                                      config.max_host_adapters)
         self.scheduler.is_ready = self._adapter_ready  # admit a request once its adapter is on the host
-        self.scheduler.in_slot = self._copied  # ... and once a prefetched copy of it is on the device
         self._host_copies: dict = {}  # uid -> host copy of an adapter found ready this step
         self._commands: collections.deque = collections.deque()
         self._staged: dict[int, tuple] = {}  # slot -> (uid, host copy, Future of its device copy)
@@ -856,8 +855,6 @@ class Engine:
         self._commit_staged({row.slot for row in plan.rows})
         phases.mark("commit")
         if not plan.rows:
-            if self._in_flight is None:
-                self._await_a_copy()
             return None
         try:
             if self.modes is not None:
@@ -1378,19 +1375,6 @@ class Engine:
         if prepared is not None:
             self._host_copies[uid] = prepared
         return prepared is not None
-
-    def _copied(self, uid) -> bool:
-        """The scheduler's `in_slot`: False while `uid`'s slot waits for a prefetched copy still in
-        flight (its requests are admitted once it is done, `_commit_staged` writing it then)."""
-        staged = self._staged.get(self.scheduler.slots.slot_of(uid))
-        return staged is None or staged[0] != uid or staged[2].done()
-
-    def _await_a_copy(self, timeout_s: float = 0.05) -> None:
-        """With nothing to run while prefetched copies are in flight: waits (GIL released) until one
-        is done, at most `timeout_s`, instead of planning empty steps in a loop."""
-        copies = [copy for _, _, copy in self._staged.values() if not copy.done()]
-        if copies:
-            concurrent.futures.wait(copies, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def _tell_refused(self) -> None:
         """Ends the requests the scheduler refused at admission (unified paging: their KV pages and

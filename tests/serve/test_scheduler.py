@@ -152,19 +152,3 @@ def test_prompt_chunks_of_at_most_max_prefill_adapters_per_step():
     assert steps <= 6
     with pytest.raises(ValueError, match="max_prefill_adapters"):
         SchedulerConfig(num_pages=8, page_size=4, num_adapter_slots=2, max_prefill_adapters=-1)
-
-
-def test_a_request_waits_while_its_prefetched_adapter_is_copied():
-    """A waiting request whose adapter has a slot but whose copy is still in flight (`in_slot`
-    False) is passed over (a later request goes first) and admitted once the copy is done."""
-    s = _scheduler(num_pages=32, num_adapter_slots=2)
-    s.add(Sequence("a1", [1] * 3, max_tokens=2, adapter="a"))
-    s.add(Sequence("b1", [1] * 3, max_tokens=2, adapter="b"))
-    assert sorted(key for _, key in s.prefetch()) == ["a", "b"]  # both placed, copies start
-    copying = {"a"}
-    s.in_slot = lambda key: key not in copying
-    plan, _ = _run_step(s)
-    assert [r.seq.seq_id for r in plan.rows] == ["b1"] and [q.seq_id for q in s.waiting] == ["a1"]
-    copying.clear()
-    plan, _ = _run_step(s)
-    assert "a1" in [r.seq.seq_id for r in plan.rows]

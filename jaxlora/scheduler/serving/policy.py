@@ -25,9 +25,7 @@ already on the device may go first (adapter-aware skipping); if it lacks pages, 
 so long requests are not starved. A request whose adapter is neither on the device nor ready to
 copy there (`is_ready(key)`: the caller's host tier holds it; default always) is passed over until
 it is, as is its adapter by `prefetch`: a request whose adapter is still read from disk waits
-without holding the queue. Likewise one whose adapter has a slot whose prefetched copy is still on
-its way to the device (`in_slot(key)`, the caller's): admitting it would make the step wait for
-the copy (S-LoRA: the request waits, the step does not).
+without holding the queue.
 
 Async scheduling (vLLM/SGLang): `schedule()` commits its plan at once, as if the step had run:
 each row's tokens count as computed, and a row that samples appends a `PENDING` placeholder to
@@ -209,9 +207,6 @@ class ServingScheduler:
         self.running: list[Sequence] = []
         self._order = itertools.count()
         self.is_ready: Callable[[Hashable], bool] = lambda key: True  # adapter copyable to the device now
-        # whether an adapter placed in a slot has its weights there (False while its prefetched copy is
-        # in flight: admission passes its requests over, so a step never waits for a copy)
-        self.in_slot: Callable[[Hashable], bool] = lambda key: True
         # whether requests of an adapter (None: the base model) get rows now (merged inference mode:
         # only the merged adapter's; `jaxlora.scheduler.serving.modes.runs_in`)
         self.runs: Callable[[Hashable | None], bool] = lambda key: True
@@ -351,8 +346,6 @@ class ServingScheduler:
                 break
             if seq.adapter is not None and self.slots.slot_of(seq.adapter) is None and not self.is_ready(seq.adapter):
                 continue  # its adapter is still on its way to the host
-            if seq.adapter is not None and self.slots.slot_of(seq.adapter) is not None and not self.in_slot(seq.adapter):
-                continue  # its adapter is on its way to the device (prefetched): the step does not wait
             if not self.runs(seq.adapter):
                 continue
             if not self._chunk_fits(chunked, self._row(seq, budget)):
