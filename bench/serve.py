@@ -711,7 +711,8 @@ def main() -> None:
                              "run once with and once without for the same trace (same --seed)")
     parser.add_argument("--adapter-rows", type=int, default=None,
                         help="device rows for adapters with --unified-paging (default: adapter slots x rank)")
-    parser.add_argument("--compile-threads", type=int, default=min(8, os.cpu_count() or 1))
+    parser.add_argument("--compile-threads", type=int, default=min(16, os.cpu_count() or 1),
+                        help="threads compiling the step programs (an H200 host: 22 programs in 46-57 s with 16)")
     parser.add_argument("--compile-cache", default="/tmp/jaxlora_serve_jit_cache",
                         help="JAX persistent compilation cache dir ('' to disable)")
     parser.add_argument("--time-budget", type=float, default=0, help="seconds; skip cases that would not fit (0: off)")
