@@ -319,9 +319,10 @@ def segment_accumulate_group(ys, x: jax.Array, module_pools, plan: ServingPlan, 
     - the first `SEGMENT_WINDOW` prefill segments through a segment GEMM: x @ A_win [k, G*w*r]
       (the segments' own A of all G projections side by side: one GEMM), each row keeping its
       own segment's columns (scaled, rank-masked), then @ B_win [w*r, n_g] per projection;
-    - every other LoRA row through the BGMV kernels in place: the one-token rows (only those,
-      gathered, when the window holds every segment and the plan lists them in `decode_rows`),
-      and prefill rows of segments beyond the window.
+    - every other LoRA row through the BGMV kernels: when the window holds every segment (the
+      serving engine plans no more), the one-token rows only (with `decode_rows`: the kernels
+      on those rows, their deltas added back by a row gather, `_on_bgmv_rows`); else in place
+      over all rows, prefill rows of segments beyond the window included.
 
     No relayout of the pool: only the window's entries are gathered (once per step, see
     `_segment_window_arrays`). Forward only."""
