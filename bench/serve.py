@@ -211,14 +211,44 @@ class Record:
         self.reason = self.error = None
 
 
+class Timeline:
+    """What the driver's thread did over a trace run, as host intervals in seconds from the run's
+    start: "serve" (an `Engine.step` that had work: planning, dispatching, reading tokens), "train"
+    (an `Engine.train_step` that ran a microbatch), "idle" (a step with nothing to run, or waiting
+    for the next arrival). Consecutive intervals of one kind less than 1 ms apart are merged, so a
+    run of serving steps is one span. Host time: a step's device work overlaps the next step's
+    planning (async scheduling)."""
+
+    def __init__(self, start: float):
+        self.start = start
+        self.spans: list[list] = []  # [kind, t0, t1]
+
+    def add(self, kind: str, t0: float, t1: float) -> None:
+        t0, t1 = t0 - self.start, t1 - self.start
+        if self.spans and self.spans[-1][0] == kind and t0 - self.spans[-1][2] < 1e-3:
+            self.spans[-1][2] = t1
+        else:
+            self.spans.append([kind, t0, t1])
+
+    def summary(self) -> dict:
+        """{"seconds": {kind: total}, "fraction": {kind: share of the spans' extent}, "spans": n}."""
+        totals = {}
+        for kind, t0, t1 in self.spans:
+            totals[kind] = totals.get(kind, 0.0) + t1 - t0
+        extent = (self.spans[-1][2] - self.spans[0][1]) if self.spans else 0.0
+        return {"seconds": totals, "fraction": {k: v / extent for k, v in totals.items()} if extent else {},
+                "spans": len(self.spans)}
+
+
 def run_trace(model, engine_config: EngineConfig, trace: Trace, prompts: list, factory: AdapterFactory | None,
-              mesh=None, step_fn=None, shapes=None, compressed=None, install=None) -> dict:
+              mesh=None, step_fn=None, shapes=None, compressed=None, install=None, timeline: bool = False) -> dict:
     """Serves `trace` on a fresh engine (with its adapters if `factory`, or from a compressed
     collection `compressed` (a `SharedBasisSet` naming them adapter<i>), else all on the base model;
     tensor parallel over `mesh` if given), warmed up on `shapes` (default: the greedy steps of its
     kind, `greedy_shapes`) unless `step_fn` replaces its device step (`Engine(step_fn=...)`).
     install(engine): called once the engine is ready, before the clock starts (e.g. to set its
-    `training`: the driver runs `Engine.train_step` after every step, as the engine thread does)."""
+    `training`: the driver runs `Engine.train_step` after every step, as the engine thread does).
+    timeline: also return the run's `Timeline` spans and their summary ("timeline")."""
     setup_start = time.perf_counter()
     engine = Engine(model, eos_ids=(), config=engine_config, mesh=mesh, step_fn=step_fn, compressed=compressed)
     with_adapters = factory is not None or compressed is not None
@@ -236,6 +266,7 @@ def run_trace(model, engine_config: EngineConfig, trace: Trace, prompts: list, f
     finished = [0]
 
     start = time.perf_counter()
+    spans = Timeline(start) if timeline else None
     lateness = 0.0
     submitted = 0
     while finished[0] < count:
@@ -246,10 +277,20 @@ def run_trace(model, engine_config: EngineConfig, trace: Trace, prompts: list, f
             lateness = max(lateness, now - trace.arrivals[i])
             engine.submit(i, prompts[i], names[i], SamplingParams(int(trace.output_lens[i])), recording(records[i], finished))
             submitted += 1
+        t0 = time.perf_counter()
         busy = engine.step()
-        if not engine.train_step() and not busy and finished[0] < count:
+        t1 = time.perf_counter()
+        trained = engine.train_step()
+        if spans is not None:
+            spans.add("serve" if busy else "idle", t0, t1)
+            if trained:
+                spans.add("train", t1, time.perf_counter())
+        if not trained and not busy and finished[0] < count:
             if submitted < count:  # idle until the next arrival
-                time.sleep(max(0.0, min(0.05, start + trace.arrivals[submitted] - time.perf_counter())))
+                t2 = time.perf_counter()
+                time.sleep(max(0.0, min(0.05, start + trace.arrivals[submitted] - t2)))
+                if spans is not None:
+                    spans.add("idle", t2, time.perf_counter())
             else:
                 raise RuntimeError(f"engine idle with {count - finished[0]} requests unfinished")
     end = max(r.end for r in records)
@@ -265,6 +306,8 @@ def run_trace(model, engine_config: EngineConfig, trace: Trace, prompts: list, f
         "phase_ms_per_step": stats.phase_ms_per_step(), "steps_by_kind": stats.steps_by_kind(),
         "train_steps": stats.train_steps, "train_tokens": stats.train_tokens, "train_seconds": stats.train_seconds,
         **({} if engine.modes is None else {"modes": engine.modes.snapshot()}),
+        **({} if spans is None else {"timeline": {**spans.summary(), "kinds": ["serve", "train", "idle"],
+                                                  "spans_s": [[round(t0, 4), round(t1, 4), k] for k, t0, t1 in spans.spans]}}),
     })
     del engine
     gc.collect()

@@ -62,6 +62,11 @@ class TrainerSource:
         self.trainer.train_next()
 
 
+def timeline_shares(run: dict) -> str:
+    """"serve 62%, train 20%, idle 18%" from a run's timeline summary (`bench.serve.Timeline`)."""
+    return ", ".join(f"{kind} {100 * share:.0f}%" for kind, share in run["timeline"]["fraction"].items())
+
+
 def job_config(data_dir: str, args, dtype: str) -> TrainConfig:
     lora = lora_config({"r": LORA.r, "alpha": LORA.lora_alpha, "targets": list(LORA.target_modules)}, "bench")
     jobs = tuple(JobConfig(f"job{i}", os.path.join(data_dir, f"adapter{i}.jsonl"), lora, learning_rate=1e-4,
@@ -117,6 +122,32 @@ def write_report(path: str, report: dict) -> None:
     fig.suptitle(f"serving + fine-tuning in one engine, {report['device']}, {report['model']['layers']} layers")
     fig.tight_layout()
     fig.savefig(os.path.splitext(path)[0] + ".png", dpi=110)
+    plt.close(fig)
+    plot_timelines(plt, report, os.path.splitext(path)[0] + "_timeline.png")
+
+
+COLORS = {"idle": "tab:gray", "train": "tab:orange", "serve": "tab:blue"}  # drawn in this order
+
+
+def plot_timelines(plt, report: dict, path: str, seconds: float = 10.0) -> None:
+    """The driver's first `seconds` of each load's run with the job, as bars of serving steps,
+    training microbatches and idle time (`bench.serve.Timeline`), one row per load."""
+    rows = [r for r in report["loads"] if "timeline" in r["with_training"]]
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(14, 1 + 0.6 * len(rows)))
+    for y, row in enumerate(rows):
+        timeline = row["with_training"]["timeline"]
+        for kind in COLORS:
+            bars = [(t0, t1 - t0) for t0, t1, k in timeline["spans_s"] if k == kind and t0 < seconds]
+            ax.broken_barh(bars, (y - 0.35, 0.7), color=COLORS[kind], label=kind if y == 0 else None)
+    ax.set_yticks(range(len(rows)), [f"load {r['load']:g}" for r in rows])
+    ax.set_xlim(0, min(seconds, max(r["with_training"]["timeline"]["spans_s"][-1][1] for r in rows)))
+    ax.set_xlabel("seconds from the trace's start (the driver's thread)")
+    ax.legend(loc="upper right", ncol=3)
+    ax.set_title(f"where the time goes with the job, {report['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -201,8 +232,8 @@ def main() -> None:
     for load in args.loads:
         case = Case("slora", "replay", args.requests, load * rate, 1.0, n=100)
         trace = make_trace(case, args.seed, min_len, max_len, 1000)
-        alone = run_trace(model, engine_config, trace, prompts, factory)
-        shared = run_trace(model, engine_config, trace, prompts, factory, install=install)
+        alone = run_trace(model, engine_config, trace, prompts, factory, timeline=True)
+        shared = run_trace(model, engine_config, trace, prompts, factory, install=install, timeline=True)
         print_row(f"load {load:g} ({load * rate:.2f} req/s)", "alone", alone)
         print_row("", "+ training", shared)
         train_rate = shared["train_tokens"] / shared["duration_s"]
@@ -212,6 +243,8 @@ def main() -> None:
                "train_tokens_per_s": train_rate, "train_vs_alone": train_rate / alone_training["train_tokens_per_s"]}
         print(f"  TTFT p90 x{row['ttft_p90_ratio']:.3f}, TPOT p90 x{row['tpot_p90_ratio']:.3f}, training "
               f"{train_rate:.0f} tok/s ({row['train_vs_alone']:.2f} of the trainer alone)", flush=True)
+        print("  driver time: alone " + timeline_shares(alone) + "; with the job " + timeline_shares(shared),
+              flush=True)
         report["loads"].append(row)
         write_report(args.out, report)
     write_report(args.out, report)
