@@ -172,9 +172,9 @@ def pallas_accumulate(y: jax.Array, x: jax.Array, module_pool, plan: ServingPlan
 
 def pallas_accumulate_group(ys, x: jax.Array, module_pools, plan: ServingPlan, style: str | None = None) -> tuple:
     """`pallas_accumulate` for several projections of one input x [..., k] (q/k/v, gate/up): ys are
-    their outputs [..., n_g] (float32, or x's dtype: kept), module_pools their pools. The one-token rows of all of them go
-    through one grouped BGMV shrink and one expand (x read once, 2 launches instead of 2 per
-    projection); prefill segments through SGMV per projection. Paged pools: `pallas_accumulate`
+    their outputs [..., n_g] (float32, or x's dtype: kept), module_pools their pools. The one-token
+    rows of all of them go through one grouped BGMV shrink and one expand (x read once, 2 launches
+    instead of 2 per projection); prefill segments through SGMV per projection. Paged pools: `pallas_accumulate`
     per projection (no grouped paged kernel)."""
     if any(isinstance(pool, PagedModulePool) for pool in module_pools):
         return tuple(pallas_accumulate(y, x, pool, plan, style) for y, pool in zip(ys, module_pools))
@@ -229,9 +229,9 @@ def _on_bgmv_rows(outs: list, rows: jax.Array, row_slot: jax.Array, decode_rows,
 
 
 def _serving_kernels(y, rows, module_pool, plan: ServingPlan, style: str):
-    """y [N, n] float32 plus the LoRA of rows [N, k] already in the plan's order: SGMV over the
-    prefill segments (none in a decode-only step), then BGMV over the one-token rows, both in
-    place on y (2 or 4 kernel launches, no gathers, no per-call rank/scale lookups: the kernels
+    """y [N, n] (float32, or x's dtype) plus the LoRA of rows [N, k] already in the plan's order:
+    SGMV over the prefill segments (none in a decode-only step), then BGMV over the one-token rows
+    (`_on_bgmv_rows`), both in place on y (2 or 4 kernel launches, no gathers, no per-call rank/scale lookups: the kernels
     read them by slot; forward only: no VJP). module_pool: a layer's dict or a StackedModulePool
     (a PagedModulePool: the paged kernels, reading the adapters' rows through the row table)."""
     if isinstance(module_pool, PagedModulePool):

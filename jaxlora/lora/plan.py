@@ -82,8 +82,9 @@ class ServingPlan(NamedTuple):
       seg_starts[S] on is no segment's. Both None when built with S = 0 (the engine does so for
       steps without multi-token rows: decode only), which makes it its own compiled variant.
     decode_rows [D] or None: the rows of the one-token adapter tokens (those with decode_slot >= 0)
-      ascending, padded with N (no row): a mixed step's BGMV runs over these D rows only, gathered
-      and written back, instead of over all N (`jaxlora.lora.ops`); None: over all N rows.
+      ascending, padded with N (no row): a mixed step's BGMV runs over these D rows only and each
+      row's delta is added back by a row gather, instead of over all N (`jaxlora.lora.ops.
+      _on_bgmv_rows`); None: over all N rows, in place.
     """
 
     token_slot: np.ndarray
