@@ -231,8 +231,8 @@ def _on_bgmv_rows(outs: list, rows: jax.Array, row_slot: jax.Array, decode_rows,
 def _serving_kernels(y, rows, module_pool, plan: ServingPlan, style: str):
     """y [N, n] (float32, or x's dtype) plus the LoRA of rows [N, k] already in the plan's order:
     SGMV over the prefill segments (none in a decode-only step), then BGMV over the one-token rows
-    (`_on_bgmv_rows`), both in place on y (2 or 4 kernel launches, no gathers, no per-call rank/scale lookups: the kernels
-    read them by slot; forward only: no VJP). module_pool: a layer's dict or a StackedModulePool
+    (`_on_bgmv_rows`), both in place on y (2 or 4 kernel launches, no per-call rank/scale lookups:
+    the kernels read them by slot; forward only: no VJP). module_pool: a layer's dict or a StackedModulePool
     (a PagedModulePool: the paged kernels, reading the adapters' rows through the row table)."""
     if isinstance(module_pool, PagedModulePool):
         if plan.seg_starts is not None:
