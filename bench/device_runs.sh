@@ -236,6 +236,17 @@ serve_check() {  # one H200: the guard's serving trace, the merged-mode switch u
   LIMIT=$((LIMIT - SECONDS)) cold_start --after-ready 30
 }
 
+disk_and_100() {  # one H200, alone: the guard's slora_disk n=2000 case, then the 100-request distinct trace
+  # (more adapters than device slots); .jitcache carried
+  nvidia-smi -L
+  python3 bench/jit_cache.py unpack .jitcache/jitcache /tmp/jaxlora_serve_jit_cache
+  timeout $((LIMIT - 150)) python3 bench/regress.py --only slora_disk --out-dir "$OUT" 2>&1 | grep -v cuda_timer | tail -n 30
+  rm -f "$OUT/regress_log.txt"
+  timeout $((LIMIT - SECONDS - 5)) python3 bench/serve.py --lora-backend hybrid --max-num-seqs 256 --token-budget 2048 \
+      --prefill-chunk 2048 --requests 100 --cases punica:distinct --out "$OUT/serve100_h200.json" 2>&1 \
+      | grep -v "cuda_timer\\|Warning" | tail -n 20
+}
+
 two_gpus() {  # 2 GPUs: TP=2 serving vs one GPU, then PP=2 training vs one GPU
   nvidia-smi -L
   timeout 270 python3 bench/tp_serve.py --out "$OUT/tp_serve_2xh200.json" 2>&1 | tail -n 15
