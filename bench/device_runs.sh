@@ -247,6 +247,20 @@ disk_and_100() {  # one H200, alone: the guard's slora_disk n=2000 case, then th
       | grep -v "cuda_timer\\|Warning" | tail -n 20
 }
 
+scan_check() {  # one H200: the guard's serving trace, then slora_disk n=2000 (a=1, 400 requests) with the
+  # engine's default scan_layers_from_tokens (one adapter) and with 512 (disk and one); .jitcache carried
+  nvidia-smi -L
+  python3 bench/jit_cache.py unpack .jitcache/jitcache /tmp/jaxlora_serve_jit_cache
+  timeout 240 python3 bench/regress.py --only serve --out-dir "$OUT" 2>&1 | grep -v cuda_timer | tail -n 32
+  rm -f "$OUT/regress_serve.png" "$OUT/regress_log.txt"
+  local common="bench/slora_disk.py --adapters 2000 --dir /tmp/slora_adapters --cases slora:n=2000,alpha=1 \
+      --mode throughput --requests 400"
+  python3 bench/slora_disk.py --adapters 2000 --dir /tmp/slora_adapters --write-only 2>&1 | tail -n 2
+  timeout 150 python3 $common --runs one --out "$OUT/slora_scan256.json" 2>&1 | grep -v cuda_timer | tail -n 4
+  timeout $((LIMIT - SECONDS - 5)) python3 $common --runs disk one --scan-layers-from-tokens 512 \
+      --out "$OUT/slora_scan512.json" 2>&1 | grep -v cuda_timer | tail -n 5
+}
+
 two_gpus() {  # 2 GPUs: TP=2 serving vs one GPU, then PP=2 training vs one GPU
   nvidia-smi -L
   timeout 270 python3 bench/tp_serve.py --out "$OUT/tp_serve_2xh200.json" 2>&1 | tail -n 15

@@ -230,6 +230,8 @@ def parse_args(argv=None):
     parser.add_argument("--num-pages", type=int, default=None, help="KV pages (default: max-num-seqs contexts)")
     parser.add_argument("--lora-backend", default=None, help="default: pallas on a GPU, gather elsewhere")
     parser.add_argument("--compile-cache", default="/tmp/jaxlora_serve_jit_cache")
+    parser.add_argument("--scan-layers-from-tokens", type=int, default=None,
+                        help="EngineConfig.scan_layers_from_tokens (default: the engine's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON (default bench/results/slora_disk[_tiny].json)")
     args = parser.parse_args(argv)
@@ -274,7 +276,8 @@ def main(argv=None) -> None:
         max_num_seqs=args.max_num_seqs, token_budget=args.token_budget, prefill_chunk=min(128, args.token_budget),
         max_waiting=1 << 30, lora_backend=args.lora_backend or ("pallas" if jax.default_backend() == "gpu"
                                                                 else "gather"),
-        adapter_dir=args.dir, max_host_adapter_bytes=host_bound, lora_target_modules=tuple(args.targets))
+        adapter_dir=args.dir, max_host_adapter_bytes=host_bound, lora_target_modules=tuple(args.targets),
+        scan_layers_from_tokens=args.scan_layers_from_tokens)
     model = Llama(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     device = jax.devices()[0].device_kind
     report = {"device": device, "jax": jax.__version__, "host": platform.node(),

@@ -96,7 +96,6 @@ registry's `partitionable`, `jaxlora.lora.backends`) are accepted.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -133,6 +132,7 @@ from jaxlora.scheduler.serving import (
     pages_for,
 )
 
+from serve.adapter_copies import StagedCopies
 from serve.adapter_store import AdapterStore
 from serve.modes import EngineModes
 from serve.sampler_state import SamplerSlots, step_sampling
@@ -476,7 +476,6 @@ class Engine:
         self.scheduler.is_ready = self._adapter_ready  # admit a request once its adapter is on the host
         self._host_copies: dict = {}  # uid -> host copy of an adapter found ready this step
         self._commands: collections.deque = collections.deque()
-        self._staged: dict[int, tuple] = {}  # slot -> (uid, host copy, Future of its device copy)
         # Background copies need a device apart from the host (on a CPU backend the copy is a memcpy
         # on the cores that run the step) and a pool without a mesh (see `_stage`).
         self.background_prefetch = mesh is None and jax.default_backend() != "cpu"
@@ -486,6 +485,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.stats = EngineStats()
+        self.copies = StagedCopies(self.pool, self.stats)  # prefetched adapters on their way to the device
         # Training in the steps serving leaves idle (`jaxlora.scheduler.core`): set by the server.
         self.training: TrainingSource | None = None
         self.co_policy = CoSchedulePolicy()
@@ -1398,35 +1398,25 @@ class Engine:
     def _load(self, loads) -> None:
         """Copies the adapters of `loads` [(slot, uid)] into their slots now (synchronously)."""
         for slot, uid in loads:
-            self._staged.pop(slot, None)
+            self.copies.drop(slot)
             started = time.perf_counter()
             self.pool.load(self._host_copy(uid), slot=slot)
             self.stats.record_device_load(time.perf_counter() - started)
 
     def _stage(self, loads) -> None:
-        """Prefetch: starts the host -> device copies of the adapters of `loads` [(slot, uid)] on a
-        background thread; `_commit_staged` writes them into their slots. Without
+        """Prefetch: starts the host -> device copies of the adapters of `loads` [(slot, uid)]
+        (`serve.adapter_copies`); `_commit_staged` writes them into their slots. Without
         `background_prefetch` (a CPU backend, or a mesh: the placed pool's slot update splits the
         host arrays itself): `_load`."""
         if not self.background_prefetch:
             self._load(loads)
             return
-        for slot, uid in loads:
-            prepared = self._host_copy(uid)
-            self._staged[slot] = uid, prepared, _prefetch_thread().submit(_to_device, self.pool, prepared,
-                                                                         self.stats)
+        self.copies.stage(loads, self._host_copy)
 
     def _commit_staged(self, needed) -> None:
-        """Writes staged adapters into their slots: every copy that is done, and those of the slots
-        in `needed` (the step's rows use them: waits for their copies). A failed copy: the host
-        arrays are loaded instead."""
-        for slot in [slot for slot, (_, _, copy) in self._staged.items() if slot in needed or copy.done()]:
-            uid, prepared, copy = self._staged.pop(slot)
-            try:
-                self.pool.write_padded(slot, prepared.name, copy.result())
-            except Exception:
-                log.exception("prefetch copy failed; loading from host memory")
-                self.pool.load(prepared, slot=slot)
+        """Writes prefetched adapters into their slots: those copied, and those of the slots in
+        `needed` (the step's rows use them); see `StagedCopies.commit`."""
+        self.copies.commit(needed)
 
     def _drop_removed_adapters(self) -> None:
         """Frees the slots and host copies of removed adapters that no request still uses."""
@@ -1439,7 +1429,7 @@ class Engine:
                 continue
             slot = self.scheduler.drop_adapter(entry.uid)
             if slot is not None:
-                self._staged.pop(slot, None)
+                self.copies.drop(slot)
                 self.pool.evict(slot)
             self.adapters.drop(entry.uid)
 
@@ -1561,18 +1551,6 @@ def _progress_log(started: float) -> Callable[[str], Callable[[int, int], None]]
                                                         time.perf_counter() - started)
 
 
-@functools.lru_cache(maxsize=1)
-def _prefetch_thread() -> concurrent.futures.ThreadPoolExecutor:
-    """The one thread (shared by engines, first come first served) that copies prefetched adapters."""
-    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxlora-prefetch")
-
-
-def _to_device(pool: AdapterPool, adapter: PreparedAdapter, stats: "EngineStats") -> dict:
-    """`adapter`'s slot arrays (`pool.padded`) copied to the pool's device (on the prefetch thread)."""
-    started = time.perf_counter()
-    values = jax.block_until_ready(pool.to_device(pool.padded(adapter)))
-    stats.record_device_load(time.perf_counter() - started)
-    return values
 
 
 class TrainingSource(Protocol):

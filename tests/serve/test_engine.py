@@ -282,45 +282,94 @@ def test_pallas_steps_use_the_serving_plan_without_recompiling(smollm2, adapters
     assert lora_programs() - compiled_before <= len(set(seen)) < len(seen)
 
 
-@pytest.mark.parametrize("slots, rows, pinned", [(8, 4, False), (3, 2, False), (3, 2, True)])
-def test_prefetched_adapters_copy_in_the_background(smollm2, adapters8, expected, monkeypatch, slots, rows, pinned):
-    """Adapters of queued requests (few rows per step: requests queue) are copied to the device on
-    the prefetch thread and written into their slots before the first step that uses them (here
-    the copies wait until a step needs one, so steps run while copies are on their way): the same
-    greedy tokens as with the merged weights; also with the host copies in pinned memory (a GPU
-    server's default)."""
+class _HeldCopy:
+    """A prefetch copy that reports itself not done until `release` is set (then the real one's)."""
+
+    def __init__(self, real, release):
+        self.real, self.release = real, release
+
+    def done(self) -> bool:
+        return self.release.is_set() and self.real.done()
+
+    def result(self):
+        self.release.wait(timeout=60)
+        return self.real.result()
+
+
+@pytest.mark.parametrize("slots, rows, pinned, max_bytes", [(8, 4, False, None), (3, 2, False, None),
+                                                            (3, 2, True, None), (8, 4, True, 1)])
+def test_prefetched_adapters_copy_in_the_background(smollm2, adapters8, expected, monkeypatch, slots, rows, pinned,
+                                                    max_bytes):
+    """Adapters of queued requests (few rows per step: requests queue) are copied to the device
+    while steps run (pageable host copies on the prefetch thread; pinned ones by an asynchronous
+    copy started on the engine thread) and written into their slots before the first step that
+    uses them (here the copies stay not done until a step needs one, so steps run while copies are
+    on their way): the same greedy tokens as with the merged weights. With a bound of one byte on
+    the copies in flight, at most one copy is issued and not yet written at any time."""
     import threading
 
-    import serve.engine as engine_module
+    import serve.adapter_copies as copies_module
 
     model, tokenizer = smollm2
     requests, outputs = expected
-    real_copy, copies, waited, release = engine_module._to_device, [], [], threading.Event()
+    real_start, copies, waited, release = copies_module.start_copy, [], [], threading.Event()
+    in_flight = []
 
-    def held_copy(pool, adapter, stats):
-        release.wait(timeout=60)
-        copies.append(adapter.name)
-        return real_copy(pool, adapter, stats)
+    def held_start(pool, prepared, stats):
+        copies.append(prepared.name)
+        return _HeldCopy(real_start(pool, prepared, stats), release)
 
-    monkeypatch.setattr(engine_module, "_to_device", held_copy)
+    monkeypatch.setattr(copies_module, "start_copy", held_start)
     config = EngineConfig(**{**SMALL_ENGINE, "max_adapters_on_device": slots, "max_num_seqs": rows,
                              "pinned_host_adapters": pinned})
     engine = Engine(model, tokenizer.eos_token_ids, config, adapters8)
     assert engine.pool.pinned is pinned
     engine.background_prefetch = True  # off by default on a CPU backend
+    if max_bytes is not None:
+        engine.copies.max_bytes = max_bytes
     real_commit = engine._commit_staged
 
     def commit(needed):
-        pending = [slot for slot, (_, _, copy) in engine._staged.items() if slot in needed and not copy.done()]
+        staged = engine.copies.staged
+        pending = [slot for slot, entry in staged.items() if slot in needed and not (entry.copy and entry.copy.done())]
         waited.extend(pending)
+        in_flight.append(sum(entry.copy is not None for entry in staged.values()))
         if pending:
             release.set()
         real_commit(needed)
 
     engine._commit_staged = commit
     assert _serve_all(engine, requests) == outputs
-    assert copies and waited  # prefetched copies, and a step that had to wait for one
-    assert all(copy.done() for _, copy in engine._staged.values())
+    assert copies and waited  # prefetched copies, and a step that needed one not done yet
+    engine._commit_staged(set())
+    assert not engine.copies.staged or all(entry.copy is None or entry.copy.done()
+                                           for entry in engine.copies.staged.values())
+    if max_bytes is not None:
+        assert max(in_flight) == 1
+    else:
+        assert max(in_flight) >= 1
+
+
+def test_staged_copy_that_fails_to_start_loads_from_the_host(smollm2, adapters8, expected, monkeypatch):
+    """A prefetch copy that cannot start (a device error) is not lost: the slot is loaded from the
+    host copy when a step needs it, and the tokens are those of the merged weights."""
+    import serve.adapter_copies as copies_module
+
+    model, tokenizer = smollm2
+    requests, outputs = expected
+    starts = []
+
+    def failing_start(pool, prepared, stats):
+        starts.append(prepared.name)
+        return copies_module._FailedCopy(RuntimeError("simulated device error"))
+
+    monkeypatch.setattr(copies_module, "start_copy", failing_start)
+    config = EngineConfig(**{**SMALL_ENGINE, "max_adapters_on_device": 3, "max_num_seqs": 2,
+                             "pinned_host_adapters": True})
+    engine = Engine(model, tokenizer.eos_token_ids, config, adapters8)
+    engine.background_prefetch = True
+    assert _serve_all(engine, requests) == outputs
+    assert starts
 
 
 def test_accelerator_token_buckets_pad_steps_and_serve_the_same_tokens(smollm2, adapters8, expected, monkeypatch):
