@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "every step program first; auto: on for a GPU/TPU")
     p.add_argument("--scan-layers-from-tokens", type=int, default=None,
                    help="steps of at least this many tokens run the layers as one compiled scan body (5-10x faster "
-                        "to compile), smaller ones unrolled (default: 256 on a GPU/TPU, 1 on a CPU)")
+                        "to compile), smaller ones unrolled (default: 512 on a GPU/TPU, 1 on a CPU; the server's first "
+                        "programs are compiled scanned and their unrolled ones in the background)")
     p.add_argument("--max-tokens-limit", type=int, default=1024, help="largest max_tokens a request may ask")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--max-waiting", type=int, default=1024, help="queued sequences before 429")

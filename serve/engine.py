@@ -191,13 +191,16 @@ class EngineConfig:
     min_step_tokens: int | None = None
     min_lora_mixed_tokens: int | None = None
     # Start-up (issue 35). Forwards over at least `scan_layers_from_tokens` tokens run their layers
-    # as one scan body, compiled 5-10x faster at the same step time; smaller ones (decode steps,
-    # whose GEMMs must read the weights in place) are unrolled (`serve.step.Programs`). None: 256 on a
-    # GPU/TPU, 1 on a CPU (every program a scan, as before). `background_compile`: `warmup` compiles
-    # the programs that can serve any step (the largest token bucket of each variant, and 256-token
-    # ones where the budget is larger), the server turns ready, and the rest compile on a background
-    # thread, smallest buckets first; until a step's own bucket is compiled it runs in the smallest
-    # compiled larger one (a request never waits on a compile). None: on a GPU/TPU, off on a CPU.
+    # as one scan body, compiled 5-10x faster at the same step time; smaller ones (decode steps and
+    # the small mixed steps, whose GEMMs must read the weights in place) are unrolled
+    # (`serve.step.Programs`). None: 512 on a GPU/TPU (256-token steps scanned cost S-LoRA's trace
+    # 28% of its throughput on an H200: bench/NOTES_serve.md), 1 on a CPU (every program a scan).
+    # `background_compile`: `warmup` compiles the programs that can serve any step (per variant the
+    # largest token bucket and the smallest that holds a decode step of every row), scanned (fast),
+    # the server turns ready, and the rest, with the unrolled programs of those below
+    # `scan_layers_from_tokens`, compile on a background thread, smallest buckets first; until a
+    # step's own bucket is compiled it runs in the smallest compiled larger one (a request never
+    # waits on a compile). None: on a GPU/TPU, off on a CPU.
     scan_layers_from_tokens: int | None = None
     background_compile: bool | None = None
     # The adapter window (`jaxlora.models.packed.add_adapter_window`): a step whose rows use at most
@@ -235,7 +238,7 @@ class EngineConfig:
     # Bounds of the step sizes (each compiled program is as large as its step; tokens bound rows).
     BOUNDS = {"max_num_seqs": (1, 1024), "token_budget": (1, 65536), "prefill_chunk": (1, 65536)}
     ACCELERATOR_STEP = {"max_num_seqs": 256, "token_budget": 2048, "min_step_tokens": 32, "min_lora_mixed_tokens": 256,
-                        "adapter_window": 8, "scan_layers_from_tokens": 256, "background_compile": True}
+                        "adapter_window": 8, "scan_layers_from_tokens": 512, "background_compile": True}
     CPU_STEP = {"max_num_seqs": 32, "token_budget": 128, "prefill_chunk": 64, "min_step_tokens": 8,
                 "min_lora_mixed_tokens": 8, "adapter_window": 4, "scan_layers_from_tokens": 1,
                 "background_compile": False}
@@ -976,7 +979,10 @@ class Engine:
         threads = min(8, os.cpu_count() or 1) if threads is None else threads
         log.info("compiling %d step programs (%d threads)%s", len(shapes), threads,
                  f"; {len(rest)} more in the background once serving" if rest else "")
-        self._compile_shapes(shapes, threads, _progress_log(started))
+        # with a background compile the first programs are scanned (fast to compile); those that run
+        # unrolled in the end are compiled again in the background (`Programs` stand-ins)
+        self._compile_shapes(shapes, threads, _progress_log(started), scan=True if rest else None)
+        rest += [shape for shape in self.programs.stand_ins() if shape not in rest]
         free = self.pool.free_slot()
         if free is not None:  # an empty slot written with zeros: compiles the update, changes nothing
             self.pool.evict(free)
@@ -995,14 +1001,15 @@ class Engine:
     def first_shapes(self, shapes: list[StepShape]) -> list[StepShape]:
         """The programs of `shapes` that serve any step until the rest are compiled: per forward
         variant (LoRA or not, decode-only, window, table width) its largest token bucket and its
-        smallest one with scanned layers (fast to compile), and the samplers over their rows."""
+        smallest one that holds a decode step of every row (`warmup` compiles them scanned: fast),
+        and the samplers over their rows."""
         forwards = [shape for shape in shapes if shape.program == "forward"]
-        first = set()
+        first, all_rows = set(), bucket(self.max_rows, self._min_tokens)
         for variant in {(s.width, s.lora, s.decode_only, s.window) for s in forwards}:
             tokens = sorted(s.tokens for s in forwards if (s.width, s.lora, s.decode_only, s.window) == variant)
-            scanned = [t for t in tokens if t >= self.programs.scan_from_tokens]
+            fits = [t for t in tokens if t >= all_rows]
             first |= {s for s in forwards if (s.width, s.lora, s.decode_only, s.window) == variant
-                      and s.tokens in (tokens[-1], scanned[0] if scanned else tokens[-1])}
+                      and s.tokens in (tokens[-1], fits[0] if fits else tokens[-1])}
         rows = {shape.rows for shape in first}
         return [shape for shape in shapes if shape in first or (shape.program != "forward" and shape.rows in rows)]
 
@@ -1012,12 +1019,13 @@ class Engine:
         return [shape._replace(score=True) for shape in shapes if shape.program == "forward" and not shape.window
                 and not shape.decode_only and shape.tokens >= self.programs.scan_from_tokens]
 
-    def _compile_shapes(self, shapes: list[StepShape], threads: int, progress=None) -> None:
-        """Compiles `shapes` (forwards first: the samplers take the forwards' logits sharding)."""
+    def _compile_shapes(self, shapes: list[StepShape], threads: int, progress=None, scan: bool | None = None) -> None:
+        """Compiles `shapes` (forwards first: the samplers take the forwards' logits sharding);
+        `scan`: see `Programs.compile`."""
         for program in ("forward", "sample", "sample_state"):
             todo = [shape for shape in shapes if shape.program == program]
             self.programs.compile_all([(shape, self._padding_args(shape)) for shape in todo], threads,
-                                      None if progress is None else progress(program))
+                                      None if progress is None else progress(program), scan=scan)
 
     def _compile_rest(self, shapes: list[StepShape]) -> None:
         """The background thread of `warmup`: the forwards of each token bucket, smallest first, then
@@ -1034,7 +1042,7 @@ class Engine:
                 self._compile_shapes(forwards + samplers, 1)
             except Exception:  # the step compiles it when it needs it (and raises there)
                 log.exception("background compile of the %d-token programs failed", tokens)
-        left = [shape for shape in shapes if shape not in self.programs]
+        left = [shape for shape in shapes if shape not in self.programs or shape in self.programs.stand_ins()]
         if left and not self._stopping:
             self._compile_shapes(left, 1)
         log.info("background compile done: %d programs in %.1f s", len(shapes), time.perf_counter() - started)

@@ -211,13 +211,18 @@ class Programs:
     decode step on an H200). From `scan_from_tokens` up the layers are one scan body: XLA's GEMM
     autotuning, most of a program's compile, then tunes one layer instead of 32 (each unrolled
     layer's fusions differ by their slice), 5-10x faster to compile at the same step time
-    (bench/NOTES_serve.md, issue 35)."""
+    (bench/NOTES_serve.md, issue 35).
+
+    A program below `scan_from_tokens` may be compiled scanned as a stand-in (`compile(...,
+    scan=True)`: the engine's start-up, so the server is ready sooner); it serves its steps until the
+    unrolled program replaces it (`stand_ins()`: what a background compile still owes)."""
 
     def __init__(self, graphdef, backend: str, max_rows: int, scan_from_tokens: int = 1):
         self._static = {"forward": (_forward, (graphdef, backend, max_rows)), "sample": (_sample, (max_rows,)),
                         "sample_state": (_sample_state, (max_rows,))}
         self.scan_from_tokens = scan_from_tokens
         self._compiled: dict[StepShape, Callable] = {}
+        self._stand_ins: set[StepShape] = set()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -230,6 +235,14 @@ class Programs:
         """The shapes compiled so far."""
         return list(self._compiled)
 
+    def stand_ins(self) -> list[StepShape]:
+        """The shapes served by a scanned stand-in, their unrolled program not compiled yet."""
+        return list(self._stand_ins)
+
+    def _scanned(self, shape: StepShape, scan: bool | None) -> bool:
+        """Whether `shape`'s forward runs its layers as a scan: `scan`, or by its tokens (class doc)."""
+        return shape.tokens >= self.scan_from_tokens if scan is None else scan
+
     def run(self, shape: StepShape, *args):
         """Runs the program `shape` on `args` (its dynamic arguments), compiling it first if needed."""
         program = self._compiled.get(shape)
@@ -237,18 +250,25 @@ class Programs:
             program = self.compile(shape, args)
         return program(*args)
 
-    def lower(self, shape: StepShape, args: tuple):
-        """The program `shape` lowered for `args` (arrays or `jax.ShapeDtypeStruct`s), not compiled."""
+    def lower(self, shape: StepShape, args: tuple, scan: bool | None = None):
+        """The program `shape` lowered for `args` (arrays or `jax.ShapeDtypeStruct`s), not compiled;
+        `scan`: a forward's layers as a scan (None: by its tokens, class doc)."""
         fn, static = self._static[shape.program]
         if shape.program == "forward":
-            static = static + (shape.tokens < self.scan_from_tokens,)
+            static = static + (not self._scanned(shape, scan),)
         return fn.lower(*static, *args)
 
-    def compile(self, shape: StepShape, args: tuple) -> Callable:
-        """Compiles the program `shape` for `args` (arrays or `jax.ShapeDtypeStruct`s) and keeps it."""
-        program = self.lower(shape, args).compile()
+    def compile(self, shape: StepShape, args: tuple, scan: bool | None = None) -> Callable:
+        """Compiles the program `shape` for `args` (arrays or `jax.ShapeDtypeStruct`s) and keeps it
+        (a scanned forward below `scan_from_tokens`: as a stand-in, class doc)."""
+        program = self.lower(shape, args, scan).compile()
+        stand_in = shape.program == "forward" and self._scanned(shape, scan) and not self._scanned(shape, None)
         with self._lock:
             self._compiled[shape] = program
+            if stand_in:
+                self._stand_ins.add(shape)
+            else:
+                self._stand_ins.discard(shape)
         return program
 
     def logits_sharding(self, rows: int):
@@ -260,14 +280,15 @@ class Programs:
         return None
 
     def compile_all(self, shape_args: list[tuple[StepShape, tuple]], threads: int,
-                    progress: Callable[[int, int], None] | None = None) -> None:
-        """Compiles every (shape, args) pair not compiled yet, `threads` at a time;
-        `progress(done, total)` after each (start-up logs)."""
-        todo = [(shape, args) for shape, args in shape_args if shape not in self._compiled]
+                    progress: Callable[[int, int], None] | None = None, scan: bool | None = None) -> None:
+        """Compiles every (shape, args) pair not compiled yet (or, with `scan` None, served by a
+        stand-in), `threads` at a time; `progress(done, total)` after each (start-up logs)."""
+        todo = [(shape, args) for shape, args in shape_args
+                if shape not in self._compiled or (scan is None and shape in self._stand_ins)]
         done, lock = [0], threading.Lock()
 
         def compile_one(item) -> None:
-            self.compile(*item)
+            self.compile(*item, scan=scan)
             with lock:
                 done[0] += 1
                 if progress is not None:

@@ -10,8 +10,9 @@ import pytest
 from jaxlora.sampling import SamplingParams
 from serve.engine import Engine, EngineConfig
 
-# One block-table width (32 tokens = 4 pages) and two token buckets (8, 16): few programs.
-TINY_ENGINE = dict(page_size=8, num_pages=16, max_model_len=32, max_num_seqs=4, token_budget=16, prefill_chunk=16,
+# One block-table width (32 tokens = 4 pages) and three token buckets (8, 16, 32): few programs, and
+# one (16) that is neither the largest nor the smallest holding every row (`first_shapes`).
+TINY_ENGINE = dict(page_size=8, num_pages=16, max_model_len=32, max_num_seqs=4, token_budget=32, prefill_chunk=16,
                    max_lora_rank=8, max_adapters_on_device=2)
 PROMPTS = ["The capital of France is", "Once upon a time", "Water boils at", "Dear diary, today"]
 
@@ -37,7 +38,7 @@ def expected(smollm2, adapters8):
 
 def test_platform_defaults_and_bounds():
     gpu, cpu = EngineConfig().for_platform("gpu"), EngineConfig().for_platform("cpu")
-    assert (gpu.scan_layers_from_tokens, gpu.background_compile) == (256, True)
+    assert (gpu.scan_layers_from_tokens, gpu.background_compile) == (512, True)
     assert (cpu.scan_layers_from_tokens, cpu.background_compile) == (1, False)
     with pytest.raises(ValueError, match="scan_layers_from_tokens"):
         EngineConfig(scan_layers_from_tokens=-1)
@@ -55,7 +56,8 @@ def test_first_shapes_serve_every_variant_with_scanned_programs(smollm2, adapter
     for variant in variants:
         largest = max(s.tokens for s in forwards if (s.width, s.lora, s.decode_only, s.window) == variant)
         assert any((s.width, s.lora, s.decode_only, s.window, s.tokens) == (*variant, largest) for s in first)
-    assert all(s.tokens >= 16 for s in first if s.program == "forward")  # scanned: fast to compile
+    fits_all_rows = min(s.tokens for s in forwards if s.tokens >= engine.max_rows)
+    assert {s.tokens for s in first if s.program == "forward"} <= {fits_all_rows, max(s.tokens for s in forwards)}
     assert {s.rows for s in first if s.program != "forward"} == {s.rows for s in first if s.program == "forward"}
     assert {s.program for s in first} == {"forward", "sample", "sample_state"}
     assert len(first) < len(shapes)
@@ -74,13 +76,18 @@ def test_steps_run_in_larger_compiled_buckets_until_their_own_is_compiled(smollm
     engine._compile_rest = held
     info = engine.warmup()
     assert info["background"] > 0 and len(engine.programs) < len(engine.step_shapes())
+    # the first programs below scan_layers_from_tokens were compiled scanned: stand-ins until the
+    # background compiles them unrolled
+    stand_ins = engine.programs.stand_ins()
+    assert stand_ins and all(s.tokens < 16 and s.program == "forward" for s in stand_ins)
     try:
-        assert _serve(engine, tokenizer) == expected  # 8-token steps ran in the 16-token programs
+        assert _serve(engine, tokenizer) == expected  # steps ran in stand-ins and larger compiled buckets
         assert engine.stats.step_compiles == 0
     finally:
         release.set()
         engine._background.join(timeout=300)
     assert set(engine.step_shapes()) <= set(engine.programs.shapes())
+    assert not engine.programs.stand_ins()  # replaced by their unrolled programs
     assert _serve(engine, tokenizer) == expected  # now in their own (unrolled) 8-token programs
     assert engine.stats.step_compiles == 0
 
