@@ -31,9 +31,12 @@ import jax
 
 log = logging.getLogger(__name__)
 
-# Device bytes that issued, not yet written copies may hold: 6 adapters of the 8B shape at r=16,
-# ~13 ms of DMA on an H200, so a step's own small input transfers never queue long behind them.
-DEFAULT_MAX_BYTES = 512 << 20
+# Device bytes that issued, not yet written copies may hold: 12 adapters of the 8B shape at r=16
+# (~26 ms of DMA on an H200), enough for the new adapters of a 2048-token mixed step (at most 16,
+# ~9 in the distinct trace) to be on their way during the step before it; copies are issued only
+# between steps (the engine thread waits for each step's tokens), so a smaller bound left the
+# next mixed step waiting for its copies on the device.
+DEFAULT_MAX_BYTES = 1 << 30
 
 
 class _DeviceCopy:
