@@ -261,6 +261,15 @@ scan_check() {  # one H200: the guard's serving trace, then slora_disk n=2000 (a
       --out "$OUT/slora_scan512.json" 2>&1 | grep -v cuda_timer | tail -n 5
 }
 
+compress_alone() {  # one H200, alone: Compress-then-Serve on its 1000-adapter collection, single /
+  # compressed / uncompressed side by side (issue 34 item 5); .jitcache carried
+  nvidia-smi -L
+  python3 bench/jit_cache.py unpack .jitcache/jitcache /tmp/jaxlora_serve_jit_cache
+  timeout $((LIMIT - SECONDS - 5)) python3 bench/compress_serve.py --requests 300 \
+      --cases "slora:n=1000,alpha=1,cv=1,mode=throughput" --out "$OUT/compress_serve_h200.json" 2>&1 \
+      | grep -v "cuda_timer\\|Warning" | tail -n 25
+}
+
 two_gpus() {  # 2 GPUs: TP=2 serving vs one GPU, then PP=2 training vs one GPU
   nvidia-smi -L
   timeout 270 python3 bench/tp_serve.py --out "$OUT/tp_serve_2xh200.json" 2>&1 | tail -n 15
