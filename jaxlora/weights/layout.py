@@ -64,7 +64,7 @@ def stack_weights(
     name `file_of(tensor name)` (default: `source`)."""
     file_of = file_of or (lambda _: source)
     expected = weight_shapes(config)
-    on_host = jax.default_backend() == "cpu"  # where the stacking, transposes and casts run
+    host = on_host()
     weights: dict[str, jax.Array] = {}
     layers: dict[str, dict[int, tuple]] = {}  # name -> layer -> (tensor, transposed)
     for hf_name in tensor_names:
@@ -75,20 +75,25 @@ def stack_weights(
             continue
         for name, layer, tensor, transpose in _checked_tensors(config, expected, hf_name, mapped, read, file_of):
             if layer is None:
-                weights[name] = _assemble([tensor], transpose, dtype, on_host, stack=False)
+                weights[name] = _assemble([tensor], transpose, dtype, host, stack=False)
                 continue
             if not 0 <= layer < config.num_layers:
                 raise WeightsError(f"{file_of(hf_name)}: tensor {hf_name} names layer {layer}, "
                                    f"but the config has {config.num_layers} layers")
-            layers.setdefault(name, {})[layer] = (tensor if on_host else jnp.asarray(tensor), transpose)
+            layers.setdefault(name, {})[layer] = (tensor if host else jnp.asarray(tensor), transpose)
     _check_complete(expected, {**weights, **layers}, {name: set(got) for name, got in layers.items()},
                     config.num_layers, source)
     for name in list(layers):  # one name at a time: its pieces are freed before the next is stacked
         pieces = layers.pop(name)
         transpose = pieces[0][1]
         ordered = [pieces.pop(layer)[0] for layer in range(config.num_layers)]
-        weights[name] = _assemble(ordered, transpose, dtype, on_host, stack=True)
+        weights[name] = _assemble(ordered, transpose, dtype, host, stack=True)
     return weights
+
+
+def on_host() -> bool:
+    """Where the weights' stacking, transposes and casts run (module doc): the host on a CPU."""
+    return jax.default_backend() == "cpu"
 
 
 def _assemble(tensors: list, transpose: bool, dtype, on_host: bool, stack: bool) -> jax.Array:
