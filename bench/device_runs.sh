@@ -270,6 +270,17 @@ compress_alone() {  # one H200, alone: Compress-then-Serve on its 1000-adapter c
       | grep -v "cuda_timer\\|Warning" | tail -n 25
 }
 
+window_probe() {  # one H200: device time of decode steps whose 32 / 64 rows use 32 / 64 distinct
+  # adapters, through the hybrid kernels against an adapter window of 64 slots (every pool slot)
+  nvidia-smi -L
+  python3 bench/jit_cache.py unpack .jitcache/jitcache /tmp/jaxlora_serve_jit_cache
+  timeout $((LIMIT - SECONDS - 5)) python3 bench/serve.py --profile --lora-backend hybrid --max-num-seqs 256 \
+      --token-budget 2048 --prefill-chunk 2048 --adapter-window 64 --profile-steps decode32 decode64 \
+      --profile-windows 32 64 --profile-variants base base+window hybrid window32 window64 \
+      --out "$OUT/window_probe_h200.json" 2>&1 | grep -v "cuda_timer\\|Warning" | tail -n 40
+  rm -rf "$OUT/serve_profile_traces"
+}
+
 two_gpus() {  # 2 GPUs: TP=2 serving vs one GPU, then PP=2 training vs one GPU
   nvidia-smi -L
   timeout 270 python3 bench/tp_serve.py --out "$OUT/tp_serve_2xh200.json" 2>&1 | tail -n 15

@@ -766,6 +766,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="instead of the cases: per-kernel device time of one engine step (decode and mixed "
                              "batches) for the base model and each --lora-backend, from a profiler trace")
+    parser.add_argument("--adapter-window", type=int, default=None,
+                        help="EngineConfig.adapter_window: adapters a step may hold in the window (default: the "
+                             "engine's, 8 on a GPU/TPU; 0: off)")
     parser.add_argument("--profile-windows", nargs="*", type=int, default=[1, 8],
                         help="--profile: window variants (rows over W adapters in the adapter window)")
     parser.add_argument("--profile-variants", nargs="*", default=None,
@@ -805,7 +808,7 @@ def main() -> None:
         num_pages=args.num_pages or max_num_seqs * pages_for(max_model_len, args.page_size),
         max_model_len=max_model_len, max_num_seqs=max_num_seqs, token_budget=pick(args.token_budget, 256, 32),
         prefill_chunk=pick(args.prefill_chunk, 128, 16), max_waiting=1 << 30, lora_backend=backend,
-        unified_paging=args.unified_paging, adapter_rows=args.adapter_rows)
+        unified_paging=args.unified_paging, adapter_rows=args.adapter_rows, adapter_window=args.adapter_window)
     if args.unified_paging and (args.profile or args.modes_skew):
         raise SystemExit("--unified-paging serves traces only: --profile loads pool slots directly, --modes-skew "
                          "needs the merged modes (padded slots)")
