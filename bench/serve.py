@@ -769,6 +769,9 @@ def main() -> None:
     parser.add_argument("--adapter-window", type=int, default=None,
                         help="EngineConfig.adapter_window: adapters a step may hold in the window (default: the "
                              "engine's, 8 on a GPU/TPU; 0: off)")
+    parser.add_argument("--window-mixed-adapters", type=int, default=None,
+                        help="EngineConfig.window_mixed_adapters: most adapters of a step with a prefill row "
+                             "that uses the window (default: as many as the window holds)")
     parser.add_argument("--profile-windows", nargs="*", type=int, default=[1, 8],
                         help="--profile: window variants (rows over W adapters in the adapter window)")
     parser.add_argument("--profile-variants", nargs="*", default=None,
@@ -808,7 +811,8 @@ def main() -> None:
         num_pages=args.num_pages or max_num_seqs * pages_for(max_model_len, args.page_size),
         max_model_len=max_model_len, max_num_seqs=max_num_seqs, token_budget=pick(args.token_budget, 256, 32),
         prefill_chunk=pick(args.prefill_chunk, 128, 16), max_waiting=1 << 30, lora_backend=backend,
-        unified_paging=args.unified_paging, adapter_rows=args.adapter_rows, adapter_window=args.adapter_window)
+        unified_paging=args.unified_paging, adapter_rows=args.adapter_rows, adapter_window=args.adapter_window,
+        window_mixed_adapters=args.window_mixed_adapters)
     if args.unified_paging and (args.profile or args.modes_skew):
         raise SystemExit("--unified-paging serves traces only: --profile loads pool slots directly, --modes-skew "
                          "needs the merged modes (padded slots)")

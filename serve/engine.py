@@ -206,8 +206,13 @@ class EngineConfig:
     # The adapter window (`jaxlora.models.packed.add_adapter_window`): a step whose rows use at most
     # this many adapters runs them as extra columns of the packed base GEMMs and one expand GEMM per
     # group, no LoRA kernel (bench/NOTES_serve.md). None: 8 on a GPU/TPU, 4 on a CPU; 0: off. Capped
-    # by max_adapters_on_device; off with a mesh or a compressed collection.
+    # by max_adapters_on_device; off with a mesh or a compressed collection. `window_mixed_adapters`:
+    # a step with a prefill row uses the window only with at most this many adapters, more run the
+    # kernels (its GEMMs are compute-bound at 2048 tokens, where window columns cost FLOPs); None: as
+    # many as the window holds. A large window for decode steps, kernels for large mixed steps:
+    # `bench/device_runs.sh window_probe` measures whether that pays (issue 34; not measured yet).
     adapter_window: int | None = None
+    window_mixed_adapters: int | None = None
     # The disk and host tiers (serve.adapter_store): a directory of PEFT adapter folders served by
     # folder name, and the host cache's bounds (None: unbounded).
     adapter_dir: str | None = None
@@ -262,6 +267,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a power of two in [1, 65536], got {value}")
         if self.adapter_window is not None and not 0 <= self.adapter_window <= 64:
             raise ValueError(f"adapter_window must be in [0, 64] (0: off), got {self.adapter_window}")
+        if self.window_mixed_adapters is not None and self.window_mixed_adapters < 0:
+            raise ValueError(f"window_mixed_adapters must be >= 0 (None: no bound), got {self.window_mixed_adapters}")
         if self.inference_mode not in INFERENCE_MODES:
             raise ValueError(f"inference_mode must be one of {', '.join(INFERENCE_MODES)}, got {self.inference_mode!r}")
         if self.lora_target_modules is not None and not set(self.lora_target_modules) <= set(PROJECTIONS):
@@ -1127,7 +1134,7 @@ class Engine:
         delora = None if self.modes is None else self.modes.delora_key(self, plan)  # mixed: the -ΔW branch
         scoring = self._scoring > 0 and any(_scores_prompt(row) for row in plan.rows)  # no window (no score variant)
         in_window = None if scoring else self._place_in_window(sorted({row.slot for row in plan.rows if row.slot >= 0}),
-                                                                delora)
+                                                                delora, prefill=any(row.count > 1 for row in plan.rows))
         batch, token_slot, one_token = self._batch_arrays(plan, in_window is not None, scoring)
         score_targets = _score_targets(plan, len(batch.tokens)) if scoring else None
         phases.mark("batch")
@@ -1160,12 +1167,17 @@ class Engine:
         return Step(plan, shapes, kind, batch, lora, self._last_tokens, self._token_sources(plan, batch.tokens),
                     sampling, score_targets)
 
-    def _place_in_window(self, slots: list[int], extra: tuple | None = None) -> dict[int, int] | None:
+    def _place_in_window(self, slots: list[int], extra: tuple | None = None, prefill: bool = False
+                         ) -> dict[int, int] | None:
         """{pool slot: window slot} for a step whose rows use the pool slots `slots` (and the window
         key `extra`: a mixed step's -ΔW branch, `EngineModes.delora_key`), copying the adapters not
         in the window yet into it (on the device, before the step); None when the window is off,
-        the step has no adapter or more adapters than the window holds."""
+        the step has no adapter, more adapters than the window holds, or (`prefill`: a step with a
+        prefill row) more than `window_mixed_adapters`."""
         if self.window is None:
+            return None
+        limit = self.config.window_mixed_adapters
+        if prefill and extra is None and limit is not None and len(slots) > limit:
             return None
         wanted = [(slot, self.pool.slot_writes[slot]) for slot in slots] + ([] if extra is None else [extra])
         if not wanted:

@@ -395,3 +395,20 @@ def test_accelerator_token_buckets_pad_steps_and_serve_the_same_tokens(smollm2, 
     assert _serve_all(engine, requests[:6]) == outputs[:6]
     assert set(seen) <= shapes
     assert any(s.lora and s.decode_only for s in seen) and any(s.lora and not s.decode_only for s in seen)
+
+
+def test_window_mixed_adapters_sends_larger_mixed_steps_to_the_kernels(smollm2, adapters8, expected):
+    """With `window_mixed_adapters` 1, steps with a prefill row and more than one adapter run the
+    LoRA kernels ("lora mixed") while decode steps of several adapters still use the window
+    ("window decode"); the greedy tokens are those of the merged weights either way."""
+    model, tokenizer = smollm2
+    requests, outputs = expected
+    config = EngineConfig(**{**SMALL_ENGINE, "max_adapters_on_device": 8, "adapter_window": 8,
+                             "window_mixed_adapters": 1})
+    engine = Engine(model, tokenizer.eos_token_ids, config, adapters8)
+    assert _serve_all(engine, requests) == outputs
+    kinds = engine.stats.steps_by_kind()
+    assert "lora mixed" in kinds and "window decode" in kinds
+    assert "window mixed" not in kinds or kinds["window mixed"]["steps"] < kinds["lora mixed"]["steps"]
+    with pytest.raises(ValueError, match="window_mixed_adapters"):
+        EngineConfig(window_mixed_adapters=-1)
