@@ -23,6 +23,7 @@ side it forwards) with the pool's interface, so the scheduler allocates through 
     list first, then evicts the least recently used cached pages, and only then (unified paging)
     lets the pool evict idle adapters; an adapter placed in the unified budget evicts cached pages
     too (`add_adapter`), so cached KV never holds adapters out;
+  - a hit page leaves the LRU while held and comes back as its most recently used;
   - `lookup(digests)` gives the pages of the longest run of leading digests that are cached; the
     scheduler takes at most (tokens - 1) // page_size of them, so a prefill always computes at
     least the last token (its logits give the first sampled token).
@@ -137,10 +138,13 @@ class PrefixCache:
         return self.pool.allocate(count)
 
     def free(self, pages: list[int]) -> None:
-        """A sequence gives its pages back: a shared page loses a holder (cached when none is left,
-        or back to the pool once `forget` detached it), a private one goes back to the pool."""
+        """A sequence gives its pages back (in its block order): a shared page loses a holder (cached
+        when none is left, or back to the pool once `forget` detached it), a private one goes back
+        to the pool. Cached pages join the LRU last block first, so a chain is evicted from its tail
+        (vLLM's free-block order; SGLang's radix tree evicts leaves first): a block whose parent is
+        gone can never be hit."""
         private = []
-        for page in pages:
+        for page in reversed(pages):
             if page not in self._refs:
                 private.append(page)
                 continue
@@ -156,9 +160,10 @@ class PrefixCache:
             self.pool.free(private)
 
     def add_adapter(self, key, count: int, rows: int = 0):
-        """Unified paging: `UnifiedPages.add_adapter`, evicting cached pages first while the pool
-        alone cannot place it (cached KV never keeps an adapter out)."""
-        self._reclaim(lambda: self.pool.can_add(key, count, rows))
+        """Unified paging: `UnifiedPages.add_adapter`, evicting cached pages (LRU) before idle
+        adapters: until its `count` pages are free (cached KV never keeps an adapter out)."""
+        if not self.pool.holds(key):
+            self._reclaim(lambda: self.pool.num_free >= count)
         return self.pool.add_adapter(key, count, rows)
 
     def _reclaim(self, enough, keep=()) -> None:
