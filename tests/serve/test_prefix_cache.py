@@ -279,3 +279,39 @@ def test_hit_rate_in_metrics_and_no_prefix_caching_option(tiny):
     assert engine_config(args, 16, 2048, None).prefix_caching
     args = build_parser().parse_args(["--no-prefix-caching", "--lora-backend", "gather"])
     assert not engine_config(args, 16, 2048, None).prefix_caching
+
+
+def test_replicas_cache_their_own_pages_and_report_the_sum(tiny):
+    from serve.replicas import ReplicaSet
+
+    model, adapters = tiny
+    requests = _prompts(12, ["a0", "a1", None], seed=9)
+    front = ReplicaSet([_engine(model, adapters), _engine(model, adapters)])
+    assert _serve_waves(front, requests) == _serve_waves(_engine(model, adapters, prefix=False), requests)
+    cache = front.snapshot()["prefix_cache"]
+    engines = [engine.snapshot()["prefix_cache"] for engine in front.engines]
+    assert cache["hits"] == sum(c["hits"] for c in engines) > 0 and cache["hit_rate"] == cache["hits"] / cache["queries"]
+
+
+def test_a_failed_step_empties_the_cache(tiny):
+    """The failed step's KV writes are unknown: every cached block is dropped, and the next request
+    computes its whole prompt (the same tokens as without the cache)."""
+    model, adapters = tiny
+    prompt = _prompts(1, ["a2"], seed=10)[0][0]
+    engine = _engine(model, adapters)
+    _serve_waves(engine, [(prompt, "a2")], waves=1)
+    assert engine.snapshot()["prefix_cache"]["cached_pages"] > 0
+
+    def broken(step, cache):
+        raise RuntimeError("device lost")
+
+    step_fn, engine.step_fn = engine.step_fn, broken
+    failed = []
+    engine.submit("x", prompt, "a2", SamplingParams(2), failed.append)
+    engine.run_until_idle()
+    assert failed[-1].finish_reason == "error" and engine.snapshot()["prefix_cache"]["cached_pages"] == 0
+    engine.step_fn = step_fn
+    hits = engine.stats.prefix_cache_hits  # "x" was admitted with hits before its step failed
+    assert _serve_waves(engine, [(prompt, "a2")], waves=1) == _serve_waves(_engine(model, adapters, prefix=False),
+                                                                             [(prompt, "a2")], waves=1)
+    assert engine.stats.prefix_cache_hits == hits
