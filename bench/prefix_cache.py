@@ -12,7 +12,10 @@ generates `--output-tokens` tokens (EOS ignored). Arrivals are Poisson at each o
 (replay: each request is submitted at its arrival time; TTFT counts from it, queueing included: the
 ratio grows with the load, as the engine without the cache computes ~20x the prompt tokens and
 queues sooner). At each rate the same trace runs twice on fresh engines of one config, the compiled
-step programs shared: with `prefix_caching=False` and with the default (on). Nothing is warmed in the cache beforehand: the first
+step programs shared: with `prefix_caching=False` and with the default (on). Rate 0 is the
+closed loop of one request at a time (each submitted when the one before has finished): its TTFT is
+a lone request's, no queueing, the ratio the cache gives a request by itself (and one that other work
+on the host slows alike in both runs). Nothing is warmed in the cache beforehand: the first
 request of each adapter computes its system prompt in both runs.
 
 Reported per rate (JSON at --out, with the device, jax version and date): TTFT p50/p90, TPOT p50,
@@ -38,11 +41,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bench.serve import LORA, AdapterFactory, Trace, compile_all, run_trace
+from bench.serve import LORA, AdapterFactory, Record, Trace, compile_all, greedy_shapes, recording, run_trace, summarize
 from jaxlora.models.llama import Llama
 from jaxlora.models.presets import llama8b_config
 from jaxlora.scheduler.serving import pages_for
-from serve.engine import EngineConfig
+from jaxlora.sampling import SamplingParams
+from serve.engine import Engine, EngineConfig
 
 TARGET = 5.0  # TTFT p50 without the cache / with it (issue 36)
 
@@ -53,7 +57,7 @@ def make_workload(args, vocab: int, rate: float) -> tuple[Trace, list[list[int]]
     rng = np.random.default_rng(args.seed)
     systems = [rng.integers(1, vocab, args.system_tokens).tolist() for _ in range(args.adapters)]
     count = args.requests
-    arrivals = np.cumsum(np.random.default_rng([args.seed, 1]).exponential(1.0 / rate, count))
+    arrivals = np.cumsum(np.random.default_rng([args.seed, 1]).exponential(1.0 / (rate or 1.0), count))
     arrivals -= arrivals[0]
     tails = rng.integers(args.min_tail, args.max_tail, count)
     adapters = np.arange(count) % args.adapters
@@ -73,11 +77,33 @@ def engine_config(args) -> EngineConfig:
         prefill_chunk=args.prefill_chunk, max_waiting=1 << 30, lora_backend=args.lora_backend)
 
 
-def run(model, config: EngineConfig, trace: Trace, prompts, factory) -> dict:
-    """One replay of the trace on a fresh engine of `config`; the summary plus its prefix counts."""
+def run(model, config: EngineConfig, trace: Trace, prompts, factory, closed_loop: bool = False) -> dict:
+    """One replay of the trace on a fresh engine of `config` (`closed_loop`: one request at a time);
+    the summary plus its prefix counts."""
+    if closed_loop:
+        return run_one_at_a_time(model, config, trace, prompts, factory)
     stats = []
     result = run_trace(model, config, trace, prompts, factory, install=lambda engine: stats.append(engine.stats))
     result["prefix_cache"] = stats[0].prefix_cache()
+    return result
+
+
+def run_one_at_a_time(model, config: EngineConfig, trace: Trace, prompts, factory) -> dict:
+    """The trace's requests in order, each submitted once the one before has finished."""
+    engine = Engine(model, eos_ids=(), config=config)
+    engine.warmup(greedy_shapes(engine, (True,)))
+    for index in sorted(set(int(a) for a in trace.adapters)):
+        engine.add_adapter(f"adapter{index}", factory(index))
+    records, finished = [Record() for _ in prompts], [0]
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        records[i].submitted = time.perf_counter()
+        engine.submit(i, prompt, f"adapter{int(trace.adapters[i])}", SamplingParams(int(trace.output_lens[i])),
+                      recording(records[i], finished))
+        while finished[0] <= i:
+            engine.step()
+    result = summarize(records, start, max(r.end for r in records))
+    result["prefix_cache"] = engine.stats.prefix_cache()
     return result
 
 
@@ -86,7 +112,8 @@ def run_rate(args, model, config: EngineConfig, factory, rate: float) -> dict:
     trace, prompts = make_workload(args, model.config.vocab_size, rate)
     results = {}
     for name, prefix in (("no_cache", False), ("cache", True)):
-        results[name] = r = run(model, dataclasses.replace(config, prefix_caching=prefix), trace, prompts, factory)
+        results[name] = r = run(model, dataclasses.replace(config, prefix_caching=prefix), trace, prompts, factory,
+                                closed_loop=rate == 0)
         print(f"{rate:5g}/s {name:9} TTFT p50 {r['ttft_p50_ms']:8.1f} ms  p90 {r['ttft_p90_ms']:8.1f} ms  TPOT p50 "
               f"{r['tpot_p50_ms']:6.1f} ms  {r['tokens_per_s']:7.1f} tok/s  hit rate "
               f"{r['prefix_cache']['hit_rate']:.3f}  errors {r['errors']}", flush=True)
@@ -108,7 +135,7 @@ def parse_args():
     parser.add_argument("--output-tokens", type=int, default=None, help="(default 32; --tiny: 8)")
     parser.add_argument("--requests", type=int, default=None, help="(default 128; --tiny: 48)")
     parser.add_argument("--rates", type=float, nargs="+", default=None,
-                        help="requests/s, one trace each (default 4 8 16; --tiny: 2 3 4 8)")
+                        help="requests/s, one trace each; 0: one request at a time (default 0 4 8 16; --tiny: 0 2 4 8)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--num-pages", type=int, default=None, help="KV pages (default: max-num-seqs full contexts)")
@@ -124,7 +151,7 @@ def parse_args():
     args.layers = pick(args.layers, 32, 2)
     args.output_tokens = pick(args.output_tokens, 32, 8)
     args.requests = pick(args.requests, 128, 48)
-    args.rates = pick(args.rates, [4.0, 8.0, 16.0], [2.0, 3.0, 4.0, 8.0])
+    args.rates = pick(args.rates, [0.0, 4.0, 8.0, 16.0], [0.0, 2.0, 4.0, 8.0])
     args.max_num_seqs = pick(args.max_num_seqs, 64, 16)
     args.lora_backend = args.lora_backend or ("pallas" if jax.default_backend() == "gpu" else "gather")
     args.out = args.out or f"bench/results/prefix_cache_{jax.default_backend()}.json"
@@ -149,7 +176,7 @@ def main() -> None:
     print(f"compiled {compile_info['programs']} step programs in {time.perf_counter() - started:.1f} s", flush=True)
     # untimed: the samplers and first-use paths compiled and run once
     warm_args = argparse.Namespace(**{**vars(args), "requests": args.adapters})
-    run(model, off_config, *make_workload(warm_args, config.vocab_size, max(args.rates)), factory)
+    run(model, off_config, *make_workload(warm_args, config.vocab_size, max(args.rates) or 1.0), factory)
     rates = [{"rate": rate, **run_rate(args, model, off_config, factory, rate)} for rate in args.rates]
     report = {
         "device": device, "jax": jax.__version__, "backend": jax.default_backend(), "host": platform.node(),
