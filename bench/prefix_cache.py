@@ -42,6 +42,7 @@ import numpy as np
 from flax import nnx
 
 from bench.serve import LORA, AdapterFactory, Record, Trace, compile_all, greedy_shapes, recording, run_trace, summarize
+from jaxlora.lora import backends as lora_backends
 from jaxlora.models.llama import Llama
 from jaxlora.models.presets import llama8b_config
 from jaxlora.scheduler.serving import pages_for
@@ -142,7 +143,8 @@ def parse_args():
     parser.add_argument("--max-num-seqs", type=int, default=None, help="(default 64; --tiny: 16)")
     parser.add_argument("--token-budget", type=int, default=None, help="tokens per step (default: the engine's)")
     parser.add_argument("--prefill-chunk", type=int, default=None, help="(default: the engine's)")
-    parser.add_argument("--lora-backend", default=None, help="(default: pallas on a GPU, gather elsewhere)")
+    parser.add_argument("--lora-backend", default="auto",
+                        help="(default: the server's auto: hybrid on one GPU, gather on a CPU)")
     parser.add_argument("--compile-threads", type=int, default=min(16, os.cpu_count() or 1))
     parser.add_argument("--compile-cache", default="/tmp/jaxlora_serve_jit_cache", help="('' to disable)")
     parser.add_argument("--out", default=None, help="(default bench/results/prefix_cache_<cpu|gpu>.json)")
@@ -153,7 +155,7 @@ def parse_args():
     args.requests = pick(args.requests, 128, 48)
     args.rates = pick(args.rates, [0.0, 4.0, 8.0, 16.0], [0.0, 2.0, 4.0, 8.0])
     args.max_num_seqs = pick(args.max_num_seqs, 64, 16)
-    args.lora_backend = args.lora_backend or ("pallas" if jax.default_backend() == "gpu" else "gather")
+    args.lora_backend = lora_backends.resolve(args.lora_backend, jax.default_backend())
     args.out = args.out or f"bench/results/prefix_cache_{jax.default_backend()}.json"
     return args
 
