@@ -166,11 +166,17 @@ def test_shared_prefixes_over_mixed_adapters_give_the_same_tokens(tiny):
     assert cache["hit_requests"] >= 15 and cache["hit_rate"] > 0.5 and cache["evictions"] == 0
 
 
-def test_eviction_under_a_small_kv_budget_gives_the_same_tokens(tiny):
+@pytest.mark.parametrize("grow", [False, True])
+def test_eviction_under_a_small_kv_budget_gives_the_same_tokens(tiny, grow):
+    """A pool of 14 pages (two sequences): cached blocks are evicted for new ones; with pages that
+    grow with the output (`reserve_output_kv=False`) running requests are preempted too, and
+    recomputed after their own cached blocks."""
     model, adapters = tiny
     requests = _prompts(16, ["a0", "a1", "a2", "a3"], seed=1)
-    off, on, cache = _on_and_off(model, adapters, requests, num_pages=14, max_num_seqs=2)
+    sizes = dict(num_pages=14, max_num_seqs=4 if grow else 2, reserve_output_kv=not grow)
+    off, on, cache = _on_and_off(model, adapters, requests, **sizes)
     assert on == off and cache["evictions"] > 0 and cache["hits"] > 0
+    assert cache["requests"] == len(requests) + grow  # grown: one request preempted and admitted again
 
 
 def test_unified_paging_with_the_cache_gives_the_same_tokens(tiny):
