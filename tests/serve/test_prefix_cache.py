@@ -55,6 +55,16 @@ def test_a_request_starts_after_its_cached_blocks_and_computes_its_last_token():
     assert s.pages.num_free == 16 and not s.running  # cached pages count as free
 
 
+def test_a_finished_request_caches_its_output_blocks():
+    """A chat's next turn (prompt + answer + more) reuses the answer's blocks too: those whose
+    positions were computed (the last sampled token's is not)."""
+    s = _scheduler()
+    first = Sequence("a", [3, 1, 4, 1, 5, 9], 10)
+    _serve(s, first)
+    assert len(first.output) == 10 and s.prefix.num_registered == 3  # 15 positions computed: 3 blocks
+    assert _serve(s, Sequence("b", first.prompt + first.output + [2, 6], 2)) == (12, 6)
+
+
 def test_other_adapters_the_base_model_and_cache_prefix_false_never_hit():
     s = _scheduler()
     prompt = list(range(20, 33))
@@ -164,6 +174,23 @@ def test_shared_prefixes_over_mixed_adapters_give_the_same_tokens(tiny):
     off, on, cache = _on_and_off(model, adapters, requests)
     assert on == off and len({tuple(t) for t in off}) > 10  # adapters and tails change the tokens
     assert cache["hit_requests"] >= 15 and cache["hit_rate"] > 0.5 and cache["evictions"] == 0
+
+
+def test_a_second_turn_reuses_the_first_answer(tiny):
+    """Turn two's prompt is turn one's prompt, its answer and a new tail: the answer's blocks
+    (computed by decode steps) are reused, and the tokens equal the cache-off engine's."""
+    model, adapters = tiny
+    first = _prompts(2, ["a1", None], seed=11)
+
+    def turns(engine):
+        answers = _serve_waves(engine, first, waves=1, sampling=SamplingParams(20))
+        second = [(prompt + answer + [7, 8, 9], name) for (prompt, name), answer in zip(first, answers)]
+        return answers, _serve_waves(engine, second, waves=1, sampling=SamplingParams(20))
+
+    engine = _engine(model, adapters)
+    assert turns(engine) == turns(_engine(model, adapters, prefix=False))
+    blocks = sum((len(prompt) + 19) // PAGE for prompt, _ in first)  # prompt + 19 computed answer positions
+    assert engine.stats.prefix_cache_hits == blocks * PAGE
 
 
 @pytest.mark.parametrize("grow", [False, True])
