@@ -71,6 +71,11 @@ prompt, the tokens delivered so far, adapter, sampling and callback) for another
 `submit(..., output=...)` (Punica's migration by recomputation); `migrate(request_id)` hands one off
 on demand (draining a replica).
 
+Prefix caching (`EngineConfig.prefix_caching`, on; `jaxlora.scheduler.serving.prefix`): the scheduler
+reuses cached full KV blocks of the same adapter uid (and inference-mode numerics,
+`EngineModes.prefix_root`) and token prefix; requests asking for prompt log-probabilities take none,
+a failed step empties the cache, and the hit rate is in `stats.prefix_cache()` and `snapshot()`.
+
 Classification (`classify`, V-LoRA's task heads): a prompt classified by an adapter's task head
 (`jaxlora.lora.head`, read from the adapter's folder on first use: `task_head`) is a one-token
 greedy sequence in the same steps as every other request; the forward also returns each row's
