@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "KV), each adapter in exactly its rank of device rows read through a row table (one device)")
     p.add_argument("--adapter-rows", type=int, default=None, metavar="N",
                    help="--unified-paging: device rows for adapters (default: max-adapters-on-device x max rank)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="turn off prefix caching (on by default: a request reuses the KV pages of the full blocks of "
+                        "its leading tokens that an earlier request of the same adapter computed)")
     p.add_argument("--inference-mode", default="unmerged", choices=INFERENCE_MODES,
                    help="unmerged: every adapter as LoRA; merged: one adapter's ΔW folded into the base weights a "
                         "step (the others wait); mixed: the most requested adapter merged, the others beside it "
@@ -365,7 +368,7 @@ def engine_config(args, max_rank: int, context: int, host_bound: int | None):
         gpu_memory_utilization=args.gpu_memory_utilization, adapter_dir=args.adapter_dir,
         max_host_adapter_bytes=host_bound, max_host_adapters=args.max_cpu_adapters,
         reserve_output_kv=not args.grow_kv, inference_mode=args.inference_mode,
-        unified_paging=args.unified_paging, adapter_rows=args.adapter_rows,
+        unified_paging=args.unified_paging, adapter_rows=args.adapter_rows, prefix_caching=args.prefix_caching,
         scan_layers_from_tokens=args.scan_layers_from_tokens,
         background_compile={"auto": None, "on": True, "off": False}[args.background_compile])
 

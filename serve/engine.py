@@ -71,6 +71,11 @@ prompt, the tokens delivered so far, adapter, sampling and callback) for another
 `submit(..., output=...)` (Punica's migration by recomputation); `migrate(request_id)` hands one off
 on demand (draining a replica).
 
+Prefix caching (`EngineConfig.prefix_caching`, on; `jaxlora.scheduler.serving.prefix`): the scheduler
+reuses cached full KV blocks of the same adapter uid (and inference-mode numerics,
+`EngineModes.prefix_root`) and token prefix; requests asking for prompt log-probabilities take none,
+a failed step empties the cache, and the hit rate is in `stats.prefix_cache()` and `snapshot()`.
+
 Classification (`classify`, V-LoRA's task heads): a prompt classified by an adapter's task head
 (`jaxlora.lora.head`, read from the adapter's folder on first use: `task_head`) is a one-token
 greedy sequence in the same steps as every other request; the forward also returns each row's
@@ -136,6 +141,7 @@ from serve.adapter_copies import StagedCopies
 from serve.adapter_store import AdapterStore
 from serve.modes import EngineModes
 from serve.sampler_state import SamplerSlots, step_sampling
+from serve.stats import EngineStats, _PhaseClock
 from serve.step import Programs, RowSampling, RowState, Step, StepShape
 from serve.window import WindowSlots
 
@@ -239,6 +245,9 @@ class EngineConfig:
     # (jaxlora.lora.pool: 84 MB in 2.1 ms instead of 18.4 ms on an H200). None: on a GPU without a
     # mesh; a CPU backend copies host memory either way.
     pinned_host_adapters: bool | None = None
+    # Prefix caching (vLLM's automatic prefix caching; jaxlora.scheduler.serving.prefix): full KV blocks
+    # reused by requests of the same adapter (uid) and inference-mode numerics with the same leading tokens.
+    prefix_caching: bool = True
 
     # Bounds of the step sizes (each compiled program is as large as its step; tokens bound rows).
     BOUNDS = {"max_num_seqs": (1, 1024), "token_budget": (1, 65536), "prefill_chunk": (1, 65536)}
@@ -458,7 +467,9 @@ class Engine:
             token_budget=config.token_budget, prefill_chunk=config.prefill_chunk,
             unified_paging=config.unified_paging, reserve_output=config.reserve_output_kv,
             adapter_rows=self.pool.num_rows if isinstance(self.pool, RowPool) else 0,
-            max_prefill_adapters=chunk_bound))
+            max_prefill_adapters=chunk_bound, prefix_caching=config.prefix_caching))
+        if self.modes is not None:  # merged weights compute other bits: blocks keyed by the step's mode too
+            self.scheduler.prefix_root = self.modes.prefix_root
         self.scheduler.adapter_pages = self._adapter_pages
         self.scheduler.adapter_rows = lambda uid: adapter_rank(self._host_copy(uid))
         self.handoff: Callable[[Handoff], None] | None = None  # set by a replica set (module doc)
@@ -494,7 +505,7 @@ class Engine:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.stats = EngineStats()
+        self.stats = EngineStats(prefix=self.scheduler.prefix)
         self.copies = StagedCopies(self.pool, self.stats)  # prefetched adapters on their way to the device
         # Training in the steps serving leaves idle (`jaxlora.scheduler.core`): set by the server.
         self.training: TrainingSource | None = None
@@ -752,7 +763,7 @@ class Engine:
                 raise EngineBusy(f"{waiting} requests are waiting; try again later")
             self._num_waiting_submitted += 1
         seq = Sequence(request_id, list(prompt), sampling.max_new_tokens, uid, sampling.stop_ids(self.eos_ids),
-                       output=list(output), sampling=sampling)
+                       output=list(output), sampling=sampling, cache_prefix=sampling.prompt_logprobs is None)
         request = _Request(seq, callback, time.monotonic(), head)
         self._command(lambda: self._add(request))
 
@@ -1369,6 +1380,7 @@ class Engine:
             request = self._requests.pop(seq.seq_id, None)
             if request is not None:
                 self._deliver(request, Event(None, "error", message))
+        self.scheduler.clear_prefix_cache()  # the failed step's writes are unknown
         if self.cache.k.is_deleted():
             self.cache = self._new_cache()
 
@@ -1544,6 +1556,7 @@ class Engine:
             "page_size": self.config.page_size,
             "reserve_output_kv": self.config.reserve_output_kv,
             "waiting_pages": sum(scheduler.pages_needed(seq) for seq in list(scheduler.waiting)),
+            "prefix_cache": self.stats.prefix_cache(),
             **({} if self.modes is None else self.modes.snapshot()),
         }
 
@@ -1581,107 +1594,3 @@ class TrainingSource(Protocol):
 
     def run_next(self) -> None:
         """Runs that step (errors are the source's to report: they must not stop serving)."""
-
-
-class _PhaseClock:
-    """Adds the time since the previous mark to `seconds[name]` at each `mark(name)`."""
-
-    __slots__ = ("seconds", "last")
-
-    def __init__(self, seconds: dict):
-        self.seconds = seconds
-        self.last = time.perf_counter()
-
-    def mark(self, name: str) -> None:
-        now = time.perf_counter()
-        self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
-        self.last = now
-
-
-class EngineStats:
-    """Step counters, host time per step phase and a sliding window of generated tokens for tokens/s.
-
-    phase_seconds: cumulative seconds of each phase of `Engine.step` (PHASES, in step order):
-    schedule (commands, drops, the scheduler), load (admissions' adapter copies not prefetched),
-    commit (prefetched copies written into their slots, waiting for those the step needs), order
-    (serving_order), batch (token/position/block-table arrays), lora_plan, sampling (arrays),
-    dispatch (the jitted call: argument transfer and launch), prefetch (queued adapters' copies),
-    wait (until the sampled tokens are on the host), complete (tokens to requests, callbacks)."""
-
-    PHASES = ("schedule", "load", "commit", "order", "batch", "lora_plan", "sampling", "dispatch", "prefetch",
-              "wait", "complete")
-
-    def __init__(self, window_s: float = 10.0):
-        self.window_s = window_s
-        self.steps = 0
-        self.step_tokens = 0
-        self.generated = 0
-        self.adapter_loads = 0  # host -> device copies into pool slots
-        self.adapter_load_seconds = 0.0  # their total and longest seconds
-        self.adapter_load_max_s = 0.0
-        self.base_only_steps = 0
-        self.window_fills = 0  # adapters copied into the adapter window
-        self.step_compiles = 0  # programs that steps compiled (not warmed up)
-        self.step_seconds = 0.0
-        self.last_step_s = 0.0
-        self.dropped = 0  # requests ended by early abort (see EngineConfig.ttft_slo_s)
-        self.train_steps = 0  # training steps run in idle serving steps (`Engine.train_step`)
-        self.train_tokens = 0
-        self.train_seconds = 0.0
-        self.phase_seconds: dict[str, float] = {}
-        self.kind_steps: dict[str, list] = {}  # kind -> [steps, seconds, tokens]
-        self._recent: collections.deque = collections.deque()
-
-    def phases(self) -> _PhaseClock:
-        """A clock starting now that adds to `phase_seconds`."""
-        return _PhaseClock(self.phase_seconds)
-
-    def phase_ms_per_step(self) -> dict[str, float]:
-        """Mean host milliseconds per step of each phase (PHASES order; over `steps`)."""
-        steps = max(1, self.steps)
-        return {name: 1e3 * self.phase_seconds[name] / steps for name in self.PHASES if name in self.phase_seconds}
-
-    def steps_by_kind(self) -> dict[str, dict]:
-        """{kind: {"steps", "mean_ms" (dispatch to sampled tokens on the host), "mean_tokens"}} per
-        kind of step ("base decode", "base mixed", "lora decode", "lora mixed"; decode: one-token
-        rows only)."""
-        return {kind: {"steps": n, "mean_ms": 1e3 * seconds / n, "mean_tokens": tokens / n}
-                for kind, (n, seconds, tokens) in sorted(self.kind_steps.items())}
-
-    def record_step(self, kind: str, tokens: int, generated: int, seconds: float) -> None:
-        """Counts a finished step of `kind` (`Step.kind`): its tokens, generated tokens and seconds."""
-        self.steps += 1
-        kind = self.kind_steps.setdefault(kind, [0, 0.0, 0])
-        kind[0], kind[1], kind[2] = kind[0] + 1, kind[1] + seconds, kind[2] + tokens
-        self.step_tokens += tokens
-        self.generated += generated
-        self.step_seconds += seconds
-        self.last_step_s = seconds
-        now = time.monotonic()
-        self._recent.append((now, generated))
-        while self._recent and self._recent[0][0] < now - self.window_s:
-            self._recent.popleft()
-
-    def training_seconds(self, item) -> float:
-        """A training step's expected seconds: its tokens at the mean seconds per token so far (0
-        before the first)."""
-        if item is None or not self.train_tokens:
-            return 0.0
-        return item.tokens * self.train_seconds / self.train_tokens
-
-    def record_training(self, tokens: int, seconds: float) -> None:
-        """Counts one training step (microbatch) of `tokens` that held the engine thread `seconds`."""
-        self.train_steps += 1
-        self.train_tokens += tokens
-        self.train_seconds += seconds
-
-    def record_device_load(self, seconds: float) -> None:
-        """Counts one host -> device adapter copy of `seconds`."""
-        self.adapter_loads += 1
-        self.adapter_load_seconds += seconds
-        self.adapter_load_max_s = max(self.adapter_load_max_s, seconds)
-
-    def tokens_per_second(self) -> float:
-        now = time.monotonic()
-        recent = [(t, n) for t, n in list(self._recent) if t >= now - self.window_s]
-        return sum(n for _, n in recent) / self.window_s if recent else 0.0

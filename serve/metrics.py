@@ -80,6 +80,19 @@ class Metrics:
         self.step_compiles = Gauge("jaxlora_step_compiles", "Step programs compiled by serving steps (shapes the "
                                    "warm-up did not cover): each one stalls the steps while it compiles",
                                    registry=registry)
+        self.prefix_queries = Gauge("jaxlora_prefix_cache_queries", "Prompt tokens of admitted requests looked up in "
+                                    "the prefix cache so far (vLLM's prefix_cache_queries)", registry=registry)
+        self.prefix_hits = Gauge("jaxlora_prefix_cache_hits", "Of those, tokens whose KV came from cached blocks "
+                                 "(not computed; vLLM's prefix_cache_hits)", registry=registry)
+        self.prefix_hit_rate = Gauge("jaxlora_prefix_cache_hit_rate", "Prefix cache hits / queries so far (tokens)",
+                                     registry=registry)
+        self.prefix_requests = Gauge("jaxlora_prefix_cache_requests", "Admitted requests looked up in the prefix cache, "
+                                     "and those that reused at least one block", ["kind"], registry=registry)
+        self.prefix_pages = Gauge("jaxlora_prefix_cache_pages", "KV pages holding cached blocks (cached: all; "
+                                  "unreferenced: held by no request, evictable, counted free)", ["kind"],
+                                  registry=registry)
+        self.prefix_evictions = Gauge("jaxlora_prefix_cache_evictions", "Cached blocks evicted for KV or adapter pages",
+                                      registry=registry)
         self.ttft = Histogram("jaxlora_time_to_first_token_seconds", "Time to first token",
                               buckets=LATENCY_BUCKETS, registry=registry)
         self.e2e = Histogram("jaxlora_request_latency_seconds", "End-to-end request latency",
@@ -108,12 +121,24 @@ class Metrics:
             self.replica_draining.labels(replica).set(int(load["draining"]))
             self.replica_idle.labels(replica).set(int(load["idle"]))
         self._render_modes(snap)
+        self._render_prefix_cache(snap["prefix_cache"])
         stats = self.engine.stats
         self.train_steps.set(getattr(stats, "train_steps", 0))
         self.train_tokens.set(getattr(stats, "train_tokens", 0))
         self.train_seconds.set(getattr(stats, "train_seconds", 0.0))
         self.step_compiles.set(getattr(stats, "step_compiles", 0))
         return generate_latest(self.registry)
+
+    def _render_prefix_cache(self, cache: dict) -> None:
+        """The prefix cache's gauges (`EngineStats.prefix_cache`; zeros when it is off)."""
+        self.prefix_queries.set(cache["queries"])
+        self.prefix_hits.set(cache["hits"])
+        self.prefix_hit_rate.set(cache["hit_rate"])
+        self.prefix_requests.labels("looked_up").set(cache["requests"])
+        self.prefix_requests.labels("hit").set(cache["hit_requests"])
+        self.prefix_pages.labels("cached").set(cache["cached_pages"])
+        self.prefix_pages.labels("unreferenced").set(cache["unreferenced_pages"])
+        self.prefix_evictions.set(cache["evictions"])
 
     def _render_modes(self, snap: dict) -> None:
         """The inference mode's gauges (serve.modes; an unmerged-only engine: unmerged, no switches)."""

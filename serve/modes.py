@@ -71,6 +71,15 @@ class EngineModes:
         scheduler.runs = lambda key: runs_in(mode, key)
         return mode
 
+    def prefix_root(self, key) -> tuple:
+        """The scheduler's `prefix_root`: adapter `key` (None: the base model) and how this step
+        computes its rows: plain (unmerged), on the merged weights (the merged adapter's rows), or
+        beside them with the -ΔW branch (the others); the bits differ, so cached blocks do not mix."""
+        merged = self.mode.merged if self.mode.name != "unmerged" else None
+        if merged is None:
+            return (key, "unmerged")
+        return (key, "merged" if key == merged else "branch", merged)
+
     def relax(self, scheduler: ServingScheduler) -> bool:
         """"auto" in merged mode whose step got no rows (the merged adapter's requests wait for
         pages others hold, or for their last token): this step runs mixed instead (the same merged

@@ -180,7 +180,7 @@ class ReplicaSet:
                                                               "adapters_on_device")}
         pages = {holder: sum(s["pages"][holder] for s in snaps) for holder in snaps[0]["pages"]}
         rows = {kind: sum(s["adapter_rows"][kind] for s in snaps) for kind in snaps[0]["adapter_rows"]}
-        return {**snaps[0], **summed, "pages": pages, "adapter_rows": rows,
+        return {**snaps[0], **summed, "pages": pages, "adapter_rows": rows, "prefix_cache": summed_prefix_cache(snaps),
                 "waiting": summed["waiting"] + len(self._queue)}
 
     # ---- requests ---------------------------------------------------------------------------
@@ -340,6 +340,14 @@ def server_state(engine: Engine | ReplicaSet) -> dict:
             queued = len(engine._queue)
         return {"replicas": engine.load(), "queued": queued, "migrations": engine.migrations}
     return {"replicas": [engine_load(engine)], "queued": 0, "migrations": 0}
+
+
+def summed_prefix_cache(snaps: list[dict]) -> dict:
+    """The engines' `prefix_cache` counts summed (each replica caches its own pages), hit rate over the sum."""
+    caches = [s["prefix_cache"] for s in snaps]
+    summed = {key: sum(c[key] for c in caches) for key in caches[0] if key not in ("enabled", "hit_rate")}
+    return {**summed, "enabled": caches[0]["enabled"],
+            "hit_rate": summed["hits"] / summed["queries"] if summed["queries"] else 0.0}
 
 
 class _SummedStats:

@@ -1,6 +1,6 @@
 """The serving policy: continuous batching under a token budget, KV-page admission control (KV and
 adapter pages in one budget with unified paging), the LRU device adapter slots with prefetch,
-each step's inference mode (merged / mixed / unmerged, V-LoRA) (docs/architecture.md, "The serving
+each step's inference mode (merged / mixed / unmerged, V-LoRA), prefix caching of full KV blocks (docs/architecture.md, "The serving
 engine's step"), and the placement of requests over replicas (Punica). Host-side only (no JAX)."""
 
 from jaxlora.scheduler.serving.adapters import AdapterSlots
@@ -8,6 +8,7 @@ from jaxlora.scheduler.serving.modes import (
     INFERENCE_MODES, Mode, ModePolicy, Pending, choose_mode, fixed_mode, runs_in,
 )
 from jaxlora.scheduler.serving.pages import PageAllocator, admission_pages, pages_for
+from jaxlora.scheduler.serving.prefix import PrefixCache, PrefixStats
 from jaxlora.scheduler.serving.placement import ReplicaState, RoundRobin, place
 from jaxlora.scheduler.serving.unified import UnifiedPages, adapter_pages
 from jaxlora.scheduler.serving.policy import (
@@ -21,7 +22,7 @@ from jaxlora.scheduler.serving.policy import (
 )
 
 __all__ = [
-    "AdapterSlots", "INFERENCE_MODES", "Mode", "ModePolicy", "PENDING", "Pending", "PageAllocator", "ReplicaState",
+    "AdapterSlots", "INFERENCE_MODES", "Mode", "ModePolicy", "PENDING", "Pending", "PageAllocator", "PrefixCache", "PrefixStats", "ReplicaState",
     "RoundRobin", "SchedulerConfig", "Sequence", "ServingScheduler", "Status", "StepPlan", "StepRow",
     "UnifiedPages", "adapter_pages", "admission_pages", "choose_mode", "fixed_mode", "pages_for", "place", "runs_in",
 ]

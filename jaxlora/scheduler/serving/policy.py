@@ -60,6 +60,16 @@ drops every waiting request that can no longer meet it (waited so far + at least
 the objective) instead of serving it late at the cost of the requests behind it; running
 requests, and preempted ones that already have output tokens, are never dropped.
 
+Prefix caching (`SchedulerConfig.prefix_caching`, `jaxlora.scheduler.serving.prefix`): pages go
+through a `PrefixCache`. When a request is admitted, the leading full blocks of its tokens that are
+cached under its root (`prefix_root(adapter)`, the caller's: the adapter's identity and the step's
+numerics) are taken from the cache and count as computed, so its prefill starts after them (at
+least one token is always computed; a `Sequence` with `cache_prefix` False, e.g. one that needs
+every prompt position's logits, takes none). Every full block a step commits is registered under
+the chain of its sequence's root, as are the output blocks when a sequence finishes; a sequence
+whose root changes while it runs (another inference mode) registers nothing more. Cached pages no
+sequence holds count as free and are evicted, least recently used first, when pages are needed.
+
 Pure host-side Python: no JAX here; `serve.engine` turns a `StepPlan` into device arrays.
 """
 
@@ -73,6 +83,7 @@ from typing import Any, Callable, Hashable
 from jaxlora.scheduler.core import DECODE, PREFILL, TokenCapacity, WorkItem
 from jaxlora.scheduler.serving.adapters import AdapterSlots
 from jaxlora.scheduler.serving.pages import PageAllocator, admission_pages, pages_for
+from jaxlora.scheduler.serving.prefix import PrefixCache, chain_digests, root_digest
 from jaxlora.scheduler.serving.unified import UnifiedPages
 
 
@@ -102,6 +113,10 @@ class Sequence:
     order: int = 0
     arrival: float = 0.0  # when the request arrived (seconds, the caller's clock; see `expire`)
     sampling: Any = None  # the caller's sampling parameters (opaque here; the engine's SamplingParams)
+    cache_prefix: bool = True  # prefix caching: may start after cached blocks (False: computes every position)
+    prefix_root: bytes | None = None  # its chain's root digest (None: registers no blocks)
+    prefix_digests: list = dataclasses.field(default_factory=list)  # digests of its first full blocks
+    prefix_blocks: int = 0  # its leading blocks that are cached (hit or registered)
 
     @property
     def tokens(self) -> list[int]:
@@ -149,6 +164,7 @@ class SchedulerConfig:
     adapter_rows: int = 0  # unified paging: device rows adapters take at their rank (0: none; module doc)
     reserve_output: bool = True  # admission reserves prompt + max_tokens pages (else: pages grow; module doc)
     max_prefill_adapters: int = 0  # distinct adapters with prompt chunks in one step (0: no bound; module doc)
+    prefix_caching: bool = False  # reuse cached full KV blocks across requests (module doc)
 
     def __post_init__(self):
         if min(self.max_num_seqs, self.token_budget, self.prefill_chunk) < 1:
@@ -197,9 +213,13 @@ class ServingScheduler:
         self.config = config
         self.capacity = TokenCapacity(config.token_budget)  # every step's work items fit it
         self.slots = AdapterSlots(config.num_adapter_slots)
-        self.pages = (UnifiedPages(config.num_pages, config.page_size, in_use=self.slots.pinned,
-                                   num_rows=config.adapter_rows)
-                      if config.unified_paging else PageAllocator(config.num_pages, config.page_size))
+        pool = (UnifiedPages(config.num_pages, config.page_size, in_use=self.slots.pinned, num_rows=config.adapter_rows)
+                if config.unified_paging else PageAllocator(config.num_pages, config.page_size))
+        self.prefix = PrefixCache(pool, config.page_size) if config.prefix_caching else None
+        self.pages = self.prefix or pool
+        # prefix caching: what besides the tokens names an adapter's (None: the base model's) cached
+        # blocks, the caller's (its identity, the step's numerics)
+        self.prefix_root: Callable[[Hashable | None], Hashable] = lambda key: key
         self.adapter_pages: Callable[[Hashable], int] = lambda key: 1  # unified paging: an adapter's pages
         self.adapter_rows: Callable[[Hashable], int] = lambda key: 1  # with adapter_rows: its rank in rows
         self.refused: list[Sequence] = []  # finished "too_large" by admission; the caller tells them
@@ -235,6 +255,8 @@ class ServingScheduler:
         if seq.status is Status.FINISHED:
             return
         if seq.status is Status.RUNNING:
+            if reason in ("stop", "length"):
+                self._register_blocks(seq)  # its output blocks
             self.running.remove(seq)
             self.pages.free(seq.pages)
             seq.pages = []
@@ -287,6 +309,7 @@ class ServingScheduler:
             row.seq.num_computed += row.count
             if row.sample:
                 row.seq.output.append(PENDING)
+            self._register_blocks(row.seq)
         rows.sort(key=lambda r: (r.slot < 0, r.slot))
         plan = StepPlan(rows, loads, preempted)
         self.capacity.check(plan.work_items())
@@ -313,6 +336,7 @@ class ServingScheduler:
         unread (PENDING) tokens and marks it WAITING with nothing computed, so that a prefill over
         prompt + output recomputes it. `schedule` queues its victims again; a caller that preempts
         (e.g. to migrate the sequence to another replica) ends it here with `finish`."""
+        self._register_blocks(seq)
         self.running.remove(seq)
         self.pages.free(seq.pages)
         seq.pages = []
@@ -350,21 +374,25 @@ class ServingScheduler:
                 continue
             if not self._chunk_fits(chunked, self._row(seq, budget)):
                 continue  # its adapter would be one more with a prompt chunk in this step
-            if not self._fits(seq):
+            hits = self._hits(seq)
+            if not self._fits(seq, hits):
                 if self._unified_pages_needed(seq) > self.config.num_pages:  # its adapter's pages: never
                     self.finish(seq, "too_large")
                     self.refused.append(seq)
                     continue
                 break
+            if self.prefix is not None:
+                self.prefix.acquire(hits)  # held: placing its adapter evicts no hit
             if seq.adapter is not None:
                 placed = self._place(seq.adapter)
                 if placed is None:
+                    self.pages.free(hits)
                     continue  # every slot pinned: let requests for resident adapters pass
                 if placed[1]:
                     loads.append((placed[0], seq.adapter))
                 self.slots.pin(seq.adapter)
             self.waiting.remove(seq)
-            seq.pages = self.pages.allocate(self.pages_needed(seq))
+            seq.pages = self._take_pages(seq, hits)
             self._drop_evicted()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -394,14 +422,64 @@ class ServingScheduler:
     # ---- adapter residency (slots, and pages with unified paging) ------------------------------------
     @property
     def unified(self) -> bool:
-        return isinstance(self.pages, UnifiedPages)
+        return self.config.unified_paging
 
-    def _fits(self, seq: Sequence) -> bool:
-        """Whether `seq`'s KV pages (and, with unified paging, its adapter's pages if it is not
-        resident) can be had now, evicting only idle adapters other than its own."""
-        if not self.unified:
-            return self.pages.can_allocate(self.pages_needed(seq))
-        return self._unified_pages_needed(seq) <= self.pages.num_free + self.pages.idle_pages(keep=(seq.adapter,))
+    def _fits(self, seq: Sequence, hits: list[int] = ()) -> bool:
+        """Whether `seq`'s KV pages past its cached `hits` (and, with unified paging, its adapter's
+        pages if it is not resident) can be had now, evicting only idle adapters other than its own
+        and cached pages other than its hits."""
+        free = self.pages.num_free if self.prefix is None else self.prefix.num_free_besides(hits)
+        needed = self._unified_pages_needed(seq) - len(hits)
+        return needed <= free + (self.pages.idle_pages(keep=(seq.adapter,)) if self.unified else 0)
+
+    # ---- prefix caching (module doc) ----------------------------------------------------------
+    def _hits(self, seq: Sequence) -> list[int]:
+        """The cached pages `seq` can start after (its leading full blocks but the last token's):
+        none without prefix caching or with `cache_prefix` False. Sets its chain's root."""
+        if self.prefix is None:
+            return []
+        root = root_digest(self.prefix_root(seq.adapter))
+        if seq.prefix_root != root:
+            seq.prefix_root, seq.prefix_digests = root, []
+        if not seq.cache_prefix:
+            return []
+        tokens = seq.tokens
+        count = (len(tokens) - 1) // self.config.page_size
+        return self.prefix.lookup(chain_digests(tokens, self.config.page_size, root, seq.prefix_digests, count)[:count])
+
+    def _take_pages(self, seq: Sequence, hits: list[int]) -> list[int]:
+        """An admitted `seq`'s pages: its cached `hits` (acquired; counted as computed) and new ones
+        for the rest."""
+        if self.prefix is not None and seq.cache_prefix:
+            self.prefix.stats.record(len(seq.tokens), len(hits) * self.config.page_size)
+        seq.prefix_blocks = len(hits)
+        seq.num_computed = len(hits) * self.config.page_size
+        return hits + self.pages.allocate(self.pages_needed(seq) - len(hits))
+
+    def _register_blocks(self, seq: Sequence) -> None:
+        """Caches `seq`'s full blocks whose keys and values are computed (or committed to a step)
+        and whose tokens are known (no PENDING), under its root; none once the root changed."""
+        if self.prefix is None or seq.prefix_root is None:
+            return
+        size, output = self.config.page_size, seq.output
+        pending = 0
+        while pending < len(output) and output[-1 - pending] == PENDING:
+            pending += 1
+        full = min(seq.num_computed, len(seq.prompt) + len(output) - pending) // size
+        if full <= seq.prefix_blocks:
+            return
+        if root_digest(self.prefix_root(seq.adapter)) != seq.prefix_root:
+            seq.prefix_root = None  # computed under other numerics from here on
+            return
+        digests = chain_digests(seq.tokens, size, seq.prefix_root, seq.prefix_digests, full)
+        for i in range(seq.prefix_blocks, full):
+            self.prefix.register(seq.pages[i], digests[i], seq.adapter)
+        seq.prefix_blocks = full
+
+    def clear_prefix_cache(self) -> None:
+        """Forgets every cached block (e.g. the KV pages were rebuilt after a failed step)."""
+        if self.prefix is not None:
+            self.prefix.forget()
 
     def _unified_pages_needed(self, seq: Sequence) -> int:
         """`seq`'s KV pages plus, with unified paging, its adapter's if that is not resident."""
@@ -440,6 +518,8 @@ class ServingScheduler:
         slot = self.slots.drop(key)
         if self.unified:
             self.pages.remove_adapter(key)
+        if self.prefix is not None:
+            self.prefix.forget(key)  # its blocks: it is gone for good
         return slot
 
     def page_split(self) -> dict:

@@ -1,0 +1,141 @@
+"""The serving engine's counters: steps, host time per step phase, generated tokens per second,
+adapter loads, training steps in idle serving steps, and the prefix cache's hit rate (read by
+`serve.metrics` and the benchmarks)."""
+
+from __future__ import annotations
+
+import collections
+import time
+
+
+class _PhaseClock:
+    """Adds the time since the previous mark to `seconds[name]` at each `mark(name)`."""
+
+    __slots__ = ("seconds", "last")
+
+    def __init__(self, seconds: dict):
+        self.seconds = seconds
+        self.last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
+        self.last = now
+
+
+class EngineStats:
+    """Step counters, host time per step phase and a sliding window of generated tokens for tokens/s.
+
+    phase_seconds: cumulative seconds of each phase of `Engine.step` (PHASES, in step order):
+    schedule (commands, drops, the scheduler), load (admissions' adapter copies not prefetched),
+    commit (prefetched copies written into their slots, waiting for those the step needs), order
+    (serving_order), batch (token/position/block-table arrays), lora_plan, sampling (arrays),
+    dispatch (the jitted call: argument transfer and launch), prefetch (queued adapters' copies),
+    wait (until the sampled tokens are on the host), complete (tokens to requests, callbacks)."""
+
+    PHASES = ("schedule", "load", "commit", "order", "batch", "lora_plan", "sampling", "dispatch", "prefetch",
+              "wait", "complete")
+
+    def __init__(self, window_s: float = 10.0, prefix=None):
+        self.window_s = window_s
+        self.prefix = prefix  # the scheduler's `PrefixCache` (None: prefix caching off)
+        self.steps = 0
+        self.step_tokens = 0
+        self.generated = 0
+        self.adapter_loads = 0  # host -> device copies into pool slots
+        self.adapter_load_seconds = 0.0  # their total and longest seconds
+        self.adapter_load_max_s = 0.0
+        self.base_only_steps = 0
+        self.window_fills = 0  # adapters copied into the adapter window
+        self.step_compiles = 0  # programs that steps compiled (not warmed up)
+        self.step_seconds = 0.0
+        self.last_step_s = 0.0
+        self.dropped = 0  # requests ended by early abort (see EngineConfig.ttft_slo_s)
+        self.train_steps = 0  # training steps run in idle serving steps (`Engine.train_step`)
+        self.train_tokens = 0
+        self.train_seconds = 0.0
+        self.phase_seconds: dict[str, float] = {}
+        self.kind_steps: dict[str, list] = {}  # kind -> [steps, seconds, tokens]
+        self._recent: collections.deque = collections.deque()
+
+    def phases(self) -> _PhaseClock:
+        """A clock starting now that adds to `phase_seconds`."""
+        return _PhaseClock(self.phase_seconds)
+
+    def phase_ms_per_step(self) -> dict[str, float]:
+        """Mean host milliseconds per step of each phase (PHASES order; over `steps`)."""
+        steps = max(1, self.steps)
+        return {name: 1e3 * self.phase_seconds[name] / steps for name in self.PHASES if name in self.phase_seconds}
+
+    def steps_by_kind(self) -> dict[str, dict]:
+        """{kind: {"steps", "mean_ms" (dispatch to sampled tokens on the host), "mean_tokens"}} per
+        kind of step ("base decode", "base mixed", "lora decode", "lora mixed"; decode: one-token
+        rows only)."""
+        return {kind: {"steps": n, "mean_ms": 1e3 * seconds / n, "mean_tokens": tokens / n}
+                for kind, (n, seconds, tokens) in sorted(self.kind_steps.items())}
+
+    def record_step(self, kind: str, tokens: int, generated: int, seconds: float) -> None:
+        """Counts a finished step of `kind` (`Step.kind`): its tokens, generated tokens and seconds."""
+        self.steps += 1
+        kind = self.kind_steps.setdefault(kind, [0, 0.0, 0])
+        kind[0], kind[1], kind[2] = kind[0] + 1, kind[1] + seconds, kind[2] + tokens
+        self.step_tokens += tokens
+        self.generated += generated
+        self.step_seconds += seconds
+        self.last_step_s = seconds
+        now = time.monotonic()
+        self._recent.append((now, generated))
+        while self._recent and self._recent[0][0] < now - self.window_s:
+            self._recent.popleft()
+
+    def training_seconds(self, item) -> float:
+        """A training step's expected seconds: its tokens at the mean seconds per token so far (0
+        before the first)."""
+        if item is None or not self.train_tokens:
+            return 0.0
+        return item.tokens * self.train_seconds / self.train_tokens
+
+    def record_training(self, tokens: int, seconds: float) -> None:
+        """Counts one training step (microbatch) of `tokens` that held the engine thread `seconds`."""
+        self.train_steps += 1
+        self.train_tokens += tokens
+        self.train_seconds += seconds
+
+    def record_device_load(self, seconds: float) -> None:
+        """Counts one host -> device adapter copy of `seconds`."""
+        self.adapter_loads += 1
+        self.adapter_load_seconds += seconds
+        self.adapter_load_max_s = max(self.adapter_load_max_s, seconds)
+
+    def tokens_per_second(self) -> float:
+        now = time.monotonic()
+        recent = [(t, n) for t, n in list(self._recent) if t >= now - self.window_s]
+        return sum(n for _, n in recent) / self.window_s if recent else 0.0
+
+    # ---- prefix caching (jaxlora.scheduler.serving.prefix; 0 when off) ---------------------------
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Tokens of admitted requests looked up in the prefix cache."""
+        return 0 if self.prefix is None else self.prefix.stats.queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of those, tokens whose keys and values came from cached pages (not computed)."""
+        return 0 if self.prefix is None else self.prefix.stats.hits
+
+    @property
+    def prefix_cache_evictions(self) -> int:
+        return 0 if self.prefix is None else self.prefix.stats.evictions
+
+    def prefix_cache(self) -> dict:
+        """{"enabled", "queries", "hits", "hit_rate", "requests", "hit_requests", "evictions",
+        "cached_blocks" (registered so far), "cached_pages" (held now), "unreferenced_pages"}."""
+        cache = self.prefix
+        if cache is None:
+            return {"enabled": False, "queries": 0, "hits": 0, "hit_rate": 0.0, "requests": 0, "hit_requests": 0,
+                    "evictions": 0, "cached_blocks": 0, "cached_pages": 0, "unreferenced_pages": 0}
+        stats = cache.stats
+        return {"enabled": True, "queries": stats.queries, "hits": stats.hits, "hit_rate": stats.hit_rate,
+                "requests": stats.requests, "hit_requests": stats.hit_requests, "evictions": stats.evictions,
+                "cached_blocks": stats.cached_blocks, "cached_pages": cache.num_registered,
+                "unreferenced_pages": cache.num_cached}
