@@ -191,7 +191,8 @@ class EngineModes:
                                              np.bool_(False)).compile()
 
     def snapshot(self) -> dict:
-        """For /metrics: the mode, the merged adapter's uid, switches and their host seconds, steps per mode."""
+        """For /metrics: the mode, the merged adapter's uid, switches and their host seconds, steps per
+        mode; what the "auto" policy measured (`mode_policy`)."""
         return {"inference_mode": self.mode.name, "merged_adapter": None if self.merged is None else self.merged[0],
                 "mode_switches": self.switches, "mode_switch_seconds": self.switch_seconds,
-                "mode_steps": dict(self.mode_steps)}
+                "mode_steps": dict(self.mode_steps), "mode_policy": self.decider.summary()}

@@ -21,6 +21,7 @@ def test_auto_with_measured_costs_gives_the_tokens_of_unmerged_serving(model_and
     assert engine.modes.mode_steps["merged"] + engine.modes.mode_steps["mixed"] > 0
     assert decider.costs.samples["merged"] + decider.costs.samples["mixed"] > 0  # the engine's timings came back
     assert not engine.modes._launched  # every launched step was observed
+    assert engine.snapshot()["mode_policy"]["samples"] == dict(decider.costs.samples)
 
 
 def test_the_default_auto_policy_is_the_cost_policy(model_and_adapters):  # noqa: F811

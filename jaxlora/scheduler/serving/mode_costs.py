@@ -24,7 +24,7 @@ step of that size was measured yet, so that the merged cost is measured, not inf
 Step costs (`StepCosts`) are exponential moving averages per token bucket (powers of two): the
 unmerged step in seconds, the merged step as a ratio r0 to the unmerged one, and the mixed step as
 the ratio (1 - f) r0 + f r1 at a share f of rows of other adapters (r1: a mixed step of no merged
-rows, the LoRA plus the -ΔW branch). Unmeasured buckets take the nearest measured one, else the
+rows, the LoRA plus the -ΔW branch). Unmeasured buckets interpolate between the measured ones (or take the nearest), else the
 priors (`default_step_s`, `merged_ratio`, `mixed_ratio`); the engine's measurements replace them
 (`observe_step`). Pure host code over `Pending` requests: no JAX, no engine.
 """
@@ -47,8 +47,9 @@ class CostPolicy:
     prior switch time (the 8B shape on an H200: 9.7 ms); expected_stay: steps a merged adapter is
     expected to stay before stays are measured; min_dwell: steps before the merged adapter changes
     again; confirm: steps in a row another merged adapter (or none) must be the best before the
-    weights switch to it; margin: the fraction a new mode must be predicted cheaper by; max_wait_s: a request of
-    another adapter that waited longer rules merged out; ema: the weight of a new measurement."""
+    weights switch to it; margin: the fraction a new mode must be predicted cheaper by;
+    max_wait_s: a request of another adapter that waited longer rules merged out (about two 8B
+    steps: a starved request's TPOT grows by its wait); ema: the weight of a new measurement."""
 
     max_batch: int = 256
     default_step_s: float = 0.03
@@ -59,7 +60,7 @@ class CostPolicy:
     min_dwell: int = 8
     confirm: int = 4
     margin: float = 0.05
-    max_wait_s: float = 0.5
+    max_wait_s: float = 0.05
     ema: float = 0.2
 
     def __post_init__(self):
@@ -91,13 +92,19 @@ class StepCosts:
         return bucket(max(1, tokens)) in self.merged_buckets
 
     def get(self, key: str, tokens: int) -> float | None:
-        """The measured `key` of the nearest measured bucket to `tokens` (log scale), or None."""
+        """The measured `key` at the bucket of `tokens`: its own, else geometric interpolation in
+        log2(bucket) between the measured buckets on either side, else the nearest measured one;
+        None if none is measured."""
         b = bucket(max(1, tokens))
-        known = [k for name, k in self.table if name == key]
-        if not known:
-            return None
-        nearest = min(known, key=lambda k: (abs(math.log2(k) - math.log2(b)), k))
-        return self.table[(key, nearest)]
+        if (key, b) in self.table:
+            return self.table[(key, b)]
+        known = sorted(k for name, k in self.table if name == key)
+        below, above = [k for k in known if k < b], [k for k in known if k > b]
+        if not below or not above:
+            return self.table[(key, above[0])] if above else (self.table[(key, below[-1])] if below else None)
+        lo, hi = below[-1], above[0]
+        t = (math.log2(b) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+        return self.table[(key, lo)] ** (1 - t) * self.table[(key, hi)] ** t
 
     def unmerged(self, tokens: int) -> float:
         """Seconds of an unmerged step of `tokens` tokens (rows)."""
@@ -174,6 +181,13 @@ class CostModes:
         excess = max(0.0, seconds - self.costs.step(mode, tokens, others))
         self.switch_s += self.policy.ema * (switch_s + excess - self.switch_s)
 
+    def summary(self) -> dict:
+        """What it measured: {"costs": {"base@16": seconds, "r0@16": ratio, ...}, "switch_s",
+        "stay_steps", "switches", "samples" (steps recorded per mode)}."""
+        return {"costs": {f"{key}@{b}": round(value, 6) for (key, b), value in sorted(self.costs.table.items())},
+                "switch_s": self.switch_s, "stay_steps": self.stay, "switches": self.switches,
+                "samples": dict(self.costs.samples)}
+
     # ---- the decision ------------------------------------------------------------------------
     def choose(self, requests: list[Pending], current: Mode, step_s: float = 0.0, switch_s: float = 0.0) -> Mode:
         """This step's mode for the waiting and running `requests` (step_s, switch_s: unused,
@@ -211,8 +225,9 @@ class CostModes:
                     wait = others * (later + self.switch_s / horizon)
                 options[merged] = (self.costs.step("merged", min(n_x, p.max_batch))
                                    + self._switch(merged, current, horizon) + wait)
-            mixed = Mode("mixed", adapter)
-            options[mixed] = self.costs.step("mixed", rows, others) + self._switch(mixed, current, horizon)
+            if others > 0:  # (with none, a mixed step is a merged one)
+                mixed = Mode("mixed", adapter)
+                options[mixed] = self.costs.step("mixed", rows, others) + self._switch(mixed, current, horizon)
         return options
 
     def _candidates(self, counts: collections.Counter, current: Mode) -> list[Hashable]:

@@ -107,6 +107,10 @@ class CreditModes:
                      switch_s: float | None = None) -> None:
         """Nothing: the credits take the engine's last step and switch times."""
 
+    def summary(self) -> dict:
+        """Nothing measured."""
+        return {}
+
 
 def fixed_mode(requests: list[Pending], current: Mode, name: str) -> Mode:
     """The mode of an engine held in mode `name`. "merged" (merged-only serving): while requests

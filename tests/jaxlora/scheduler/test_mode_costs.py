@@ -137,7 +137,8 @@ def test_step_costs_start_from_the_priors_and_follow_the_measurements():
     costs_.record("unmerged", 16, 0.04)
     assert costs_.step("unmerged", 16) == 0.04 and costs_.step("unmerged", 128) == 0.04  # nearest bucket
     costs_.record("unmerged", 128, 0.1)
-    assert costs_.step("unmerged", 100) == 0.1 and costs_.step("unmerged", 20) == 0.04
+    assert costs_.step("unmerged", 100) == 0.1 and costs_.step("unmerged", 500) == 0.1
+    assert costs_.step("unmerged", 20) == pytest.approx(0.04 * 2.5 ** (1 / 3))  # 32: geometric, a third of the way
     costs_.record("merged", 16, 0.02)  # ratio 0.5: the first replaces the prior 0.8
     assert costs_.ratios(16)[0] == pytest.approx(0.5) and costs_.has_merged(16) and not costs_.has_merged(64)
     costs_.record("merged", 16, 0.03)  # ratio 0.75, blended
