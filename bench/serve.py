@@ -704,6 +704,11 @@ def run_mode_skew(args, model, engine_config: EngineConfig, factory: AdapterFact
     probe = Engine(model, eos_ids=(), config=config, step_fn=step_fn)
     shapes = greedy_shapes(probe)  # merged steps run base programs, the others LoRA or window ones
     del probe
+    if args.compile_only:  # fill --compile-cache for the runs of a later call
+        info = compile_all(model, config, args.compile_threads, shapes=shapes)
+        print(f"compiled {info['programs']} step programs in {info['seconds']:.1f} s ({info['threads']} threads)",
+              flush=True)
+        return
     case = Case("punica", args.slora_mode, args.requests, args.rate, 1.0, popularity="identical")
     base_trace = make_trace(case, args.seed, args.min_len, args.max_len, slots)
     token_rng = np.random.default_rng([args.seed, 3])
@@ -817,7 +822,8 @@ def main() -> None:
     parser.add_argument("--profile-variants", nargs="*", default=None,
                         help="--profile: only these variants (base, base+window, a backend, window<W>)")
     parser.add_argument("--compile-only", action="store_true",
-                        help="compile the step programs into --compile-cache and stop (a later call finds them)")
+                        help="compile the step programs into --compile-cache and stop (a later call finds them; "
+                             "with --modes-skew: the skew runs' programs)")
     parser.add_argument("--profile-steps", nargs="+", choices=sorted(PROFILE_STEPS), default=list(DEFAULT_PROFILE_STEPS),
                         help="the step batches --profile times")
     parser.add_argument("--modes-skew", action="store_true",
