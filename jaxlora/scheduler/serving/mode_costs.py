@@ -17,8 +17,9 @@ together; merged X first, then the others). Merged X is not an option while anot
 waited more than `max_wait_s`. Hysteresis: the merged adapter changes (a weight switch) only after
 `min_dwell` steps with the current one and once the new one was the best `confirm` steps in a
 row, and any change needs the new mode to be predicted `margin` cheaper than the current one; an
-infeasible current mode (merged with starving others, or merged / mixed for an adapter without
-requests) is left at once. Mixed X becomes merged X (the same weights) for a step when no merged
+infeasible current mode is replaced by its feasible twin with the same weights (merged X with a
+starving request: mixed X; mixed X without other requests: merged X) and left at once only if
+neither is feasible (an adapter without requests). Mixed X becomes merged X (the same weights) for a step when no merged
 step of that size was measured yet, so that the merged cost is measured, not inferred.
 
 Step costs (`StepCosts`) are exponential moving averages per token bucket (powers of two): the
@@ -196,7 +197,7 @@ class CostModes:
             return current
         self.last = options = self.predict(requests, current)
         best = min(options, key=lambda mode: (options[mode], mode != current))
-        chosen = self._explore(self._hysteresis(best, options, current), options, requests)
+        chosen = self._explore(self._hysteresis(best, options, _anchor(current, options)), options, requests)
         if _target(chosen) != _target(current):
             if current.name != "unmerged":
                 self.stay += self.policy.ema * (self.steps_here - self.stay)
@@ -256,16 +257,16 @@ class CostModes:
         rows = min(sum(r.adapter == chosen.merged for r in requests), self.policy.max_batch)
         return chosen if self.costs.has_merged(rows) else merged
 
-    def _hysteresis(self, best: Mode, options: dict[Mode, float], current: Mode) -> Mode:
-        """`best` if the current mode is infeasible; else, if it switches the weights, only
-        past the dwell and once the best was the same adapter `confirm` steps in a row; and only
-        past the margin. Otherwise the current mode."""
+    def _hysteresis(self, best: Mode, options: dict[Mode, float], current: Mode | None) -> Mode:
+        """`best` if there is no feasible current mode (`_anchor`: None); else, if it switches
+        the weights, only past the dwell and once the best was the same adapter `confirm` steps
+        in a row; and only past the margin. Otherwise the current mode."""
         target = _target(best)
-        if target == _target(current):
+        if current is not None and target == _target(current):
             self.streak = (None, 0)
         else:
             self.streak = (target, self.streak[1] + 1 if self.streak[0] == target and self.streak[1] else 1)
-        if current not in options or best == current:
+        if current is None or best == current:
             return best
         p = self.policy
         if target != _target(current) and (self.steps_here < p.min_dwell or self.streak[1] < p.confirm):
@@ -276,6 +277,16 @@ class CostModes:
 def bucket(n: int) -> int:
     """The smallest power of two >= n (a step size bucket)."""
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _anchor(current: Mode, options: dict[Mode, float]) -> Mode | None:
+    """The feasible mode that stands for `current` in the hysteresis: itself, else the other of
+    merged X / mixed X (the same weights: merged X with a starving request -> mixed X, mixed X
+    without other requests -> merged X); None if neither is feasible."""
+    if current in options:
+        return current
+    other = Mode({"merged": "mixed", "mixed": "merged"}.get(current.name, current.name), current.merged)
+    return other if other in options else None
 
 
 def _target(mode: Mode) -> Hashable | None:

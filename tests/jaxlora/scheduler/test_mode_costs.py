@@ -85,6 +85,21 @@ def test_starving_requests_leave_merged_within_the_wait_bound():
     assert names.count("merged") > 200 and set(names) > {"merged"}
 
 
+def test_a_starving_request_turns_merged_into_mixed_not_a_switch():
+    """Merged "a" with a request of "b" past max_wait_s: merged is out; mixed "a" (the same
+    weights) stands for it, and unmerged, predicted a little cheaper (within the margin), does
+    not get a weight switch; a much cheaper unmerged does."""
+    policy = CostPolicy(min_dwell=1, confirm=1)
+    requests = [Pending("a", 0.0, i) for i in range(9)] + [Pending("b", 1.0, 9)]
+    for r1, expected in ((2.55, Mode("mixed", "a")), (3.5, Mode("unmerged"))):  # mixed: 0.9 * 0.85 + 0.1 * r1
+        decider = policy.start()
+        decider.steps_here = 10
+        decider.observe_step("unmerged", 10, STEP_S)
+        decider.observe_step("merged", 10, 0.85 * STEP_S)
+        decider.costs.table[("r1", 16)] = r1
+        assert decider.choose(requests, Mode("merged", "a")) == expected
+
+
 def test_balanced_load_stays_unmerged():
     modes, decider, _ = simulate(CostPolicy(), lambda step: hot(0.5), costs(0.85, 1.2), 300)
     assert set(modes) == {Mode("unmerged")} and decider.switches == 0
