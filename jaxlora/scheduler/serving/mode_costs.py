@@ -14,7 +14,7 @@ mean seconds per token of every mode it could run (module `predict`):
 
 That is the mean completion time of one round of tokens of every request, per step (all rows
 together; merged X first, then the others). Merged X is not an option while another request has
-waited more than `max_wait_s`. Hysteresis: the merged adapter changes (a weight switch) only after
+waited more than `max_wait_steps` unmerged steps. Hysteresis: the merged adapter changes (a weight switch) only after
 `min_dwell` steps with the current one and once the new one was the best `confirm` steps in a
 row, and any change needs the new mode to be predicted `margin` cheaper than the current one; an
 infeasible current mode is replaced by its feasible twin with the same weights (merged X with a
@@ -49,8 +49,9 @@ class CostPolicy:
     expected to stay before stays are measured; min_dwell: steps before the merged adapter changes
     again; confirm: steps in a row another merged adapter (or none) must be the best before the
     weights switch to it; margin: the fraction a new mode must be predicted cheaper by;
-    max_wait_s: a request of another adapter that waited longer rules merged out (about two 8B
-    steps: a starved request's TPOT grows by its wait); ema: the weight of a new measurement."""
+    max_wait_steps: a request of another adapter that waited longer than this many unmerged steps
+    (predicted, of the current rows) rules merged out (a starved request's TPOT grows by its
+    wait); ema: the weight of a new measurement."""
 
     max_batch: int = 256
     default_step_s: float = 0.03
@@ -61,7 +62,7 @@ class CostPolicy:
     min_dwell: int = 8
     confirm: int = 4
     margin: float = 0.05
-    max_wait_s: float = 0.05
+    max_wait_steps: float = 2.0
     ema: float = 0.2
 
     def __post_init__(self):
@@ -69,9 +70,9 @@ class CostPolicy:
             raise ValueError("max_batch, min_dwell, confirm and expected_stay must be >= 1")
         if not (self.default_step_s > 0 and self.merged_ratio > 0 and self.mixed_ratio > 0 and self.switch_s >= 0):
             raise ValueError("default_step_s, merged_ratio, mixed_ratio must be > 0 and switch_s >= 0")
-        if not (0 <= self.margin < 1 and 0 < self.ema <= 1 and self.max_wait_s >= 0):
-            raise ValueError(f"margin in [0, 1), ema in (0, 1], max_wait_s >= 0: got {self.margin}, {self.ema}, "
-                             f"{self.max_wait_s}")
+        if not (0 <= self.margin < 1 and 0 < self.ema <= 1 and self.max_wait_steps >= 0):
+            raise ValueError(f"margin in [0, 1), ema in (0, 1], max_wait_steps >= 0: got {self.margin}, {self.ema}, "
+                             f"{self.max_wait_steps}")
 
     def start(self) -> "CostModes":
         """The policy's state for one engine (costs measured from now on)."""
@@ -213,12 +214,12 @@ class CostModes:
         rows = min(total, p.max_batch)
         counts = collections.Counter(r.adapter for r in requests)
         horizon = max(p.min_dwell, self.stay)
-        unmerged = Mode("unmerged")
-        options = {unmerged: self.costs.step("unmerged", rows) + self._switch(unmerged, current, horizon)}
+        unmerged, step_u = Mode("unmerged"), self.costs.step("unmerged", rows)
+        options = {unmerged: step_u + self._switch(unmerged, current, horizon)}
         for adapter in self._candidates(counts, current):
             n_x = counts[adapter]
             others = (total - n_x) / total
-            if not self._starving(requests, adapter):
+            if not self._starving(requests, adapter, p.max_wait_steps * step_u):
                 merged = Mode("merged", adapter)
                 wait = 0.0
                 if n_x < total:
@@ -240,8 +241,10 @@ class CostModes:
         top = max(named, key=lambda a: (named[a], a == current.merged))
         return [top] + ([current.merged] if current.merged in named and current.merged != top else [])
 
-    def _starving(self, requests: list[Pending], adapter: Hashable) -> bool:
-        return any(r.adapter != adapter and r.waited_s > self.policy.max_wait_s for r in requests)
+    @staticmethod
+    def _starving(requests: list[Pending], adapter: Hashable, bound_s: float) -> bool:
+        """Whether a request of another adapter than `adapter` waited more than `bound_s`."""
+        return any(r.adapter != adapter and r.waited_s > bound_s for r in requests)
 
     def _switch(self, mode: Mode, current: Mode, horizon: float) -> float:
         """The switch time per step over `horizon` if `mode` changes the merged weights."""
