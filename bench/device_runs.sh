@@ -281,6 +281,18 @@ window_probe() {  # one H200: device time of decode steps whose 32 / 64 rows use
   rm -rf "$OUT/serve_profile_traces"
 }
 
+modes_skew() {  # one GPU, issue 38: bench/serve.py --modes-skew at the README's sizes (hybrid, 256 rows, 2048
+  # tokens), the modes auto (measured costs), merged, unmerged, mixed on the shares of SKEWS (default all six;
+  # a 10-minute call fits about two shares once the programs are in the compile cache: SKEWS="0.5 0.6" TAG=a);
+  # the compile cache stays in /tmp/jaxlora_serve_jit_cache while the machine is held
+  nvidia-smi -L
+  local sizes="--modes-skew --lora-backend hybrid --max-num-seqs 256 --token-budget 2048 --prefill-chunk 2048"
+  timeout $((LIMIT - 10)) python3 bench/serve.py $sizes --compile-only 2>&1 | grep -v cuda_timer | tail -n 3
+  timeout $((LIMIT - SECONDS - 5)) python3 bench/serve.py $sizes --skews ${SKEWS:-0.5 0.6 0.7 0.8 0.9 1.0} \
+      --modes ${MODES:-auto merged unmerged mixed} --time-budget $((LIMIT - SECONDS - 90)) \
+      --out "$OUT/modes_skew_${TAG:-h200}.json" 2>&1 | grep -v "cuda_timer\\|Warning" | tail -n 45
+}
+
 two_gpus() {  # 2 GPUs: TP=2 serving vs one GPU, then PP=2 training vs one GPU
   nvidia-smi -L
   timeout 270 python3 bench/tp_serve.py --out "$OUT/tp_serve_2xh200.json" 2>&1 | tail -n 15

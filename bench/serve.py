@@ -79,7 +79,7 @@ from jaxlora.models.config import PROJECTIONS, LlamaConfig
 from jaxlora.models.llama import Llama
 from jaxlora.models.presets import llama8b_config
 from jaxlora.sampling import SamplingParams
-from jaxlora.scheduler.serving import Sequence, StepPlan, StepRow, pages_for
+from jaxlora.scheduler.serving import CostPolicy, ModePolicy, Sequence, StepPlan, StepRow, pages_for
 from serve.engine import Engine, EngineConfig, Event
 
 LORA = LoraConfig(r=16, lora_alpha=32, target_modules=PROJECTIONS)
@@ -611,6 +611,11 @@ def run_profile(args, model, engine_config: EngineConfig, factory: AdapterFactor
 # ---- inference modes: V-LoRA's skew experiment ------------------------------------------------------
 
 MODE_SKEWS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+# --modes: the engine's inference modes, plus "auto-credit" ("auto" with V-LoRA's credit policy,
+# `ModePolicy`, instead of the default measured-cost policy, `CostPolicy`)
+SKEW_MODES = ("auto", "merged", "unmerged", "mixed", "auto-credit")
+SKEW_HEADER = (f"{'share':>6} {'mode':11} {'tok/s':>8} {'ms/token':>9} {'TTFT p50':>9} {'p90':>8} {'TPOT p50':>9} "
+               f"{'p90':>7} {'steps by mode':38} switches")
 
 
 def skew_trace(base: Trace, share: float, adapters: int, seed: int) -> Trace:
@@ -648,16 +653,62 @@ def switch_ms(model, engine_config: EngineConfig, factory: AdapterFactory, repea
             "base_copy_bytes": int(base_bytes), "layers": model.config.num_layers}
 
 
+def mode_config(config: EngineConfig, mode: str, switch: dict | None) -> EngineConfig:
+    """The engine config of a `--modes` entry: "auto" with the cost policy whose switch prior is
+    the measured merge time (`switch`, None: its default), "auto-credit" with V-LoRA's credits."""
+    if mode == "auto-credit":
+        return dataclasses.replace(config, inference_mode="auto", mode_policy=ModePolicy(max_batch=config.max_num_seqs))
+    if mode == "auto":
+        prior = {} if not switch else {"switch_s": switch["merge_ms_mean"] / 1e3}
+        return dataclasses.replace(config, inference_mode=mode,
+                                   mode_policy=CostPolicy(max_batch=config.max_num_seqs, **prior))
+    return dataclasses.replace(config, inference_mode=mode)
+
+
+def print_skew_row(share: float, mode: str, run: dict) -> None:
+    """One line of `SKEW_HEADER`."""
+    modes = run.get("modes", {})
+    steps = str(modes.get("mode_steps", {"unmerged": run["steps"]}))
+    print(f"{share:6.2f} {mode:11} {run['tokens_per_s']:8.0f} {run['token_latency_ms']:9.2f} "
+          f"{run['ttft_p50_ms']:7.0f}ms {run['ttft_p90_ms']:6.0f}ms {run['tpot_p50_ms']:7.1f}ms {run['tpot_p90_ms']:5.1f}ms {steps:38} "
+          f"{modes.get('mode_switches', 0)}", flush=True)
+
+
+def skew_table(report: dict) -> str:
+    """A markdown table of the skew experiment: per share and mode, ms per token, TTFT and TPOT
+    p50/p90 (ms), and auto's ratio to the best fixed mode (ms per token, TPOT p90)."""
+    lines = ["| share | mode | ms/token | TTFT p50 | TTFT p90 | TPOT p50 | TPOT p90 | switches |",
+             "|---|---|---|---|---|---|---|---|"]
+    for entry in report["skews"]:
+        for mode, run in entry["runs"].items():
+            lines.append(f"| {entry['share']:.2f} | {mode} | {run['token_latency_ms']:.2f} | "
+                         f"{run['ttft_p50_ms']:.0f} | {run['ttft_p90_ms']:.0f} | {run['tpot_p50_ms']:.1f} | {run['tpot_p90_ms']:.1f} | "
+                         f"{run.get('modes', {}).get('mode_switches', 0)} |")
+        fixed = [run for mode, run in entry["runs"].items() if mode in ("merged", "unmerged", "mixed")]
+        if "auto" in entry["runs"] and fixed:
+            auto = entry["runs"]["auto"]
+            lines.append(f"| {entry['share']:.2f} | auto / best fixed | "
+                         f"{auto['token_latency_ms'] / min(r['token_latency_ms'] for r in fixed):.3f} | | | | "
+                         f"{auto['tpot_p90_ms'] / min(r['tpot_p90_ms'] for r in fixed):.3f} | |")
+    return "\n".join(lines)
+
+
 def run_mode_skew(args, model, engine_config: EngineConfig, factory: AdapterFactory, step_fn, device: str) -> None:
     """`--modes-skew`: for each skew of `args.skews`, the same trace served by each of
-    `args.modes` (EngineConfig.inference_mode) and by the base model alone: average token latency
-    (sum of request latencies / generated tokens, V-LoRA's metric), throughput, steps per mode and
-    switches; the switch time; the identical case (skew 1.0) merged against the base model."""
+    `args.modes` (EngineConfig.inference_mode, `mode_config`) and by the base model alone:
+    average token latency (sum of request latencies / generated tokens, V-LoRA's metric), TTFT
+    and TPOT p50/p90, throughput, steps per mode and switches; the switch time; the identical case
+    (skew 1.0) merged against the base model; at the end a markdown table (`skew_table`)."""
     slots = args.skew_adapters
     config = dataclasses.replace(engine_config, max_adapters_on_device=slots, adapter_window=slots)
     probe = Engine(model, eos_ids=(), config=config, step_fn=step_fn)
     shapes = greedy_shapes(probe)  # merged steps run base programs, the others LoRA or window ones
     del probe
+    if args.compile_only:  # fill --compile-cache for the runs of a later call
+        info = compile_all(model, config, args.compile_threads, shapes=shapes)
+        print(f"compiled {info['programs']} step programs in {info['seconds']:.1f} s ({info['threads']} threads)",
+              flush=True)
+        return
     case = Case("punica", args.slora_mode, args.requests, args.rate, 1.0, popularity="identical")
     base_trace = make_trace(case, args.seed, args.min_len, args.max_len, slots)
     token_rng = np.random.default_rng([args.seed, 3])
@@ -670,7 +721,7 @@ def run_mode_skew(args, model, engine_config: EngineConfig, factory: AdapterFact
         print(f"switch: merge {report['switch']['merge_ms_mean']:.2f} ms, unmerge "
               f"{report['switch']['unmerge_ms_mean']:.2f} ms ({args.layers} layers)", flush=True)
     base = run_trace(model, config, base_trace, prompts, None, step_fn=step_fn, shapes=shapes)
-    print(f"{'share':>6} {'mode':9} {'tok/s':>8} {'ms/token':>9} {'steps by mode':30} switches", flush=True)
+    print(SKEW_HEADER, flush=True)
     started, last_skew_s = time.perf_counter(), 0.0
     for share in args.skews:
         elapsed = time.perf_counter() - started
@@ -681,37 +732,37 @@ def run_mode_skew(args, model, engine_config: EngineConfig, factory: AdapterFact
         trace = skew_trace(base_trace, share, slots, args.seed)
         runs = {}
         for mode in args.modes:
-            run = run_trace(model, dataclasses.replace(config, inference_mode=mode), trace, prompts, factory,
+            run = run_trace(model, mode_config(config, mode, report["switch"]), trace, prompts, factory,
                             step_fn=step_fn, shapes=shapes)
             run["token_latency_ms"] = 1e3 * run["latency_mean_s"] * run["finished_ok"] / max(1, run["generated_tokens"])
             runs[mode] = run
-            modes = run.get("modes", {})
-            print(f"{share:6.2f} {mode:9} {run['tokens_per_s']:8.0f} {run['token_latency_ms']:9.2f} "
-                  f"{str(modes.get('mode_steps', {'unmerged': run['steps']})):30} {modes.get('mode_switches', 0)}",
-                  flush=True)
+            print_skew_row(share, mode, run)
         report["skews"].append({"share": share, "runs": runs,
                                 "vs_base": {m: r["tokens_per_s"] / base["tokens_per_s"] for m, r in runs.items()}})
         report["base"] = base
+        report["table"] = skew_table(report)
         write_mode_report(args.out, report)
         last_skew_s = time.perf_counter() - started - elapsed
+    print(report.get("table", ""), flush=True)
     print(f"device: {device}; wrote {args.out}", flush=True)
 
 
 def write_mode_report(path: str, report: dict) -> None:
-    """The skew experiment's JSON, and a PNG (token latency and throughput against the share) next to it."""
+    """The skew experiment's JSON, and a PNG (token latency, TPOT p90 and throughput against the
+    share) next to it."""
     plt = json_then_pyplot(path, report)
     if plt is None:
         return
     shares = [entry["share"] for entry in report["skews"]]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     for mode in report["skews"][0]["runs"]:
-        for ax, key in zip(axes, ("token_latency_ms", "tokens_per_s")):
+        for ax, key in zip(axes, ("token_latency_ms", "tpot_p90_ms", "tokens_per_s")):
             ax.plot(shares, [entry["runs"][mode][key] for entry in report["skews"]], marker="o", label=mode)
-    axes[1].axhline(report["base"]["tokens_per_s"], color="gray", linestyle="--", label="base model")
-    for ax, title in zip(axes, ("average token latency (ms)", "generated tokens/s")):
+    axes[2].axhline(report["base"]["tokens_per_s"], color="gray", linestyle="--", label="base model")
+    for ax, title in zip(axes, ("average token latency (ms)", "TPOT p90 (ms)", "generated tokens/s")):
         ax.set_xlabel("share of the most requested adapter")
         ax.set_title(title)
-    axes[1].legend()
+    axes[2].legend()
     switch = report.get("switch") or {}
     fig.suptitle(f"inference modes, {report['device']}, {report['model']['layers']} layers"
                  + (f"; switch {switch['merge_ms_mean']:.1f} ms" if switch else ""))
@@ -777,14 +828,15 @@ def main() -> None:
     parser.add_argument("--profile-variants", nargs="*", default=None,
                         help="--profile: only these variants (base, base+window, a backend, window<W>)")
     parser.add_argument("--compile-only", action="store_true",
-                        help="compile the step programs into --compile-cache and stop (a later call finds them)")
+                        help="compile the step programs into --compile-cache and stop (a later call finds them; "
+                             "with --modes-skew: the skew runs' programs)")
     parser.add_argument("--profile-steps", nargs="+", choices=sorted(PROFILE_STEPS), default=list(DEFAULT_PROFILE_STEPS),
                         help="the step batches --profile times")
     parser.add_argument("--modes-skew", action="store_true",
                         help="instead of the cases: V-LoRA's skew experiment, the inference modes (--modes) on "
                              "traces where one adapter has a share (--skews) of the requests, plus the switch time")
-    parser.add_argument("--modes", nargs="+", default=["auto", "merged", "unmerged", "mixed"],
-                        choices=("auto", "merged", "unmerged", "mixed"), help="--modes-skew: the inference modes")
+    parser.add_argument("--modes", nargs="+", default=list(SKEW_MODES[:4]), choices=SKEW_MODES,
+                        help="--modes-skew: the inference modes (auto-credit: auto with V-LoRA's credit policy)")
     parser.add_argument("--skews", nargs="+", type=float, default=list(MODE_SKEWS),
                         help="--modes-skew: shares of the most requested adapter")
     parser.add_argument("--skew-adapters", type=int, default=8,

@@ -133,8 +133,8 @@ from jaxlora.models.paged import PagedBatch, PagedKVCache
 from jaxlora.sampling import SamplingParams
 from jaxlora.scheduler.core import TRAIN, CoSchedulePolicy, ServingLoad, WorkItem
 from jaxlora.scheduler.serving import (
-    INFERENCE_MODES, PENDING, ModePolicy, SchedulerConfig, Sequence, ServingScheduler, StepPlan, adapter_pages,
-    pages_for,
+    INFERENCE_MODES, PENDING, CostPolicy, ModePolicy, SchedulerConfig, Sequence, ServingScheduler, StepPlan,
+    adapter_pages, pages_for,
 )
 
 from serve.adapter_copies import StagedCopies
@@ -236,11 +236,12 @@ class EngineConfig:
     lora_target_modules: tuple[str, ...] | None = None
     # Inference modes (serve.modes, V-LoRA): "unmerged" (every adapter as LoRA), "merged" (one adapter's
     # ΔW folded into the base weights a step; the others wait), "mixed" (deLoRA: the most requested one
-    # merged, the others beside it), "auto" (V-LoRA's policy picks one each step, `mode_policy`'s
-    # thresholds; None: its defaults with max_batch = max_num_seqs). Not "unmerged": a copy of the
-    # targeted base kernels is kept on the device; mixed and auto need the adapter window to cover the pool.
+    # merged, the others beside it), "auto" (a policy picks one each step: `mode_policy`, a CostPolicy
+    # (measured step costs) or a ModePolicy (V-LoRA's credits); None: CostPolicy(max_batch=max_num_seqs)).
+    # Not "unmerged": a copy of the targeted base kernels is kept on the device; mixed and auto need the
+    # adapter window to cover the pool.
     inference_mode: str = "unmerged"
-    mode_policy: ModePolicy | None = None
+    mode_policy: CostPolicy | ModePolicy | None = None
     # Host copies of adapters in the device's pinned (page-locked) memory, so a load is one DMA
     # (jaxlora.lora.pool: 84 MB in 2.1 ms instead of 18.4 ms on an H200). None: on a GPU without a
     # mesh; a CPU backend copies host memory either way.
@@ -555,7 +556,7 @@ class Engine:
                                                   or self.window.slots < config.max_adapters_on_device):
             raise ValueError(f"inference_mode {config.inference_mode!r} needs an adapter window of at least "
                              f"max_adapters_on_device ({config.max_adapters_on_device}) slots")
-        policy = config.mode_policy or ModePolicy(max_batch=config.max_num_seqs)
+        policy = config.mode_policy or CostPolicy(max_batch=config.max_num_seqs)
         return EngineModes.build(config.inference_mode, policy, self.model_config, self._state["weights"],
                                  PROJECTIONS)
 
@@ -1320,6 +1321,8 @@ class Engine:
         events = self.scheduler.complete(plan, sampled)
         classified = 0 if features is None else sum(self._requests[seq.seq_id].head is not None for seq, *_ in events)
         self.stats.record_step(step.kind, plan.num_tokens, len(events) - classified, seconds)  # tokens delivered
+        if self.modes is not None:
+            self.modes.observe(self, plan, seconds)  # the step's cost, for the "auto" policy
         for seq, token, reason in events:
             request = self._requests[seq.seq_id]
             if reason is not None:

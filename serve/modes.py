@@ -11,35 +11,55 @@ merged adapter's ΔW in the base weights, and the deLoRA branch of mixed steps.
   an extra low-rank term, never a dense ΔW. Needs the adapter window to cover the pool (X pinned
   in one pool slot leaves at most W - 1 other adapters a step, plus the branch).
 
-Each step: `decide` picks the mode (`EngineConfig.inference_mode`: "auto" runs V-LoRA's policy,
-`jaxlora.scheduler.serving.choose_mode`; a fixed mode picks its merged adapter with `fixed_mode`)
+Each step: `decide` picks the mode (`EngineConfig.inference_mode`: "auto" asks the policy object
+built once from `EngineConfig.mode_policy`, by default the cost-based
+`jaxlora.scheduler.serving.CostPolicy`, or V-LoRA's credits with a `ModePolicy`; a fixed mode
+picks its merged adapter with `fixed_mode`)
 and restricts the scheduler to the rows it can run; after the scheduler's loads, `apply` switches
 the weights (one donated jitted update of every targeted kernel, all layers; unmerging restores
 the kept base copy bit-identically) and lays the merged adapter's rows on the base path. The
 merged adapter's pool slot stays pinned while its ΔW is in the weights. A switch between two
-steps changes no request's tokens: each step computes its rows' own adapters either way.
+steps changes no request's tokens: each step computes its rows' own adapters either way. Each
+finished step's seconds go back to the policy (`observe`: its mode, tokens, the share of rows
+of other adapters, the switch before it; not a step during which a program compiled).
 """
 
 from __future__ import annotations
 
 import collections
 import time
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
 from jaxlora.models.merged import MergeLayout, base_copy, merge_layout, set_merged
 from jaxlora.scheduler.serving import (
-    Mode, ModePolicy, Pending, ServingScheduler, StepPlan, choose_mode, fixed_mode, runs_in,
+    CostPolicy, Mode, ModePolicy, Pending, ServingScheduler, StepPlan, fixed_mode, runs_in,
 )
+
+
+class _Launched(NamedTuple):
+    """What `observe` needs of a launched step: its plan (the engine lays its rows out in another
+    plan of the same rows), mode, share of rows of other adapters
+    than the merged one, the host seconds of the switch before it (None: none) and the engine's
+    compile count when it was launched."""
+
+    plan: StepPlan
+    mode: str
+    others: float
+    switch_s: float | None
+    compiles: int
 
 
 class EngineModes:
     """The mode state of one engine: the configured mode ("auto", "merged" or "mixed"), the kept
     base columns, the merged adapter (uid, pool slot) and switch counters."""
 
-    def __init__(self, name: str, policy: ModePolicy, layout: MergeLayout, base: dict):
+    def __init__(self, name: str, policy: ModePolicy | CostPolicy, layout: MergeLayout, base: dict):
         self.name, self.policy, self.layout, self.base = name, policy, layout, base
+        self.decider = policy.start()  # the policy's state: "auto" asks it each step
+        self._launched: collections.deque = collections.deque(maxlen=4)  # `_Launched` of steps in flight
         self.mode = Mode()  # this step's
         self.merged: tuple | None = None  # (uid, pool slot) whose ΔW is in the weights
         self.switches = 0
@@ -50,7 +70,7 @@ class EngineModes:
         self._program = None  # `set_merged`, compiled on first use
 
     @classmethod
-    def build(cls, name: str, policy: ModePolicy, model_config, weights, modules) -> "EngineModes":
+    def build(cls, name: str, policy: ModePolicy | CostPolicy, model_config, weights, modules) -> "EngineModes":
         """For the serving model's `weights` (nnx Variables by key; the kernels are copied now,
         before the KV pages are sized) and the pool's target `modules`."""
         layout = merge_layout(model_config, weights.keys(), modules)
@@ -64,7 +84,7 @@ class EngineModes:
         requests = [Pending(seq.adapter, now - self._served.get(seq.seq_id, seq.arrival), seq.order, running)
                     for running, queue in ((True, scheduler.running), (False, scheduler.waiting)) for seq in queue]
         if self.name == "auto":
-            self.mode = choose_mode(requests, self.mode, step_s, self.last_switch_s, self.policy)
+            self.mode = self.decider.choose(requests, self.mode, step_s, self.last_switch_s)
         else:
             self.mode = fixed_mode(requests, self.mode, self.name)
         mode = self.mode
@@ -101,12 +121,28 @@ class EngineModes:
         uid = self.mode.merged if self.mode.name != "unmerged" else None
         slot = None if uid is None else engine.scheduler.slots.slot_of(uid)
         target = None if slot is None else (uid, slot)
+        switched = target != self.merged and self._program is not None  # (not a first switch: it compiles)
         if target != self.merged:
             self.switch(engine, target)
+        name = "unmerged" if target is None else self.mode.name
         self.mode_steps["unmerged" if target is None and self.mode.name == "mixed" else self.mode.name] += 1
+        others = 0.0 if target is None else sum(row.seq.adapter != uid for row in plan.rows) / len(plan.rows)
         for row in plan.rows:
             if target is not None and row.seq.adapter == uid:
                 row.slot = -1
+        self._launched.append(_Launched(plan, name, others, self.last_switch_s if switched else None,
+                                        engine.stats.step_compiles))
+
+    def observe(self, engine, plan: StepPlan, seconds: float) -> None:
+        """Gives the policy a finished step's `seconds` (`_Launched`), unless a program compiled
+        since it was launched."""
+        rows = {id(row) for row in plan.rows}
+        launched = next((entry for entry in self._launched if {id(row) for row in entry.plan.rows} == rows), None)
+        if launched is None:
+            return
+        self._launched.remove(launched)
+        if engine.stats.step_compiles == launched.compiles:
+            self.decider.observe_step(launched.mode, plan.num_tokens, seconds, launched.others, launched.switch_s)
 
     def delora_key(self, engine, plan: StepPlan) -> tuple | None:
         """The window key of the -ΔW branch, (-1 - pool slot, that slot's write count), when this
@@ -164,7 +200,8 @@ class EngineModes:
                                              np.bool_(False)).compile()
 
     def snapshot(self) -> dict:
-        """For /metrics: the mode, the merged adapter's uid, switches and their host seconds, steps per mode."""
+        """For /metrics: the mode, the merged adapter's uid, switches and their host seconds, steps per
+        mode; what the "auto" policy measured (`mode_policy`)."""
         return {"inference_mode": self.mode.name, "merged_adapter": None if self.merged is None else self.merged[0],
                 "mode_switches": self.switches, "mode_switch_seconds": self.switch_seconds,
-                "mode_steps": dict(self.mode_steps)}
+                "mode_steps": dict(self.mode_steps), "mode_policy": self.decider.summary()}

@@ -5,8 +5,9 @@ engine's step"), and the placement of requests over replicas (Punica). Host-side
 
 from jaxlora.scheduler.serving.adapters import AdapterSlots
 from jaxlora.scheduler.serving.modes import (
-    INFERENCE_MODES, Mode, ModePolicy, Pending, choose_mode, fixed_mode, runs_in,
+    INFERENCE_MODES, CreditModes, Mode, ModePolicy, Pending, choose_mode, fixed_mode, runs_in,
 )
+from jaxlora.scheduler.serving.mode_costs import CostModes, CostPolicy, StepCosts
 from jaxlora.scheduler.serving.pages import PageAllocator, admission_pages, pages_for
 from jaxlora.scheduler.serving.prefix import PrefixCache, PrefixStats
 from jaxlora.scheduler.serving.placement import ReplicaState, RoundRobin, place
@@ -22,7 +23,8 @@ from jaxlora.scheduler.serving.policy import (
 )
 
 __all__ = [
-    "AdapterSlots", "INFERENCE_MODES", "Mode", "ModePolicy", "PENDING", "Pending", "PageAllocator", "PrefixCache", "PrefixStats", "ReplicaState",
-    "RoundRobin", "SchedulerConfig", "Sequence", "ServingScheduler", "Status", "StepPlan", "StepRow",
+    "AdapterSlots", "CostModes", "CostPolicy", "CreditModes", "INFERENCE_MODES", "Mode", "ModePolicy", "PENDING",
+    "Pending", "PageAllocator", "PrefixCache", "PrefixStats", "ReplicaState",
+    "RoundRobin", "SchedulerConfig", "Sequence", "ServingScheduler", "Status", "StepCosts", "StepPlan", "StepRow",
     "UnifiedPages", "adapter_pages", "admission_pages", "choose_mode", "fixed_mode", "pages_for", "place", "runs_in",
 ]

@@ -3,8 +3,10 @@
 Modes: "unmerged" (every row's adapter as LoRA: the window or the LoRA kernels), "merged" (one
 adapter's ΔW folded into the base weights: only its rows run, on the plain base path), "mixed"
 (deLoRA: that adapter merged; every row runs, the others adding their own LoRA and a -ΔW branch).
-`choose_mode` is V-LoRA's credit-based policy ("auto"); `fixed_mode` picks the merged adapter of
-an engine held in one mode. Pure host functions over `Pending` requests: no JAX, no engine.
+`choose_mode` is V-LoRA's credit-based policy (`ModePolicy`; "auto" runs it when the engine's
+`mode_policy` is one; the default is the cost-based `mode_costs.CostPolicy`, issue 38);
+`fixed_mode` picks the merged adapter of an engine held in one mode. Pure host functions over
+`Pending` requests: no JAX, no engine.
 
 Alg. 1 as built here: every request gets a credit, its waiting time plus the current mode's step
 time plus the switch latency. The merge criterion: the adapter with the most requests (waiting and
@@ -46,6 +48,10 @@ class ModePolicy:
             raise ValueError(f"starve_s and theta must be >= 0 and max_batch >= 1, got {self.starve_s}, "
                              f"{self.theta}, {self.max_batch}")
 
+    def start(self) -> "CreditModes":
+        """The policy's state for one engine (`CostPolicy.start`'s interface)."""
+        return CreditModes(self)
+
 
 @dataclasses.dataclass(frozen=True)
 class Pending:
@@ -85,6 +91,25 @@ def choose_mode(requests: list[Pending], current: Mode, step_s: float, switch_s:
     if starving > policy.theta:
         return Mode("mixed", dominant)
     return Mode("merged", dominant)
+
+
+class CreditModes:
+    """`choose_mode` behind the interface of `mode_costs.CostModes` (it measures nothing)."""
+
+    def __init__(self, policy: ModePolicy):
+        self.policy = policy
+
+    def choose(self, requests: list[Pending], current: Mode, step_s: float = 0.0, switch_s: float = 0.0) -> Mode:
+        """`choose_mode` with the current mode's step time and the last switch's time."""
+        return choose_mode(requests, current, step_s, switch_s, self.policy)
+
+    def observe_step(self, mode: str, tokens: int, seconds: float, others: float = 0.0,
+                     switch_s: float | None = None) -> None:
+        """Nothing: the credits take the engine's last step and switch times."""
+
+    def summary(self) -> dict:
+        """Nothing measured."""
+        return {}
 
 
 def fixed_mode(requests: list[Pending], current: Mode, name: str) -> Mode:

@@ -1,0 +1,174 @@
+"""The cost-based inference-mode policy (jaxlora/scheduler/serving/mode_costs.py, issue 38) on
+scripted traces: a small simulator serves a population of requests step by step in the mode the
+policy picks, charges synthetic step and switch costs, and feeds them back as the engine does. No
+model: the mode choices, switch counts and waiting times are asserted."""
+
+import pytest
+
+from jaxlora.scheduler.serving import CostPolicy, Mode, Pending, StepCosts
+
+STEP_S = 0.03  # an unmerged step, any batch (decode is flat in the batch on a GPU)
+SWITCH_S = 0.01
+
+
+def costs(r0, r1, base=STEP_S):
+    """Step seconds of a mode: unmerged `base`, merged r0 * base, mixed ((1 - f) r0 + f r1) * base
+    at a share f of rows of other adapters (the policy's own model, for scripted traces)."""
+    def cost(mode, rows, others):
+        if mode == "unmerged":
+            return base
+        return base * (r0 if mode == "merged" else (1 - others) * r0 + others * r1)
+    return cost
+
+
+def target(mode):
+    """The adapter whose ΔW is in the weights."""
+    return None if mode.name == "unmerged" else mode.merged
+
+
+def simulate(policy, population, cost, steps, switch_s=SWITCH_S, decider=None):
+    """Serves `population(step)` (the adapters of the live requests; request i is index i, a new
+    adapter at an index is a new request) for `steps` steps with `decider` (default: a fresh
+    `policy.start()`); returns (modes, the decider, the longest any request waited for a row)."""
+    decider = decider or policy.start()
+    mode, now, last, adapters, modes, longest = Mode(), 0.0, {}, [], [], 0.0
+    for step in range(steps):
+        live = population(step)
+        for i, adapter in enumerate(live):
+            if i >= len(adapters) or adapters[i] != adapter:
+                last[i] = now
+        adapters = list(live)
+        requests = [Pending(a, now - last[i], i) for i, a in enumerate(adapters)]
+        previous, mode = mode, decider.choose(requests, mode)
+        modes.append(mode)
+        served = [i for i, a in enumerate(adapters) if mode.name != "merged" or a == mode.merged]
+        name = "unmerged" if target(mode) is None else mode.name
+        others = 0.0 if name == "unmerged" else sum(adapters[i] != mode.merged for i in served) / len(served)
+        seconds = cost(name, len(served), others)
+        switched = target(previous) != target(mode)
+        if switched:
+            seconds += switch_s
+        decider.observe_step(name, len(served), seconds, others, switch_s=0.0 if switched else None)
+        now += seconds
+        longest = max([longest] + [now - last[i] for i in range(len(adapters)) if i not in served])
+        for i in served:
+            last[i] = now
+    return modes, decider, longest
+
+
+def hot(share, rows=20):
+    """A population of `rows` requests, a `share` of them on adapter "a", the rest on "b".."e"."""
+    count = round(share * rows)
+    return ["a"] * count + ["bcde"[i % 4] for i in range(rows - count)]
+
+
+def test_one_adapter_with_a_cheaper_merged_step_goes_merged_and_stays():
+    modes, decider, _ = simulate(CostPolicy(), lambda step: hot(1.0), costs(0.7, 1.2), 300)
+    assert modes[0] == Mode("unmerged")  # nothing measured yet, dwell
+    assert all(mode == Mode("merged", "a") for mode in modes[20:])
+    assert decider.switches == 1
+
+
+def test_95_percent_one_adapter_merges_it_and_stays():
+    modes, decider, longest = simulate(CostPolicy(), lambda step: hot(0.95), costs(0.7, 1.2), 300)
+    assert all(mode.merged == "a" and mode.name in ("merged", "mixed") for mode in modes[20:])
+    assert decider.switches == 1
+    assert longest < 3 * STEP_S + 0.01  # the others wait at most max_wait_steps (+ a step)
+
+
+def test_starving_requests_leave_merged_within_the_wait_bound():
+    """Merged is much cheaper, mixed much dearer: merged, leaving it for the starved request."""
+    policy = CostPolicy(max_wait_steps=6)
+    modes, decider, longest = simulate(policy, lambda step: hot(0.95), costs(0.5, 3.0), 300)
+    assert longest < 7 * STEP_S + 0.01
+    names = [mode.name for mode in modes[20:]]
+    assert names.count("merged") > 200 and set(names) > {"merged"}
+
+
+def test_a_starving_request_turns_merged_into_mixed_not_a_switch():
+    """Merged "a" with a request of "b" past max_wait_steps: merged is out; mixed "a" (the same
+    weights) stands for it, and unmerged, predicted a little cheaper (within the margin), does
+    not get a weight switch; a much cheaper unmerged does."""
+    policy = CostPolicy(min_dwell=1, confirm=1)
+    requests = [Pending("a", 0.0, i) for i in range(9)] + [Pending("b", 1.0, 9)]
+    for r1, expected in ((2.55, Mode("mixed", "a")), (3.5, Mode("unmerged"))):  # mixed: 0.9 * 0.85 + 0.1 * r1
+        decider = policy.start()
+        decider.steps_here = 10
+        decider.observe_step("unmerged", 10, STEP_S)
+        decider.observe_step("merged", 10, 0.85 * STEP_S)
+        decider.costs.table[("r1", 16)] = r1
+        assert decider.choose(requests, Mode("merged", "a")) == expected
+
+
+def test_balanced_load_stays_unmerged():
+    modes, decider, _ = simulate(CostPolicy(), lambda step: hot(0.5), costs(0.85, 1.2), 300)
+    assert set(modes) == {Mode("unmerged")} and decider.switches == 0
+
+
+def test_costs_that_make_merged_worse_never_switch():
+    """Measured costs (merged and mixed dearer than unmerged at every share) keep it unmerged;
+    with only the priors it tries merging once, measures it and goes back for good."""
+    policy = CostPolicy()
+    worse = costs(1.1, 1.3)
+    known = policy.start()
+    for mode, others in (("unmerged", 0.0), ("merged", 0.0), ("mixed", 0.05)):
+        for _ in range(20):
+            known.observe_step(mode, 20, worse(mode, 20, others), others)
+    modes, decider, _ = simulate(policy, lambda step: hot(0.95), worse, 300, decider=known)
+    assert set(modes) == {Mode("unmerged")} and decider.switches == 0
+    modes, decider, _ = simulate(policy, lambda step: hot(0.95), worse, 300)
+    assert decider.switches <= 2  # the priors: one try, then back
+    assert all(mode == Mode("unmerged") for mode in modes[60:])
+
+
+def test_an_expensive_switch_is_not_worth_it():
+    """A switch of 20 s never pays off; measured once (the prior said 10 ms), it is not made
+    again: the policy stays with the merged adapter it paid for."""
+    modes, decider, _ = simulate(CostPolicy(switch_s=20.0), lambda step: hot(0.95), costs(0.7, 1.2), 200,
+                                 switch_s=20.0)
+    assert set(modes) == {Mode("unmerged")}
+    modes, decider, _ = simulate(CostPolicy(), lambda step: hot(0.95), costs(0.7, 1.2), 200, switch_s=20.0)
+    assert decider.switches == 1 and decider.switch_s > 1.0  # the measured switch replaced the prior
+
+
+def test_alternating_load_does_not_flap():
+    """The load swings between one adapter and a 50/50 mix (where mixed is dearer than unmerged)
+    every 3 steps: the weights switch at most twice; every 40 steps: it follows the load, at most
+    twice per swing."""
+    swing = lambda period: (lambda step: hot(1.0) if (step // period) % 2 else hot(0.5))
+    modes, decider, _ = simulate(CostPolicy(), swing(3), costs(0.7, 1.6), 400)
+    assert decider.switches <= 2
+    modes, decider, _ = simulate(CostPolicy(), swing(40), costs(0.7, 1.6), 400)
+    assert 4 <= decider.switches <= 400 // 40 * 2
+    assert modes[79] == Mode("merged", "a") and modes[119] == Mode("unmerged")
+
+
+def test_step_costs_start_from_the_priors_and_follow_the_measurements():
+    costs_ = StepCosts(CostPolicy(default_step_s=0.02, merged_ratio=0.8, mixed_ratio=1.2, ema=0.5))
+    assert costs_.step("unmerged", 16) == 0.02 and costs_.step("merged", 16) == pytest.approx(0.016)
+    assert costs_.step("mixed", 16, 0.5) == pytest.approx(0.02)
+    costs_.record("merged", 16, 0.001)  # no unmerged step measured yet: no ratio
+    assert costs_.step("merged", 16) == pytest.approx(0.016)
+    costs_.record("unmerged", 16, 0.04)
+    assert costs_.step("unmerged", 16) == 0.04 and costs_.step("unmerged", 128) == 0.04  # nearest bucket
+    costs_.record("unmerged", 128, 0.1)
+    assert costs_.step("unmerged", 100) == 0.1 and costs_.step("unmerged", 500) == 0.1
+    assert costs_.step("unmerged", 20) == pytest.approx(0.04 * 2.5 ** (1 / 3))  # 32: geometric, a third of the way
+    costs_.record("merged", 16, 0.02)  # ratio 0.5: the first replaces the prior 0.8
+    assert costs_.ratios(16)[0] == pytest.approx(0.5) and costs_.has_merged(16) and not costs_.has_merged(64)
+    costs_.record("merged", 16, 0.03)  # ratio 0.75, blended
+    assert costs_.ratios(16)[0] == pytest.approx(0.625)
+    for _ in range(60):
+        costs_.record("mixed", 16, 0.04 * (0.5 * 0.6 + 0.5 * 1.4), 0.5)
+    r0, r1 = costs_.ratios(16)
+    assert r0 == pytest.approx(0.625) and r1 == pytest.approx(1.375, abs=1e-3)  # r0 measured: r1 fits the mixed steps
+    for _ in range(60):  # a bucket without merged steps: r0 and r1 both move, the prediction fits
+        costs_.record("mixed", 128, 0.1 * 0.9, 0.5)
+    assert 0.5 * sum(costs_.ratios(128)) == pytest.approx(0.9, abs=1e-3)
+
+
+def test_bad_cost_policies_are_refused():
+    for bad in ({"max_batch": 0}, {"min_dwell": 0}, {"margin": 1.0}, {"ema": 0.0}, {"merged_ratio": 0.0},
+                {"switch_s": -1.0}, {"confirm": 0}):
+        with pytest.raises(ValueError):
+            CostPolicy(**bad)
