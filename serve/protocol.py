@@ -33,6 +33,7 @@ class Limits:
     max_logit_bias: int = 300       # entries of logit_bias (OpenAI's bound)
     max_stop_token_ids: int = 64
     max_body_bytes: int = 1 << 20
+    max_grammar_bytes: int = 32 << 10  # a structured-output grammar (JSON schema, regex, choices), serialized
 
 
 class ApiError(Exception):
@@ -59,10 +60,33 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class ResponseFormat(_Strict):
-    """Only {"type": "text"} is served; JSON modes are refused (no guided decoding)."""
+class JsonSchemaFormat(_Strict):
+    """OpenAI's response_format.json_schema: the schema is always enforced (strict or not)."""
 
-    type: str = Field(max_length=64)
+    model_config = ConfigDict(extra="forbid", serialize_by_alias=True)
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: "text", "json_object" (any JSON object) or "json_schema"
+    (`serve.structured`)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs: one of a JSON schema (dict or JSON text), a regex, a list of
+    choices, a Lark/GBNF grammar, or json_object (`serve.structured`)."""
+
+    model_config = ConfigDict(extra="forbid", serialize_by_alias=True)
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Sampling(_Strict):
@@ -87,6 +111,11 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     min_tokens: int = 0
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's; and its older guided_* fields:
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = Field(default=None, max_length=256)
     return_token_ids: bool = False  # vLLM's: each choice (chunk) also carries its token ids, and its prompt's
 
@@ -207,9 +236,9 @@ def check_common(body: _Sampling, limits: Limits) -> None:
         raise ApiError(400, f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", "logit_bias")
     if len(body.stop_token_ids or []) > limits.max_stop_token_ids:
         raise ApiError(400, f"stop_token_ids takes at most {limits.max_stop_token_ids} ids", "stop_token_ids")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise ApiError(400, f"response_format {body.response_format.type!r} is not supported (this server has no "
-                            "guided decoding); only {\"type\": \"text\"}", "response_format")
+    fmt = body.response_format
+    if fmt is not None and (fmt.type == "json_schema") != (fmt.json_schema is not None):
+        raise ApiError(400, "response_format takes json_schema exactly with type \"json_schema\"", "response_format")
 
 
 def _check_ranges(body, ranges) -> None:
