@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from jaxlora.sampling import SamplingParams
-from serve.engine import Engine, EngineConfig
+from serve.engine import SAMPLERS, Engine, EngineConfig
 
 # One block-table width (32 tokens = 4 pages) and two token buckets (8, 16): few programs.
 TINY_ENGINE = dict(page_size=8, num_pages=16, max_model_len=32, max_num_seqs=4, token_budget=16, prefill_chunk=16,
@@ -57,7 +57,7 @@ def test_first_shapes_serve_every_variant_with_scanned_programs(smollm2, adapter
         assert any((s.width, s.lora, s.decode_only, s.window, s.tokens) == (*variant, largest) for s in first)
     assert all(s.tokens >= 16 for s in first if s.program == "forward")  # scanned: fast to compile
     assert {s.rows for s in first if s.program != "forward"} == {s.rows for s in first if s.program == "forward"}
-    assert {s.program for s in first} == {"forward", "sample", "sample_state"}
+    assert {s.program for s in first} == {"forward", *SAMPLERS}
     assert len(first) < len(shapes)
 
 
