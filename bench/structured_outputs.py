@@ -4,6 +4,9 @@ free rows on `serve.engine.Engine`, on a Llama-3.1-8B-shaped model with random b
     PYTHONPATH=. python bench/structured_outputs.py [--rows 64] [--layers 32] [--out FILE]
     PYTHONPATH=. python bench/structured_outputs.py --tiny     # CPU smoke test (tiny model)
 
+Needs llguidance (a runtime dependency; on a GPU image without it, install its wheel as
+bench/server_wheels.txt says); nothing else beyond the engine's packages.
+
 Cases (each on a fresh engine, the same compiled programs): `free` (no row constrained), `mixed`
 (every `--mixed-every`-th request constrained: constrained and free rows share each step, the
 masked sampler runs every step), `constrained` (every request constrained). Each case submits
@@ -235,8 +238,8 @@ def main() -> None:
         results[name] = run_case(model, engine_config, shapes, tokenizer.eos_token_ids, constraint, constrained,
                                  prompts, output_len)
         r = results[name]
-        print(f"{name:12} {r['tokens_per_s']:9.1f} tok/s  {r['ms_per_token']:7.3f} ms/token  step {r['mean_step_ms']:7.2f}"
-              f" ms  TPOT p50 free {r['free']['tpot_p50_ms'] or float('nan'):7.2f} ms  constrained "
+        print(f"{name:12} {r['tokens_per_s']:9.1f} tok/s  {r['ms_per_token']:7.3f} ms/token  "
+              f"step {r['mean_step_ms']:7.2f} ms  TPOT p50 free {r['free']['tpot_p50_ms'] or float('nan'):7.2f} ms  constrained "
               f"{r['constrained']['tpot_p50_ms'] or float('nan'):7.2f} ms  masks {r['mask_ms_per_masked_step']:.3f}"
               f" ms/step {r['mask_ms_per_constrained_row']:.3f} ms/row", flush=True)
     free, mixed, constrained = (results[k] for k in ("free", "mixed", "constrained"))
@@ -247,7 +250,8 @@ def main() -> None:
         "mixed_constrained_vs_free_tpot": mixed["constrained"]["tpot_p50_ms"] / mixed["free"]["tpot_p50_ms"],
     }
     print("costs: " + ", ".join(f"{k} {v:.3f}x" for k, v in costs.items()), flush=True)
-    report = {"device": device, "jax": jax.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat()
+    report = {"device": device, "jax": jax.__version__, "date": date,
               "host": platform.node(), "backend": jax.default_backend(),
               "model": {"shape": "tiny" if tiny else "Llama-3.1-8B", "layers": layers, "dtype": "bfloat16",
                         "weights": "random"},

@@ -60,10 +60,11 @@ from serve.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logpr
 from serve.metrics import Metrics
 from serve.protocol import (
     ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, DrainRequest, Limits, LoadAdapterRequest,
-    TokenizeRequest, UnloadAdapterRequest, check_chat, check_common, check_completion, check_token_ids, stop_list,
+    TokenizeRequest, UnloadAdapterRequest, check_chat, check_common, check_completion, check_token_ids,
+    compile_request, stop_list,
 )
 from serve.replicas import ReplicaSet, server_state
-from serve.structured import GrammarCompiler, compile_request
+from serve.structured import GrammarCompiler
 from serve.text import TextTracker
 
 log = logging.getLogger("jaxlora.serve")

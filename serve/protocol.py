@@ -5,16 +5,20 @@ server does not know is refused (400 naming it: nothing a client asks for is sil
 ranges that depend on the server's configuration (max_tokens vs the context, n, temperature,
 prompt sizes) are checked by `check_common` against `Limits`, so every input a client sends is
 bounded. The sampling fields are vLLM's (`jaxlora.sampling.SamplingParams` says what each does).
+A structured-output grammar (`request_grammar`, `compile_request`) is bounded by
+`Limits.max_grammar_bytes`, and one llguidance cannot enforce is a 400 naming the field.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxlora.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from serve.structured import Constraint, GrammarCompiler, GrammarError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,3 +290,70 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     if stop is None:
         return []
     return [stop] if isinstance(stop, str) else list(stop)
+
+
+def request_grammar(body, limits: Limits) -> tuple[str, object, str] | None:
+    """(kind, source, field) of the structured-output grammar a checked request body names
+    (`serve.structured`'s module doc: response_format, structured_outputs, guided_*), None if none;
+    ApiError(400) for two of them, an empty one, or one over `limits.max_grammar_bytes`."""
+    found = []
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        found.append(("json_object", None, "response_format"))
+    elif fmt is not None and fmt.type == "json_schema":
+        found.append(("json_schema", fmt.json_schema.schema_, "response_format"))
+    vllm = body.structured_outputs
+    if vllm is not None:
+        for key, kind in (("json_", "json_schema"), ("regex", "regex"), ("choice", "choice"), ("grammar", "grammar")):
+            if getattr(vllm, key) is not None:
+                found.append((kind, getattr(vllm, key), "structured_outputs"))
+        if vllm.json_object:
+            found.append(("json_object", None, "structured_outputs"))
+    for key, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        if getattr(body, key) is not None:
+            found.append((kind, getattr(body, key), key))
+    if len(found) > 1:
+        raise ApiError(400, "give at most one of response_format (json_object, json_schema), structured_outputs "
+                            "(one of json, regex, choice, grammar, json_object) and guided_*", found[1][2])
+    if not found:
+        return None
+    kind, source, field = found[0]
+    _check_source(kind, source, field, limits)
+    if kind == "json_schema" and isinstance(source, str):
+        try:
+            source = json.loads(source)
+        except ValueError as err:
+            raise ApiError(400, f"the JSON schema is not valid JSON: {err}", field) from err
+    return kind, source, field
+
+
+def _check_source(kind: str, source, field: str, limits: Limits) -> None:
+    """ApiError(400) unless the grammar source is non-empty and at most `limits.max_grammar_bytes`."""
+    if kind == "json_object":
+        return
+    if kind == "choice" and (not source or any(not choice for choice in source)):
+        raise ApiError(400, "choice takes a non-empty list of non-empty strings", field)
+    if kind in ("regex", "grammar") and not source:
+        raise ApiError(400, f"the {kind} is empty", field)
+    size = len(source.encode() if isinstance(source, str) else json.dumps(source).encode())
+    if size > limits.max_grammar_bytes:
+        raise ApiError(400, f"the {kind} has {size} bytes; this server takes at most {limits.max_grammar_bytes}",
+                       field)
+
+
+def compile_request(compiler: GrammarCompiler, body, limits: Limits) -> Constraint | None:
+    """The Constraint of a checked request body (None: no grammar); ApiError(400) as
+    `request_grammar`, or with llguidance's message for a grammar it cannot enforce."""
+    found = request_grammar(body, limits)
+    if found is None:
+        return None
+    kind, source, field = found
+    if body.min_tokens:
+        raise ApiError(400, "min_tokens cannot be combined with structured outputs (the grammar decides when the "
+                            "output may end)", "min_tokens")
+    try:
+        return compiler.compile(kind, source)
+    except GrammarError as err:
+        raise ApiError(400, f"the {kind.replace('_', ' ')} cannot be used for structured outputs: {err}",
+                       field) from err

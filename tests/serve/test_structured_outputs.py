@@ -100,7 +100,8 @@ def test_json_object_gives_a_json_object(client, smollm2, stream):
     texts, reasons = _chat(client, 'Give a JSON object with a key "name".', BASE, stream,
                            response_format={"type": "json_object"})
     assert reasons == ["stop"] and "name" in json.loads(texts[0]), texts
-    texts, reasons = _chat(client, 'Return {"ok": true} as JSON.', "ad1", stream, response_format={"type": "json_object"})
+    texts, reasons = _chat(client, 'Return {"ok": true} as JSON.', "ad1", stream,
+                           response_format={"type": "json_object"})
     assert reasons == ["stop"] and isinstance(json.loads(texts[0]), dict), texts
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": 'Return {"ok": true} as JSON.'}])
     response = client.completions.create(model=BASE, prompt=prompt, max_tokens=56, temperature=0,
