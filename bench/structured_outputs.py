@@ -17,8 +17,9 @@ computed while its forward runs, after step N's tokens are read). Requests may e
 constrained row when its JSON is complete (then only EOS is allowed); free rows ignore EOS (random
 weights), so each generates --output-len tokens.
 
-Reported per case: generated tokens/s over the makespan, ms per generated token, TPOT p50/p90 of
-the free and of the constrained requests, mean step ms, the engine's host ms per step phase, and
+The cases run interleaved `--repeats` times (default 2; the last round is reported, every run is
+kept in the JSON's "all_runs"). Reported per case: generated tokens/s over the makespan, ms per
+generated token, TPOT p50/p90 of the free and of the constrained requests, mean step ms, the engine's host ms per step phase, and
 the host time of the masks (llguidance, `GrammarRows.masks`: ms per masked step and per constrained
 row); and the costs: a constrained row's TPOT vs a free row's (the `constrained` vs the `free`
 case) and the free rows' TPOT beside constrained ones (`mixed` vs `free`).
@@ -174,6 +175,14 @@ def run_case(model, config: EngineConfig, shapes, eos_ids, constraint, constrain
             "mask_ms_per_constrained_row": 1e3 * timer.seconds / max(1, timer.rows), "masked_steps": timer.calls}
 
 
+def print_case(label: str, r: dict) -> None:
+    nan = float("nan")
+    print(f"{label:18} {r['tokens_per_s']:9.1f} tok/s  {r['ms_per_token']:7.3f} ms/token  step "
+          f"{r['mean_step_ms']:7.2f} ms  TPOT p50 free {r['free']['tpot_p50_ms'] or nan:7.2f} ms, constrained "
+          f"{r['constrained']['tpot_p50_ms'] or nan:7.2f} ms  masks {r['mask_ms_per_masked_step']:.3f} ms/step, "
+          f"{r['mask_ms_per_constrained_row']:.3f} ms/row", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny model, few short requests (CPU smoke test)")
@@ -183,6 +192,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=None, help="(default 64; --tiny: 8)")
     parser.add_argument("--output-len", type=int, default=None, help="(default 128; --tiny: 24)")
     parser.add_argument("--mixed-every", type=int, default=8, help="mixed case: every n-th request constrained")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds over the cases (the last is reported)")
     parser.add_argument("--tokenizer", default=None, help="a tokenizer.json (default: synthetic, the model's vocab)")
     parser.add_argument("--compile-cache", default="/tmp/jaxlora_serve_jit_cache", help="'' for none")
     parser.add_argument("--out", default=None, help="(default bench/results/structured_outputs_<device>.json)")
@@ -233,15 +243,13 @@ def main() -> None:
              "constrained": [True] * requests}
     run_case(model, engine_config, shapes, tokenizer.eos_token_ids, constraint, cases["mixed"][: rows],
              prompts[: rows], 8)  # untimed warm-up of the host paths
-    results = {}
-    for name, constrained in cases.items():
-        results[name] = run_case(model, engine_config, shapes, tokenizer.eos_token_ids, constraint, constrained,
-                                 prompts, output_len)
-        r = results[name]
-        print(f"{name:12} {r['tokens_per_s']:9.1f} tok/s  {r['ms_per_token']:7.3f} ms/token  "
-              f"step {r['mean_step_ms']:7.2f} ms  TPOT p50 free {r['free']['tpot_p50_ms'] or float('nan'):7.2f} ms  constrained "
-              f"{r['constrained']['tpot_p50_ms'] or float('nan'):7.2f} ms  masks {r['mask_ms_per_masked_step']:.3f}"
-              f" ms/step {r['mask_ms_per_constrained_row']:.3f} ms/row", flush=True)
+    runs = {name: [] for name in cases}
+    for repeat in range(args.repeats):  # the cases interleaved; the last round is reported
+        for name, constrained in cases.items():
+            runs[name].append(run_case(model, engine_config, shapes, tokenizer.eos_token_ids, constraint,
+                                       constrained, prompts, output_len))
+            print_case(f"{name} ({repeat + 1}/{args.repeats})", runs[name][-1])
+    results = {name: case_runs[-1] for name, case_runs in runs.items()}
     free, mixed, constrained = (results[k] for k in ("free", "mixed", "constrained"))
     costs = {
         "constrained_vs_free_tpot": constrained["constrained"]["tpot_p50_ms"] / free["free"]["tpot_p50_ms"],
@@ -259,7 +267,8 @@ def main() -> None:
               "schema": SCHEMA, "grammar_compile_ms": grammar_ms, "engine": dataclasses.asdict(engine_config),
               "settings": {"rows": rows, "requests": requests, "prompt_len": prompt_len, "output_len": output_len,
                            "mixed_every": args.mixed_every, "temperature": 1.0},
-              "compile": warm, "results": results, "costs": costs, "total_s": time.perf_counter() - t0}
+              "compile": warm, "results": results, "all_runs": runs, "costs": costs,
+              "total_s": time.perf_counter() - t0}
     out = args.out or f"bench/results/structured_outputs_{'cpu' if jax.default_backend() == 'cpu' else device}.json"
     out = out.replace(" ", "_").lower() if args.out is None else out
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
