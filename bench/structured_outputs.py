@@ -19,10 +19,11 @@ weights), so each generates --output-len tokens.
 
 The cases run interleaved `--repeats` times (default 2; the last round is reported, every run is
 kept in the JSON's "all_runs"). Reported per case: generated tokens/s over the makespan, ms per
-generated token, TPOT p50/p90 of the free and of the constrained requests, mean step ms, the engine's host ms per step phase, and
-the host time of the masks (llguidance, `GrammarRows.masks`: ms per masked step and per constrained
-row); and the costs: a constrained row's TPOT vs a free row's (the `constrained` vs the `free`
-case) and the free rows' TPOT beside constrained ones (`mixed` vs `free`).
+generated token, TPOT p50/p90 of the free and of the constrained requests, mean step ms, the
+engine's host ms per step phase, and the host time of the masks (llguidance, `GrammarRows.masks`:
+ms per masked step and per constrained row); and the costs: a constrained row's TPOT vs a free
+row's (the `constrained` vs the `free` case) and the free rows' TPOT beside constrained ones
+(`mixed` vs `free`).
 
 Tokenizer: llguidance masks from a tokenizer's vocabulary, and its cost grows with it. With
 --tokenizer (a HF tokenizer.json, e.g. Llama 3.1's) that one is used, its ids past the model's
