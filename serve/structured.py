@@ -13,11 +13,12 @@ problem; the grammar's size is bounded by `Limits.max_grammar_bytes`, and llguid
 `whitespace_flexible: false`: no whitespace between tokens, so no runaway whitespace; a schema's
 `x-guidance` options override it).
 
-Why llguidance (not xgrammar): a pip wheel with no torch dependency (torch is test-only here; the
-masks are plain NumPy int32 bitmasks, filled in place from several threads without the GIL),
-grammar compilation in under a millisecond for typical schemas (no per-schema precompile step),
-JSON-schema errors and unsupported keywords reported as messages (our 400s), regex, choice and
-Lark/GBNF through the same matcher, and it is what vLLM's `guidance` backend and SGLang use.
+Why llguidance (not xgrammar, whose package requires torch and transformers): a pip wheel with no
+torch dependency (torch is test-only here; the masks are plain NumPy int32 bitmasks, filled in
+place from several threads without the GIL), grammar compilation in under a millisecond for
+typical schemas (no per-schema precompile step), JSON-schema errors and unsupported keywords
+reported as messages (our 400s), regex, choice and Lark/GBNF through the same matcher, and it is
+what vLLM's `guidance` backend and SGLang use.
 
 The engine (`GrammarRows`, one per engine): a step with a row under a grammar runs the sampler's
 "_masked" program (`serve.step`), whose bitmask [R, ceil(V / 32)] int32 has every bit set for rows
