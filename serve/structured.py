@@ -18,7 +18,7 @@ torch dependency (torch is test-only here; the masks are plain NumPy int32 bitma
 place from several threads without the GIL), grammar compilation in under a millisecond for
 typical schemas (no per-schema precompile step), JSON-schema errors and unsupported keywords
 reported as messages (our 400s), regex, choice and Lark/GBNF through the same matcher, and it is
-what vLLM's `guidance` backend and SGLang use.
+what vLLM's `guidance` and SGLang's `llguidance` grammar backends use.
 
 The engine (`GrammarRows`, one per engine): a step with a row under a grammar runs the sampler's
 "_masked" program (`serve.step`), whose bitmask [R, ceil(V / 32)] int32 has every bit set for rows
