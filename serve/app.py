@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -184,8 +185,8 @@ class Server:
         self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
         self.limits = settings.limits
         self.metrics = Metrics(engine)
-        self.grammars = GrammarCompiler(tokenizer, getattr(engine, "eos_ids", None) or tokenizer.eos_token_ids,
-                                        engine.model_config.vocab_size)  # structured outputs (serve.structured)
+        self.grammars = functools.cache(lambda: GrammarCompiler(  # structured outputs, made on first use
+            tokenizer, getattr(engine, "eos_ids", None) or tokenizer.eos_token_ids, engine.model_config.vocab_size))
         self.allowed = [os.path.realpath(d) for d in settings.allowed_adapter_dirs]
         self.ready = threading.Event()  # set once the engine is warmed up and started
         self.warmup_error: str | None = None

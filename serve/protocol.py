@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Literal
+from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -309,6 +309,9 @@ def request_grammar(body, limits: Limits) -> tuple[str, object, str] | None:
                 found.append((kind, getattr(vllm, key), "structured_outputs"))
         if vllm.json_object:
             found.append(("json_object", None, "structured_outputs"))
+        if not found or found[-1][2] != "structured_outputs":
+            raise ApiError(400, "structured_outputs takes one of json, regex, choice, grammar, json_object: true",
+                           "structured_outputs")
     for key, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                       ("guided_grammar", "grammar")):
         if getattr(body, key) is not None:
@@ -342,9 +345,10 @@ def _check_source(kind: str, source, field: str, limits: Limits) -> None:
                        field)
 
 
-def compile_request(compiler: GrammarCompiler, body, limits: Limits) -> Constraint | None:
+def compile_request(compiler: Callable[[], GrammarCompiler], body, limits: Limits) -> Constraint | None:
     """The Constraint of a checked request body (None: no grammar); ApiError(400) as
-    `request_grammar`, or with llguidance's message for a grammar it cannot enforce."""
+    `request_grammar`, or with llguidance's message for a grammar it cannot enforce. compiler():
+    the server's GrammarCompiler (made on the first request with a grammar)."""
     found = request_grammar(body, limits)
     if found is None:
         return None
@@ -353,7 +357,7 @@ def compile_request(compiler: GrammarCompiler, body, limits: Limits) -> Constrai
         raise ApiError(400, "min_tokens cannot be combined with structured outputs (the grammar decides when the "
                             "output may end)", "min_tokens")
     try:
-        return compiler.compile(kind, source)
+        return compiler().compile(kind, source)
     except GrammarError as err:
         raise ApiError(400, f"the {kind.replace('_', ' ')} cannot be used for structured outputs: {err}",
                        field) from err

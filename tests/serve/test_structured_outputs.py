@@ -147,6 +147,7 @@ BAD = [
     ({"guided_choice": []}, "guided_choice", "non-empty"),
     ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs", ""),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "at most one"),
+    ({"structured_outputs": {"json_object": False}}, "structured_outputs", "takes one of"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex", "at most one"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
     ({"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": {}}}}, "response_format",
