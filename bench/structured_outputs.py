@@ -59,7 +59,8 @@ from jaxlora.models.presets import llama8b_config
 from jaxlora.sampling import SamplingParams
 from jaxlora.scheduler.serving import pages_for
 from jaxlora.tokenizer import Tokenizer
-from serve.engine import SAMPLERS, Engine, EngineConfig
+from serve.engine import Engine, EngineConfig
+from serve.step import SAMPLERS
 from serve.structured import GrammarCompiler
 
 SCHEMA = {  # a typical extraction schema: nested object, array, enum, pattern, integer range

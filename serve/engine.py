@@ -136,12 +136,11 @@ from jaxlora.scheduler.serving import (
 from serve.adapter_store import AdapterStore
 from serve.modes import EngineModes
 from serve.sampler_state import SamplerSlots, step_sampling
-from serve.step import Programs, RowSampling, RowState, Step, StepShape
+from serve.step import SAMPLERS, Programs, RowSampling, RowState, Step, StepShape
 from serve.structured import GrammarRows
 from serve.window import WindowSlots
 
 log = logging.getLogger("jaxlora.serve")
-SAMPLERS = ("sample", "sample_state", "sample_masked", "sample_state_masked")  # `serve.step`'s sampler programs
 
 
 class RequestError(ValueError):

@@ -50,6 +50,9 @@ from jaxlora.sampling import (
 from jaxlora.scheduler.serving import StepPlan
 
 
+SAMPLERS = ("sample", "sample_state", "sample_masked", "sample_state_masked")  # the sampler programs
+
+
 class StepShape(NamedTuple):
     """A compiled program variant of the serving step.
 
@@ -226,9 +229,9 @@ class Programs:
     (bench/NOTES_serve.md, issue 35)."""
 
     def __init__(self, graphdef, backend: str, max_rows: int, scan_from_tokens: int = 1):
-        samplers = {"sample": (_sample, (max_rows,)), "sample_state": (_sample_state, (max_rows,))}
-        self._static = {"forward": (_forward, (graphdef, backend, max_rows)), **samplers,
-                        **{name + "_masked": program for name, program in samplers.items()}}
+        programs = {"forward": _forward, "sample": _sample, "sample_state": _sample_state}
+        self._static = {name: (programs[name.removesuffix("_masked")], (max_rows,)) for name in SAMPLERS}
+        self._static["forward"] = (_forward, (graphdef, backend, max_rows))
         self.scan_from_tokens = scan_from_tokens
         self._compiled: dict[StepShape, Callable] = {}
         self._lock = threading.Lock()

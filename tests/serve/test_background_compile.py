@@ -8,7 +8,8 @@ import threading
 import pytest
 
 from jaxlora.sampling import SamplingParams
-from serve.engine import SAMPLERS, Engine, EngineConfig
+from serve.engine import Engine, EngineConfig
+from serve.step import SAMPLERS
 
 # One block-table width (32 tokens = 4 pages) and two token buckets (8, 16): few programs.
 TINY_ENGINE = dict(page_size=8, num_pages=16, max_model_len=32, max_num_seqs=4, token_budget=16, prefill_chunk=16,
