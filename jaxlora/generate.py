@@ -58,6 +58,8 @@ def generate(
     output) or `max_new_tokens` tokens."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    if params.structured is not None:
+        raise ValueError("structured outputs (SamplingParams.structured) are served by serve.engine, not generate")
     graphdef, state = nnx.split(model)
     batch = len(prompts)
     lengths = np.array([len(p) for p in prompts], np.int32)

@@ -5,7 +5,9 @@ Every function works per row, so a batch mixes rows with different parameters. T
 vLLM's: logit bias and stop-token suppression (`bias_rows`), then the repetition, frequency and
 presence penalties (`apply_penalties`), then the argmax of greedy rows, or for sampled rows
 temperature, min-p, top-k and top-p (`filter_rows`) and a draw (`sample_rows`). Log-probabilities
-(`token_logprobs`) are those of the model's raw logits (vLLM's default `raw_logprobs`).
+(`token_logprobs`) are those of the model's raw logits (vLLM's default `raw_logprobs`). A row
+under a grammar (structured outputs) first has the tokens its grammar forbids at -inf
+(`mask_logits`, a packed bitmask per row; the serving engine's `serve.structured` makes it).
 
 `sample_rows` takes one PRNG key per row, so a row's draw does not depend on the other rows of
 its batch; `row_keys` derives them from a seed and the index of the token being drawn (the
@@ -43,6 +45,8 @@ class SamplingParams:
     come with each token (the drawn token's own always does).
     prompt_logprobs: None, or as `logprobs` for each prompt token after the first (its
     log-probability given the tokens before it; evaluation harnesses' log-likelihoods).
+    structured: None, or a grammar the output must follow (structured outputs: an opaque object the
+    serving engine reads, `serve.structured.Constraint`); its rows get a token mask (`mask_logits`).
     """
 
     max_new_tokens: int = 32
@@ -60,6 +64,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured: object | None = None
 
     def __post_init__(self):
         checks = [
@@ -159,6 +164,16 @@ def sample_rows(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, key
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     drawn = jax.vmap(jax.random.categorical)(keys, filter_rows(scaled, top_p, top_k, min_p)).astype(jnp.int32)
     return jnp.where(temperature > 0, drawn, greedy)
+
+
+def mask_logits(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """logits [R, V] with -inf where a row's bit is clear. bitmask [R, W] int32, W >= ceil(V / 32):
+    token t's bit is bit t % 32 of word t // 32 (llguidance's layout); a row of -1 words allows
+    every token."""
+    rows, vocab = logits.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [R, W, 32]
+    allowed = bits.reshape(rows, -1)[:, :vocab].astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, k: int = MAX_LOGPROBS):

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -60,9 +61,11 @@ from serve.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logpr
 from serve.metrics import Metrics
 from serve.protocol import (
     ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, DrainRequest, Limits, LoadAdapterRequest,
-    TokenizeRequest, UnloadAdapterRequest, check_chat, check_common, check_completion, check_token_ids, stop_list,
+    TokenizeRequest, UnloadAdapterRequest, check_chat, check_common, check_completion, check_token_ids,
+    compile_request, stop_list,
 )
 from serve.replicas import ReplicaSet, server_state
+from serve.structured import GrammarCompiler
 from serve.text import TextTracker
 
 log = logging.getLogger("jaxlora.serve")
@@ -182,6 +185,8 @@ class Server:
         self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
         self.limits = settings.limits
         self.metrics = Metrics(engine)
+        self.grammars = functools.cache(lambda: GrammarCompiler(  # structured outputs, made on first use
+            tokenizer, getattr(engine, "eos_ids", None) or tokenizer.eos_token_ids, engine.model_config.vocab_size))
         self.allowed = [os.path.realpath(d) for d in settings.allowed_adapter_dirs]
         self.ready = threading.Event()  # set once the engine is warmed up and started
         self.warmup_error: str | None = None
@@ -266,8 +271,12 @@ class Server:
                                 f"of {context} tokens", "max_tokens")
         return requested
 
+    async def constraint(self, body):
+        """The request's structured-output grammar, compiled in a worker thread (None: none)."""
+        return await run_in_threadpool(compile_request, self.grammars, body, self.limits)
+
     def specs(self, body, prompts: list[list[int]], default_max: int, logprobs: int | None,
-              prompt_logprobs: int | None = None) -> list[SeqSpec]:
+              prompt_logprobs: int | None = None, structured=None) -> list[SeqSpec]:
         adapter = self.resolve_model(body.model)
         check_token_ids(body, self.engine.model_config.vocab_size)
         seed = secrets.randbits(32) if body.seed is None else body.seed
@@ -279,7 +288,8 @@ class Server:
             if body.min_tokens > max_tokens:
                 raise ApiError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
             for choice in range(body.n):
-                sampling = sampling_params(body, max_tokens, (seed + choice) % (1 << 32), logprobs, prompt_logprobs)
+                sampling = sampling_params(body, max_tokens, (seed + choice) % (1 << 32), logprobs, prompt_logprobs,
+                                           structured)
                 specs.append(SeqSpec(prompt, adapter, sampling, stop_list(body.stop), prompt_only))
         if len(specs) > self.limits.max_sequences:
             raise ApiError(400, f"prompts x n = {len(specs)} exceeds {self.limits.max_sequences}", "n")
@@ -430,7 +440,7 @@ def prompt_entries(generation: Generation, index: int, k: int) -> list:
 
 
 def sampling_params(body, max_tokens: int, seed: int, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, structured=None) -> SamplingParams:
     """The engine's SamplingParams of a checked request body (`check_common`)."""
     return SamplingParams(
         max_tokens, 1.0 if body.temperature is None else body.temperature, 1.0 if body.top_p is None else body.top_p,
@@ -438,7 +448,7 @@ def sampling_params(body, max_tokens: int, seed: int, logprobs: int | None,
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
         logit_bias=tuple((int(k), v) for k, v in sorted((body.logit_bias or {}).items())),
         stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
-        logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured)
 
 
 def _sse(payload: dict) -> str:
@@ -593,7 +603,7 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         echo_scores = body.echo and body.logprobs is not None  # the prompt's tokens in `logprobs` too
         wanted = [k for k in (body.logprobs if echo_scores else None, body.prompt_logprobs) if k is not None]
         generation = server.start(server.specs(body, prompts, server.limits.default_max_tokens, body.logprobs,
-                                               max(wanted) if wanted else None))
+                                               max(wanted) if wanted else None, await server.constraint(body)))
         cid, created = f"cmpl-{generation.request_id}", int(time.time())
         echoes = [text if body.echo else "" for text in server.prompt_texts(body) for _ in range(body.n)]
         offsets = [0 if echo_scores else len(echo) for echo in echoes]  # text offset of each choice's next token
@@ -640,7 +650,8 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         prompt = server.chat_prompt(body)
         await server.read_adapter(body.model)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        generation = server.start(server.specs(body, [prompt], server.limits.max_tokens, top))
+        generation = server.start(server.specs(body, [prompt], server.limits.max_tokens, top, None,
+                                               await server.constraint(body)))
 
         def logprobs_of(entries):
             return chat_logprobs(server.tokenizer, entries) if body.logprobs else None

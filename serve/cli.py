@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "programs are compiled scanned and their unrolled ones in the background)")
     p.add_argument("--max-tokens-limit", type=int, default=1024, help="largest max_tokens a request may ask")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-grammar-bytes", type=int, default=32 << 10,
+                   help="largest structured-output grammar (JSON schema, regex, choices, grammar; serialized)")
     p.add_argument("--max-waiting", type=int, default=1024, help="queued sequences before 429")
     p.add_argument("--lora-backend", default=backends.AUTO, choices=(backends.AUTO,) + backends.names(serves=True),
                    help="how LoRA rows are computed: XLA (gather, onehot, ...), the Pallas SGMV/BGMV kernels "
@@ -345,7 +347,8 @@ def build_app(args):
             engine.add_adapter(name, adapter, paths.get(name))
     except (AdapterError, ValueError) as err:  # incl. bad sizes, shapes that do not split over --tensor-parallel
         raise SystemExit(f"jaxlora-serve: {err}")
-    limits = Limits(max_tokens=args.max_tokens_limit, max_body_bytes=args.max_body_bytes)
+    limits = Limits(max_tokens=args.max_tokens_limit, max_body_bytes=args.max_body_bytes,
+                    max_grammar_bytes=args.max_grammar_bytes)
     settings = ServerSettings(args.served_model_name or default_model_name(args.model),
                               tuple(args.allowed_adapter_dir), limits, api_key=args.api_key,
                               metrics_require_key=args.metrics_require_key, finetune=finetune)

@@ -142,7 +142,8 @@ from serve.adapter_store import AdapterStore
 from serve.modes import EngineModes
 from serve.sampler_state import SamplerSlots, step_sampling
 from serve.stats import EngineStats, _PhaseClock
-from serve.step import Programs, RowSampling, RowState, Step, StepShape
+from serve.step import SAMPLERS, Programs, RowSampling, RowState, Step, StepShape
+from serve.structured import GrammarRows
 from serve.window import WindowSlots
 
 log = logging.getLogger("jaxlora.serve")
@@ -483,6 +484,7 @@ class Engine:
         self._background: threading.Thread | None = None  # `warmup`'s background compile
         self.sampler_slots = SamplerSlots(config.max_num_seqs, model.config.vocab_size,
                                           None if mesh is None else NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        self.grammars = GrammarRows(model.config.vocab_size, self.eos_ids)  # structured outputs' matchers
         self.step_fn = step_fn or self.device_step
         self._last_tokens = np.zeros(self.max_rows, np.int32)  # the previous step's sampled tokens
         self._last_logprobs = None  # the last step's log-probabilities (device arrays), if it made them
@@ -949,11 +951,11 @@ class Engine:
             forward, self._state, cache, step.batch, step.lora, step.prev_tokens, step.token_src, *scoring)
         if step.sampling is None:
             return greedy, cache
-        sampler = step.shapes[1]
-        if sampler.program == "sample":
-            return self.programs.run(sampler, logits, *step.sampling), cache
+        sampler, masks = step.shapes[1], () if step.masks is None else (step.masks(),)  # overlaps the forward
+        if not sampler.program.startswith("sample_state"):
+            return self.programs.run(sampler, logits, *step.sampling, *masks), cache
         tokens, self._last_logprobs, self.sampler_slots.arrays = self.programs.run(
-            sampler, logits, self.sampler_slots.arrays, *step.sampling)
+            sampler, logits, self.sampler_slots.arrays, *step.sampling, *masks)
         return tokens, cache
 
     def step_shapes(self) -> list[StepShape]:
@@ -961,7 +963,7 @@ class Engine:
         each token bucket (8 .. the token budget's) and block-table width (`_table_width`: one on
         a GPU/TPU, else buckets 4 .. the context's), with LoRA inputs and without, plus the
         decode-only LoRA variant of the buckets a step of one-token rows fits (<= max_rows tokens)
-        where the backend's plan has one; and both samplers over each row bucket."""
+        where the backend's plan has one; and the samplers (`SAMPLERS`) over each row bucket."""
         config = self.config
         tokens = sorted({bucket(t, self._min_tokens) for t in range(1, config.token_budget + 1)})
         widths = sorted({self._table_width(p) for p in range(1, self._max_pages + 1)})
@@ -973,7 +975,7 @@ class Engine:
                   for w in widths]
         if self.window is not None:
             shapes += [StepShape("forward", t, self._rows(t), w, True, False, True) for t in tokens for w in widths]
-        return shapes + [StepShape(sampler, 0, rows) for sampler in ("sample", "sample_state")
+        return shapes + [StepShape(sampler, 0, rows) for sampler in SAMPLERS
                          for rows in sorted({self._rows(t) for t in tokens})]
 
     def warmup(self, shapes: list[StepShape] | None = None, threads: int | None = None,
@@ -1041,7 +1043,7 @@ class Engine:
     def _compile_shapes(self, shapes: list[StepShape], threads: int, progress=None, scan: bool | None = None) -> None:
         """Compiles `shapes` (forwards first: the samplers take the forwards' logits sharding);
         `scan`: see `Programs.compile`."""
-        for program in ("forward", "sample", "sample_state"):
+        for program in ("forward",) + SAMPLERS:
             todo = [shape for shape in shapes if shape.program == program]
             self.programs.compile_all([(shape, self._padding_args(shape)) for shape in todo], threads,
                                       None if progress is None else progress(program), scan=scan)
@@ -1118,14 +1120,15 @@ class Engine:
 
     def _padding_args(self, shape: StepShape) -> tuple:
         """Dynamic arguments of the program `shape` for a step of padding only (writes nothing)."""
-        if shape.program in ("sample", "sample_state"):
+        if shape.program in SAMPLERS:
             rows = shape.rows
             logits = jax.ShapeDtypeStruct((rows, self.model_config.vocab_size), jnp.float32,
                                           sharding=self.programs.logits_sharding(rows))
-            if shape.program == "sample":
-                return logits, RowSampling.greedy(rows)
+            masks = (np.full((rows, self.grammars.words), -1, np.int32),) if shape.program.endswith("_masked") else ()
+            if not shape.program.startswith("sample_state"):
+                return (logits, RowSampling.greedy(rows)) + masks
             return (logits, self.sampler_slots.specs(), RowSampling.greedy(rows),
-                    RowState.empty(rows, self.sampler_slots.num_slots))
+                    RowState.empty(rows, self.sampler_slots.num_slots)) + masks
         tokens = shape.tokens
         zeros = np.zeros(tokens, np.int32)
         no_rows = np.full(tokens, -1, np.int32)
@@ -1170,14 +1173,24 @@ class Engine:
         forward = StepShape("forward", len(batch.tokens), rows, width, lora is not None,
                             isinstance(lora and lora.plan, ServingPlan) and lora.plan.seg_starts is None,
                             in_window is not None, scoring)
-        sampler = step_sampling(plan.rows, rows, self.sampler_slots, self.eos_ids)
+        masked = self.grammars.constrains(plan.rows)  # a row under a grammar: its masks when the forward runs
+        sampler = step_sampling(plan.rows, rows, self.sampler_slots, self.eos_ids, masked)
         sampling = None if sampler is None else sampler[1]
         shapes = (forward,) if sampler is None else (forward, StepShape(sampler[0], 0, rows))
         phases.mark("sampling")
         kind = ("base " if lora is None else "window " if in_window is not None else "lora ") + (
             "decode" if decode_only else "mixed")
         return Step(plan, shapes, kind, batch, lora, self._last_tokens, self._token_sources(plan, batch.tokens),
-                    sampling, score_targets)
+                    sampling, score_targets, functools.partial(self._grammar_masks, plan.rows, rows, phases) if masked
+                    else None)
+
+    def _grammar_masks(self, plan_rows, rows: int, phases: "_PhaseClock") -> np.ndarray:
+        """A step's token masks (`serve.structured`), called once its forward is dispatched: the step in flight
+        before it is read first (its tokens advance the grammars) while the device runs this one's forward."""
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            self._finish(previous, phases)
+        return self.grammars.masks(plan_rows, rows)
 
     def _place_in_window(self, slots: list[int], extra: tuple | None = None, prefill: bool = False
                          ) -> dict[int, int] | None:

@@ -5,16 +5,20 @@ server does not know is refused (400 naming it: nothing a client asks for is sil
 ranges that depend on the server's configuration (max_tokens vs the context, n, temperature,
 prompt sizes) are checked by `check_common` against `Limits`, so every input a client sends is
 bounded. The sampling fields are vLLM's (`jaxlora.sampling.SamplingParams` says what each does).
+A structured-output grammar (`request_grammar`, `compile_request`) is bounded by
+`Limits.max_grammar_bytes`, and one llguidance cannot enforce is a 400 naming the field.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+import json
+from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxlora.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from serve.structured import Constraint, GrammarCompiler, GrammarError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +37,7 @@ class Limits:
     max_logit_bias: int = 300       # entries of logit_bias (OpenAI's bound)
     max_stop_token_ids: int = 64
     max_body_bytes: int = 1 << 20
+    max_grammar_bytes: int = 32 << 10  # a structured-output grammar (JSON schema, regex, choices), serialized
 
 
 class ApiError(Exception):
@@ -59,10 +64,33 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class ResponseFormat(_Strict):
-    """Only {"type": "text"} is served; JSON modes are refused (no guided decoding)."""
+class JsonSchemaFormat(_Strict):
+    """OpenAI's response_format.json_schema: the schema is always enforced (strict or not)."""
 
-    type: str = Field(max_length=64)
+    model_config = ConfigDict(extra="forbid", serialize_by_alias=True)
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: "text", "json_object" (any JSON object) or "json_schema"
+    (`serve.structured`)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs: one of a JSON schema (dict or JSON text), a regex, a list of
+    choices, a Lark/GBNF grammar, or json_object (`serve.structured`)."""
+
+    model_config = ConfigDict(extra="forbid", serialize_by_alias=True)
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Sampling(_Strict):
@@ -87,6 +115,11 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     min_tokens: int = 0
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's; and its older guided_* fields:
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = Field(default=None, max_length=256)
     return_token_ids: bool = False  # vLLM's: each choice (chunk) also carries its token ids, and its prompt's
 
@@ -207,9 +240,9 @@ def check_common(body: _Sampling, limits: Limits) -> None:
         raise ApiError(400, f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", "logit_bias")
     if len(body.stop_token_ids or []) > limits.max_stop_token_ids:
         raise ApiError(400, f"stop_token_ids takes at most {limits.max_stop_token_ids} ids", "stop_token_ids")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise ApiError(400, f"response_format {body.response_format.type!r} is not supported (this server has no "
-                            "guided decoding); only {\"type\": \"text\"}", "response_format")
+    fmt = body.response_format
+    if fmt is not None and (fmt.type == "json_schema") != (fmt.json_schema is not None):
+        raise ApiError(400, "response_format takes json_schema exactly with type \"json_schema\"", "response_format")
 
 
 def _check_ranges(body, ranges) -> None:
@@ -257,3 +290,74 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     if stop is None:
         return []
     return [stop] if isinstance(stop, str) else list(stop)
+
+
+def request_grammar(body, limits: Limits) -> tuple[str, object, str] | None:
+    """(kind, source, field) of the structured-output grammar a checked request body names
+    (`serve.structured`'s module doc: response_format, structured_outputs, guided_*), None if none;
+    ApiError(400) for two of them, an empty one, or one over `limits.max_grammar_bytes`."""
+    found = []
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        found.append(("json_object", None, "response_format"))
+    elif fmt is not None and fmt.type == "json_schema":
+        found.append(("json_schema", fmt.json_schema.schema_, "response_format"))
+    vllm = body.structured_outputs
+    if vllm is not None:
+        for key, kind in (("json_", "json_schema"), ("regex", "regex"), ("choice", "choice"), ("grammar", "grammar")):
+            if getattr(vllm, key) is not None:
+                found.append((kind, getattr(vllm, key), "structured_outputs"))
+        if vllm.json_object:
+            found.append(("json_object", None, "structured_outputs"))
+        if not found or found[-1][2] != "structured_outputs":
+            raise ApiError(400, "structured_outputs takes one of json, regex, choice, grammar, json_object: true",
+                           "structured_outputs")
+    for key, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        if getattr(body, key) is not None:
+            found.append((kind, getattr(body, key), key))
+    if len(found) > 1:
+        raise ApiError(400, "give at most one of response_format (json_object, json_schema), structured_outputs "
+                            "(one of json, regex, choice, grammar, json_object) and guided_*", found[1][2])
+    if not found:
+        return None
+    kind, source, field = found[0]
+    _check_source(kind, source, field, limits)
+    if kind == "json_schema" and isinstance(source, str):
+        try:
+            source = json.loads(source)
+        except ValueError as err:
+            raise ApiError(400, f"the JSON schema is not valid JSON: {err}", field) from err
+    return kind, source, field
+
+
+def _check_source(kind: str, source, field: str, limits: Limits) -> None:
+    """ApiError(400) unless the grammar source is non-empty and at most `limits.max_grammar_bytes`."""
+    if kind == "json_object":
+        return
+    if kind == "choice" and (not source or any(not choice for choice in source)):
+        raise ApiError(400, "choice takes a non-empty list of non-empty strings", field)
+    if kind in ("regex", "grammar") and not source:
+        raise ApiError(400, f"the {kind} is empty", field)
+    size = len(source.encode() if isinstance(source, str) else json.dumps(source).encode())
+    if size > limits.max_grammar_bytes:
+        raise ApiError(400, f"the {kind} has {size} bytes; this server takes at most {limits.max_grammar_bytes}",
+                       field)
+
+
+def compile_request(compiler: Callable[[], GrammarCompiler], body, limits: Limits) -> Constraint | None:
+    """The Constraint of a checked request body (None: no grammar); ApiError(400) as
+    `request_grammar`, or with llguidance's message for a grammar it cannot enforce. compiler():
+    the server's GrammarCompiler (made on the first request with a grammar)."""
+    found = request_grammar(body, limits)
+    if found is None:
+        return None
+    kind, source, field = found
+    if body.min_tokens:
+        raise ApiError(400, "min_tokens cannot be combined with structured outputs (the grammar decides when the "
+                            "output may end)", "min_tokens")
+    try:
+        return compiler().compile(kind, source)
+    except GrammarError as err:
+        raise ApiError(400, f"the {kind.replace('_', ' ')} cannot be used for structured outputs: {err}",
+                       field) from err

@@ -109,15 +109,17 @@ def _write_slot(state: SamplerState, slot, prompt_seen, output_counts, bias, sto
                         state.stop_mask.at[slot].set(stop_mask))
 
 
-def step_sampling(plan_rows, rows: int, slots: SamplerSlots, eos_ids):
+def step_sampling(plan_rows, rows: int, slots: SamplerSlots, eos_ids, masked: bool = False):
     """(program, inputs) of the sampler that a step over `plan_rows` (scheduler StepRows, in the
     step's order, padded to `rows`) runs: ("sample_state", (RowSampling, RowState)) when a row
     changes its logits (bias, penalties, min_tokens; its sequence gets a slot) or asks for
-    log-probabilities; ("sample", (RowSampling,)) when a row samples (temperature > 0); None when
-    every row takes the forward's greedy token."""
+    log-probabilities; ("sample", (RowSampling,)) when a row samples (temperature > 0) or `masked`
+    (a row follows a grammar: the program's "_masked" variant, which also takes a token mask);
+    None when every row takes the forward's greedy token."""
     params = [row.seq.sampling for row in plan_rows]
     stateful = any(p.needs_state for p in params)
-    if not stateful and all(p.temperature == 0 for p in params):
+    suffix = "_masked" if masked else ""
+    if not stateful and not masked and all(p.temperature == 0 for p in params):
         return None
     sampling = RowSampling.greedy(rows)
     for r, (row, p) in enumerate(zip(plan_rows, params)):
@@ -125,7 +127,7 @@ def step_sampling(plan_rows, rows: int, slots: SamplerSlots, eos_ids):
             p.temperature, p.top_p, p.top_k, p.min_p)
         sampling.seeds[r], sampling.counters[r] = p.seed % (1 << 32), _output_index(row)
     if not stateful:
-        return "sample", (sampling,)
+        return "sample" + suffix, (sampling,)
     state = RowState.empty(rows, slots.num_slots)
     for r, (row, p) in enumerate(zip(plan_rows, params)):
         if not p.changes_logits:
@@ -136,7 +138,7 @@ def step_sampling(plan_rows, rows: int, slots: SamplerSlots, eos_ids):
             p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
         state.suppress_stop[r] = _output_index(row) < p.min_tokens
     slots.allocate()
-    return "sample_state", (sampling, state)
+    return "sample_state" + suffix, (sampling, state)
 
 
 def _output_index(row) -> int:

@@ -16,6 +16,11 @@ One engine step runs one or two programs on the device:
     tokens; `serve.sampler_state`), adds the drawn tokens to the counts (donated, in place), and
     returns the log-probabilities. Steps without such rows never run it: the default step pays
     nothing for it.
+  - "sample_masked", "sample_state_masked": "sample" and "sample_state" for a step where a row
+    follows a grammar (structured outputs, `serve.structured`): they also take a token bitmask
+    [R, ceil(V / 32)] int32 (rows without a grammar: every bit set) that puts the forbidden tokens
+    at -inf before anything else (`jaxlora.sampling.mask_logits`; log-probabilities stay those of
+    the raw logits). The host computes it while the step's forward runs (`Step.masks`).
 All return the sampled tokens padded to `max_rows` (the most rows a step can have), so the next
 step's forward takes them whatever its own shape: a forward variant is keyed by its shape alone.
 
@@ -40,9 +45,12 @@ from flax import nnx
 from jaxlora.models.llama import LoraInputs
 from jaxlora.models.paged import PagedBatch, PagedKVCache, paged_hidden
 from jaxlora.sampling import (
-    MAX_LOGPROBS, apply_penalties, bias_rows, greedy_rows, row_keys, sample_rows, token_logprobs,
+    MAX_LOGPROBS, apply_penalties, bias_rows, greedy_rows, mask_logits, row_keys, sample_rows, token_logprobs,
 )
 from jaxlora.scheduler.serving import StepPlan
+
+
+SAMPLERS = ("sample", "sample_state", "sample_masked", "sample_state_masked")  # the sampler programs
 
 
 class StepShape(NamedTuple):
@@ -82,6 +90,8 @@ class Step(NamedTuple):
     (`RowSampling`,) for "sample", (`RowSampling`, `RowState`) for "sample_state".
     score_targets [T] int32: the token whose log-probability each token's logits give (the next
     prompt token of a row that asks for prompt log-probabilities, -1: none); None: no scoring.
+    masks: for a "*_masked" sampler, a callable returning the rows' token bitmask [R, W] int32,
+    called once the step's forward is dispatched (`serve.structured.GrammarRows.masks`); else None.
     """
 
     plan: StepPlan
@@ -93,6 +103,7 @@ class Step(NamedTuple):
     token_src: np.ndarray
     sampling: tuple | None
     score_targets: np.ndarray | None = None
+    masks: Callable[[], np.ndarray] | None = None
 
 
 class RowSampling(NamedTuple):
@@ -167,9 +178,12 @@ def _forward(graphdef, backend: str, max_rows: int, unroll: bool, state, cache: 
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _sample(max_rows: int, logits, rows: RowSampling):
+def _sample(max_rows: int, logits, rows: RowSampling, mask=None):
     """Sampled tokens [max_rows] int32 of the rows' logits [R, V]: `jaxlora.sampling.sample_rows`
-    with row r's key from (seeds[r], counters[r]) (`row_keys`)."""
+    with row r's key from (seeds[r], counters[r]) (`row_keys`); mask [R, W] int32: the tokens
+    each row may draw (`mask_logits`), None: all."""
+    if mask is not None:
+        logits = mask_logits(logits, mask)
     return _pad_rows(_draw(logits, rows), max_rows)
 
 
@@ -179,9 +193,9 @@ def _draw(logits, rows: RowSampling):
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def _sample_state(max_rows: int, logits, state: SamplerState, rows: RowSampling, row_state: RowState):
-    """"sample" over logits [R, V] changed first by each row's state: its slot's bias and (under
-    min_tokens) banned stop tokens, then its penalties (`jaxlora.sampling`). Returns (tokens
+def _sample_state(max_rows: int, logits, state: SamplerState, rows: RowSampling, row_state: RowState, mask=None):
+    """"sample" over logits [R, V] changed first by each row's token mask (as `_sample`), its
+    slot's bias and (under min_tokens) banned stop tokens, then its penalties (`jaxlora.sampling`). Returns (tokens
     [max_rows] int32, (log-probability of each row's token [R], the MAX_LOGPROBS largest [R, K],
     their ids [R, K]) of the raw logits, the state with the drawn tokens counted)."""
     slot = row_state.slot
@@ -189,7 +203,8 @@ def _sample_state(max_rows: int, logits, state: SamplerState, rows: RowSampling,
     def gather(table):
         return table.at[slot].get(mode="fill", fill_value=0)
 
-    changed = bias_rows(logits, gather(state.bias), gather(state.stop_mask), row_state.suppress_stop)
+    allowed = logits if mask is None else mask_logits(logits, mask)
+    changed = bias_rows(allowed, gather(state.bias), gather(state.stop_mask), row_state.suppress_stop)
     changed = apply_penalties(changed, gather(state.prompt_seen), gather(state.output_counts),
                               row_state.presence, row_state.frequency, row_state.repetition)
     tokens = _draw(changed, rows)
@@ -218,8 +233,9 @@ class Programs:
     unrolled program replaces it (`stand_ins()`: what a background compile still owes)."""
 
     def __init__(self, graphdef, backend: str, max_rows: int, scan_from_tokens: int = 1):
-        self._static = {"forward": (_forward, (graphdef, backend, max_rows)), "sample": (_sample, (max_rows,)),
-                        "sample_state": (_sample_state, (max_rows,))}
+        programs = {"forward": _forward, "sample": _sample, "sample_state": _sample_state}
+        self._static = {name: (programs[name.removesuffix("_masked")], (max_rows,)) for name in SAMPLERS}
+        self._static["forward"] = (_forward, (graphdef, backend, max_rows))
         self.scan_from_tokens = scan_from_tokens
         self._compiled: dict[StepShape, Callable] = {}
         self._stand_ins: set[StepShape] = set()

@@ -58,6 +58,11 @@ def test_bad_sampling_params(bad):
         SamplingParams(**bad)
 
 
+def test_structured_outputs_are_refused_not_ignored(smollm2):
+    with pytest.raises(ValueError, match="structured"):  # the serving engine applies grammars (serve.structured)
+        generate(smollm2[0], [[1, 2]], SamplingParams(4, structured=object()))
+
+
 def test_generation_with_adapters_equals_merged_weights(smollm2):
     """Rows with different adapters in one batch decode like the adapter merged into the weights."""
     from jaxlora.lora.adapter import random_adapter

@@ -9,6 +9,7 @@ import pytest
 
 from jaxlora.sampling import SamplingParams
 from serve.engine import Engine, EngineConfig
+from serve.step import SAMPLERS
 
 # One block-table width (32 tokens = 4 pages) and three token buckets (8, 16, 32): few programs, and
 # one (16) that is neither the largest nor the smallest holding every row (`first_shapes`).
@@ -59,7 +60,7 @@ def test_first_shapes_serve_every_variant_with_scanned_programs(smollm2, adapter
     fits_all_rows = min(s.tokens for s in forwards if s.tokens >= engine.max_rows)
     assert {s.tokens for s in first if s.program == "forward"} <= {fits_all_rows, max(s.tokens for s in forwards)}
     assert {s.rows for s in first if s.program != "forward"} == {s.rows for s in first if s.program == "forward"}
-    assert {s.program for s in first} == {"forward", "sample", "sample_state"}
+    assert {s.program for s in first} == {"forward", *SAMPLERS}
     assert len(first) < len(shapes)
 
 

@@ -168,7 +168,7 @@ def test_echo_prepends_the_prompt(client):
 
 
 @pytest.mark.parametrize("extra,field", [
-    ({"frobnicate": 1}, "frobnicate"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"frobnicate": 1}, "frobnicate"), ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"best_of": 3}, "best_of"), ({"top_k": -2}, "top_k"), ({"min_p": 2.0}, "min_p"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 500}}, "logit_bias"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
