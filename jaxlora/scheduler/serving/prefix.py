@@ -168,7 +168,10 @@ class PrefixCache:
 
     def _reclaim(self, enough, keep=()) -> None:
         """Evicts unreferenced cached pages, least recently used first (not those of `keep`), until
-        `enough()` or none is left."""
+        `enough()` or none is left (the LRU is walked only when pages are short: allocations run
+        every step, and a full cache holds thousands of pages)."""
+        if enough():
+            return
         for page in [page for page in self._lru if page not in keep]:
             if enough():
                 return
