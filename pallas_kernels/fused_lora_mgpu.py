@@ -319,7 +319,8 @@ def smem_parts(cfg: FusedLoRAConfig, rank: int, itemsize: int = 2,
     stages = cfg.num_stages if contraction is None else max(1, min(cfg.num_stages,
                                                                    contraction // bc))
     return {
-        "pipeline": _aligned(stages * bm * bc * itemsize) + _aligned(stages * bc * cta_w * itemsize),
+        "pipeline": (_aligned(stages * bm * bc * itemsize)
+                     + _aligned(stages * bc * cta_w * itemsize)),
         "output": _aligned(wgs * min(2, bw // epi) * bm * epi * itemsize),
         "lora": _aligned(wgs * bm * rank * itemsize) + _aligned(wgs * rank * bw * itemsize),
         "barriers": MBARRIER_BYTES * (2 * stages + 2 * wgs),
