@@ -345,6 +345,32 @@ modes_and_owed() {  # 4 x H200, one call, each job on its own 16 cores (PIN=1): 
   collect_logs modes_and_owed
 }
 
+checks_x4() {  # 4 x H200, one call, each job on its own cores (PIN=1): GPU 0 the guard's serving trace (its
+  # compile cache comes back as jitcache.partNN: carry it as .jitcache next time); GPU 1 the GPU kernel tests
+  # (issue 37 item 1's log) and the shared-memory limit the device reports; GPU 2 the server's cold start, cold
+  # and warm (.whl carried); GPU 3 the 100-request distinct trace (issue 34 item 4)
+  nvidia-smi -L
+  export PIN=1
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  mkdir -p $OUT/guard $OUT/checks
+  local t=$((LIMIT - 20))
+  job guard 0 $t python3 bench/regress.py --only serve --out-dir $OUT/guard --compile-cache /tmp/jc_guard
+  job kernels 1 $t bash -c "python3 -c \"import jax; d = jax.devices()[0]; print(d.device_kind, \
+      getattr(d, 'compute_capability', None), getattr(d, 'shared_memory_per_block_optin', None))\"; \
+      python3 -m pytest -q -rA -m gpu_only tests/pallas_kernels -p no:cacheprovider > $OUT/checks/gpu_tests_h200.txt 2>&1; \
+      tail -n 3 $OUT/checks/gpu_tests_h200.txt; python3 -m pytest -q tests/pallas_kernels/test_fused_lora_smem.py \
+      -p no:cacheprovider 2>&1 | tail -n 3"
+  job cold 2 $t env PYTHONPATH=$PYTHONPATH:/tmp/site python3 bench/cold_start.py --after-ready 60 \
+      --out $OUT/checks/cold_start_h200.json
+  job serve100 3 $t python3 bench/serve.py --lora-backend hybrid --max-num-seqs 256 --token-budget 2048 \
+      --prefill-chunk 2048 --requests 100 --cases punica:distinct --out $OUT/checks/serve100_h200.json
+  wait
+  rm -f $OUT/guard/regress_serve.png $OUT/guard/regress_log.txt $OUT/checks/*.png
+  collect_logs checks_x4
+  tar czf $OUT/checks_x4.tgz -C $OUT guard checks && rm -rf $OUT/guard $OUT/checks  # few files come back
+  timeout 90 python3 bench/jit_cache.py pack /tmp/jc_guard "$OUT/jitcache"
+}
+
 two_gpus() {  # 2 GPUs: TP=2 serving vs one GPU, then PP=2 training vs one GPU
   nvidia-smi -L
   timeout 270 python3 bench/tp_serve.py --out "$OUT/tp_serve_2xh200.json" 2>&1 | tail -n 15
