@@ -371,6 +371,29 @@ checks_x4() {  # 4 x H200, one call, each job on its own cores (PIN=1): GPU 0 th
   timeout 90 python3 bench/jit_cache.py pack /tmp/jc_guard "$OUT/jitcache"
 }
 
+final_x4() {  # 4 x H200, one call, pinned (PIN=1): GPU 0 the guard's serving trace (.jitcache carried); GPU 1
+  # the server's cold start, cold and warm (.whl carried); GPUs 2 and 3 the decode steps' kernel profile
+  # (base, hybrid BGMV) with XLA's command buffers as they are and off (--xla_gpu_enable_command_buffer=)
+  nvidia-smi -L
+  export PIN=1
+  python3 bench/jit_cache.py unpack .jitcache/jitcache /tmp/jaxlora_serve_jit_cache
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  mkdir -p $OUT/final
+  local t=$((LIMIT - 20))
+  local prof="--profile --lora-backend hybrid --max-num-seqs 256 --token-budget 2048 --prefill-chunk 2048 \
+      --profile-steps decode32 decode64 --profile-variants base hybrid"
+  job guard 0 $t python3 bench/regress.py --only serve --out-dir $OUT/final
+  job cold 1 $t env PYTHONPATH=$PYTHONPATH:/tmp/site python3 bench/cold_start.py --after-ready 30 \
+      --out $OUT/final/cold_start_h200.json
+  job graphs_default 2 $t python3 bench/serve.py $prof --out $OUT/final/graphs_default_h200.json
+  job graphs_off 3 $t env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 bench/serve.py $prof \
+      --compile-cache "" --out $OUT/final/graphs_off_h200.json
+  wait
+  rm -rf $OUT/final/regress_serve.png $OUT/final/regress_log.txt $OUT/final/serve_profile_traces $OUT/final/*.png
+  collect_logs final_x4
+  tar czf $OUT/final_x4.tgz -C $OUT final && rm -rf $OUT/final
+}
+
 two_gpus() {  # 2 GPUs: TP=2 serving vs one GPU, then PP=2 training vs one GPU
   nvidia-smi -L
   timeout 270 python3 bench/tp_serve.py --out "$OUT/tp_serve_2xh200.json" 2>&1 | tail -n 15
