@@ -85,7 +85,7 @@ def write_tiny_llava(directory: str, seed: int = 0, **config_overrides):
     return model
 
 
-def test_image(height: int, width: int, seed: int = 0, mode: str = "RGB"):
+def make_image(height: int, width: int, seed: int = 0, mode: str = "RGB"):
     """A generated Pillow image: a colour gradient with a square and noise."""
     from PIL import Image
 

@@ -1,0 +1,178 @@
+"""LLaVA-1.5 (jaxlora.vision) against `transformers` and PEFT on a tiny random checkpoint, f32:
+preprocessing, the prompt's image-token layout, logits with one and two images, a PEFT adapter of
+the language model, LoRA on the vision tower refused by name, greedy generation."""
+
+import numpy as np
+import pytest
+
+from jaxlora.lora.config import AdapterError
+from jaxlora.lora.plan import build_plan
+from jaxlora.lora.pool import AdapterPool
+from jaxlora.models.config import ConfigError
+from jaxlora.models.llama import LoraInputs
+from jaxlora.sampling import SamplingParams
+from jaxlora.vision.adapters import LANGUAGE_MODEL_TARGETS, load_llava_adapter
+from jaxlora.vision.config import llava_config_from_hf
+from jaxlora.vision.generate import generate_with_images
+from jaxlora.vision.llava import check_image_tokens
+from jaxlora.vision.loading import load_vlm
+from jaxlora.vision.preprocess import (expand_image_tokens, image_processor_from_hf, preprocess_image,
+                                       preprocess_images)
+from tests.jaxlora.hf_checkpoints import relative_error
+from tests.jaxlora.vision.tiny_llava import (IMAGE_TOKEN_ID, hf_processor, image_processor_pil, make_image,
+                                             write_tiny_llava)
+
+ONE = "USER: <image>\nwhat colour is the square in the picture? ASSISTANT:"
+TWO = "USER: <image> and <image>\nDescribe both images and compare them. ASSISTANT:"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(directory, HF model, our (model, tokenizer, image processor settings), HF processor)."""
+    directory = str(tmp_path_factory.mktemp("tiny_llava"))
+    hf_model = write_tiny_llava(directory)
+    return directory, hf_model, load_vlm(directory), hf_processor(directory)
+
+
+def _hf_inputs(processor, text, images):
+    return processor(text=[text], images=images, return_tensors="np")
+
+
+def _torch_logits(model, inputs):
+    import torch
+
+    with torch.no_grad():
+        return model(input_ids=torch.as_tensor(inputs["input_ids"]),
+                     pixel_values=torch.as_tensor(inputs["pixel_values"])).logits.numpy()
+
+
+def _our_inputs(ours, text, images):
+    model, tokenizer, settings = ours
+    ids = expand_image_tokens(tokenizer.encode(text), model.config.image_token_id, model.config.tokens_per_image)
+    return np.array([ids]), preprocess_images(images, settings)
+
+
+def _our_logits(model, tokens, pixels, lora=None):
+    positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
+    return np.asarray(model(tokens, positions, pixel_values=pixels, lora=lora)[0])
+
+
+def test_preprocessing_equals_transformers_processor():
+    images = [make_image(48, 40, 0), make_image(30, 70, 1), make_image(50, 50, 2, "RGBA"), make_image(33, 64, 3, "L"),
+              make_image(20, 24, 4)]  # smaller than the crop: resized up
+    for overrides in ({}, {"do_pad": True}):
+        processor = image_processor_pil(**overrides)
+        expected = processor(images, return_tensors="np")["pixel_values"]
+        settings = image_processor_from_hf(processor.to_dict())
+        ours = preprocess_images(images, settings)
+        assert ours.shape == expected.shape == (len(images), 3, 32, 32) and ours.dtype == np.float32
+        np.testing.assert_allclose(ours, expected, atol=1e-5, rtol=0)
+    array = np.asarray(images[0])  # a uint8 [H, W, 3] array gives the same as the Pillow image
+    np.testing.assert_array_equal(preprocess_image(array, settings), preprocess_image(images[0], settings))
+
+
+def test_prompt_layout_and_pixels_equal_processor(tiny):
+    _, _, ours, processor = tiny
+    images = [make_image(48, 40, 0), make_image(30, 70, 1)]
+    expected = _hf_inputs(processor, TWO, images)
+    tokens, pixels = _our_inputs(ours, TWO, images)
+    assert tokens.tolist() == expected["input_ids"].tolist()
+    assert int(np.sum(tokens == IMAGE_TOKEN_ID)) == 2 * ours[0].config.tokens_per_image == 32
+    np.testing.assert_allclose(pixels, expected["pixel_values"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("text,count", [(ONE, 1), (TWO, 2)])
+def test_logits_equal_transformers(tiny, text, count):
+    _, hf_model, ours, processor = tiny
+    images = [make_image(48, 40, 0), make_image(30, 70, 1)][:count]
+    expected = _torch_logits(hf_model, _hf_inputs(processor, text, images))
+    tokens, pixels = _our_inputs(ours, text, images)
+    got = _our_logits(ours[0], tokens, pixels)
+    assert np.abs(got - expected).max() <= 1e-4 and relative_error(got, expected) <= 1e-4
+    other = _our_logits(ours[0], tokens, preprocess_images([make_image(40, 40, 9)] * count, ours[2]))
+    assert relative_error(other, expected) > 1e-3  # the image matters
+
+
+def _peft_adapter(directory, out, target_modules, **options):
+    """Saves a PEFT LoRA (random non-zero B) on a fresh HF LLaVA from `directory`; returns the PEFT model."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlavaForConditionalGeneration
+
+    torch.manual_seed(1)
+    base = LlavaForConditionalGeneration.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=target_modules,
+                                                 init_lora_weights=False, **options)).eval()
+    peft_model.save_pretrained(str(out))
+    return peft_model
+
+
+def test_peft_adapter_on_the_language_model_equals_peft(tiny, tmp_path):
+    directory, hf_model, ours, processor = tiny
+    model = ours[0]
+    peft_model = _peft_adapter(directory, tmp_path, LANGUAGE_MODEL_TARGETS, use_rslora=True,
+                               rank_pattern={"layers.1.mlp.down_proj": 2}, alpha_pattern={"o_proj": 3})
+    images = [make_image(48, 40, 0), make_image(30, 70, 1)]
+    inputs = _hf_inputs(processor, TWO, images)
+    expected = _torch_logits(peft_model, inputs)
+    adapter = load_llava_adapter(str(tmp_path), model.config)
+    assert set(adapter.modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert adapter.modules["down_proj"].rank.tolist() == [4, 2]
+    pool = AdapterPool(model.config.text, num_slots=2, max_rank=8)
+    slot = pool.load(adapter)
+    tokens, pixels = _our_inputs(ours, TWO, images)
+    got = _our_logits(model, tokens, pixels, LoraInputs(pool.arrays, build_plan(np.full(tokens.shape, slot))))
+    assert relative_error(expected, _torch_logits(hf_model, inputs)) > 1e-2  # the adapter matters
+    assert np.abs(got - expected).max() <= 1e-4 and relative_error(got, expected) <= 1e-4
+
+
+def test_lora_on_the_vision_tower_is_refused_by_module(tiny, tmp_path):
+    directory, _, ours, _ = tiny
+    _peft_adapter(directory, tmp_path, ["q_proj", "v_proj"])  # also CLIP's q/v_proj
+    with pytest.raises(AdapterError, match=r"vision tower \(module model\.vision_tower\.encoder\.layers\.0\."
+                                           r"self_attn\.q_proj\)"):
+        load_llava_adapter(str(tmp_path), ours[0].config)
+
+
+def test_greedy_generation_equals_transformers(tiny):
+    import torch
+
+    _, hf_model, ours, processor = tiny
+    model = ours[0]
+    images = [make_image(48, 40, 0), make_image(30, 70, 1), make_image(40, 60, 2)]
+    jobs = [(ONE, images[:1]), (TWO, images[1:])]
+    expected = []
+    for text, job_images in jobs:
+        inputs = _hf_inputs(processor, text, job_images)
+        with torch.no_grad():
+            out = hf_model.generate(input_ids=torch.as_tensor(inputs["input_ids"]),
+                                    pixel_values=torch.as_tensor(inputs["pixel_values"]), max_new_tokens=6,
+                                    do_sample=False, eos_token_id=None, pad_token_id=0)
+        expected.append(out[0, inputs["input_ids"].shape[1]:].tolist())
+    prompts = [_our_inputs(ours, text, job_images)[0][0].tolist() for text, job_images in jobs]
+    got = generate_with_images(model, prompts, preprocess_images(images, ours[2]), SamplingParams(max_new_tokens=6))
+    assert got == expected
+    # the same tokens as the full forward's argmax, step by step
+    tokens, pixels = np.array([prompts[0]]), preprocess_images(images[:1], ours[2])
+    for token in got[0][:3]:
+        assert int(np.argmax(_our_logits(model, tokens, pixels)[0, -1])) == token
+        tokens = np.concatenate([tokens, [[token]]], axis=1)
+
+
+def test_image_token_count_must_match_images(tiny):
+    model = tiny[2][0]
+    prompt = expand_image_tokens([5, IMAGE_TOKEN_ID, 7], IMAGE_TOKEN_ID, model.config.tokens_per_image)
+    check_image_tokens(prompt, IMAGE_TOKEN_ID, 1, model.config.tokens_per_image)
+    with pytest.raises(ValueError, match="holds 16 image tokens, but 2 images need 32"):
+        generate_with_images(model, [prompt], np.zeros((2, 3, 32, 32), np.float32), SamplingParams(max_new_tokens=1))
+
+
+def test_unsupported_configs_are_refused():
+    base = {"model_type": "llava", "vision_config": {"model_type": "clip_vision_model"}, "text_config": {}}
+    assert llava_config_from_hf(base).tokens_per_image == 49  # CLIP's defaults: 224 / 32
+    with pytest.raises(ConfigError, match="LLaVA-NeXT"):
+        llava_config_from_hf({**base, "model_type": "llava_next"})
+    with pytest.raises(ConfigError, match="siglip_vision_model"):
+        llava_config_from_hf({**base, "vision_config": {"model_type": "siglip_vision_model"}})
+    with pytest.raises(ConfigError, match="vision_feature_layer 30"):
+        llava_config_from_hf({**base, "vision_feature_layer": 30})
