@@ -88,11 +88,30 @@ def patchify(pixels: jax.Array, patch: int) -> jax.Array:
     return grid.transpose(0, 2, 4, 1, 3, 5).reshape(n, (h // patch) * (w // patch), c * patch * patch)
 
 
-def encoder_layer(vision: ClipVisionConfig, weights: dict[str, jax.Array], hidden: jax.Array) -> jax.Array:
-    """One CLIP encoder layer: hidden [N, T, D] -> [N, T, D] (weights: one layer's slice)."""
+def tower_lora_delta(x: jax.Array, layer_weights: tuple, slots: jax.Array) -> jax.Array:
+    """x [N, T, in] -> each image's LoRA delta [N, T, out] float32 (zero for slot -1).
+    layer_weights: one layer's (a [S, in, r], b [S, r, out], scale [S]); slots [N] in [-1, S)."""
+    a, b, scale = layer_weights
+    safe = jnp.clip(slots, 0, a.shape[0] - 1)
+    down = jnp.einsum("ntd,ndr->ntr", x, a[safe].astype(x.dtype), preferred_element_type=jnp.float32)
+    up = jnp.einsum("ntr,nro->nto", down.astype(x.dtype), b[safe].astype(x.dtype), preferred_element_type=jnp.float32)
+    return up * jnp.where(slots >= 0, scale[safe], 0.0)[:, None, None]
+
+
+def encoder_layer(vision: ClipVisionConfig, weights: dict[str, jax.Array], hidden: jax.Array,
+                  lora: dict | None = None, slots: jax.Array | None = None) -> jax.Array:
+    """One CLIP encoder layer: hidden [N, T, D] -> [N, T, D] (weights: one layer's slice). lora:
+    module -> this layer's (a [S, in, r], b [S, r, out], scale [S]) with slots [N] each image's
+    adapter (`jaxlora.vision.tower_lora`); None: no LoRA."""
     n, t, d = hidden.shape
     norm = lambda x, name: layer_norm(x, weights[f"{name}.weight"], weights[f"{name}.bias"], vision.layer_norm_eps)
-    lin = lambda x, name: _linear(x, weights[f"{name}.kernel"], weights[f"{name}.bias"])
+
+    def lin(x, name):
+        y = dense(x, weights[f"{name}.kernel"]) + weights[f"{name}.bias"].astype(jnp.float32)
+        if lora is not None and name in lora:
+            y = y + tower_lora_delta(x, lora[name], slots)
+        return y.astype(x.dtype)
+
     x = norm(hidden, "layer_norm1")
     heads = lambda y: y.reshape(n, t, vision.num_heads, vision.head_dim)
     q, k, v = heads(lin(x, "q_proj")), heads(lin(x, "k_proj")), heads(lin(x, "v_proj"))
@@ -123,9 +142,10 @@ class VisionTower(nnx.Module):
     def _w(self, name: str) -> jax.Array:
         return self.weights[name][...]
 
-    def hidden_states(self, pixels: jax.Array) -> jax.Array:
+    def hidden_states(self, pixels: jax.Array, lora=None) -> jax.Array:
         """pixels [N, C, H, W] -> the feature layers' hidden states [N, P + 1, D * features]
-        (concatenated along features in `feature_layers` order; position 0 is CLS)."""
+        (concatenated along features in `feature_layers` order; position 0 is CLS). lora: a
+        `jaxlora.vision.tower_lora.TowerLoraInputs` (each image its adapter) or None."""
         config, vision = self.config, self.config.vision
         if pixels.shape[1:] != (vision.num_channels, vision.image_size, vision.image_size):
             raise ValueError(f"pixel values must be [N, {vision.num_channels}, {vision.image_size}, "
@@ -139,11 +159,14 @@ class VisionTower(nnx.Module):
         layers = {name[len("layers."):]: self._w(name) for name in self.weights if name.startswith("layers.")}
         keep_all = config.feature_layers != (vision.num_layers,)
 
-        def step(hidden, layer_weights):
-            hidden = encoder_layer(vision, layer_weights, hidden)
+        slots = None if lora is None else lora.slots
+
+        def step(hidden, per_layer):
+            layer_weights, layer_lora = per_layer
+            hidden = encoder_layer(vision, layer_weights, hidden, layer_lora, slots)
             return hidden, (hidden if keep_all else None)
 
-        last, stacked = jax.lax.scan(step, hidden, layers)
+        last, stacked = jax.lax.scan(step, hidden, (layers, None if lora is None else lora.weights))
         if not keep_all:
             return last
         states = jnp.concatenate([hidden[None], stacked], axis=0)  # [L + 1, N, T, D]
@@ -156,10 +179,11 @@ class VisionTower(nnx.Module):
         x = ACTIVATIONS[self.config.projector_act](x)
         return _linear(x, self._w("projector.linear_2.kernel"), bias("projector.linear_2.bias"))
 
-    def encode(self, pixels: jax.Array) -> jax.Array:
+    def encode(self, pixels: jax.Array, lora=None) -> jax.Array:
         """pixels [N, C, H, W] (preprocessed: `jaxlora.vision.preprocess`) -> image embeddings
-        [N, tokens_per_image, text hidden], one per image token of the prompt."""
-        states = self.hidden_states(pixels)
+        [N, tokens_per_image, text hidden], one per image token of the prompt. lora: the tower's
+        adapters (`jaxlora.vision.tower_lora.TowerLoraInputs`) or None."""
+        states = self.hidden_states(pixels, lora)
         if self.config.feature_strategy == "default":
             states = states[:, 1:]
         return self.project(states)

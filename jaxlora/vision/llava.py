@@ -56,9 +56,10 @@ class Llava(nnx.Module):
         self.vision = vision if vision is not None else VisionTower(config, rngs=rngs, dtype=dtype)
         self.language = language if language is not None else Llama(config.text, rngs=rngs, dtype=dtype)
 
-    def encode_images(self, pixels: jax.Array) -> jax.Array:
-        """pixels [N, C, H, W] -> image embeddings [N, tokens_per_image, d]."""
-        return self.vision.encode(pixels)
+    def encode_images(self, pixels: jax.Array, tower_lora=None) -> jax.Array:
+        """pixels [N, C, H, W] -> image embeddings [N, tokens_per_image, d]; tower_lora: each
+        image's adapter on the vision tower (`jaxlora.vision.tower_lora.TowerLoraInputs`) or None."""
+        return self.vision.encode(pixels, tower_lora)
 
     def embed(self, tokens: jax.Array, image_embeds: jax.Array | None = None) -> jax.Array:
         """tokens [B, T] -> input embeddings [B, T, d]: the token table's rows, image tokens
@@ -71,7 +72,7 @@ class Llava(nnx.Module):
         return merge_image_embeddings(text, tokens, image_token, image_embeds)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, *, pixel_values: jax.Array | None = None,
-                 image_embeds: jax.Array | None = None, **language_kwargs) -> tuple[jax.Array, KVCache | None]:
+                 image_embeds: jax.Array | None = None, tower_lora=None, **language_kwargs) -> tuple[jax.Array, KVCache | None]:
         """Runs the model on a prompt with images.
 
         Args:
@@ -79,6 +80,7 @@ class Llava(nnx.Module):
           positions: [B, T] positions (RoPE, cache slots), as for `Llama`.
           pixel_values: [N, C, H, W] preprocessed images, in the order of their tokens; or
           image_embeds: [N, tokens_per_image, d] already encoded (`encode_images`). Neither: text.
+          tower_lora: LoRA on the vision tower per image (`jaxlora.vision.tower_lora`), or None.
           language_kwargs: `Llama.__call__`'s (cache, logit_indices, lora, lora_backend, ...).
 
         Returns:
@@ -87,6 +89,6 @@ class Llava(nnx.Module):
         if pixel_values is not None:
             if image_embeds is not None:
                 raise ValueError("pass pixel_values or image_embeds, not both")
-            image_embeds = self.encode_images(pixel_values)
+            image_embeds = self.encode_images(pixel_values, tower_lora)
         embeds = self.embed(tokens, image_embeds)
         return self.language(tokens, positions, embeds=embeds, **language_kwargs)

@@ -17,11 +17,12 @@ from jaxlora.lora.pool import AdapterPool
 from jaxlora.models.config import ConfigError
 from jaxlora.models.llama import LoraInputs
 from jaxlora.sampling import SamplingParams
-from jaxlora.vision.adapters import LANGUAGE_MODEL_TARGETS, load_llava_adapter
+from jaxlora.vision.adapters import LANGUAGE_MODEL_TARGETS, load_llava_adapter, load_llava_lora
 from jaxlora.vision.config import llava_config_from_hf
 from jaxlora.vision.generate import generate_with_images
 from jaxlora.vision.llava import check_image_tokens
 from jaxlora.vision.loading import load_vlm
+from jaxlora.vision.tower_lora import tower_lora_inputs
 from jaxlora.vision.preprocess import (expand_image_tokens, image_processor_from_hf, preprocess_image,
                                        preprocess_images)
 from tests.jaxlora.hf_checkpoints import relative_error
@@ -59,13 +60,13 @@ def _our_inputs(ours, text, images):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _forward(graphdef, state, tokens, pixels, lora):
+def _forward(graphdef, state, tokens, pixels, lora, tower_lora):
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    return nnx.merge(graphdef, state)(tokens, positions, pixel_values=pixels, lora=lora)[0]
+    return nnx.merge(graphdef, state)(tokens, positions, pixel_values=pixels, lora=lora, tower_lora=tower_lora)[0]
 
 
-def _our_logits(model, tokens, pixels, lora=None):
-    return np.asarray(_forward(*nnx.split(model), tokens, pixels, lora))
+def _our_logits(model, tokens, pixels, lora=None, tower_lora=None):
+    return np.asarray(_forward(*nnx.split(model), tokens, pixels, lora, tower_lora))
 
 
 def test_preprocessing_equals_transformers_processor():
@@ -143,6 +144,39 @@ def test_lora_on_the_vision_tower_is_refused_by_module(tiny, tmp_path):
     with pytest.raises(AdapterError, match=r"vision tower \(module model\.vision_tower\.encoder\.layers\.0\."
                                            r"self_attn\.q_proj\)"):
         load_llava_adapter(str(tmp_path), ours[0].config)
+
+
+def test_peft_adapter_on_the_vision_tower_equals_peft(tiny, tmp_path):
+    """PEFT's plain ["q_proj", "v_proj", ...] puts LoRA on CLIP's linears too: `load_llava_lora`
+    reads both parts; each image runs with its own tower adapter (slot) or none (-1)."""
+    directory, hf_model, ours, processor = tiny
+    model = ours[0]
+    peft_model = _peft_adapter(directory, tmp_path, ["q_proj", "v_proj", "out_proj", "fc2"],
+                               rank_pattern={"fc2": 2}, alpha_pattern={"out_proj": 3})
+    images = [make_image(48, 40, 0), make_image(30, 70, 1)]
+    expected = _torch_logits(peft_model, _hf_inputs(processor, TWO, images))
+    both = load_llava_lora(str(tmp_path), model.config)
+    assert set(both.language.modules) == {"q_proj", "v_proj"}
+    assert set(both.tower.modules) == {"q_proj", "v_proj", "out_proj", "fc2"}
+    assert both.tower.modules["fc2"].rank.tolist() == [2, 2] and both.tower.modules["out_proj"].scale[0] == 3 / 4
+    pool = AdapterPool(model.config.text, num_slots=2, max_rank=8)
+    tokens, pixels = _our_inputs(ours, TWO, images)
+    slot = pool.load(both.language)
+    lora = LoraInputs(pool.arrays, build_plan(np.full(tokens.shape, slot)))
+    got = _our_logits(model, tokens, pixels, lora, tower_lora_inputs([both.tower], [0, 0]))
+    assert relative_error(_our_logits(model, tokens, pixels, lora), expected) > 1e-3  # the tower's part matters
+    assert np.abs(got - expected).max() <= 1e-4 and relative_error(got, expected) <= 1e-4
+    mixed = np.asarray(model.encode_images(pixels, tower_lora_inputs([both.tower], [0, -1])))
+    np.testing.assert_allclose(mixed[0], model.encode_images(pixels[:1], tower_lora_inputs([both.tower], [0]))[0],
+                               atol=1e-6)
+    np.testing.assert_allclose(mixed[1], model.encode_images(pixels[1:])[0], atol=1e-6)
+
+
+def test_lora_on_the_projector_is_refused_by_module(tiny, tmp_path):
+    directory, _, ours, _ = tiny
+    _peft_adapter(directory, tmp_path, ["linear_1"])
+    with pytest.raises(AdapterError, match=r"multimodal projector \(module model\.multi_modal_projector\.linear_1\)"):
+        load_llava_lora(str(tmp_path), ours[0].config)
 
 
 def test_greedy_generation_equals_transformers(tiny):
