@@ -30,7 +30,8 @@ from jaxlora.weights import WeightsError, load_tokenizer
 from jaxlora.weights.hf import safetensors_files
 from jaxlora.weights.layout import stack_weights
 
-__all__ = ["is_vlm_dir", "load_llava", "load_vlm", "read_llava_config"]
+__all__ = ["IMAGE_TOKEN", "is_vlm_dir", "load_llava", "load_vlm", "read_llava_config"]
+IMAGE_TOKEN = "<image>"  # LLaVA's image placeholder in prompts (LlavaProcessor's default)
 
 _VISION_LAYER = re.compile(r"^encoder\.layers\.(\d+)\.(?:self_attn\.|mlp\.)?([a-z_0-9]+)\.(weight|bias)$")
 
@@ -166,6 +167,10 @@ def load_vlm(path: str, dtype=jnp.float32) -> tuple[Llava, Tokenizer, ImageProce
     config's image_token_index) and image processor settings (`preprocessor_config.json`)."""
     model = load_llava(path, dtype)
     tokenizer = load_tokenizer(path)
+    image_token = tokenizer.token_text(model.config.image_token_id)
+    if image_token != IMAGE_TOKEN:
+        raise WeightsError(f"{path}: the config's image_token_index {model.config.image_token_id} is "
+                           f"{image_token!r} in tokenizer.json, not {IMAGE_TOKEN!r}")
     try:
         processor = read_image_processor(path)
     except ImageError as err:
