@@ -18,7 +18,7 @@ from jaxlora.models.llama import KVCache, Llama
 from jaxlora.vision.clip import VisionTower
 from jaxlora.vision.config import LlavaConfig
 
-__all__ = ["Llava", "merge_image_embeddings", "check_image_tokens"]
+__all__ = ["Llava", "check_image_tokens", "image_row_index", "merge_image_embeddings"]
 
 
 def merge_image_embeddings(text: jax.Array, tokens: jax.Array, image_token_id: int, images: jax.Array) -> jax.Array:
@@ -42,6 +42,18 @@ def check_image_tokens(tokens, image_token_id: int, num_images: int, tokens_per_
         raise ValueError(f"the prompt holds {found} image tokens, but {num_images} images need "
                          f"{num_images * tokens_per_image} ({tokens_per_image} each: expand each <image> token "
                          f"with jaxlora.vision.preprocess.expand_image_tokens)")
+
+
+def image_row_index(prompt, image_token_id: int, begin: int = 0, end: int | None = None, first_row: int = 0
+                    ) -> np.ndarray:
+    """For the tokens prompt[begin:end] of one request (a chunk of its prefill), the row of the
+    step's image embeddings each takes ([end - begin] int32; -1: a text token): the request's
+    image tokens, counted from the prompt's start, offset by `first_row` (where the request's
+    rows start among the step's; `jaxlora.models.paged.paged_hidden(image_rows=)`)."""
+    mask = np.asarray(prompt) == image_token_id
+    before = np.cumsum(mask) - 1
+    end = len(mask) if end is None else end
+    return np.where(mask[begin:end], before[begin:end] + first_row, -1).astype(np.int32)
 
 
 class Llava(nnx.Module):

@@ -276,3 +276,25 @@ def test_unsupported_configs_are_refused():
         llava_config_from_hf({**base, "vision_config": {"model_type": "siglip_vision_model"}})
     with pytest.raises(ConfigError, match="vision_feature_layer 30"):
         llava_config_from_hf({**base, "vision_feature_layer": 30})
+
+
+def test_paged_chunked_prefill_with_images_equals_the_full_forward(tiny):
+    """The serving step's primitive: `paged_forward(image_rows=)` over two prefill chunks, the
+    first ending inside the second image, gives the full forward's logits at both chunk ends."""
+    from jaxlora.models.paged import PagedBatch, PagedKVCache, paged_forward
+    from jaxlora.vision.llava import image_row_index
+
+    _, _, ours, _ = tiny
+    model = ours[0]
+    tokens, pixels = _our_inputs(ours, TWO, [make_image(48, 40, 0), make_image(30, 70, 1)])
+    full = _our_logits(model, tokens, pixels)[0]
+    prompt, split = tokens[0], int(np.flatnonzero(tokens[0] == IMAGE_TOKEN_ID)[20])  # inside image 2
+    rows = model.encode_images(pixels).reshape(-1, model.config.text.hidden_size)  # the request's 32 rows
+    cache = PagedKVCache.zeros(model.config.text, num_pages=8, page_size=16)
+    for begin, end in ((0, split), (split, len(prompt))):
+        batch = PagedBatch(jnp.asarray(prompt[begin:end], jnp.int32), jnp.arange(begin, end, dtype=jnp.int32),
+                           jnp.zeros(end - begin, jnp.int32), jnp.arange(8, dtype=jnp.int32)[None],
+                           jnp.asarray([end - begin - 1], jnp.int32))
+        index = image_row_index(prompt, IMAGE_TOKEN_ID, begin, end)
+        logits, cache = paged_forward(model.language, batch, cache, image_rows=(rows, jnp.asarray(index)))
+        np.testing.assert_allclose(np.asarray(logits[0]), full[end - 1], atol=1e-5)
