@@ -15,6 +15,7 @@ from flax import nnx
 from jaxlora.generate import generate
 from jaxlora.sampling import SamplingParams
 from jaxlora.vision.llava import Llava, check_image_tokens
+from jaxlora.vision.preprocess import ImageProcessorConfig, expand_image_tokens, preprocess_images
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -64,3 +65,21 @@ def generate_with_images(
 
     return generate(model.language, prompts, params, eos_token_ids, pool_arrays, row_slots, lora_backend,
                     embed_prompts=embed_prompts)
+
+
+def generate_text_with_images(model: Llava, tokenizer, processor: ImageProcessorConfig, prompts: Sequence[str],
+                              images: Sequence[Sequence], params: SamplingParams = SamplingParams(),
+                              chat: bool = False) -> list[str]:
+    """String in, string out: each prompt's `<image>` placeholders take its images (Pillow
+    images or uint8 arrays) in order; `chat=True` wraps each prompt as a user message in the chat
+    template first."""
+    if len(images) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but images for {len(images)}")
+    config = model.config
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompts]
+    ids = [expand_image_tokens(tokenizer.encode(text), config.image_token_id, config.tokens_per_image)
+           for text in texts]
+    flat = [image for group in images for image in group]
+    pixels = preprocess_images(flat, processor) if flat else None
+    outputs = generate_with_images(model, ids, pixels, params, tokenizer.eos_token_ids)
+    return [tokenizer.decode(out) for out in outputs]

@@ -298,3 +298,19 @@ def test_paged_chunked_prefill_with_images_equals_the_full_forward(tiny):
         index = image_row_index(prompt, IMAGE_TOKEN_ID, begin, end)
         logits, cache = paged_forward(model.language, batch, cache, image_rows=(rows, jnp.asarray(index)))
         np.testing.assert_allclose(np.asarray(logits[0]), full[end - 1], atol=1e-5)
+
+
+def test_jaxlora_generate_cli_with_images(tiny, tmp_path, capsys):
+    from jaxlora.cli import generate_main
+    from jaxlora.vision.generate import generate_text_with_images
+    from jaxlora.vision.images import image_from_file
+
+    directory, _, ours, _ = tiny
+    make_image(48, 40, 0).save(tmp_path / "square.png")
+    expected = generate_text_with_images(*ours, [ONE], [[image_from_file(str(tmp_path / "square.png"))]],
+                                         SamplingParams(max_new_tokens=1))[0]
+    assert generate_main([ONE, "--model", directory, "--image", str(tmp_path / "square.png"),
+                          "--max-new-tokens", "1"]) == 0
+    assert capsys.readouterr().out == f"> {ONE}\n{expected}\n\n"
+    assert generate_main([TWO, "--model", directory, "--image", str(tmp_path / "square.png")]) == 2
+    assert "the prompts hold 2 <image> placeholders but 1 --image files" in capsys.readouterr().err
