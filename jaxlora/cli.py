@@ -10,7 +10,6 @@ import jax.numpy as jnp
 
 from jaxlora.generate import SamplingParams, generate_text
 from jaxlora.vision.generate import generate_text_with_images
-from jaxlora.vision.images import image_from_file
 from jaxlora.vision.loading import IMAGE_TOKEN, is_vlm_dir, load_vlm
 from jaxlora.weights import WeightsError, load_model
 
@@ -49,11 +48,22 @@ def generate_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _read_image(path: str):
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            image.load()
+            return image
+    except (OSError, Image.DecompressionBombError) as err:
+        raise ValueError(f"{path}: cannot read the image: {err}") from None
+
+
 def _generate_vlm(args) -> int:
     try:
         params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.seed)
         model, tokenizer, processor = load_vlm(args.model, dtype=jnp.dtype(args.dtype))
-        images = [image_from_file(path) for path in args.image]
+        images = [_read_image(path) for path in args.image]
         counts = [prompt.count(IMAGE_TOKEN) for prompt in args.prompts]
         if sum(counts) != len(images):
             raise ValueError(f"the prompts hold {sum(counts)} {IMAGE_TOKEN} placeholders but {len(images)} "

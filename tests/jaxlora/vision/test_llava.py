@@ -303,11 +303,11 @@ def test_paged_chunked_prefill_with_images_equals_the_full_forward(tiny):
 def test_jaxlora_generate_cli_with_images(tiny, tmp_path, capsys):
     from jaxlora.cli import generate_main
     from jaxlora.vision.generate import generate_text_with_images
-    from jaxlora.vision.images import image_from_file
+    from PIL import Image
 
     directory, _, ours, _ = tiny
     make_image(48, 40, 0).save(tmp_path / "square.png")
-    expected = generate_text_with_images(*ours, [ONE], [[image_from_file(str(tmp_path / "square.png"))]],
+    expected = generate_text_with_images(*ours, [ONE], [[Image.open(tmp_path / "square.png")]],
                                          SamplingParams(max_new_tokens=1))[0]
     assert generate_main([ONE, "--model", directory, "--image", str(tmp_path / "square.png"),
                           "--max-new-tokens", "1"]) == 0
