@@ -10,10 +10,16 @@ OUT=${OUT:-bench/results}
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 LIMIT=${LIMIT:-560}
 
-job() {  # job NAME GPUS SECONDS COMMAND...: one background job, its output in $OUT/log_NAME.txt
-  local name=$1 gpus=$2 seconds=$3
+job() {  # job NAME GPUS SECONDS COMMAND...: one background job, its output in $OUT/log_NAME.txt; with
+  # PIN=1 a one-GPU job runs on its own quarter of the CPU cores (taskset), so one job's compile does
+  # not slow another's host-bound steps (the 15:10 run: the guard's base decode step 5.7 -> 11.1 ms
+  # beside three compiling jobs)
+  local name=$1 gpus=$2 seconds=$3 pin=()
   shift 3
-  (CUDA_VISIBLE_DEVICES=$gpus timeout "$seconds" "$@" >"$OUT/log_$name.txt" 2>&1
+  if [ "${PIN:-0}" = 1 ] && command -v taskset >/dev/null; then
+    local per=$(($(nproc) / 4)); pin=(taskset -c $((gpus * per))-$((gpus * per + per - 1)))
+  fi
+  (CUDA_VISIBLE_DEVICES=$gpus timeout "$seconds" "${pin[@]}" "$@" >"$OUT/log_$name.txt" 2>&1
    echo "[$name exit $?]" >>"$OUT/log_$name.txt") &
 }
 
@@ -291,6 +297,78 @@ modes_skew() {  # one GPU, issue 38: bench/serve.py --modes-skew at the README's
   timeout $((LIMIT - SECONDS - 5)) python3 bench/serve.py $sizes --skews ${SKEWS:-0.5 0.6 0.7 0.8 0.9 1.0} \
       --modes ${MODES:-auto merged unmerged mixed} --time-budget $((LIMIT - SECONDS - 90)) \
       --out "$OUT/modes_skew_${TAG:-h200}.json" 2>&1 | grep -v "cuda_timer\\|Warning" | tail -n 45
+}
+
+owed_benches() {  # 4 x H200, one call: GPU 0 window_probe; GPU 1 the guard's serving trace with prefix caching on
+  # (the default) and off; GPU 2 bench/prefix_cache.py (rates 0 and 8, 64 requests) then bench/structured_outputs.py;
+  # GPU 3 the guard with decode steps through a 64-slot adapter window, then --modes-skew at 0.8 and 1.0.
+  # .jitcache carried; each job's JSON under $OUT/<job>/, logs as logs_owed_benches.txt
+  nvidia-smi -L
+  python3 bench/jit_cache.py unpack .jitcache/jitcache /tmp/jaxlora_serve_jit_cache
+  mkdir -p $OUT/window $OUT/prefix_on $OUT/prefix_off $OUT/window_guard $OUT/owed
+  local t=$((LIMIT - 20)) sizes="--lora-backend hybrid --max-num-seqs 256 --token-budget 2048 --prefill-chunk 2048"
+  job window 0 $t python3 bench/serve.py --profile $sizes --adapter-window 64 --profile-steps decode32 decode64 \
+      --profile-windows 32 64 --profile-variants base base+window hybrid window32 window64 \
+      --out "$OUT/window/window_probe_h200.json"
+  job guard_prefix 1 $t bash -c "python3 bench/regress.py --only serve --out-dir $OUT/prefix_on; \
+      python3 bench/regress.py --only serve --serve-args=--no-prefix-caching --out-dir $OUT/prefix_off"
+  job prefix_structured 2 $t bash -c "python3 bench/prefix_cache.py --rates 0 8 --requests 64 \
+      --out $OUT/owed/prefix_cache_h200.json; python3 bench/structured_outputs.py --out $OUT/owed/structured_outputs_h200.json"
+  job window_modes 3 $t bash -c "python3 bench/regress.py --only serve \
+      --serve-args='--adapter-window 64 --window-mixed-adapters 8' --out-dir $OUT/window_guard; \
+      python3 bench/serve.py --modes-skew $sizes --skews 0.8 1.0 --modes auto merged unmerged mixed \
+      --time-budget 150 --out $OUT/owed/modes_skew_h200_a.json"
+  wait
+  rm -rf $OUT/window/serve_profile_traces $OUT/*/regress_serve.png
+  collect_logs owed_benches
+}
+
+modes_and_owed() {  # 4 x H200, one call, each job on its own 16 cores (PIN=1): GPUs 0-2 bench/serve.py
+  # --modes-skew at the README's sizes on two shares each (issue 38), GPU 3 bench/structured_outputs.py
+  # (llguidance's wheel carried in .whl) then bench/prefix_cache.py at rate 0 (issue 36)
+  nvidia-smi -L
+  export PIN=1
+  python3 bench/jit_cache.py unpack .jitcache/jitcache /tmp/jaxlora_serve_jit_cache
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/llguidance*.whl
+  mkdir -p $OUT/owed
+  local t=$((LIMIT - 20)) sizes="--modes-skew --lora-backend hybrid --max-num-seqs 256 --token-budget 2048 --prefill-chunk 2048"
+  local gpu=0
+  for shares in "0.5 0.6" "0.7 0.8" "0.9 1.0"; do
+    job modes$gpu $gpu $t bash -c "python3 bench/serve.py $sizes --compile-only; python3 bench/serve.py $sizes \
+        --skews $shares --modes auto merged unmerged mixed --out $OUT/owed/modes_skew_h200_g$gpu.json"
+    gpu=$((gpu + 1))
+  done
+  job structured_prefix 3 $t bash -c "PYTHONPATH=\$PYTHONPATH:/tmp/site python3 bench/structured_outputs.py \
+      --out $OUT/owed/structured_outputs_h200.json; python3 bench/prefix_cache.py --rates 0 \
+      --out $OUT/owed/prefix_cache_h200_rate0.json"
+  wait
+  collect_logs modes_and_owed
+}
+
+checks_x4() {  # 4 x H200, one call, each job on its own cores (PIN=1): GPU 0 the guard's serving trace (its
+  # compile cache comes back as jitcache.partNN: carry it as .jitcache next time); GPU 1 the GPU kernel tests
+  # (issue 37 item 1's log) and the shared-memory limit the device reports; GPU 2 the server's cold start, cold
+  # and warm (.whl carried); GPU 3 the 100-request distinct trace (issue 34 item 4)
+  nvidia-smi -L
+  export PIN=1
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  mkdir -p $OUT/guard $OUT/checks
+  local t=$((LIMIT - 20))
+  job guard 0 $t python3 bench/regress.py --only serve --out-dir $OUT/guard --compile-cache /tmp/jc_guard
+  job kernels 1 $t bash -c "python3 -c \"import jax; d = jax.devices()[0]; print(d.device_kind, \
+      getattr(d, 'compute_capability', None), getattr(d, 'shared_memory_per_block_optin', None))\"; \
+      python3 -m pytest -q -rA -m gpu_only tests/pallas_kernels -p no:cacheprovider > $OUT/checks/gpu_tests_h200.txt 2>&1; \
+      tail -n 3 $OUT/checks/gpu_tests_h200.txt; python3 -m pytest -q tests/pallas_kernels/test_fused_lora_smem.py \
+      -p no:cacheprovider 2>&1 | tail -n 3"
+  job cold 2 $t env PYTHONPATH=$PYTHONPATH:/tmp/site python3 bench/cold_start.py --after-ready 60 \
+      --out $OUT/checks/cold_start_h200.json
+  job serve100 3 $t python3 bench/serve.py --lora-backend hybrid --max-num-seqs 256 --token-budget 2048 \
+      --prefill-chunk 2048 --requests 100 --cases punica:distinct --out $OUT/checks/serve100_h200.json
+  wait
+  rm -f $OUT/guard/regress_serve.png $OUT/guard/regress_log.txt $OUT/checks/*.png
+  collect_logs checks_x4
+  tar czf $OUT/checks_x4.tgz -C $OUT guard checks && rm -rf $OUT/guard $OUT/checks  # few files come back
+  timeout 90 python3 bench/jit_cache.py pack /tmp/jc_guard "$OUT/jitcache"
 }
 
 two_gpus() {  # 2 GPUs: TP=2 serving vs one GPU, then PP=2 training vs one GPU

@@ -195,7 +195,14 @@ def mosaic_sweep(m, k, n, r, cfg: FusedLoRAConfig, base_us):
             result = gemm_fractions(m, k, n, r, 1, ["mosaic"], trial, base_us)["mosaic"]
         except Exception as error:  # a config that does not compile (shared memory, ...)
             result = f"error: {type(error).__name__}: {str(error)[:200]}"
-        rows.append({"config": dataclasses.asdict(cand), "result": result})
+        row = {"config": dataclasses.asdict(cand), "result": result}
+        try:  # the blocks the resolver runs (fewer stages / narrower when cand's do not fit)
+            fitted = mosaic_blocks(trial, k, n)
+            if fitted != cand:
+                row["fitted"] = dataclasses.asdict(fitted)
+        except ValueError as error:
+            row["fitted"] = f"error: {error}"
+        rows.append(row)
         log(f"mosaic sweep bn {cand.block_n} warps {cand.num_warps} stages {cand.num_stages} "
             f"group {cand.group_m}: {result}")
     return rows

@@ -105,6 +105,10 @@ def run_one_at_a_time(model, config: EngineConfig, trace: Trace, prompts, factor
             engine.step()
     result = summarize(records, start, max(r.end for r in records))
     result["prefix_cache"] = engine.stats.prefix_cache()
+    result["engine_stats"] = {"host_ms_per_step": engine.stats.phase_ms_per_step(),
+                              "steps_by_kind": engine.stats.steps_by_kind(), "step_compiles": engine.stats.step_compiles,
+                              "steps": engine.stats.steps}
+    result["ttft_ms"] = [round(1e3 * (r.first - r.submitted), 2) for r in records if r.first is not None]
     return result
 
 

@@ -217,25 +217,23 @@ _fused_core.defvjp(_fused_core_fwd, _fused_core_bwd)
 
 # --- public ops -------------------------------------------------------------------------------
 
-def mosaic_blocks(cfg: FusedLoRAConfig, k: int, n: int, rank: int = 16, itemsize: int = 2) -> FusedLoRAConfig:
+def mosaic_blocks(cfg: FusedLoRAConfig, k: int, n: int, rank: int = 16, itemsize: int = 2,
+                  limit: int | None = None) -> FusedLoRAConfig:
     """The Mosaic GPU E / L config with its blocks fitted to k and n (its block_k / block_n
-    are contraction / output blocks of both GEMMs, so both fit the smaller dimension) and to an
-    SM's shared memory at the padded `rank` (`fused_lora_mgpu.smem_bytes`): fewer pipeline stages
-    first (down to 2), then narrower output blocks, so the resolver never picks blocks that cannot
-    launch (ValueError when nothing fits)."""
+    are contraction / output blocks of both GEMMs, so both fit the smaller dimension) and to the
+    shared memory of a CTA (`limit` bytes, default: this device's, `fused_lora_mgpu.smem_limit`)
+    at the padded `rank`: the config itself if its estimate (`fused_lora_mgpu.smem_bytes`, for
+    the longer contraction of E's k and L's n) fits, else the first fallback that does (fewer
+    pipeline stages, down to 2, then narrower output blocks, then one compute warpgroup), so the
+    resolver never picks blocks that cannot launch; ValueError (`check_smem`'s) when none fits."""
     mosaic = cfg.mosaic_kernels()
     fitted = dataclasses.replace(mosaic, block_k=fit_block("gpu", mosaic.block_k, min(k, n)),
                                  block_n=fit_block("gpu", mosaic.block_n, min(k, n)))
-    wgs = max(1, fitted.num_warps // 4)
-    while fused_lora_mgpu.smem_bytes(fitted, rank, itemsize) > fused_lora_mgpu.MAX_SMEM_BYTES:
-        if fitted.num_stages > 2:
-            fitted = dataclasses.replace(fitted, num_stages=fitted.num_stages - 1)
-        elif fitted.block_n // 2 >= wgs * 64:
-            fitted = dataclasses.replace(fitted, block_n=fitted.block_n // 2)
-        else:
-            break
-    fused_lora_mgpu.check_smem(fitted, rank, itemsize)
-    return fitted
+    contraction = max(k, n)
+    fitting = fused_lora_mgpu.fit_smem(fitted, rank, itemsize, contraction, limit)
+    if fitting is None:
+        fused_lora_mgpu.check_smem(fitted, rank, itemsize, contraction, limit)  # raises
+    return fitting
 
 
 def _blocks(style, cfg: FusedLoRAConfig, k: int, n: int, gemm: str = "triton"):

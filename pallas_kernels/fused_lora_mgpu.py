@@ -45,6 +45,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.fused_lora_layout import (DROPOUT_BITS, FusedLoRAConfig, TileLayout,
                                               dropout_keep)
+from pallas_kernels.tiles import device_smem_limit
 
 try:  # the Mosaic GPU Pallas API (jax >= 0.9 with a CUDA-capable jaxlib build)
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -57,7 +58,8 @@ _DROP_ALL = 1 << DROPOUT_BITS  # a dropout threshold no hash reaches: every elem
 EPI_COLS = 64  # epilogue chunk: columns per output store (2 SMEM slots, the store of one
 #               overlapping the next) and per L LoRA accumulator (fits beside the base one)
 _MEMORY_REGISTERS = 40  # registers of the TMA warpgroup (as in hopper_matmul_mgpu)
-# Shared memory one CTA may take on Hopper (227 KB: Mosaic GPU's max_smem_bytes on an H100/H200).
+# Shared memory one CTA may take on Hopper (227 KiB: Mosaic GPU's max_smem_bytes on an H100 /
+# H200, and what it assumes when lowering off a GPU); the device's own: `smem_limit()`.
 MAX_SMEM_BYTES = 232448
 _REQUIRED = ("kernel", "emit_pipeline_warp_specialized", "wgmma", "wgmma_wait", "ACC", "SMEM",
              "BlockSpec", "Barrier", "nd_loop", "planar_snake", "copy_gmem_to_smem",
@@ -286,25 +288,119 @@ def _launch(body, out_shape, num_tiles: int, wgs: int, interpret, *args):
     )(*args)
 
 
-def smem_bytes(cfg: FusedLoRAConfig, rank: int, itemsize: int = 2) -> int:
-    """Shared memory of an E / L kernel with blocks `cfg` (as `_gemm_kernel` allocates it) for the
-    padded rank `rank` and operands of `itemsize` bytes: the TMA pipeline's stages of the x / W
-    blocks, the output tile's store slots, the LoRA operands per warpgroup, and the barriers.
-    (MOSAIC_DEFAULT at rank 32: 245,840 bytes, what Mosaic GPU reported on an H200.)"""
+SMEM_ALIGNMENT = 1024  # Mosaic GPU rounds every SMEM allocation up to this (pallas gpu_core)
+MBARRIER_BYTES = 8  # one mbarrier
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
+
+
+def smem_parts(cfg: FusedLoRAConfig, rank: int, itemsize: int = 2,
+               contraction: int | None = None) -> dict:
+    """Shared memory of an E / L kernel with blocks `cfg`, by buffer, in bytes, as Mosaic GPU
+    counts it for what `_gemm_kernel` allocates (one collective `run_scoped`):
+
+      "pipeline"  the TMA stages of the lhs block [block_m, block_k] and of the W block
+                  [block_k, block_n], stages = min(num_stages, contraction // block_k) (the
+                  warp-specialised pipeline never allocates more slots than its grid has steps;
+                  contraction None: num_stages);
+      "output"    wgs x min(2, bw // EPI_COLS) store slots of [block_m, min(bw, EPI_COLS)];
+      "lora"      wgs copies of the S / dS tile [block_m, rank] and of the B / A^T block
+                  [rank, bw];
+      "barriers"  the pipeline's produced and consumed barriers (stages each) and 2 per compute
+                  warpgroup for the LoRA operand loads, MBARRIER_BYTES each;
+
+    each buffer rounded up to SMEM_ALIGNMENT bytes (wgs = num_warps // 4 compute warpgroups,
+    bw = block_n / wgs output columns each; `rank`: the padded rank, `itemsize`: bytes of the
+    bf16 / f16 operands)."""
     bm, bc, cta_w, wgs, bw = _blocks(cfg, cfg.block_m)
     epi = min(bw, EPI_COLS)
-    elements = (cfg.num_stages * (bm * bc + bc * cta_w) + wgs * min(2, bw // epi) * bm * epi
-                + wgs * bm * rank + wgs * rank * bw)
-    return itemsize * elements + 8 * (2 * cfg.num_stages + 2 * wgs)
+    stages = cfg.num_stages if contraction is None else max(1, min(cfg.num_stages,
+                                                                   contraction // bc))
+    return {
+        "pipeline": (_aligned(stages * bm * bc * itemsize)
+                     + _aligned(stages * bc * cta_w * itemsize)),
+        "output": _aligned(wgs * min(2, bw // epi) * bm * epi * itemsize),
+        "lora": _aligned(wgs * bm * rank * itemsize) + _aligned(wgs * rank * bw * itemsize),
+        "barriers": MBARRIER_BYTES * (2 * stages + 2 * wgs),
+    }
 
 
-def check_smem(cfg: FusedLoRAConfig, rank: int, itemsize: int = 2) -> None:
-    """ValueError (naming the blocks and what fits) for blocks whose shared memory exceeds an SM's."""
-    need = smem_bytes(cfg, rank, itemsize)
-    if need > MAX_SMEM_BYTES:
-        raise ValueError(f"Mosaic GPU blocks {cfg.block_m}x{cfg.block_k}x{cfg.block_n}, {cfg.num_stages} stages, "
-                         f"{cfg.num_warps} warps need {need} bytes of shared memory at rank {rank}; an SM has "
-                         f"{MAX_SMEM_BYTES}: fewer stages or a smaller block_n")
+def smem_bytes(cfg: FusedLoRAConfig, rank: int, itemsize: int = 2,
+               contraction: int | None = None) -> int:
+    """Shared memory of an E / L kernel with blocks `cfg` at the padded `rank` (`smem_parts`
+    summed): what Mosaic GPU compares with the device's limit before it launches the kernel.
+    MOSAIC_DEFAULT at rank 32 (bf16): 245,840 bytes, the figure the four GPU tests of issue 37
+    failed with on an H200 (limit 232,448)."""
+    return sum(smem_parts(cfg, rank, itemsize, contraction).values())
+
+
+def smem_limit(device=None) -> int:
+    """Shared memory (bytes) one CTA may take on `device` (default: jax's first local device):
+    its reported opt-in maximum, else the table by compute capability
+    (`tiles.device_smem_limit`); off a GPU, MAX_SMEM_BYTES (Mosaic GPU's assumption for an
+    ahead-of-time lowering)."""
+    return device_smem_limit(device)
+
+
+def _fallbacks(cfg: FusedLoRAConfig):
+    """`cfg`, then the configs to fall back to, best first: fewer TMA stages (down to 2), then
+    narrower CTA column blocks (down to 64 columns per compute warpgroup), then, from 8+ warps,
+    one compute warpgroup over at most 128 columns (a 128 x 128 f32 accumulator is the most one
+    warpgroup's registers hold)."""
+    wgs = max(1, cfg.num_warps // 4)
+    shapes, block_n = [], cfg.block_n
+    while block_n >= wgs * 64 or block_n == cfg.block_n:
+        shapes.append((cfg.num_warps, block_n))
+        block_n //= 2
+    if wgs > 1:
+        block_n = min(cfg.block_n, 128)
+        while block_n >= 64:
+            shapes.append((4, block_n))
+            block_n //= 2
+    for warps, block_n in shapes:
+        for stages in range(cfg.num_stages, min(cfg.num_stages, 2) - 1, -1):
+            yield dataclasses.replace(cfg, num_warps=warps, block_n=block_n, num_stages=stages)
+
+
+def fit_smem(cfg: FusedLoRAConfig, rank: int, itemsize: int = 2, contraction: int | None = None,
+             limit: int | None = None) -> FusedLoRAConfig | None:
+    """`cfg` if its E / L kernels fit `limit` bytes of shared memory (default: `smem_limit()`),
+    else the first of its fallbacks (`_fallbacks`: fewer stages, then narrower column blocks, then
+    one compute warpgroup) that fits; None when none does. block_m and block_k are kept (block_m
+    is the row layout's tile)."""
+    limit = smem_limit() if limit is None else limit
+    for candidate in _fallbacks(cfg):
+        if smem_bytes(candidate, rank, itemsize, contraction) <= limit:
+            return candidate
+    return None
+
+
+def _describe(cfg: FusedLoRAConfig) -> str:
+    return (f"block_m={cfg.block_m} block_k={cfg.block_k} block_n={cfg.block_n} "
+            f"num_warps={cfg.num_warps} num_stages={cfg.num_stages}")
+
+
+def check_smem(cfg: FusedLoRAConfig, rank: int, itemsize: int = 2, contraction: int | None = None,
+               limit: int | None = None) -> None:
+    """ValueError, before any lowering, for blocks whose E / L kernels need more shared memory
+    than `limit` (default: this device's, `smem_limit()`): names the bytes by buffer, the limit
+    and the best fallback that fits (`fit_smem`), if any."""
+    limit = smem_limit() if limit is None else limit
+    parts = smem_parts(cfg, rank, itemsize, contraction)
+    need = sum(parts.values())
+    if need <= limit:
+        return
+    fitted = fit_smem(cfg, rank, itemsize, contraction, limit)
+    hint = (f"blocks that fit: {_describe(fitted)} "
+            f"({smem_bytes(fitted, rank, itemsize, contraction)} bytes)" if fitted is not None
+            else "no fewer stages, narrower block_n or fewer warps fit: a smaller block_m or rank")
+    breakdown = ", ".join(f"{name} {nbytes}" for name, nbytes in parts.items())
+    raise ValueError(
+        f"Mosaic GPU fused-LoRA E/L blocks {_describe(cfg)} need {need} bytes of shared memory "
+        f"at rank {rank} ({itemsize}-byte operands; {breakdown}) > {limit} bytes per block on "
+        f"this device; {hint}")
 
 
 def _rows_table(layout: TileLayout):
@@ -333,7 +429,8 @@ def base_expand_mgpu(x, w, s, lora_b, layout: TileLayout, cfg: FusedLoRAConfig, 
     n = w.shape[1]
     bm, bc, cta_w, wgs, _ = _blocks(cfg, layout.block_m)
     _check(m, k, n, bm, bc, cta_w)
-    check_smem(dataclasses.replace(cfg, block_m=bm), s.shape[1], jnp.dtype(x.dtype).itemsize)
+    check_smem(dataclasses.replace(cfg, block_m=bm), s.shape[1], jnp.dtype(x.dtype).itemsize,
+               contraction=k)
 
     def body(block_ref, skip_ref, end_ref, slot_ref, scale_ref, x_ref, w_ref, s_ref, b_ref,
              y_ref):
@@ -357,7 +454,8 @@ def grad_x_mgpu(dy, w, ds, lora_a, layout: TileLayout, seed, cfg: FusedLoRAConfi
     k = w.shape[0]
     bm, bc, cta_w, wgs, _ = _blocks(cfg, layout.block_m)
     _check(m, n, k, bm, bc, cta_w)
-    check_smem(dataclasses.replace(cfg, block_m=bm), ds.shape[1], jnp.dtype(dy.dtype).itemsize)
+    check_smem(dataclasses.replace(cfg, block_m=bm), ds.shape[1], jnp.dtype(dy.dtype).itemsize,
+               contraction=n)
 
     def body(block_ref, skip_ref, end_ref, slot_ref, thr_ref, inv_ref, seed_ref, dy_ref, w_ref,
              ds_ref, a_ref, dx_ref):

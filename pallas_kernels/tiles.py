@@ -107,6 +107,52 @@ def smem_limit(device_kind: str) -> int:
     return 101376
 
 
+# Opt-in shared memory one thread block may use (bytes) by CUDA compute capability (the CUDA
+# programming guide's "maximum amount of shared memory per thread block"; what the device reports
+# as shared_memory_per_block_optin): V100 96 KiB, T4 64 KiB, A100 / Orin 163 KiB, sm_86 / sm_89
+# 99 KiB, Hopper (H100 / H200 / GH200), datacenter Blackwell and Thor 227 KiB, sm_12x 99 KiB.
+SMEM_PER_BLOCK_BY_CAPABILITY = {
+    (7, 0): 98304, (7, 2): 98304, (7, 5): 65536, (8, 0): 166912, (8, 6): 101376,
+    (8, 7): 166912, (8, 9): 101376, (9, 0): 232448, (10, 0): 232448, (10, 3): 232448,
+    (11, 0): 232448, (12, 0): 101376, (12, 1): 101376,
+}
+# Off a GPU (lowering for CUDA with jax.export on a CPU host) Mosaic GPU checks against 227 KiB.
+AOT_SMEM_PER_BLOCK = 232448
+
+
+def _capability(device) -> tuple[int, int] | None:
+    text = str(getattr(device, "compute_capability", "") or "")
+    major, _, minor = text.partition(".")
+    if not major.isdigit():
+        return None
+    return int(major), int(minor) if minor.isdigit() else 0
+
+
+def device_smem_limit(device=None) -> int:
+    """Opt-in shared memory per thread block of `device` (default: jax's first local device), in
+    bytes: the device's own `shared_memory_per_block_optin` attribute (what Mosaic GPU checks a
+    kernel against) when it has one, else `SMEM_PER_BLOCK_BY_CAPABILITY` by compute capability
+    (an unlisted one: the largest listed capability at or below it, same major), else by device
+    kind (`smem_limit`). A device that is not a GPU (lowering for CUDA on a CPU host) gets
+    `AOT_SMEM_PER_BLOCK`, Mosaic GPU's own assumption there."""
+    if device is None:
+        import jax
+
+        device = jax.local_devices()[0]
+    reported = getattr(device, "shared_memory_per_block_optin", None)
+    if isinstance(reported, int) and reported > 0:
+        return reported
+    if getattr(device, "platform", "gpu") != "gpu":
+        return AOT_SMEM_PER_BLOCK
+    capability = _capability(device)
+    if capability is not None:
+        same_major = [cc for cc in SMEM_PER_BLOCK_BY_CAPABILITY
+                      if cc[0] == capability[0] and cc <= capability]
+        if same_major:
+            return SMEM_PER_BLOCK_BY_CAPABILITY[max(same_major)]
+    return smem_limit(str(getattr(device, "device_kind", "")))
+
+
 def heuristic_tiles(op: str, num_rows: int, in_dim: int, out_dim: int, style: str) -> TileConfig:
     """Tiles for a device with no table entry; style "gpu" (Triton) or "tpu" (Mosaic)."""
     if op not in OPS:

@@ -55,6 +55,7 @@ from jaxlora.tokenizer import TokenizerError
 from jaxlora.sampling import SamplingParams
 from serve.engine import Engine, EngineBusy, RequestError, UnknownAdapter
 from serve.finetune import FinetuneService, FinetuneSettings, add_finetune_routes
+from serve.images import check_images
 from serve.auth import ApiKeyAuth
 from serve.classify import add_classify_route
 from serve.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
@@ -184,6 +185,8 @@ class Server:
     def __init__(self, engine: Engine, tokenizer, settings: ServerSettings):
         self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
         self.limits = settings.limits
+        # image_url parts need a vision tower; no served family has one yet (issue 39), so they are refused
+        self.accepts_images = getattr(engine.model_config, "vision_config", None) is not None
         self.metrics = Metrics(engine)
         self.grammars = functools.cache(lambda: GrammarCompiler(  # structured outputs, made on first use
             tokenizer, getattr(engine, "eos_ids", None) or tokenizer.eos_token_ids, engine.model_config.vocab_size))
@@ -338,6 +341,7 @@ class Server:
         """The prompt text of chat `messages` (ChatMessage) by the chat template; ApiError 400."""
         if len(messages) > self.limits.max_messages:
             raise ApiError(400, f"at most {self.limits.max_messages} messages", "messages")
+        check_images(messages, self.limits, self.accepts_images, self.settings.model_name)
         turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
         try:
             return self.tokenizer.apply_chat_template(turns, add_generation_prompt)

@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--max-grammar-bytes", type=int, default=32 << 10,
                    help="largest structured-output grammar (JSON schema, regex, choices, grammar; serialized)")
+    p.add_argument("--max-images", type=int, default=8, help="image_url parts in one chat request")
+    p.add_argument("--max-image-bytes", type=int, default=1 << 20,
+                   help="largest image (decoded PNG/JPEG bytes of a data: URL; the body bound applies too)")
+    p.add_argument("--max-image-pixels", type=int, default=4096 * 4096, help="largest image, width x height")
     p.add_argument("--max-waiting", type=int, default=1024, help="queued sequences before 429")
     p.add_argument("--lora-backend", default=backends.AUTO, choices=(backends.AUTO,) + backends.names(serves=True),
                    help="how LoRA rows are computed: XLA (gather, onehot, ...), the Pallas SGMV/BGMV kernels "
@@ -347,8 +351,13 @@ def build_app(args):
             engine.add_adapter(name, adapter, paths.get(name))
     except (AdapterError, ValueError) as err:  # incl. bad sizes, shapes that do not split over --tensor-parallel
         raise SystemExit(f"jaxlora-serve: {err}")
+    for option, value, least in (("--max-images", args.max_images, 0), ("--max-image-bytes", args.max_image_bytes, 1),
+                                 ("--max-image-pixels", args.max_image_pixels, 1)):
+        if value < least:
+            raise SystemExit(f"jaxlora-serve: {option} must be >= {least}, got {value}")
     limits = Limits(max_tokens=args.max_tokens_limit, max_body_bytes=args.max_body_bytes,
-                    max_grammar_bytes=args.max_grammar_bytes)
+                    max_grammar_bytes=args.max_grammar_bytes, max_images=args.max_images,
+                    max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels)
     settings = ServerSettings(args.served_model_name or default_model_name(args.model),
                               tuple(args.allowed_adapter_dir), limits, api_key=args.api_key,
                               metrics_require_key=args.metrics_require_key, finetune=finetune)

@@ -38,6 +38,9 @@ class Limits:
     max_stop_token_ids: int = 64
     max_body_bytes: int = 1 << 20
     max_grammar_bytes: int = 32 << 10  # a structured-output grammar (JSON schema, regex, choices), serialized
+    max_images: int = 8             # image_url parts in one chat request (serve.images)
+    max_image_bytes: int = 1 << 20  # one image, decoded (PNG/JPEG bytes)
+    max_image_pixels: int = 4096 * 4096
 
 
 class ApiError(Exception):
@@ -140,16 +143,29 @@ class TextPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    url: str  # a data: URL (serve.images: remote URLs are refused); bounded by the body's size
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Strict):
+    """OpenAI's image content part; checked and decoded by `serve.images.check_images`."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
 
     def text(self) -> str:
+        """The message's text (its text parts joined; image parts are `serve.images`' to read)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
 
 
 class ChatRequest(_Sampling):

@@ -233,8 +233,15 @@ class AdapterPool:
         """(a pool holding `slot`'s adapter, its slot there) for the adapter window's copy: this one."""
         return self.arrays, slot
 
+    def _on_device(self, values: dict) -> bool:
+        """Whether every leaf of `values` is a jax array in the pool's device memory already (a
+        prefetched copy, `serve.adapter_copies`): written as it is, with no second `device_put`."""
+        kind = self._device_sharding.memory_kind
+        return all(isinstance(leaf, jax.Array) and leaf.sharding.memory_kind == kind
+                   for leaf in jax.tree.leaves(values))
+
     def _write(self, slot: int, values: dict) -> None:
-        if self.pinned:
+        if self.pinned and not self._on_device(values):
             values = self.to_device(values)
         self.arrays = self._update(self.arrays, np.int32(slot), values)
         self.slot_writes[slot] += 1

@@ -142,7 +142,7 @@ class RowPool(AdapterPool):
     def _write_rows(self, slot: int, rows, values: dict) -> None:
         padded_rows = np.full(self.max_rank, self.num_rows, np.int32)  # out of range: dropped
         padded_rows[:len(rows)] = rows
-        if self.pinned:
+        if self.pinned and not self._on_device(values):
             values = self.to_device(values)
         self._modules, self._table = write_rows(self._modules, self._table, np.int32(slot), padded_rows, values)
         self.slot_writes[slot] += 1

@@ -232,28 +232,6 @@ def test_fused_op_lowers_for_cuda(monkeypatch, gemm):
     assert ("mosaic_gpu" in module) == (gemm == "mosaic")
 
 
-def test_shared_memory_estimate_and_the_resolver_fit_an_sm():
-    """`smem_bytes` gives what Mosaic GPU reported on an H200 for the default blocks at rank 32
-    (245,840 > 232,448: the four GPU tests of issue 37 failed with it); the resolver (`mosaic_blocks`)
-    drops a pipeline stage there and keeps the default where it fits; blocks forced on a kernel
-    that do not fit are a ValueError naming shared memory, before any lowering."""
-    assert fused_lora_mgpu.smem_bytes(MOSAIC_DEFAULT, 32) == 245840
-    assert fused_lora_mgpu.smem_bytes(MOSAIC_DEFAULT, 16) <= fused_lora_mgpu.MAX_SMEM_BYTES
-    assert fused_lora.mosaic_blocks(FusedLoRAConfig(), 4096, 4096, rank=16) == MOSAIC_DEFAULT
-    for rank in (32, 64, 128):
-        fitted = fused_lora.mosaic_blocks(FusedLoRAConfig(), 4096, 4096, rank=rank)
-        assert fused_lora_mgpu.smem_bytes(fitted, rank) <= fused_lora_mgpu.MAX_SMEM_BYTES, rank
-        assert fitted.num_stages >= 2 and fitted.block_k == MOSAIC_DEFAULT.block_k
-    assert fused_lora.mosaic_blocks(FusedLoRAConfig(), 4096, 4096, rank=32).num_stages == 2
-    m, k, n, r = 256, 256, 512, 32
-    layout = build_block_layout(*meta([0, 200], [0], [32], [1.0], [0.0]), m, MOSAIC_DEFAULT.block_m)
-    rows = layout.num_tiles * layout.block_m
-    spec = lambda *shape: jax.ShapeDtypeStruct(shape, BF16)  # noqa: E731
-    expand = lambda x, w, s, b: fused_lora_mgpu.base_expand_mgpu(x, w, s, b, layout, MOSAIC_DEFAULT, False)  # noqa: E731
-    with pytest.raises(ValueError, match="shared memory"):
-        jax.jit(expand).lower(spec(m, k), spec(k, n), spec(rows, r), spec(1, r, n))
-
-
 # --- compiled kernels (GPU only) ------------------------------------------------------------
 
 def _compiled_case(dtype, dropout, gemm=None):

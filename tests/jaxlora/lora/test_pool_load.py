@@ -158,3 +158,32 @@ def test_pinned_host_adapters_load_the_same_slots(rows):
     for module in MODULES:
         for key, value in plain.arrays[module].items():
             np.testing.assert_array_equal(np.asarray(pinned.arrays[module][key]), np.asarray(value))
+
+
+@pytest.mark.parametrize("rows", [False, True])
+def test_values_already_on_the_device_are_written_without_a_second_device_put(rows, monkeypatch):
+    """A prefetched copy (`serve.adapter_copies`: padded slot arrays already in device memory) is
+    written as it is; host-held values still go through `to_device` once; the slot is the same."""
+    from jaxlora.lora.rows import RowPool
+
+    def make():
+        if rows:
+            return RowPool(CONFIG, 2, RANK, 2 * RANK, MODULES, dtype=jnp.float32,
+                           rows_of=lambda slot: list(range(slot * RANK, (slot + 1) * RANK)), pinned=True)
+        return AdapterPool(CONFIG, 2, RANK, MODULES, dtype=jnp.float32, donate=True, pinned=True)
+
+    pool, reference = make(), make()
+    adapter = _adapters(2)[1]
+    on_device = pool.to_device(pool.padded(pool.prepare(adapter)))
+    puts = []
+    original = pool.to_device
+    monkeypatch.setattr(pool, "to_device", lambda values: puts.append(1) or original(values))
+    pool.write_padded(1, "a1", on_device)
+    assert puts == []
+    pool.write_padded(0, "a0", pool.padded(pool.prepare(adapter)))  # pinned host values: one put
+    assert puts == [1]
+    reference.load(reference.prepare(adapter), slot=1)
+    reference.load(reference.prepare(adapter), slot=0)
+    for module in MODULES:
+        for key, value in reference.arrays[module].items():
+            np.testing.assert_array_equal(np.asarray(pool.arrays[module][key]), np.asarray(value))
