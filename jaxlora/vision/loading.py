@@ -51,7 +51,10 @@ def is_vlm_dir(path: str) -> bool:
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         return False
-    raw = read_json_file(config_file, WeightsError, "")
+    try:
+        raw = read_json_file(config_file, WeightsError, "")
+    except WeightsError:  # the model loader reports a broken config.json
+        return False
     return isinstance(raw, dict) and "vision_config" in raw
 
 

@@ -68,7 +68,8 @@ def tower_lora_from_peft(raw: dict, tensors: dict[str, tuple[str, int, str, str,
     modules: dict[str, ModuleLora] = {}
     for module in sorted({m for _, m in found}, key=LAYER_LINEARS.index):
         fan_in, fan_out = shapes[module]
-        width = max(found[(l, m)]["A"].shape[0] for l, m in found if m == module and "A" in found[(l, m)])
+        width = max((found[(l, m)]["A"].shape[0] for l, m in found if m == module and "A" in found[(l, m)]),
+                    default=0)
         weights = ModuleLora(np.zeros((layers, fan_in, width), np.float32), np.zeros((layers, width, fan_out), np.float32),
                              np.zeros(layers, np.int32), np.zeros(layers, np.float32))
         for layer in range(layers):
