@@ -102,7 +102,7 @@ def test_prompt_layout_and_pixels_equal_processor(tiny):
     np.testing.assert_allclose(pixels, expected["pixel_values"], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("text,count", [(ONE, 1), (TWO, 2)])
+@pytest.mark.parametrize("text,count", [(ONE, 1), (TWO, 2)], ids=["one image", "two images"])
 def test_logits_equal_transformers(tiny, text, count):
     _, hf_model, ours, processor = tiny
     images = [make_image(48, 40, 0), make_image(30, 70, 1)][:count]
