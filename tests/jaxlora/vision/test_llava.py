@@ -314,3 +314,20 @@ def test_jaxlora_generate_cli_with_images(tiny, tmp_path, capsys):
     assert capsys.readouterr().out == f"> {ONE}\n{expected}\n\n"
     assert generate_main([TWO, "--model", directory, "--image", str(tmp_path / "square.png")]) == 2
     assert "the prompts hold 2 <image> placeholders but 1 --image files" in capsys.readouterr().err
+
+
+def test_llava_names_of_every_transformers_layout():
+    from jaxlora.vision.config import split_llava_name
+
+    cases = {
+        "language_model.model.layers.3.mlp.up_proj.weight": ("text", "model.layers.3.mlp.up_proj.weight"),
+        "model.language_model.layers.3.mlp.up_proj": ("text", "model.layers.3.mlp.up_proj"),
+        "language_model.lm_head.weight": ("text", "lm_head.weight"),
+        "lm_head.weight": ("text", "lm_head.weight"),
+        "vision_tower.vision_model.encoder.layers.0.mlp.fc1.bias": ("vision", "encoder.layers.0.mlp.fc1.bias"),
+        "model.vision_tower.encoder.layers.0.self_attn.q_proj": ("vision", "encoder.layers.0.self_attn.q_proj"),
+        "model.multi_modal_projector.linear_2.weight": ("projector", "linear_2.weight"),
+        "model.layers.0.self_attn.q_proj": None,
+    }
+    for name, expected in cases.items():
+        assert split_llava_name(name) == expected, name
