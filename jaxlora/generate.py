@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +28,10 @@ def _next_tokens(logits: jax.Array, key: jax.Array, params: SamplingParams) -> j
 
 
 @functools.partial(jax.jit, static_argnums=(0, 7), donate_argnums=(4,))
-def _forward_step(graphdef, state, tokens, positions, cache, logit_indices, lora, lora_backend):
+def _forward_step(graphdef, state, tokens, positions, cache, logit_indices, lora, lora_backend, embeds=None):
     model = nnx.merge(graphdef, state)
     return model(tokens, positions, cache=cache, logit_indices=logit_indices, lora=lora,
-                 lora_backend=lora_backend)
+                 lora_backend=lora_backend, embeds=embeds)
 
 
 def _lora_for(pool_arrays, row_slots, shape):
@@ -50,8 +50,13 @@ def generate(
     pool_arrays: dict | None = None,
     row_slots: Sequence[int] | None = None,
     lora_backend: str = "gather",
+    embed_prompts: Callable[[np.ndarray], jax.Array] | None = None,
 ) -> list[list[int]]:
     """Generates a continuation of each prompt (a list of token ids); returns the new ids only.
+
+    `embed_prompts(tokens [B, T] padded prompt ids) -> [B, T, d]` gives the prefill's input
+    embeddings instead of the token table's (a vision-language model's, images written in:
+    `jaxlora.vision.generate`).
 
     With `pool_arrays` (an `AdapterPool`'s arrays), prompt b runs with adapter slot row_slots[b]
     (-1: the base model), all in one batch. A sequence stops after an EOS token (kept in its
@@ -73,7 +78,8 @@ def generate(
     if pool_arrays is not None and (row_slots is None or len(row_slots) != batch):
         raise ValueError("row_slots must give one adapter slot per prompt")
     logits, cache = _forward_step(graphdef, state, tokens, positions, cache, jnp.asarray(lengths - 1),
-                                  _lora_for(pool_arrays, row_slots, tokens.shape), lora_backend)
+                                  _lora_for(pool_arrays, row_slots, tokens.shape), lora_backend,
+                                  None if embed_prompts is None else embed_prompts(tokens))
     decode_lora = _lora_for(pool_arrays, row_slots, (batch, 1))
     key = jax.random.key(params.seed)
     eos = np.asarray(list(eos_token_ids), np.int32)

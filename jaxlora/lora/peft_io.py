@@ -31,8 +31,16 @@ def load_peft_adapter(path: str, base: LlamaConfig, name: str | None = None,
     The weights are float32, or with `keep_dtype` in the dtype they are stored in (float16 or
     bfloat16 stay so: a host cache of many adapters holds their own bytes) when all share one."""
     config = read_adapter_config(path, base)
-    adapter = LoraAdapter(name or os.path.basename(os.path.normpath(path)), config, {})
     tensors = _read_tensors(os.path.join(path, WEIGHTS_FILE), keep_dtype)
+    return adapter_from_peft(config, tensors, base, name or os.path.basename(os.path.normpath(path)), path, keep_dtype)
+
+
+def adapter_from_peft(config: LoraConfig, tensors: dict[str, np.ndarray], base: LlamaConfig, name: str, path: str,
+                      keep_dtype: bool = False) -> LoraAdapter:
+    """The adapter of a checked config and its tensors (PEFT's key names); `path` names the
+    adapter in errors. (`jaxlora.vision.adapters` maps a vision-language model's names onto
+    these first.)"""
+    adapter = LoraAdapter(name, config, {})
     dtype = _common_float_dtype(tensors) if keep_dtype else np.float32
     for module in config.target_modules:
         adapter.modules[module] = empty_module(base, config, module, dtype)
@@ -52,10 +60,20 @@ def load_peft_adapter(path: str, base: LlamaConfig, name: str | None = None,
 def read_adapter_config(path: str, base: LlamaConfig) -> LoraConfig:
     """Parses and checks `adapter_config.json`; refuses options jaxlora does not support. Fused
     module names (Phi-3) become their parts in targets and patterns."""
+    return lora_config_from_peft(read_raw_adapter_config(path), base, os.path.join(path, CONFIG_FILE))
+
+
+def read_raw_adapter_config(path: str) -> dict:
+    """The JSON object of `adapter_config.json` in `path`, unchecked."""
     file = os.path.join(path, CONFIG_FILE)
     raw = read_json_file(file, AdapterError, f"is {path} a PEFT adapter directory?")
     if not isinstance(raw, dict):
         raise AdapterError(f"{file}: expected a JSON object")
+    return raw
+
+
+def lora_config_from_peft(raw: dict, base: LlamaConfig, file: str) -> LoraConfig:
+    """`read_adapter_config` of a parsed config; `file` names it in errors."""
     _refuse_unsupported(raw, file)
     raw = _unfused(raw, base)
     target_modules, layers = _targets(raw.get("target_modules"), raw.get("layers_to_transform"), base, file)

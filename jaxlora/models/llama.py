@@ -144,6 +144,7 @@ class Llama(nnx.Module):
         unroll_layers: bool | int = 1,
         remat: str = "none",
         features: bool = False,
+        embeds: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Runs the decoder.
 
@@ -166,13 +167,15 @@ class Llama(nnx.Module):
             matmul outputs (attention and elementwise ops recomputed).
           features: return the final norm's output [B, T, d] (or [B, d]) instead of the logits
             (what a task head reads, `jaxlora.lora.head`).
+          embeds: [B, T, d] input embeddings used instead of `embed(tokens)` (a vision-language
+            model's, with image features at the image tokens: `jaxlora.vision.llava`).
 
         Returns:
           (logits [B, T, vocab] or [B, vocab] float32 (features: [B, T, d] or [B, d] in the
           weights' dtype), the updated cache or None).
         """
         config = self.config
-        hidden = self.embed(tokens)
+        hidden = self.embed(tokens) if embeds is None else embeds.astype(self.dtype)
         if cache is None:
             packed = PackedAttention(_packed_mask(tokens.shape, segment_ids, config, attention))
         else:

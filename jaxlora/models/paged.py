@@ -124,9 +124,11 @@ def paged_forward(
     lora_backend: str = "gather",
     attention: str = "auto",
     unroll_layers: bool | None = None,
+    image_rows: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, PagedKVCache]:
     """`paged_hidden`, then the logits [R, vocab] float32 of its rows (`Llama.unembed`)."""
-    hidden, cache = paged_hidden(model, batch, cache, lora, lora_backend, attention, unroll_layers)
+    hidden, cache = paged_hidden(model, batch, cache, lora, lora_backend, attention, unroll_layers,
+                                 image_rows=image_rows)
     return model.unembed(hidden), cache
 
 
@@ -139,6 +141,7 @@ def paged_hidden(
     attention: str = "auto",
     unroll_layers: bool | None = None,
     every_token: bool = False,
+    image_rows: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, PagedKVCache]:
     """Runs one serving step over a paged cache (donate `cache` to the jitted caller: it is
     updated in place).
@@ -154,6 +157,9 @@ def paged_hidden(
         "auto" runs the kernel on a GPU/TPU and the jnp reference on a CPU.
       unroll_layers: None: unrolled on a GPU/TPU, a scan on a CPU (compiles faster).
       every_token: return every token's hidden state [T, d] instead of the rows' (scoring).
+      image_rows: (rows [M, d], index [T] int32): token t's input embedding is rows[index[t]]
+        instead of its token's where index[t] >= 0 (a vision-language model's image embeddings at
+        its image tokens: `jaxlora.vision.llava.image_row_index`); None: text only.
 
     Returns:
       (the last layer's hidden states [R, d] at `batch.logit_indices`, before the final norm;
@@ -178,7 +184,12 @@ def paged_hidden(
     # A ServingPlan's kernels take the pool stack whole (layer_pool None); the XLA backends get
     # each layer's slice of it.
     per_layer_pool = None if lora is None or isinstance(lora.plan, ServingPlan) else lora.pool
-    carry = (model.embed(batch.tokens[None]), cache.k, cache.v)
+    embeds = model.embed(batch.tokens[None])
+    if image_rows is not None:
+        rows, index = image_rows
+        picked = jnp.take(rows, jnp.clip(index, 0, rows.shape[0] - 1), axis=0).astype(embeds.dtype)
+        embeds = jnp.where((index >= 0)[None, :, None], picked[None], embeds)
+    carry = (embeds, cache.k, cache.v)
     per_layer = (model.layer_weights(), per_layer_pool, jnp.arange(config.num_layers))
     (hidden, k, v), _ = jax.lax.scan(layer, carry, per_layer, unroll=config.num_layers if unroll else 1)
     return (hidden[0] if every_token else hidden[0, batch.logit_indices]), PagedKVCache(k, v)

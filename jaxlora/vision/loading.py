@@ -1,0 +1,186 @@
+"""Loads LLaVA-1.5 from a HF directory written by `transformers` (`LlavaForConditionalGeneration`,
+safetensors): the language model through `jaxlora.weights`' Llama loader (its tensors renamed to
+a Llama checkpoint's), the CLIP tower and projector here; plus the tokenizer and the image
+processor's settings.
+
+Three tensor layouts are read: transformers >= 4.52 in memory (`model.language_model.layers.0...`,
+`model.vision_tower...`, `model.multi_modal_projector...`, `lm_head.weight`), what it writes
+(`language_model.model.layers.0...`, `language_model.lm_head.weight`, `vision_tower...`,
+`multi_modal_projector...`) and the llava-hf hub files (the same with `vision_tower.vision_model.`).
+The tower's layers after the deepest feature layer are not read (LLaVA-1.5 skips the last)."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+
+from jaxlora.jsonfile import read_json_file
+from jaxlora.models.config import ConfigError
+from jaxlora.models.llama import Llama
+from jaxlora.tokenizer import Tokenizer
+from jaxlora.vision.clip import LAYER_LINEARS, LAYER_NORMS, VisionTower, weight_shapes
+from jaxlora.vision.config import LlavaConfig, llava_config_from_hf, split_llava_name
+from jaxlora.vision.llava import Llava
+from jaxlora.vision.preprocess import ImageError, ImageProcessorConfig, read_image_processor
+from jaxlora.weights import WeightsError, load_tokenizer
+from jaxlora.weights.hf import safetensors_files
+from jaxlora.weights.layout import stack_weights
+
+__all__ = ["IMAGE_TOKEN", "is_vlm_dir", "load_llava", "load_vlm", "read_llava_config"]
+IMAGE_TOKEN = "<image>"  # LLaVA's image placeholder in prompts (LlavaProcessor's default)
+
+_VISION_LAYER = re.compile(r"^encoder\.layers\.(\d+)\.(?:self_attn\.|mlp\.)?([a-z_0-9]+)\.(weight|bias)$")
+
+
+def read_llava_config(path: str) -> LlavaConfig:
+    """The `LlavaConfig` of a HF directory's `config.json`; WeightsError if it is not one."""
+    config_file = os.path.join(path, "config.json")
+    raw = read_json_file(config_file, WeightsError, f"is {path} a HF model directory?")
+    try:
+        return llava_config_from_hf(raw, source=config_file)
+    except ConfigError as err:
+        raise WeightsError(str(err)) from err
+
+
+def is_vlm_dir(path: str) -> bool:
+    """Whether `path` is a HF directory of a vision-language model (config.json has a vision_config)."""
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        return False
+    try:
+        raw = read_json_file(config_file, WeightsError, "")
+    except WeightsError:  # the model loader reports a broken config.json
+        return False
+    return isinstance(raw, dict) and "vision_config" in raw
+
+
+def _vision_model_name(inner: str, config: LlavaConfig) -> tuple[str, int | None, str] | None:
+    """A tensor name inside the CLIP vision model -> (weight name, layer or None, how to lay it
+    out: "as_is" | "transpose" | "patch"), or None for tensors the tower does not use."""
+    fixed = {"embeddings.class_embedding": ("class_embedding", None, "as_is"),
+             "embeddings.position_embedding.weight": ("position_embedding", None, "as_is"),
+             "embeddings.patch_embedding.weight": ("patch_embedding", None, "patch"),
+             "pre_layrnorm.weight": ("pre_layrnorm.weight", None, "as_is"),
+             "pre_layrnorm.bias": ("pre_layrnorm.bias", None, "as_is")}
+    if inner in fixed:
+        return fixed[inner]
+    match = _VISION_LAYER.match(inner)
+    if not match:
+        return None  # post_layernorm, position_ids buffers: not used by LLaVA
+    layer, module, kind = int(match.group(1)), match.group(2), match.group(3)
+    if layer >= config.vision.num_layers or module not in LAYER_LINEARS + LAYER_NORMS:
+        return None
+    if module in LAYER_NORMS:
+        return f"layers.{module}.{kind}", layer, "as_is"
+    return (f"layers.{module}.kernel", layer, "transpose") if kind == "weight" else (f"layers.{module}.bias", layer,
+                                                                                       "as_is")
+
+
+def _laid_out(tensor: np.ndarray, how: str) -> np.ndarray:
+    if how == "transpose":
+        return tensor.T
+    if how == "patch":  # conv [D, C, p, p] -> [C*p*p, D]
+        return tensor.reshape(tensor.shape[0], -1).T
+    return tensor
+
+
+def _tower_weights(config: LlavaConfig, tensors: dict[str, tuple[str, str]], read, dtype, path: str) -> dict:
+    """The tower's and projector's weights ({flat name: array}, `jaxlora.vision.clip`) from
+    tensors {checkpoint name: (part, inner name)}."""
+    shapes = weight_shapes(config)
+    singles: dict[str, np.ndarray] = {}
+    layers: dict[str, dict[int, np.ndarray]] = {}
+    for name, (part, inner) in tensors.items():
+        if part == "projector":
+            match = re.fullmatch(r"(linear_[12])\.(weight|bias)", inner)
+            if not match:
+                raise WeightsError(f"{path}: unexpected projector tensor {name}")
+            mapped = (f"projector.{match.group(1)}.{'kernel' if match.group(2) == 'weight' else 'bias'}", None,
+                      "transpose" if match.group(2) == "weight" else "as_is")
+        else:
+            mapped = _vision_model_name(inner, config)
+        if mapped is None:
+            continue
+        weight, layer, how = mapped
+        if weight not in shapes:
+            raise WeightsError(f"{path}: tensor {name} is not part of this LLaVA config (e.g. a projector bias "
+                               f"with multimodal_projector_bias=false)")
+        tensor = _laid_out(read(name), how)
+        want = shapes[weight] if layer is None else shapes[weight][1:]
+        if tuple(tensor.shape) != tuple(want):
+            raise WeightsError(f"{path}: tensor {name} has shape {tuple(read(name).shape)}, but the config implies "
+                               f"{tuple(want)} once laid out ({how})")
+        if layer is None:
+            singles[weight] = tensor
+        else:
+            layers.setdefault(weight, {})[layer] = tensor
+    out = {name: jnp.asarray(tensor, dtype) for name, tensor in singles.items()}
+    for name, pieces in layers.items():
+        gaps = sorted(set(range(config.vision.num_layers)) - set(pieces))
+        if gaps:
+            raise WeightsError(f"{path}: missing vision weights {name} for layers {gaps[:5]}")
+        out[name] = jnp.asarray(np.stack([pieces[i] for i in range(config.vision.num_layers)]), dtype)
+    missing = sorted(set(shapes) - set(out))
+    if missing:
+        raise WeightsError(f"{path}: missing vision/projector weights: {', '.join(missing)}")
+    return out
+
+
+def load_llava(path: str, dtype=jnp.float32) -> Llava:
+    """Loads a LLaVA-1.5 HF directory (config.json + safetensors) as a `Llava` in `dtype`."""
+    config = read_llava_config(path)
+    handles = {}
+    for file in safetensors_files(path):
+        try:
+            handles[file] = safe_open(file, framework="numpy")
+        except Exception as err:  # safetensors raises its own error types
+            raise WeightsError(f"{file}: cannot read safetensors (truncated or corrupt?): {err}") from err
+    owner = {name: file for file, handle in handles.items() for name in handle.keys()}
+
+    def read(name: str) -> np.ndarray:
+        try:
+            return handles[owner[name]].get_tensor(name)
+        except Exception as err:
+            raise WeightsError(f"{owner[name]}: cannot read tensor {name}: {err}") from err
+
+    text_names: dict[str, str] = {}  # Llama checkpoint name -> LLaVA checkpoint name
+    tower: dict[str, tuple[str, str]] = {}
+    for name in sorted(owner):
+        split = split_llava_name(name)
+        if split is None:
+            raise WeightsError(f"{owner[name]}: tensor {name} is not part of a LLaVA model (language_model, "
+                               f"vision_tower or multi_modal_projector)")
+        part, inner = split
+        if part == "text":
+            text_names[inner] = name
+        else:
+            tower[name] = split
+    text_weights = stack_weights(config.text, sorted(text_names), lambda n: read(text_names[n]), dtype, source=path,
+                                 file_of=lambda n: owner[text_names.get(n, n)])
+    vision = VisionTower(config, weights=_tower_weights(config, tower, read, dtype, path), dtype=dtype)
+    return Llava(config, vision=vision, language=Llama(config.text, weights=text_weights, dtype=dtype), dtype=dtype)
+
+
+def load_vlm(path: str, dtype=jnp.float32) -> tuple[Llava, Tokenizer, ImageProcessorConfig]:
+    """A LLaVA-1.5 HF directory's model, tokenizer (`tokenizer.json`; its `<image>` token is the
+    config's image_token_index) and image processor settings (`preprocessor_config.json`)."""
+    model = load_llava(path, dtype)
+    tokenizer = load_tokenizer(path)
+    image_token = tokenizer.token_text(model.config.image_token_id)
+    if image_token != IMAGE_TOKEN:
+        raise WeightsError(f"{path}: the config's image_token_index {model.config.image_token_id} is "
+                           f"{image_token!r} in tokenizer.json, not {IMAGE_TOKEN!r}")
+    try:
+        processor = read_image_processor(path)
+    except ImageError as err:
+        raise WeightsError(str(err)) from err
+    size = processor.output_size()
+    vision = model.config.vision
+    if size is not None and size != (vision.image_size, vision.image_size):
+        raise WeightsError(f"{path}: the image processor makes {size[0]}x{size[1]} images, but the vision tower "
+                           f"takes {vision.image_size}x{vision.image_size}")
+    return model, tokenizer, processor
