@@ -33,10 +33,11 @@ update) without touching the engine's state, so that a server compiles nothing o
 (`jaxlora-serve` warms up before `/health` reports ready). `Engine(step_fn=...)` replaces the
 device step (host-only benchmarks: the engine's host work alone, nothing compiled or dispatched).
 
-Adapters (S-LoRA's tiers: disk, host cache, device pool, or device rows under unified paging) are
-`serve.residency.Residency`'s, the adapter window over the pool `serve.window.WindowFill`'s: each
+Adapters (S-LoRA's tiers: disk, host cache, device pool, or device rows under unified paging) live
+in `serve.residency.Residency`, the adapter window over the pool in `serve.window.WindowFill`: each
 step the engine tells the residency what the queue needs and which slots the step uses, and ends
 the requests whose adapter failed to read (finish reason "adapter_error").
+
 `start()` runs steps in a background thread; `submit`/`abort`/`add_adapter`/`remove_adapter` are
 thread-safe.
 
