@@ -1,7 +1,8 @@
 """The serving engine's configuration and the values it hands its callers: `EngineConfig` (sizes of
 the device state and of one step, with its bounds and the platform defaults), the KV pages that fit
-a device, the `Event` a request's callback receives, and the engine's request errors. Kept apart
-from `serve.engine` (issue 40: rooms named for what they hold); `serve.engine` re-exports them."""
+a device and the bytes of one page, the `Event` a request's callback receives, and the engine's
+request errors. Kept apart from `serve.engine` (issue 40: rooms named for what they hold);
+`serve.engine` re-exports them."""
 
 from __future__ import annotations
 
@@ -195,3 +196,10 @@ class Event(NamedTuple):
     # prompt log-probabilities (SamplingParams.prompt_logprobs), with a request's first event: one
     # (token id, log-probability, [(id, log-probability)] of the most likely) per prompt token after the first
     prompt_logprobs: list | None = None
+
+
+def kv_page_bytes(model_config, page_size: int, dtype, tensor_parallel: int = 1) -> int:
+    """Bytes of one KV page on one device: keys and values of `page_size` tokens, every layer, KV
+    heads split over `tensor_parallel` devices."""
+    return (2 * model_config.num_layers * page_size * model_config.num_kv_heads * model_config.head_dim
+            * np.dtype(dtype).itemsize // tensor_parallel)

@@ -33,6 +33,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from jaxlora.models.config import PROJECTIONS
 from jaxlora.models.merged import MergeLayout, base_copy, merge_layout, set_merged
 from jaxlora.scheduler.serving import (
     CostPolicy, Mode, ModePolicy, Pending, ServingScheduler, StepPlan, fixed_mode, runs_in,
@@ -75,6 +76,22 @@ class EngineModes:
         before the KV pages are sized) and the pool's target `modules`."""
         layout = merge_layout(model_config, weights.keys(), modules)
         return cls(name, policy, layout, base_copy(layout, {key: weights[key][...] for key in layout.kernel_keys}))
+
+    @classmethod
+    def for_config(cls, config, model_config, weights, window, mesh, compressed) -> "EngineModes | None":
+        """The mode state of `config.inference_mode` (an `EngineConfig`; None for "unmerged") over the
+        serving model's `weights` (its base copy made now, before the KV pages are sized); ValueError
+        where the mode cannot run: with a `mesh` or a `compressed` collection, or for "auto" and
+        "mixed" without an adapter `window` (`AdapterWindow`, None: off) of max_adapters_on_device slots."""
+        if config.inference_mode == "unmerged":
+            return None
+        if mesh is not None or compressed is not None:
+            raise ValueError(f"inference_mode {config.inference_mode!r} needs one device and no compressed collection")
+        if config.inference_mode != "merged" and (window is None or window.slots < config.max_adapters_on_device):
+            raise ValueError(f"inference_mode {config.inference_mode!r} needs an adapter window of at least "
+                             f"max_adapters_on_device ({config.max_adapters_on_device}) slots")
+        policy = config.mode_policy or CostPolicy(max_batch=config.max_num_seqs)
+        return cls.build(config.inference_mode, policy, model_config, weights, PROJECTIONS)
 
     # ---- before the scheduler ---------------------------------------------------------------
     def decide(self, scheduler: ServingScheduler, step_s: float) -> Mode:

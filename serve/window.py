@@ -1,4 +1,5 @@
-"""Which adapter each slot of the serving engine's adapter window holds (host bookkeeping).
+"""The serving engine's adapter window: which adapter each slot holds (host bookkeeping,
+`WindowSlots`) and the copies of pool slots into it (on the device, `WindowFill`).
 
 The window (`jaxlora.models.packed.add_adapter_window`) is a small cache over the adapter pool:
 W slots whose adapters' A sit in extra columns of the packed base kernels and whose B sit in a
@@ -9,6 +10,12 @@ loaded, or evicted) no longer matches and its stale window entry is replaced in 
 """
 
 from __future__ import annotations
+
+import numpy as np
+
+from jaxlora.lora.pool import AdapterPool
+from jaxlora.models.packed import AdapterWindow, fill_window_slot, window_keys
+from serve.stats import EngineStats
 
 
 class WindowSlots:
@@ -57,3 +64,70 @@ class WindowSlots:
         if free:
             return free[0]
         return min((w for w in range(self.num_slots) if w not in keep), key=lambda w: self._last_used[w])
+
+
+class WindowFill:
+    """The engine's adapter window on the device: places a step's adapters in it, copying those
+    not there yet out of the pool into the model's weights (`fill_window_slot`, in place).
+
+    layout: the window's layout (`jaxlora.models.packed.window_layout`); num_slots: its slots;
+    state: the engine's weight Variables (`nnx.State`; the window's kernels are written there);
+    mixed_adapters: `EngineConfig.window_mixed_adapters`."""
+
+    def __init__(self, layout: AdapterWindow, num_slots: int, pool: AdapterPool, state, stats: EngineStats,
+                 mixed_adapters: int | None):
+        self.layout = layout
+        self.window_slots = WindowSlots(num_slots)  # which pool slot each window slot holds
+        self.pool = pool
+        self.state = state
+        self.stats = stats
+        self.mixed_adapters = mixed_adapters
+        self._program = None  # `fill_window_slot`, compiled by `program` (`Engine.warmup` or first use)
+
+    def place(self, slots: list[int], extra: tuple | None = None, prefill: bool = False) -> dict[int, int] | None:
+        """{pool slot: window slot} for a step whose rows use the pool slots `slots` (and the window
+        key `extra`: a mixed step's -ΔW branch, `EngineModes.delora_key`), copying the adapters not
+        in the window yet into it (on the device, before the step); None when the step has no
+        adapter, more adapters than the window holds, or (`prefill`: a step with a prefill row)
+        more than `mixed_adapters`."""
+        limit = self.mixed_adapters
+        if prefill and extra is None and limit is not None and len(slots) > limit:
+            return None
+        wanted = [(slot, self.pool.slot_writes[slot]) for slot in slots] + ([] if extra is None else [extra])
+        if not wanted:
+            return None
+        assigned = self.window_slots.assign(wanted)
+        if assigned is None:
+            if extra is not None:
+                raise RuntimeError("a mixed step's adapters and -ΔW branch exceed the adapter window")
+            return None
+        placed, fills = assigned
+        for window_slot, pool_slot in fills:
+            self.fill(window_slot, pool_slot)
+        return placed
+
+    def fill(self, window_slot: int, pool_slot: int) -> None:
+        """Copies pool slot `pool_slot` into window slot `window_slot` of the model's weights (in
+        place: `fill_window_slot` donates them); a negative `pool_slot` -1 - s: slot s with its
+        scale negated (the -ΔW branch of mixed steps, `serve.modes`)."""
+        weights = self.state["weights"]
+        args = self.fill_args(window_slot, pool_slot if pool_slot >= 0 else -1 - pool_slot)
+        if pool_slot < 0:  # the -ΔW branch: the pool's scales negated
+            args = (args[0], {name: {**arrays, "scale": -arrays["scale"]} for name, arrays in args[1].items()}, *args[2:])
+        filled = self.program()(*args)
+        for key in window_keys(self.layout):
+            weights[key].set_value(filled[key])
+        self.stats.window_fills += 1
+
+    def fill_args(self, window_slot: int, pool_slot: int) -> tuple:
+        """`fill_window_slot`'s dynamic arguments: the window's weights, the pool, the two slots."""
+        weights = self.state["weights"]
+        pool, pool_slot = self.pool.window_source(pool_slot)
+        return ({key: weights[key][...] for key in window_keys(self.layout)}, pool, np.int32(window_slot),
+                np.int32(pool_slot))
+
+    def program(self):
+        """`fill_window_slot` compiled for this window (once; `Engine.warmup` compiles it ahead)."""
+        if self._program is None:
+            self._program = fill_window_slot.lower(self.layout, *self.fill_args(0, 0)).compile()
+        return self._program

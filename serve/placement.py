@@ -1,0 +1,77 @@
+"""Where the serving engine's weights and KV pages live: the model it serves (packed projections and the
+adapter window's columns, or a tensor-parallel copy) and its zeroed KV page pool.
+
+Tensor parallel: `Engine(..., mesh=jaxlora.sharding.make_mesh(tensor=N, devices=...))` places a
+copy of the weights Megatron-style (`jaxlora.sharding.shard_model`; the caller's model is not
+moved), the adapter pool S-LoRA-style (`AdapterPool(mesh=...)`: slot loads keep the placement),
+and the KV pages split by KV heads; the step's token, plan and sampling arrays are host arrays
+that jit replicates. The same jitted step then runs under GSPMD, XLA inserting the all-reduces of
+o_proj/down_proj and the gathers over the vocabulary. A `pallas_call` has no SPMD partitioning
+rule, so with tensor > 1 only the LoRA backends GSPMD can partition (plain XLA ops; the
+registry's `partitionable`, `jaxlora.lora.backends`) are accepted (`check_mesh`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from jaxlora import sharding
+from jaxlora.lora import backends
+from jaxlora.lora.compressed import SharedBasisSet
+from jaxlora.models.config import PROJECTIONS
+from jaxlora.models.llama import Llama
+from jaxlora.models.packed import AdapterWindow, add_adapter_window, pack_projections, window_layout
+from jaxlora.models.paged import PagedKVCache
+
+from serve.engine_config import EngineConfig
+
+
+def check_mesh(mesh: Mesh, model_config, lora_backend: str) -> None:
+    """ValueError unless the engine can serve on `mesh`: a `tensor` axis and no other axis > 1, a
+    LoRA backend GSPMD can partition when tensor > 1, and heads, KV heads, FFN width and vocabulary
+    that split evenly over `tensor`."""
+    shape = dict(mesh.shape)
+    if "tensor" not in shape or any(size > 1 for axis, size in shape.items() if axis != "tensor"):
+        raise ValueError(f"the engine shards over a mesh's `tensor` axis only (jaxlora.sharding.make_mesh("
+                         f"tensor=N)); got mesh axes {shape}")
+    if shape["tensor"] > 1:
+        backends.get(lora_backend, serves=True, partitionable=True)
+    sharding.check_divisible(model_config, mesh)
+
+
+def serving_model(model: Llama, config: EngineConfig, mesh: Mesh | None,
+                  compressed: SharedBasisSet | None) -> tuple[Llama, AdapterWindow | None, int]:
+    """(the model the engine serves, its adapter window's layout or None, the window's slots): with a
+    `mesh`, a copy placed over it (new Variables over the same arrays, then placed: the caller's
+    model keeps its weights); else `model` with q/k/v and gate/up packed into one kernel each (4
+    GEMMs a layer instead of 7) and, when `config.adapter_window` asks and no compressed
+    collection is served, the window's columns added (`jaxlora.models.packed`)."""
+    if mesh is not None:
+        check_mesh(mesh, model.config, config.lora_backend)
+        model = sharding.shard_model(nnx.clone(model), mesh)
+    else:
+        model = pack_projections(model)
+    layout = None
+    window = min(config.adapter_window or 0, config.max_adapters_on_device)
+    if window and mesh is None and compressed is None:
+        layout = window_layout(model.config, window, config.max_lora_rank, config.lora_target_modules or PROJECTIONS)
+        add_adapter_window(model, layout)
+    return model, layout, window
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _placed_zeros_cache(config, num_pages, page_size, dtype, placement):
+    return jax.lax.with_sharding_constraint(PagedKVCache.zeros(config, num_pages, page_size, dtype), placement)
+
+
+def new_kv_cache(model_config, num_pages: int, page_size: int, dtype, mesh: Mesh | None) -> PagedKVCache:
+    """Zeroed KV pages [L, num_pages, page_size, Hkv, Dh] (keys and values); with a mesh, made in
+    place split by KV heads."""
+    sizes = (model_config, num_pages, page_size, dtype)
+    if mesh is None:
+        return PagedKVCache.zeros(*sizes)
+    return _placed_zeros_cache(*sizes, NamedSharding(mesh, sharding.ShardingRules().spec(sharding.KV_CACHE_AXES)))
