@@ -326,7 +326,9 @@ class StepBuilder:
         """The programs of `shapes` that serve any step until the rest are compiled: per forward
         variant (LoRA or not, decode-only, window, table width) its largest token bucket and its
         smallest one that holds a decode step of every row (`Engine.warmup` compiles them
-        scanned: fast), and the samplers over their rows."""
+        scanned: fast), and the samplers over their rows but the masked ones (structured outputs: only
+        a request with a grammar needs them; they lead the background compile, `compile_rest`, and
+        cost a cold start ~2 s on an H200 when compiled first)."""
         forwards = [shape for shape in shapes if shape.program == "forward"]
         first, all_rows = set(), bucket(self.max_rows, self.min_tokens)
         for variant in {(s.width, s.lora, s.decode_only, s.window) for s in forwards}:
@@ -335,7 +337,8 @@ class StepBuilder:
             first |= {s for s in forwards if (s.width, s.lora, s.decode_only, s.window) == variant
                       and s.tokens in (tokens[-1], fits[0] if fits else tokens[-1])}
         rows = {shape.rows for shape in first}
-        return [shape for shape in shapes if shape in first or (shape.program != "forward" and shape.rows in rows)]
+        return [shape for shape in shapes if shape in first or (
+            shape.program != "forward" and not shape.program.endswith("_masked") and shape.rows in rows)]
 
     def score_shapes(self, shapes: list[StepShape]) -> list[StepShape]:
         """The scoring variants of `shapes`' base and LoRA (not decode-only, not window) forwards over
@@ -381,8 +384,15 @@ class StepBuilder:
                      stopping: Callable[[], bool]) -> None:
         """`Engine.warmup`'s background compile: the forwards of each token bucket, smallest first, then
         the samplers over their rows, one program at a time, the scoring forwards last; stops once
-        `stopping()`."""
+        `stopping()`. First the samplers whose rows a compiled forward already serves (the masked
+        ones `first_shapes` leaves out: a request with a grammar waits for them at most seconds)."""
         started = time.perf_counter()
+        ready = [shape for shape in shapes
+                 if shape.program != "forward" and self.programs.logits_sharding(shape.rows) is not None]
+        try:
+            self.compile(ready, 1, args)
+        except Exception:  # the step compiles it when it needs it (and raises there)
+            log.exception("background compile of the samplers failed")
         for tokens in sorted({shape.tokens for shape in shapes if shape.program == "forward"}):
             if stopping():
                 return

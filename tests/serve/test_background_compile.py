@@ -3,6 +3,7 @@ serve any step, steps run in the smallest compiled larger bucket until their own
 step waits on a compile), and forwards with scanned layers (from `scan_layers_from_tokens` tokens)
 give the tokens of unrolled ones."""
 
+import itertools
 import threading
 
 import pytest
@@ -60,7 +61,8 @@ def test_first_shapes_serve_every_variant_with_scanned_programs(smollm2, adapter
     fits_all_rows = min(s.tokens for s in forwards if s.tokens >= engine.max_rows)
     assert {s.tokens for s in first if s.program == "forward"} <= {fits_all_rows, max(s.tokens for s in forwards)}
     assert {s.rows for s in first if s.program != "forward"} == {s.rows for s in first if s.program == "forward"}
-    assert {s.program for s in first} == {"forward", *SAMPLERS}
+    masked = {name for name in SAMPLERS if name.endswith("_masked")}
+    assert masked and {s.program for s in first} == {"forward", *SAMPLERS} - masked  # grammars' samplers: later
     assert len(first) < len(shapes)
 
 
@@ -115,3 +117,27 @@ def test_background_compile_ends_with_the_scoring_programs(smollm2):
                   SamplingParams(2, prompt_logprobs=1), got.append)
     engine.run_until_idle()
     assert got[0].prompt_logprobs and engine.stats.step_compiles == 0
+
+
+def test_masked_samplers_lead_the_background_compile_and_a_grammar_step_compiles_nothing(smollm2):
+    """The structured-output samplers are not among the first programs (a cold start does not wait for
+    them) but the first the background thread compiles; once it is done, every sampler is compiled."""
+    model, tokenizer = smollm2
+    config = EngineConfig(**TINY_ENGINE, scan_layers_from_tokens=16, background_compile=True)
+    engine = Engine(model, tokenizer.eos_token_ids, config)
+    order, compile_one = [], engine.programs.compile
+
+    def recording(shape, args, scan=None):
+        order.append((threading.current_thread().name, shape))
+        return compile_one(shape, args, scan)
+
+    engine.programs.compile = recording
+    engine.warmup()
+    engine._background.join(timeout=300)
+    foreground = [shape for thread, shape in order if not thread.startswith("jaxlora-compile-background")]
+    background = [shape for thread, shape in order if thread.startswith("jaxlora-compile-background")]
+    assert foreground and not any(s.program.endswith("_masked") for s in foreground)
+    leading = list(itertools.takewhile(lambda shape: shape.program != "forward", background))
+    assert leading and {s.program for s in leading} == {name for name in SAMPLERS if name.endswith("_masked")}
+    compiled = set(engine.programs.shapes())
+    assert all(shape in compiled for shape in engine.step_shapes() if shape.program != "forward")
