@@ -287,7 +287,7 @@ def build_app(args):
     """Loads everything the arguments name and returns the FastAPI app (errors exit with a message)."""
     import jax.numpy as jnp
 
-    from jaxlora.lora.config import AdapterError
+    from jaxlora.lora.adapter_config import AdapterError
     from jaxlora.lora.peft_io import load_peft_adapter
     from serve.adapter_store import largest_adapter_bytes
     from jaxlora.models.packed import pack_projections

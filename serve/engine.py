@@ -119,7 +119,7 @@ from jaxlora import sharding
 from jaxlora.lora import backends
 from jaxlora.lora.adapter import LoraAdapter, check_finite
 from jaxlora.lora.compressed import SharedBasisSet, with_compressed
-from jaxlora.lora.config import AdapterError
+from jaxlora.lora.adapter_config import AdapterError
 from jaxlora.lora.head import TaskHead, load_head
 from jaxlora.lora.peft_io import load_peft_adapter
 from jaxlora.buckets import bucket
@@ -127,7 +127,7 @@ from jaxlora.models.packed import add_adapter_window, fill_window_slot, pack_pro
 from jaxlora.lora.plan import ServingPlan, build_plan, build_serving_plan, build_window_plan, serving_order
 from jaxlora.lora.pool import AdapterPool, PreparedAdapter
 from jaxlora.lora.rows import RowPool, adapter_rank
-from jaxlora.models.config import PROJECTIONS, projection_shapes
+from jaxlora.nn.model_config import PROJECTIONS, projection_shapes
 from jaxlora.models.llama import Llama, LoraInputs
 from jaxlora.models.paged import PagedBatch, PagedKVCache
 from jaxlora.sampling import SamplingParams

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxlora.lora import backends
-from jaxlora.models.config import PROJECTIONS
+from jaxlora.nn.model_config import PROJECTIONS
 from jaxlora.scheduler.serving import INFERENCE_MODES, CostPolicy, ModePolicy
 
 

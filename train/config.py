@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from jaxlora.dtypes import DTYPES, checkpoint_dtype, choose_dtype
-from jaxlora.lora.config import AdapterError, LoraConfig
+from jaxlora.lora.adapter_config import AdapterError, LoraConfig
 from jaxlora.lora.head import check_labels
 from jaxlora.lora import backends
 

@@ -17,13 +17,13 @@ from jax.experimental import multihost_utils
 
 from jaxlora import sharding
 from jaxlora.lora.trainable import apply_adapter_update, slot_params
-from jaxlora.models.axes import ShardingRules
+from jaxlora.nn.axes import ShardingRules
 from jaxlora.parallel import mpmd
-from jaxlora.parallel.step import make_grad_step
+from jaxlora.parallel.grad_step import make_grad_step
 from jaxlora.scheduler.training.lemma import insert_noops
 from train.config import TrainConfig
 from train.groups import StepGroup
-from train.step import add_trees
+from train.microbatch import add_trees
 
 
 def to_host(tree):

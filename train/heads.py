@@ -4,7 +4,7 @@ JSONL, the loss the cross-entropy of the head's logits at each text's last token
 
 A global batch is one step: its samples (tokenized as the server's /classify tokenizes an input:
 `tokenizer.encode(text)`, no EOS) are packed whole into rows of `capacity` tokens by
-`train.step.pack_rows` (segment ids keep each text to itself; the row count is padded to a power
+`train.microbatch.pack_rows` (segment ids keep each text to itself; the row count is padded to a power
 of two, so batches of similar size share a compiled step), the model runs once with the job's
 adapter in slot 0 of a one-slot pool (`features=True`: the final norm's output), and each
 sample's last token feeds the head. The seeded sample order (`train.data.sample_order`), the
@@ -40,7 +40,7 @@ from jaxlora.tokenizer import Tokenizer, TokenizerError
 from train.config import ConfigError, JobConfig, TrainConfig
 from train.data import TokenizedSample, read_jsonl, sample_order
 from train.optim import init_lora_a, make_optimizer
-from train.step import device_batch, pack_rows
+from train.microbatch import device_batch, pack_rows
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ anything is compiled (each error names the setting), and the device mesh it desc
 from __future__ import annotations
 
 from jaxlora.lora import backends
-from jaxlora.models.config import LlamaConfig
+from jaxlora.nn.model_config import LlamaConfig
 from train.config import ConfigError, TrainConfig
 
 

@@ -15,8 +15,8 @@ from jaxlora.lora import backends
 from jaxlora.lora.backends import LoraBackend
 from jaxlora.lora.ops import stacked_pool
 from jaxlora.lora.plan import LoraPlan, WindowPlan
-from jaxlora.models.config import PACKED_PROJECTIONS, PROJECTIONS
-from jaxlora.models.layers import dense
+from jaxlora.nn.model_config import PACKED_PROJECTIONS, PROJECTIONS
+from jaxlora.nn.layers import dense
 from pallas_kernels.fused_lora_layout import dropout_inv_keep, dropout_mask
 
 

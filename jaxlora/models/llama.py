@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlora.lora.project import LayerLora, LoraInputs, layer_lora as make_layer_lora, project as _project, project_group
-from jaxlora.models.config import LlamaConfig, has_bias, projection_shapes
-from jaxlora.models.layers import (ACTIVATION_FUNCTIONS, AttentionSpec, PackedSegments, apply_rope, attend, dense,
+from jaxlora.nn.model_config import LlamaConfig, has_bias, projection_shapes
+from jaxlora.nn.layers import (ACTIVATION_FUNCTIONS, AttentionSpec, PackedSegments, apply_rope, attend, dense,
                                    layer_window, packed_attention, rms_norm, rope_frequencies, softcap,
                                    window_mask)
 
@@ -157,7 +157,7 @@ class Llama(nnx.Module):
           lora: adapters and the plan over the B*T tokens (each token its own slot, or -1).
           lora_backend: how the LoRA op is computed: a name in `jaxlora.lora.backends`.
           attention: packed mode's attention, "auto" | "masked" | "flash"
-            (see `jaxlora.models.layers.packed_attention`); the cache path always masks.
+            (see `jaxlora.nn.layers.packed_attention`); the cache path always masks.
           unroll_layers: layers per iteration of the layer scan (True: all). Unrolled, XLA slices
             each layer's weights statically instead of copying them out of the stack every
             iteration (faster GPU training steps: bench/NOTES_train.md); compiles slower.
@@ -230,7 +230,7 @@ def _packed_mask(shape: tuple[int, int], segment_ids: jax.Array | None, config: 
 
 class PackedAttention(NamedTuple):
     """Keys/values of the step only (no cache): packed training/scoring rows. mask: [B, T, T] bool
-    or the flash kernel's `PackedSegments` (`jaxlora.models.layers.packed_attention`)."""
+    or the flash kernel's `PackedSegments` (`jaxlora.nn.layers.packed_attention`)."""
 
     mask: jax.Array | PackedSegments
 

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 
 from jaxlora.lora.plan import ServingPlan
 from jaxlora.lora.project import LoraInputs, layer_lora as make_layer_lora
-from jaxlora.models.config import LlamaConfig
-from jaxlora.models.layers import AttentionSpec
+from jaxlora.nn.model_config import LlamaConfig
+from jaxlora.nn.layers import AttentionSpec
 from jaxlora.models.llama import Llama, decoder_layer
 from pallas_kernels.paged_attention import paged_attention
 

@@ -21,10 +21,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxlora.lora import backends
 from jaxlora.lora.plan import LoraPlan
-from jaxlora.models.config import LlamaConfig
+from jaxlora.nn.model_config import LlamaConfig
 from jaxlora.lora.project import layer_lora as make_layer_lora
 from jaxlora.models.llama import LoraInputs, PackedAttention, decoder_layer
-from jaxlora.models.axes import ShardingRules, weight_axes
+from jaxlora.nn.axes import ShardingRules, weight_axes
 from jaxlora.sharding import ROW_PARALLEL, pool_specs
 
 

@@ -33,15 +33,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxlora import sharding
 from jaxlora.lora.plan import LoraPlan
-from jaxlora.models.axes import ShardingRules, weight_axes
-from jaxlora.models.config import LlamaConfig
+from jaxlora.nn.axes import ShardingRules, weight_axes
+from jaxlora.nn.model_config import LlamaConfig
 from jaxlora.lora.project import layer_lora as make_layer_lora
 from jaxlora.lora.trainable import apply_adapter_update, join_pool, slot_params
 from jaxlora.models.llama import (Llama, LoraInputs, PackedAttention, _packed_mask, decoder_layer, embed_tokens,
                                   final_logits)
 from jaxlora.models.loss import per_slot_loss
 from jaxlora.parallel.bubble import stage_order
-from jaxlora.scheduler.training.data import Microbatch
+from jaxlora.scheduler.training.samples import Microbatch
 from jaxlora.scheduler.training.lemma import batches_in
 
 

@@ -19,8 +19,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxlora.lora.trainable import join_pool
-from jaxlora.models.axes import ShardingRules
-from jaxlora.models.config import LlamaConfig
+from jaxlora.nn.axes import ShardingRules
+from jaxlora.nn.model_config import LlamaConfig
 from jaxlora.models.llama import Llama, LoraInputs, _packed_mask
 from jaxlora.models.loss import per_slot_loss
 from jaxlora.parallel.layer_stack import pipeline_stack, tensor_parallel_stack
