@@ -117,6 +117,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxlora import sharding
 from jaxlora.lora import backends
+from jaxlora.lora.backends import LoraBackend
 from jaxlora.lora.adapter import LoraAdapter, check_finite
 from jaxlora.lora.compressed import SharedBasisSet, with_compressed
 from jaxlora.lora.adapter_config import AdapterError
@@ -187,7 +188,7 @@ class _InFlight(NamedTuple):
     scores: tuple | None = None  # a scoring step's (target log-probs [T], top values [T, K], ids [T, K])
 
 
-def check_mesh(mesh: Mesh, model_config, lora_backend: str) -> None:
+def check_mesh(mesh: Mesh, model_config, lora_backend: LoraBackend | str) -> None:
     """ValueError unless the engine can serve on `mesh`: a `tensor` axis and no other axis > 1, a
     LoRA backend GSPMD can partition when tensor > 1, and heads, KV heads, FFN width and vocabulary
     that split evenly over `tensor`."""
@@ -259,7 +260,7 @@ class Engine:
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         self.mesh = mesh
         if mesh is not None:
-            check_mesh(mesh, model.config, config.lora_backend)
+            check_mesh(mesh, model.config, config.backend)
             # New Variables over the same arrays, then placed: the caller's model keeps its weights.
             model = sharding.shard_model(nnx.clone(model), mesh)
         else:  # q/k/v and gate/up as one kernel each: 4 GEMMs a layer instead of 7
@@ -301,7 +302,7 @@ class Engine:
         self._min_tokens = config.min_step_tokens  # the smallest token bucket (`_padded_tokens`)
         self._min_lora_mixed = min(bucket(config.min_lora_mixed_tokens, self._min_tokens),
                                    bucket(config.token_budget, self._min_tokens))
-        self.programs = Programs(self._graphdef, config.lora_backend, self.max_rows, config.scan_layers_from_tokens)
+        self.programs = Programs(self._graphdef, config.backend, self.max_rows, config.scan_layers_from_tokens)
         self._background: threading.Thread | None = None  # `warmup`'s background compile
         self.sampler_slots = SamplerSlots(config.max_num_seqs, model.config.vocab_size,
                                           None if mesh is None else NamedSharding(mesh, jax.sharding.PartitionSpec()))
@@ -431,9 +432,9 @@ class Engine:
         """The compressed collection's device arrays, checked against the model, pool and backend."""
         if compressed is None:
             return None
-        if not backends.get(self.config.lora_backend).shared_basis:
+        if not self.config.backend.shared_basis:
             raise ValueError(f"serving a compressed collection needs a shared-basis LoRA backend "
-                             f"({', '.join(n for n in backends.names() if backends.get(n).shared_basis)}), "
+                             f"({', '.join(backends.names(shared_basis=True))}), "
                              f"not {self.config.lora_backend!r}")
         if mesh is not None:
             raise ValueError("a compressed collection is served on one device (no tensor parallel)")
@@ -1083,7 +1084,7 @@ class Engine:
         backend with a segment window (hybrid) plans that many segments and the scheduler keeps
         a step's prompt chunks to that many adapters."""
         segments = bucket(config.max_adapters_on_device + 1 + fixed, 4)
-        window = backends.get(config.lora_backend).segment_window
+        window = config.backend.segment_window
         if window is None or window >= segments:
             return segments, 0
         return window, window
@@ -1094,7 +1095,7 @@ class Engine:
         variant; a mixed one lists its one-token rows when the step has more tokens than rows, so
         BGMV runs over `max_rows` rows, not T), else a `LoraPlan`. one_token [T]: the token is its
         row's only one."""
-        if backends.get(self.config.lora_backend).plan_type is not ServingPlan:
+        if self.config.backend.plan_type is not ServingPlan:
             return build_plan(token_slot, self._num_segments)
         bgmv_rows = self.max_rows if self.max_rows < token_slot.size else None
         return build_serving_plan(token_slot, one_token, 0 if decode_only else self._num_segments, bgmv_rows)

@@ -20,7 +20,6 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from jaxlora.lora import backends
 from jaxlora.lora.adapter import LoraAdapter, empty_module
 from jaxlora.lora.peft_io import save_peft_adapter
 from jaxlora.lora.pool import AdapterPool
@@ -342,7 +341,7 @@ def _training_model(config: TrainConfig, model):
     Variables are the engine's)."""
     if "layers.qkv_proj.kernel" in model.weights:
         return model
-    if (config.mesh.size > 1 or backends.get(config.lora_backend).fused
+    if (config.mesh.size > 1 or config.backend.fused
             or any(job.lora.lora_dropout for job in config.jobs)):
         return model
     return pack_projections(model)
