@@ -80,6 +80,13 @@ class LoraBackend:
     adds_in_input_dtype: bool = False
     segment_window: int | None = None
 
+    def __reduce_ex__(self, protocol):
+        """A registry backend pickles and copies as its name: the copy is the registry's own object,
+        equal to it (a program jitted with it as a static argument is found again), as the name was."""
+        if _REGISTRY.get(self.name) is self:
+            return get, (self.name,)
+        return super().__reduce_ex__(protocol)
+
     @property
     def fused(self) -> bool:
         """The LoRA runs inside the projection's own kernel (`fused_linear`), not as a delta."""
