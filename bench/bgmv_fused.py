@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import pallas_kernels as pk
 from bench.bgmv_sweep import GROUPS, R
 from bench.timing import median_call_seconds
-from pallas_kernels.ops import FUSED_TILES
+from pallas_kernels.dispatch import FUSED_TILES
 
 TINY_GROUPS = {"qkv": (64, (64, 32, 32)), "o": (64, (64,))}
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 import pallas_kernels as pk
 from bench.timing import median_call_seconds
-from pallas_kernels.ops import choose_tiles
+from pallas_kernels.dispatch import choose_tiles
 from pallas_kernels.tiles import TileConfig
 
 GROUPS = {  # name: (k, output widths)

@@ -49,8 +49,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxlora.lora.adapter import random_adapter  # noqa: E402
-from jaxlora.lora.config import LoraConfig  # noqa: E402
-from jaxlora.models.config import LlamaConfig  # noqa: E402
+from jaxlora.lora.adapter_config import LoraConfig  # noqa: E402
+from jaxlora.nn.model_config import LlamaConfig  # noqa: E402
 from jaxlora.models.llama import Llama  # noqa: E402
 from jaxlora.sampling import SamplingParams  # noqa: E402
 from jaxlora.scheduler.serving import ReplicaState, RoundRobin, pages_for, place  # noqa: E402

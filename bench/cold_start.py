@@ -39,7 +39,7 @@ import ml_dtypes
 import numpy as np
 
 from bench.slora_disk import adapter_name, write_adapters
-from jaxlora.models.config import PROJECTIONS, LlamaConfig, projection_shapes
+from jaxlora.nn.model_config import PROJECTIONS, LlamaConfig, projection_shapes
 from jaxlora.models.presets import llama8b_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -45,8 +45,8 @@ from bench.serve import make_trace, parse_case, print_row, run_trace
 from jaxlora.compress import store
 from jaxlora.compress.collection import Source, compress, source_parameter_count
 from jaxlora.lora.adapter import LoraAdapter, ModuleLora
-from jaxlora.lora.config import LoraConfig
-from jaxlora.models.config import projection_shapes
+from jaxlora.lora.adapter_config import LoraConfig
+from jaxlora.nn.model_config import projection_shapes
 from jaxlora.models.llama import Llama
 from jaxlora.models.presets import llama8b_config
 from jaxlora.scheduler.serving import pages_for

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.timing import copy_bandwidth, median_call_seconds
-from jaxlora.models.config import LlamaConfig
+from jaxlora.nn.model_config import LlamaConfig
 from jaxlora.models.presets import llama8b_config
 
 PROJECTION_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -30,7 +30,7 @@ import numpy as np
 
 from bench.decode_floor import layer_gemms, projection_dims, random_layers, step_separate
 from bench.timing import median_call_seconds
-from jaxlora.models.config import LlamaConfig
+from jaxlora.nn.model_config import LlamaConfig
 from jaxlora.models.presets import llama8b_config
 
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),

@@ -95,7 +95,7 @@ def step_bytes(q, keys, shape: Shape) -> int:
 
 def gather_attention(q, k, v, tables, starts, positions, layer: int):
     """The engine's path today (`paged_decoder_layer`): per token its row's whole block table
-    gathered from the layer, then `jaxlora.models.layers.attention`'s dense masked softmax."""
+    gathered from the layer, then `jaxlora.nn.layers.attention`'s dense masked softmax."""
     tokens, heads, head_dim = q.shape
     kv_heads, page_size = k.shape[3], k.shape[2]
     row = jnp.searchsorted(starts, jnp.arange(tokens), side="right") - 1

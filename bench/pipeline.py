@@ -53,19 +53,19 @@ from flax import nnx
 
 from bench.timing import median_call_seconds
 from jaxlora.lora.adapter import random_adapter
-from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.adapter_config import LoraConfig
 from jaxlora.lora.pool import AdapterPool
 from jaxlora.lora.trainable import apply_adapter_update, split_pool
-from jaxlora.models.config import PROJECTIONS
+from jaxlora.nn.model_config import PROJECTIONS
 from jaxlora.models.llama import Llama
 from jaxlora.models.presets import llama8b_config
 from jaxlora.parallel import mpmd
-from jaxlora.scheduler.training.data import Sample, TrainingData
+from jaxlora.scheduler.training.samples import Sample, TrainingData
 from jaxlora.scheduler.training.greedy import first_fit_decreasing
 from jaxlora.scheduler.training.schedule import SchedulerConfig, build_schedule
 from jaxlora.scheduler.training.workloads import DATASETS, synthetic_data
 from train.data import TokenizedSample
-from train.step import device_batch, pack_microbatch
+from train.microbatch import device_batch, pack_microbatch
 
 LORA = LoraConfig(r=16, lora_alpha=32, target_modules=PROJECTIONS)
 NUM_ADAPTERS = 4

@@ -22,7 +22,7 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-from jaxlora.scheduler.training.data import TrainingData, real_tokens
+from jaxlora.scheduler.training.samples import TrainingData, real_tokens
 from jaxlora.scheduler.training.greedy import per_adapter_first_fit
 from jaxlora.scheduler.training.schedule import (
     Finalizer, SchedulerConfig, adapter_groups, concat, pack_window, window_samples,

@@ -74,8 +74,8 @@ from flax import nnx
 
 from jaxlora.lora import backends as lora_backends
 from jaxlora.lora.adapter import LoraAdapter, ModuleLora, random_adapter
-from jaxlora.lora.config import LoraConfig
-from jaxlora.models.config import PROJECTIONS, LlamaConfig
+from jaxlora.lora.adapter_config import LoraConfig
+from jaxlora.nn.model_config import PROJECTIONS, LlamaConfig
 from jaxlora.models.llama import Llama
 from jaxlora.models.presets import llama8b_config
 from jaxlora.sampling import SamplingParams

@@ -60,9 +60,9 @@ from flax import nnx
 from bench.serve import Record, greedy_shapes, make_trace, parse_case, recording, summarize
 from jaxlora.lora import backends as lora_backends
 from jaxlora.lora.adapter import LoraAdapter, ModuleLora
-from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.adapter_config import LoraConfig
 from jaxlora.lora.peft_io import save_peft_adapter
-from jaxlora.models.config import LlamaConfig, projection_shapes
+from jaxlora.nn.model_config import LlamaConfig, projection_shapes
 from jaxlora.models.llama import Llama
 from jaxlora.models.presets import llama8b_config
 from jaxlora.sampling import SamplingParams

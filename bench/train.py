@@ -44,20 +44,20 @@ import jaxlora.models.llama as llama_module
 import pallas_kernels.attention as attention_module
 from pallas_kernels.attention import FlashBlocks
 from jaxlora.lora.adapter import random_adapter
-from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.adapter_config import LoraConfig
 from jaxlora.lora.pool import AdapterPool
 from jaxlora.lora.trainable import apply_adapter_update, slot_params, split_pool
-from jaxlora.models.config import PROJECTIONS, LlamaConfig
+from jaxlora.nn.model_config import PROJECTIONS, LlamaConfig
 from jaxlora.models.llama import Llama
 from jaxlora.models.presets import llama8b_config
-from jaxlora.parallel.step import make_grad_step
+from jaxlora.parallel.grad_step import make_grad_step
 from jaxlora.scheduler.training.greedy import per_adapter_first_fit
 from jaxlora.scheduler.training.schedule import SchedulerConfig, build_schedule
 from jaxlora.scheduler.training.workloads import synthetic_data
 from train.config import JobConfig
 from train.data import TokenizedSample
 from train.optim import make_optimizer
-from train.step import add_trees, device_batch, pack_microbatch
+from train.microbatch import add_trees, device_batch, pack_microbatch
 
 LORA = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.1, target_modules=PROJECTIONS)
 

@@ -12,7 +12,7 @@ import sys
 
 from jaxlora.compress import store
 from jaxlora.compress.collection import METHODS, Source, add, compress, recompress, source_parameter_count
-from jaxlora.lora.config import AdapterError
+from jaxlora.lora.adapter_config import AdapterError
 from jaxlora.lora.peft_io import CONFIG_FILE, WEIGHTS_FILE, load_peft_adapter
 from jaxlora.weights import WeightsError, load_config
 

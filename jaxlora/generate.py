@@ -12,6 +12,8 @@ import numpy as np
 from flax import nnx
 
 from jaxlora.buckets import bucket
+from jaxlora.lora import backends
+from jaxlora.lora.backends import LoraBackend
 from jaxlora.lora.plan import build_plan
 from jaxlora.models.llama import KVCache, Llama, LoraInputs
 from jaxlora.sampling import SamplingParams, greedy_rows, sample_rows
@@ -28,10 +30,10 @@ def _next_tokens(logits: jax.Array, key: jax.Array, params: SamplingParams) -> j
 
 
 @functools.partial(jax.jit, static_argnums=(0, 7), donate_argnums=(4,))
-def _forward_step(graphdef, state, tokens, positions, cache, logit_indices, lora, lora_backend, embeds=None):
+def _forward_step(graphdef, state, tokens, positions, cache, logit_indices, lora, backend: LoraBackend, embeds=None):
     model = nnx.merge(graphdef, state)
-    return model(tokens, positions, cache=cache, logit_indices=logit_indices, lora=lora,
-                 lora_backend=lora_backend, embeds=embeds)
+    return model(tokens, positions, cache=cache, logit_indices=logit_indices, lora=lora, lora_backend=backend,
+                 embeds=embeds)
 
 
 def _lora_for(pool_arrays, row_slots, shape):
@@ -49,7 +51,7 @@ def generate(
     eos_token_ids: Sequence[int] = (),
     pool_arrays: dict | None = None,
     row_slots: Sequence[int] | None = None,
-    lora_backend: str = "gather",
+    lora_backend: LoraBackend | str = backends.DEFAULT,
     embed_prompts: Callable[[np.ndarray], jax.Array] | None = None,
 ) -> list[list[int]]:
     """Generates a continuation of each prompt (a list of token ids); returns the new ids only.
@@ -59,12 +61,14 @@ def generate(
     `jaxlora.vision.generate`).
 
     With `pool_arrays` (an `AdapterPool`'s arrays), prompt b runs with adapter slot row_slots[b]
-    (-1: the base model), all in one batch. A sequence stops after an EOS token (kept in its
-    output) or `max_new_tokens` tokens."""
+    (-1: the base model), all in one batch, its LoRA computed by `lora_backend` (a `LoraBackend`
+    of `jaxlora.lora.backends` or its name, resolved here). A sequence stops after an EOS token
+    (kept in its output) or `max_new_tokens` tokens."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if params.structured is not None:
         raise ValueError("structured outputs (SamplingParams.structured) are served by serve.engine, not generate")
+    backend = backends.get(lora_backend)
     graphdef, state = nnx.split(model)
     batch = len(prompts)
     lengths = np.array([len(p) for p in prompts], np.int32)
@@ -78,7 +82,7 @@ def generate(
     if pool_arrays is not None and (row_slots is None or len(row_slots) != batch):
         raise ValueError("row_slots must give one adapter slot per prompt")
     logits, cache = _forward_step(graphdef, state, tokens, positions, cache, jnp.asarray(lengths - 1),
-                                  _lora_for(pool_arrays, row_slots, tokens.shape), lora_backend,
+                                  _lora_for(pool_arrays, row_slots, tokens.shape), backend,
                                   None if embed_prompts is None else embed_prompts(tokens))
     decode_lora = _lora_for(pool_arrays, row_slots, (batch, 1))
     key = jax.random.key(params.seed)
@@ -96,7 +100,7 @@ def generate(
         step_positions = jnp.asarray(lengths + step)[:, None]
         logits, cache = _forward_step(
             graphdef, state, jnp.asarray(next_ids)[:, None], step_positions, cache,
-            jnp.zeros(batch, jnp.int32), decode_lora, lora_backend,
+            jnp.zeros(batch, jnp.int32), decode_lora, backend,
         )
     return outputs
 

@@ -2,7 +2,7 @@
 
 One `jax.sharding.Mesh` with the axes `data` (batch), `stage` (pipeline: groups of layers) and
 `tensor` (Megatron tensor parallel). Every weight and pool array has logical axis names
-(`jaxlora.models.axes`: `weight_axes`, `pool_axes`); a `ShardingRules` table maps them to mesh
+(`jaxlora.nn.axes`: `weight_axes`, `pool_axes`); a `ShardingRules` table maps them to mesh
 axes (MaxText / jax-llm-examples style), so one table decides the layout of everything.
 
 Tensor parallel: column-parallel q, k, v, gate, up (kernel output dim on `tensor`), row-parallel
@@ -11,7 +11,7 @@ axes: A [k, r] takes the kernel's input axis and B [r, n] its output axis, so co
 layers split B by output columns (x @ A is computed replicated) and row-parallel layers split A
 by input rows (the partial x @ A @ B is summed with the base layer's partial sums).
 
-Inputs placed here make `jaxlora.parallel.step.make_grad_step` (mesh=None) the GSPMD path: jit
+Inputs placed here make `jaxlora.parallel.grad_step.make_grad_step` (mesh=None) the GSPMD path: jit
 with sharded inputs, XLA inserts the collectives. Custom kernels (a `pallas_call` has no SPMD
 rule) run under `jax.shard_map` (the same factory with a mesh).
 """
@@ -23,8 +23,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxlora.lora.plan import LoraPlan
-from jaxlora.models.axes import ShardingRules, pool_axes, weight_axes
-from jaxlora.models.config import LlamaConfig
+from jaxlora.nn.axes import ShardingRules, pool_axes, weight_axes
+from jaxlora.nn.model_config import LlamaConfig
 from jaxlora.models.llama import Llama
 
 MESH_AXES = ("data", "stage", "tensor")

@@ -11,7 +11,7 @@ seg_scale float32 [S]. Rows >= seg_starts[S] are padding (zero delta, y untouche
 """
 
 from pallas_kernels.lora_delta import sgmv_lora_delta
-from pallas_kernels.ops import (
+from pallas_kernels.dispatch import (
     bgmv_expand,
     bgmv_lora,
     bgmv_lora_fused,

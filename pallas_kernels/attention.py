@@ -1,7 +1,7 @@
 """Causal attention inside packed segments without a [T, T] score matrix in memory (flash).
 
 The training path packs several samples into one row; each query attends causally to keys of its
-own sample only. The masked XLA attention (`jaxlora.models.layers.attention`) writes float32
+own sample only. The masked XLA attention (`jaxlora.nn.layers.attention`) writes float32
 scores [heads, T, T] (2 GB per layer at T=4096 and 32 heads) and reads them back in the softmax
 and the backward; a flash kernel keeps one tile of scores in registers.
 
@@ -14,7 +14,7 @@ Kernels: GPU: `pallas_kernels.attention_gpu` (Triton lowering; walks only the bl
 segments can reach, GQA read in place), or JAX's own Pallas kernel
 (`jax.experimental.pallas.ops.gpu.attention.mha`, which skips only the blocks above the diagonal)
 with `FlashBlocks(kernel="jax")`; TPU: Mosaic, `jax.experimental.pallas.ops.tpu.flash_attention`. `impl` is dispatched as in
-`pallas_kernels.ops`: None (the local backend's kernel), "reference", "gpu", "tpu"; a kernel of
+`pallas_kernels.dispatch`: None (the local backend's kernel), "reference", "gpu", "tpu"; a kernel of
 another backend runs in interpret mode, which is how CPU tests check both.
 """
 
@@ -33,7 +33,7 @@ with warnings.catch_warnings():  # jax >= 0.12 points to tokamax; this module is
     from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 
 from pallas_kernels.attention_gpu import segment_flash_gpu
-from pallas_kernels.ops import resolve_impl
+from pallas_kernels.dispatch import resolve_impl
 
 
 @dataclasses.dataclass(frozen=True)

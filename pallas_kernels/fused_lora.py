@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import fused_lora_gpu, fused_lora_mgpu, fused_lora_tpu
-from pallas_kernels.ops import resolve_impl
+from pallas_kernels.dispatch import resolve_impl
 from pallas_kernels.fused_lora_layout import (
     KERNELS,
     FusedLoRAConfig,

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import ops, reference
+from pallas_kernels import dispatch, reference
 from pallas_kernels.routing import row_segments
 from pallas_kernels.tiles import TileConfig
 
@@ -36,7 +36,7 @@ def sgmv_lora_delta(x, lora_a, lora_b, seg_starts, seg_slot, seg_rank, seg_scale
     seg_slot/seg_rank int32 [S], seg_scale float32 [S] -> [T, n] (x.dtype).
     Differentiable in x, lora_a, lora_b and seg_scale.
     """
-    style, _ = ops.resolve_impl(impl)
+    style, _ = dispatch.resolve_impl(impl)
     if style == "reference":
         return reference.sgmv_lora_delta_ref(x, lora_a, lora_b, seg_starts, seg_slot, seg_rank,
                                              seg_scale)
@@ -46,9 +46,9 @@ def sgmv_lora_delta(x, lora_a, lora_b, seg_starts, seg_slot, seg_rank, seg_scale
 
 def _forward(x, lora_a, lora_b, seg_starts, seg_slot, seg_rank, seg_scale, choice):
     kw = dict(impl=choice.impl, tiles=choice.tiles)
-    v = ops.sgmv_shrink(x, lora_a, seg_starts, seg_slot, seg_rank, **kw)
+    v = dispatch.sgmv_shrink(x, lora_a, seg_starts, seg_slot, seg_rank, **kw)
     y = jnp.zeros((x.shape[0], lora_b.shape[-1]), x.dtype)
-    return ops.sgmv_expand(y, v, lora_b, seg_starts, seg_slot, seg_rank, seg_scale, **kw), v
+    return dispatch.sgmv_expand(y, v, lora_b, seg_starts, seg_slot, seg_rank, seg_scale, **kw), v
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -81,13 +81,13 @@ def _lora_delta_bwd(choice, residuals, g):
     kw = dict(impl=choice.impl, tiles=choice.tiles)
     meta = (seg_starts, seg_slot, seg_rank)
     g = g.astype(x.dtype)
-    dv_u = ops.sgmv_shrink(g, jnp.swapaxes(lora_b, 1, 2), *meta, **kw)
+    dv_u = dispatch.sgmv_shrink(g, jnp.swapaxes(lora_b, 1, 2), *meta, **kw)
     row_scale = reference.row_adapters(*meta, seg_scale, x.shape[0])[2]
     dv = (dv_u.astype(jnp.float32) * row_scale[:, None]).astype(x.dtype)
     ones = jnp.ones_like(seg_scale, dtype=jnp.float32)
-    dx = ops.sgmv_expand(jnp.zeros_like(x), dv, jnp.swapaxes(lora_a, 1, 2), *meta, ones, **kw)
-    da_seg = ops.segment_outer(x, dv, *meta, rank_axis=1, **kw)
-    db_seg = ops.segment_outer(v, g, *meta, rank_axis=0, **kw)
+    dx = dispatch.sgmv_expand(jnp.zeros_like(x), dv, jnp.swapaxes(lora_a, 1, 2), *meta, ones, **kw)
+    da_seg = dispatch.segment_outer(x, dv, *meta, rank_axis=1, **kw)
+    db_seg = dispatch.segment_outer(v, g, *meta, rank_axis=0, **kw)
     db_seg = db_seg * seg_scale.astype(jnp.float32)[:, None, None]
     num_slots = lora_a.shape[0]
     d_a = _scatter_to_slots(da_seg, seg_slot, num_slots).astype(lora_a.dtype)

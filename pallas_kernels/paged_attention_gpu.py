@@ -41,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.paged_attention import cap_scores, check_shapes, flat_layer_pages, window_array
+from pallas_kernels.paged_attention_common import cap_scores, check_shapes, flat_layer_pages, window_array
 
 _F32 = jnp.float32
 _LOG2E = math.log2(math.e)

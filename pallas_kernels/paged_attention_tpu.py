@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.paged_attention import cap_scores, check_shapes, flat_layer_pages, window_array
+from pallas_kernels.paged_attention_common import cap_scores, check_shapes, flat_layer_pages, window_array
 
 _F32 = jnp.float32
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)

@@ -7,15 +7,15 @@ slot_rank[e]), slot_scale [E] its scale; an adapter slot s is entry s + entry_of
 pool of L layers is a_rows [L * P, k] with row_offset = layer * P and tables [L * slots, .] with
 entry_offset = layer * slots.
 
-`impl`: as `pallas_kernels.ops` (None: the device's style, "reference", "gpu"; "tpu" runs the
+`impl`: as `pallas_kernels.dispatch` (None: the device's style, "reference", "gpu"; "tpu" runs the
 reference: no Mosaic kernel reads paged rows yet).
 """
 
 import jax.numpy as jnp
 
 from pallas_kernels import paged_lora_gpu, reference
-from pallas_kernels.layout import pad_axis, pad_to, round_up
-from pallas_kernels.ops import resolve_impl
+from pallas_kernels.tile_fit import pad_axis, pad_to, round_up
+from pallas_kernels.dispatch import resolve_impl
 from pallas_kernels.routing import make_routing
 
 BLOCK_ROWS = 16  # prefill rows per program

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import bgmv_gpu, sgmv_gpu
-from pallas_kernels.layout import fit_tiles
+from pallas_kernels.tile_fit import fit_tiles
 from pallas_kernels.routing import make_routing
 from pallas_kernels.tiles import TABLE_PATH, TileConfig, heuristic_tiles, shape_bucket
 

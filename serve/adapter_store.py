@@ -46,10 +46,10 @@ from typing import Callable
 
 import numpy as np
 
-from jaxlora.lora.config import AdapterError
+from jaxlora.lora.adapter_config import AdapterError
 from jaxlora.lora.peft_io import CONFIG_FILE, WEIGHTS_FILE
 from jaxlora.lora.pool import AdapterPool, PreparedAdapter
-from jaxlora.models.config import projection_shapes
+from jaxlora.nn.model_config import projection_shapes
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a folder name: no separators, no leading dot
 DISK_COUNT_TTL_S = 30.0  # how long a count of the directory's adapter folders is reused (/metrics)

@@ -49,7 +49,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.concurrency import run_in_threadpool
 
-from jaxlora.lora.config import AdapterError
+from jaxlora.lora.adapter_config import AdapterError
 from jaxlora.lora.peft_io import load_peft_adapter
 from jaxlora.tokenizer import TokenizerError
 from jaxlora.sampling import SamplingParams

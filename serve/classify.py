@@ -17,7 +17,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
-from jaxlora.lora.config import AdapterError
+from jaxlora.lora.adapter_config import AdapterError
 from serve.engine import EngineBusy, NoTaskHead, RequestError, UnknownAdapter
 from serve.protocol import ApiError, ClassifyRequest
 

@@ -11,6 +11,7 @@ import time
 import jax
 
 from jaxlora.lora import backends
+from jaxlora.lora.backends import LoraBackend
 from jaxlora.scheduler.serving import INFERENCE_MODES
 from jaxlora.dtypes import DTYPES
 
@@ -205,7 +206,7 @@ def check_host_bound(bound: int | None, adapters: dict, largest_servable: int | 
                              "projection in the served dtype)")
 
 
-def tensor_parallel_mesh(n: int, lora_backend: str):
+def tensor_parallel_mesh(n: int, lora_backend: LoraBackend | str):
     """The (tensor=n) mesh over the first n devices, None for n == 1; SystemExit with the reason when
     it cannot be built (the model's shapes are checked by the engine)."""
     if n < 1:
@@ -291,7 +292,7 @@ def build_app(args):
     """Loads everything the arguments name and returns the FastAPI app (errors exit with a message)."""
     import jax.numpy as jnp
 
-    from jaxlora.lora.config import AdapterError
+    from jaxlora.lora.adapter_config import AdapterError
     from jaxlora.lora.peft_io import load_peft_adapter
     from serve.adapter_store import largest_adapter_bytes
     from jaxlora.models.packed import pack_projections
@@ -397,7 +398,7 @@ def read_compressed(args):
     except store.CollectionError as err:
         raise SystemExit(f"jaxlora-serve: --compressed: {err}")
     if collection.method != "svd":
-        shared = [n for n in backends.names(serves=True) if backends.get(n).shared_basis]
+        shared = backends.names(serves=True, shared_basis=True)
         if args.lora_backend not in (backends.AUTO, *shared):
             raise SystemExit(f"jaxlora-serve: --compressed {collection.method} collections need --lora-backend "
                              f"{' or '.join(shared)} (or auto), got {args.lora_backend!r}")

@@ -151,7 +151,7 @@ class Engine:
                                             compressed)  # None: unmerged only
         # donate: the pool's arrays are written in place; only `build_step` reads them, afresh each step
         self.pool = adapter_pool(model, config, mesh, compressed, lambda slot: slot_rows(self.scheduler, slot))
-        compressed_arrays = place_compressed(compressed, mesh, config.lora_backend, self.model_config, self._dtype,
+        compressed_arrays = place_compressed(compressed, mesh, config.backend, self.model_config, self._dtype,
                                              self.pool)  # before the KV pages are sized
         if config.num_pages is None:  # sized now: after the weights and the pool are on the devices
             config = self.config = dataclasses.replace(config, num_pages=self._pages_that_fit(devices))
@@ -169,7 +169,7 @@ class Engine:
         if self.modes is not None:  # merged weights compute other bits: blocks keyed by the step's mode too
             self.scheduler.prefix_root = self.modes.prefix_root
         self.handoff: Callable[[Handoff], None] | None = None  # set by a replica set (module doc)
-        self.programs = Programs(self._graphdef, config.lora_backend, self.max_rows, config.scan_layers_from_tokens)
+        self.programs = Programs(self._graphdef, config.backend, self.max_rows, config.scan_layers_from_tokens)
         self._background: threading.Thread | None = None  # `warmup`'s background compile
         self.sampler_slots = SamplerSlots(config.max_num_seqs, model.config.vocab_size,
                                           None if mesh is None else NamedSharding(mesh, jax.sharding.PartitionSpec()))

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxlora.lora import backends
-from jaxlora.models.config import PROJECTIONS
+from jaxlora.nn.model_config import PROJECTIONS
 from jaxlora.scheduler.serving import INFERENCE_MODES, CostPolicy, ModePolicy
 
 
@@ -53,7 +53,7 @@ class EngineConfig:
     token_budget: int | None = None
     prefill_chunk: int | None = None
     max_waiting: int = 1024
-    lora_backend: str = "gather"
+    lora_backend: str = backends.DEFAULT  # a name (or a LoraBackend, kept as its name): the object is `backend`
     ttft_slo_s: float | None = None  # S-LoRA early abort: drop waiting requests that cannot meet it
     async_scheduling: bool = True  # launch step N+1 before reading step N's tokens (module doc)
     gpu_memory_utilization: float = 0.9  # fraction of device memory for weights, adapters and KV pages
@@ -128,7 +128,9 @@ class EngineConfig:
     CPU_CONTEXTS = 8  # KV pages of a device without memory stats: this many full contexts
 
     def __post_init__(self):
-        backends.get(self.lora_backend, serves=True)  # ValueError naming the serving backends
+        backend = backends.get(self.lora_backend, serves=True)  # ValueError naming the serving backends
+        object.__setattr__(self, "lora_backend", backend.name)
+        object.__setattr__(self, "backend", backend)  # resolved once; not a field (`asdict` gives the name)
         if self.ttft_slo_s is not None and not self.ttft_slo_s > 0:
             raise ValueError(f"ttft_slo_s must be > 0 (or None: off), got {self.ttft_slo_s}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -35,7 +35,7 @@ from fastapi import FastAPI, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 from starlette.concurrency import run_in_threadpool
 
-from jaxlora.models.config import PROJECTIONS
+from jaxlora.nn.model_config import PROJECTIONS
 from jaxlora.scheduler.core import CoSchedulePolicy
 from serve.engine import Engine
 from serve.files import FileError, FileStore

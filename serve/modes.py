@@ -33,7 +33,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jaxlora.models.config import PROJECTIONS
+from jaxlora.nn.model_config import PROJECTIONS
 from jaxlora.models.merged import MergeLayout, base_copy, merge_layout, set_merged
 from jaxlora.scheduler.serving import (
     CostPolicy, Mode, ModePolicy, Pending, ServingScheduler, StepPlan, fixed_mode, runs_in,

@@ -21,8 +21,9 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxlora import sharding
 from jaxlora.lora import backends
+from jaxlora.lora.backends import LoraBackend
 from jaxlora.lora.compressed import SharedBasisSet
-from jaxlora.models.config import PROJECTIONS
+from jaxlora.nn.model_config import PROJECTIONS
 from jaxlora.models.llama import Llama
 from jaxlora.models.packed import AdapterWindow, add_adapter_window, pack_projections, window_layout
 from jaxlora.models.paged import PagedKVCache
@@ -30,7 +31,7 @@ from jaxlora.models.paged import PagedKVCache
 from serve.engine_config import EngineConfig
 
 
-def check_mesh(mesh: Mesh, model_config, lora_backend: str) -> None:
+def check_mesh(mesh: Mesh, model_config, lora_backend: LoraBackend | str) -> None:
     """ValueError unless the engine can serve on `mesh`: a `tensor` axis and no other axis > 1, a
     LoRA backend GSPMD can partition when tensor > 1, and heads, KV heads, FFN width and vocabulary
     that split evenly over `tensor`."""
@@ -51,7 +52,7 @@ def serving_model(model: Llama, config: EngineConfig, mesh: Mesh | None,
     GEMMs a layer instead of 7) and, when `config.adapter_window` asks and no compressed
     collection is served, the window's columns added (`jaxlora.models.packed`)."""
     if mesh is not None:
-        check_mesh(mesh, model.config, config.lora_backend)
+        check_mesh(mesh, model.config, config.backend)
         model = sharding.shard_model(nnx.clone(model), mesh)
     else:
         model = pack_projections(model)

@@ -32,14 +32,15 @@ import jax
 import numpy as np
 
 from jaxlora.lora import backends
+from jaxlora.lora.backends import LoraBackend
 from jaxlora.lora.adapter import LoraAdapter, check_finite
 from jaxlora.lora.compressed import SharedBasisSet, with_compressed
-from jaxlora.lora.config import AdapterError
+from jaxlora.lora.adapter_config import AdapterError
 from jaxlora.lora.head import TaskHead, load_head
 from jaxlora.lora.peft_io import load_peft_adapter
 from jaxlora.lora.pool import AdapterPool, PreparedAdapter
 from jaxlora.lora.rows import RowPool, adapter_rank
-from jaxlora.models.config import PROJECTIONS, projection_shapes
+from jaxlora.nn.model_config import PROJECTIONS, projection_shapes
 from jaxlora.scheduler.serving import Sequence, ServingScheduler, adapter_pages
 
 from serve.adapter_copies import StagedCopies
@@ -75,15 +76,14 @@ def slot_rows(scheduler: ServingScheduler, slot: int) -> list[int]:
     return pages.rows_of(key) if key is not None and pages.holds(key) else []
 
 
-def place_compressed(compressed: SharedBasisSet | None, mesh, lora_backend: str, model_config, dtype,
+def place_compressed(compressed: SharedBasisSet | None, mesh, backend: LoraBackend, model_config, dtype,
                      pool: AdapterPool) -> dict | None:
     """The compressed collection's device arrays, checked against the model, pool and backend."""
     if compressed is None:
         return None
-    if not backends.get(lora_backend).shared_basis:
+    if not backend.shared_basis:
         raise ValueError(f"serving a compressed collection needs a shared-basis LoRA backend "
-                         f"({', '.join(n for n in backends.names() if backends.get(n).shared_basis)}), "
-                         f"not {lora_backend!r}")
+                         f"({', '.join(backends.names(shared_basis=True))}), not {backend.name!r}")
     if mesh is not None:
         raise ValueError("a compressed collection is served on one device (no tensor parallel)")
     shapes = projection_shapes(model_config)

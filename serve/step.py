@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxlora.lora.backends import LoraBackend
 from jaxlora.models.llama import LoraInputs
 from jaxlora.models.paged import PagedBatch, PagedKVCache, paged_hidden
 from jaxlora.sampling import (
@@ -158,7 +159,7 @@ class SamplerState(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
-def _forward(graphdef, backend: str, max_rows: int, unroll: bool, state, cache: PagedKVCache, batch: PagedBatch,
+def _forward(graphdef, backend: LoraBackend, max_rows: int, unroll: bool, state, cache: PagedKVCache, batch: PagedBatch,
              lora, prev_tokens, token_src, score_targets=None):
     """(greedy tokens [max_rows] int32, logits [R, V] float32, the updated cache, features [R, d]
     float32, scores) of one step; unroll: the layers unrolled (False: one scan body). With
@@ -232,7 +233,7 @@ class Programs:
     scan=True)`: the engine's start-up, so the server is ready sooner); it serves its steps until the
     unrolled program replaces it (`stand_ins()`: what a background compile still owes)."""
 
-    def __init__(self, graphdef, backend: str, max_rows: int, scan_from_tokens: int = 1):
+    def __init__(self, graphdef, backend: LoraBackend, max_rows: int, scan_from_tokens: int = 1):
         programs = {"forward": _forward, "sample": _sample, "sample_state": _sample_state}
         self._static = {name: (programs[name.removesuffix("_masked")], (max_rows,)) for name in SAMPLERS}
         self._static["forward"] = (_forward, (graphdef, backend, max_rows))

@@ -37,7 +37,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlora.buckets import bucket
-from jaxlora.lora import backends
 from jaxlora.lora.plan import ServingPlan, build_plan, build_serving_plan, build_window_plan, serving_order
 from jaxlora.models.llama import LoraInputs
 from jaxlora.models.paged import PagedBatch, PagedKVCache
@@ -91,7 +90,7 @@ def segments(config: EngineConfig, fixed: int) -> tuple[int, int]:
     backend with a segment window (hybrid) plans that many segments and the scheduler keeps
     a step's prompt chunks to that many adapters."""
     num_segments = bucket(config.max_adapters_on_device + 1 + fixed, 4)
-    window = backends.get(config.lora_backend).segment_window
+    window = config.backend.segment_window
     if window is None or window >= num_segments:
         return num_segments, 0
     return window, window
@@ -203,7 +202,7 @@ class StepBuilder:
         variant; a mixed one lists its one-token rows when the step has more tokens than rows, so
         BGMV runs over `max_rows` rows, not T), else a `LoraPlan`. one_token [T]: the token is its
         row's only one."""
-        if backends.get(self.config.lora_backend).plan_type is not ServingPlan:
+        if self.config.backend.plan_type is not ServingPlan:
             return build_plan(token_slot, self.num_segments)
         bgmv_rows = self.max_rows if self.max_rows < token_slot.size else None
         return build_serving_plan(token_slot, one_token, 0 if decode_only else self.num_segments, bgmv_rows)

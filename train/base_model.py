@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxlora.models import presets
-from jaxlora.models.config import LlamaConfig
+from jaxlora.nn.model_config import LlamaConfig
 from train.config import ConfigError
 
 PRESETS = {"llama-3.1-8b": presets.LLAMA_3_1_8B, "tiny": dataclasses.replace(presets.TINY, num_layers=4)}

@@ -16,7 +16,7 @@ import dataclasses
 import os
 import sys
 
-from jaxlora.lora.config import AdapterError
+from jaxlora.lora.adapter_config import AdapterError
 from jaxlora.weights import WeightsError
 from train.config import ConfigError, load_train_config, resolved_dtype
 

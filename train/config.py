@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from typing import Any
 
 import yaml
 
 from jaxlora.dtypes import DTYPES, checkpoint_dtype, choose_dtype
-from jaxlora.lora.config import AdapterError, LoraConfig
+from jaxlora.lora.adapter_config import AdapterError, LoraConfig
 from jaxlora.lora.head import check_labels
 from jaxlora.lora import backends
+from jaxlora.lora.backends import LoraBackend
 
 
 class ConfigError(ValueError):
@@ -95,13 +97,18 @@ class TrainConfig:
     scheduler: str = "milp"  # milp | greedy
     solver_time_limit: float = 1.0
     checkpoint_every: int = 50  # microbatches
-    lora_backend: str = "onehot"  # the fastest XLA path for a few adapters (bench/results/sgmv_h100.json)
+    lora_backend: str = backends.TRAINING_DEFAULT  # a name of jaxlora.lora.backends; the object: `backend`
     unroll_layers: bool = False  # unrolled layer scan: faster GPU steps, longer compile (README)
     seed: int = 0
     progress: bool = True
     tensorboard: bool = True  # event files in output_dir/tensorboard (tensorboardX)
     peak_tflops: float | None = None  # per device, for MFU; default: a table of known devices
     fusion: FusionConfig | None = None  # set: pack the jobs' tasks into few adapters (`train.fusion_run`)
+
+    @functools.cached_property
+    def backend(self) -> LoraBackend:
+        """`lora_backend` resolved once (`jaxlora.lora.backends`): the object the trainer passes down."""
+        return backends.get(self.lora_backend, trains=True)
 
     @property
     def sample_limit(self) -> int:

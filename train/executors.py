@@ -17,13 +17,13 @@ from jax.experimental import multihost_utils
 
 from jaxlora import sharding
 from jaxlora.lora.trainable import apply_adapter_update, slot_params
-from jaxlora.models.axes import ShardingRules
+from jaxlora.nn.axes import ShardingRules
 from jaxlora.parallel import mpmd
-from jaxlora.parallel.step import make_grad_step
+from jaxlora.parallel.grad_step import make_grad_step
 from jaxlora.scheduler.training.lemma import insert_noops
 from train.config import TrainConfig
 from train.groups import StepGroup
-from train.step import add_trees
+from train.microbatch import add_trees
 
 
 def to_host(tree):
@@ -51,7 +51,7 @@ class SpmdExecutor:
         self.grads_acc = jax.tree.map(jnp.zeros_like, trainable)
         self.opt_states = [self._commit_scalars(opt.init(slot_params(trainable, slot, rank)))
                            for slot, (opt, rank) in enumerate(zip(self.optimizers, self.ranks))]
-        self.grad_step = make_grad_step(model, len(self.optimizers), config.lora_backend,
+        self.grad_step = make_grad_step(model, len(self.optimizers), config.backend,
                                         unroll_layers=config.unroll_layers, remat=config.remat)
         rates = [job.lora.lora_dropout for job in config.jobs]
         self.dropout_rate = None if not any(rates) else self._replicated(np.asarray(rates, np.float32))
@@ -111,7 +111,7 @@ class PipelineExecutor:
                  ranks: Sequence[int], meshes: Sequence):
         placements = [mpmd.StagePlacement(mesh, weight_rules(config)) for mesh in meshes]
         self.pipeline = mpmd.MpmdPipeline(model, trainable, frozen, placements, list(optimizers), list(ranks),
-                                          config.lora_backend)
+                                          config.backend)
         self.global_batch_size = {slot: job.global_batch_size for slot, job in enumerate(config.jobs)}
         self.num_slots = len(config.jobs)
 

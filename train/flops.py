@@ -9,8 +9,8 @@ token (forward, input and weight gradients)."""
 
 from __future__ import annotations
 
-from jaxlora.lora.config import LoraConfig
-from jaxlora.models.config import LlamaConfig
+from jaxlora.lora.adapter_config import LoraConfig
+from jaxlora.nn.model_config import LlamaConfig
 
 # Dense bf16 TFLOP/s per device, by `jax.Device.device_kind` (the first entry that is a substring).
 PEAK_TFLOPS = (

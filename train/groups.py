@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Iterator, Mapping
 
-from jaxlora.scheduler.training.data import Microbatch, batch_index
+from jaxlora.scheduler.training.samples import Microbatch, batch_index
 
 
 @dataclasses.dataclass

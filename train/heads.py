@@ -4,7 +4,7 @@ JSONL, the loss the cross-entropy of the head's logits at each text's last token
 
 A global batch is one step: its samples (tokenized as the server's /classify tokenizes an input:
 `tokenizer.encode(text)`, no EOS) are packed whole into rows of `capacity` tokens by
-`train.step.pack_rows` (segment ids keep each text to itself; the row count is padded to a power
+`train.microbatch.pack_rows` (segment ids keep each text to itself; the row count is padded to a power
 of two, so batches of similar size share a compiled step), the model runs once with the job's
 adapter in slot 0 of a one-slot pool (`features=True`: the final norm's output), and each
 sample's last token feeds the head. The seeded sample order (`train.data.sample_order`), the
@@ -30,7 +30,9 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxlora.buckets import bucket
+from jaxlora.lora import backends
 from jaxlora.lora.adapter import LoraAdapter, empty_module
+from jaxlora.lora.backends import LoraBackend
 from jaxlora.lora.head import TaskHead, head_logits, save_head
 from jaxlora.lora.peft_io import save_peft_adapter
 from jaxlora.lora.pool import AdapterPool
@@ -40,7 +42,7 @@ from jaxlora.tokenizer import Tokenizer, TokenizerError
 from train.config import ConfigError, JobConfig, TrainConfig
 from train.data import TokenizedSample, read_jsonl, sample_order
 from train.optim import init_lora_a, make_optimizer
-from train.step import device_batch, pack_rows
+from train.microbatch import device_batch, pack_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,18 +108,18 @@ def pack_texts(samples: list, capacity: int) -> tuple[dict, object, np.ndarray, 
     return batch, plan, rows_of, ends
 
 
-def head_forward(model: Llama, pool: dict, head: dict, batch: dict, plan, rows, ends, lora_backend: str,
+def head_forward(model: Llama, pool: dict, head: dict, batch: dict, plan, rows, ends, backend: LoraBackend,
                  dropout_rate=None, dropout_key=None, **model_options):
     """Head logits [n, num_labels] float32 of the packed texts: the model with the pool's slot 0
     ({module: {a, b, scale, rank}}), the final norm's output at each text's last token, then the
     head {weight [L, d], bias [L]}. model_options: `Llama`'s unroll_layers, remat."""
     features, _ = model(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"],
-                        lora=LoraInputs(pool, plan, dropout_rate, dropout_key), lora_backend=lora_backend,
+                        lora=LoraInputs(pool, plan, dropout_rate, dropout_key), lora_backend=backend,
                         features=True, **model_options)
     return head_logits(features[rows, ends].astype(jnp.float32), head["weight"], head["bias"])
 
 
-def make_head_step(model: Llama, optimizer: optax.GradientTransformation, lora_backend: str, **model_options):
+def make_head_step(model: Llama, optimizer: optax.GradientTransformation, backend: LoraBackend, **model_options):
     """A jitted (params {lora, head}, opt_state, frozen, batch, plan, rows, ends, labels, mask,
     dropout_rate, key) -> (params, opt_state, mean loss): one optimizer step on the mean
     cross-entropy of the real (mask) samples. model_options: `Llama`'s unroll_layers, remat."""
@@ -125,7 +127,7 @@ def make_head_step(model: Llama, optimizer: optax.GradientTransformation, lora_b
 
     def loss_fn(params, state, frozen, batch, plan, rows, ends, labels, mask, dropout_rate, key):
         logits = head_forward(nnx.merge(graphdef, state), join_pool(params["lora"], frozen), params["head"], batch,
-                              plan, rows, ends, lora_backend, dropout_rate, key, **model_options)
+                              plan, rows, ends, backend, dropout_rate, key, **model_options)
         nll = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
         return (nll * mask).sum() / mask.sum()
 
@@ -140,15 +142,16 @@ def make_head_step(model: Llama, optimizer: optax.GradientTransformation, lora_b
 
 
 def classify(model: Llama, pool: dict, head: TaskHead, samples: list, capacity: int,
-             lora_backend: str = "gather", batch_size: int = 64) -> np.ndarray:
+             lora_backend: LoraBackend | str = backends.DEFAULT, batch_size: int = 64) -> np.ndarray:
     """Probabilities [n, num_labels] of token arrays `samples` (anything with `.tokens`) in
     process: the model with the adapter of the pool's slot 0 and `head` (no dropout)."""
+    backend = backends.get(lora_backend)
     graphdef, state = nnx.split(model)
     arrays = {"weight": jnp.asarray(head.weight), "bias": jnp.asarray(head.bias)}
 
     @jax.jit
     def probs(state, batch, plan, rows, ends):
-        logits = head_forward(nnx.merge(graphdef, state), pool, arrays, batch, plan, rows, ends, lora_backend)
+        logits = head_forward(nnx.merge(graphdef, state), pool, arrays, batch, plan, rows, ends, backend)
         return jax.nn.softmax(logits, axis=-1)
 
     return np.concatenate([np.asarray(probs(state, *pack_texts(samples[start:start + batch_size], capacity)))
@@ -182,7 +185,7 @@ class HeadTrainer:
                                 "bias": jnp.zeros(labels, jnp.float32)}}
         optimizer = make_optimizer(job, self.total_steps)
         self.opt_state = optimizer.init(self.params)
-        self.step = make_head_step(model, optimizer, config.lora_backend, unroll_layers=config.unroll_layers,
+        self.step = make_head_step(model, optimizer, config.backend, unroll_layers=config.unroll_layers,
                                    remat=config.remat)
 
     def run(self) -> list[float]:

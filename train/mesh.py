@@ -11,7 +11,7 @@ anything is compiled (each error names the setting), and the device mesh it desc
 from __future__ import annotations
 
 from jaxlora.lora import backends
-from jaxlora.models.config import LlamaConfig
+from jaxlora.nn.model_config import LlamaConfig
 from train.config import ConfigError, TrainConfig
 
 
@@ -29,7 +29,7 @@ def check_mesh(config: TrainConfig, model: LlamaConfig, device_count: int, proce
         raise ConfigError(f"mesh.pipeline={mesh.pipeline} is more stages than the model's {model.num_layers} layers")
     if mesh.fsdp and model.hidden_size % mesh.data:
         raise ConfigError(f"mesh.fsdp: mesh.data={mesh.data} does not divide the model's hidden_size={model.hidden_size}")
-    if mesh.data * mesh.tensor > 1 and not backends.get(config.lora_backend).partitionable:
+    if mesh.data * mesh.tensor > 1 and not config.backend.partitionable:
         raise ConfigError(f"lora_backend={config.lora_backend!r} cannot run with mesh.data={mesh.data}, "
                           f"mesh.tensor={mesh.tensor}: its kernels (a pallas_call) have no GSPMD partitioning rule; "
                           f"use one of {', '.join(backends.names(trains=True, partitionable=True))}")

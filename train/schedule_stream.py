@@ -11,7 +11,7 @@ import os
 import queue
 import threading
 
-from jaxlora.scheduler.training.data import Sample, TrainingData
+from jaxlora.scheduler.training.samples import Sample, TrainingData
 from jaxlora.scheduler.training.schedule import SchedulerConfig
 from jaxlora.scheduler.training.ahead import ScheduleAhead
 

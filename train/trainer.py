@@ -20,15 +20,14 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from jaxlora.lora import backends
 from jaxlora.lora.adapter import LoraAdapter, empty_module
 from jaxlora.lora.peft_io import save_peft_adapter
 from jaxlora.lora.pool import AdapterPool
 from jaxlora.lora.trainable import apply_adapter_update, slot_adapter, split_pool
-from jaxlora.models.config import PROJECTIONS
+from jaxlora.nn.model_config import PROJECTIONS
 from jaxlora.models.packed import pack_projections
 from jaxlora.scheduler.core import IDLE, TRAIN, TRAINING_ONLY, WorkItem
-from jaxlora.scheduler.training.data import Sample, TrainingData
+from jaxlora.scheduler.training.samples import Sample, TrainingData
 from jaxlora.scheduler.training.schedule import SchedulerConfig
 from train.base_model import base_model_config, load_base_model
 from train.checkpoint import Checkpointer
@@ -38,10 +37,10 @@ from train.executors import PipelineExecutor, SpmdExecutor
 from train.flops import peak_tflops, sample_flops
 from train.groups import StepGroup, step_groups
 from train.mesh import build_meshes, check_mesh
-from train.metrics import MetricsLog
+from train.metrics_log import MetricsLog
 from train.optim import init_lora_a, learning_rate_schedule, make_optimizer
 from train.schedule_stream import ScheduleStream
-from train.step import add_trees, device_batch, pack_rows
+from train.microbatch import add_trees, device_batch, pack_rows
 
 
 @dataclasses.dataclass
@@ -342,7 +341,7 @@ def _training_model(config: TrainConfig, model):
     Variables are the engine's)."""
     if "layers.qkv_proj.kernel" in model.weights:
         return model
-    if (config.mesh.size > 1 or backends.get(config.lora_backend).fused
+    if (config.mesh.size > 1 or config.backend.fused
             or any(job.lora.lora_dropout for job in config.jobs)):
         return model
     return pack_projections(model)

@@ -27,8 +27,8 @@ from jaxlora.compress import clusters as clustering
 from jaxlora.compress import methods
 from jaxlora.lora.adapter import LoraAdapter, ModuleLora
 from jaxlora.lora.compressed import SharedBasisSet
-from jaxlora.lora.config import AdapterError, LoraConfig
-from jaxlora.models.config import PROJECTIONS, LlamaConfig, projection_shapes
+from jaxlora.lora.adapter_config import AdapterError, LoraConfig
+from jaxlora.nn.model_config import PROJECTIONS, LlamaConfig, projection_shapes
 
 METHODS = ("svd", "jd-full", "jd-diag")
 JOINT = ("jd-full", "jd-diag")

@@ -7,9 +7,9 @@ import dataclasses
 
 import numpy as np
 
-from jaxlora.lora.config import AdapterError, LoraConfig
-from jaxlora.models.config import LlamaConfig
-from jaxlora.models.config import projection_shapes
+from jaxlora.lora.adapter_config import AdapterError, LoraConfig
+from jaxlora.nn.model_config import LlamaConfig
+from jaxlora.nn.model_config import projection_shapes
 
 
 @dataclasses.dataclass

@@ -3,6 +3,11 @@
 names here (`get`, `names`), the command lines take their choices from here, and `resolve` says
 what `auto` means on a platform. No code elsewhere tests a backend by its name.
 
+A name is resolved once, at the edge (the serving command line and `EngineConfig`, `TrainConfig`,
+the model's and `generate`'s public calls), into its `LoraBackend` (`get`); the object is what
+travels down to the projections (`jaxlora.lora.project.LayerLora`). `DEFAULT` is the backend of a
+call that names none; `TRAINING_DEFAULT` that of a training config that names none.
+
   gather, onehot, ragged_dot, loop   XLA ops (GSPMD partitions them: tensor-parallel serving);
   pallas                             the SGMV/BGMV kernels in the device's style (the GPU style
                                      in interpret mode on a CPU); pallas_gpu, pallas_tpu: one
@@ -31,6 +36,9 @@ from jaxlora.lora import compressed, ops
 from jaxlora.lora.plan import LoraPlan, ServingPlan
 
 AUTO = "auto"
+DEFAULT = "gather"  # the model, `generate`, the grad step and the serving engine, when none is named
+TRAINING_DEFAULT = "onehot"  # `TrainConfig`, the MPMD pipeline: the fastest XLA path for a few adapters
+# (bench/results/sgmv_h100.json)
 _F32 = jnp.float32
 
 
@@ -71,6 +79,13 @@ class LoraBackend:
     shared_basis: bool = False
     adds_in_input_dtype: bool = False
     segment_window: int | None = None
+
+    def __reduce_ex__(self, protocol):
+        """A registry backend pickles and copies as its name: the copy is the registry's own object,
+        equal to it (a program jitted with it as a static argument is found again), as the name was."""
+        if _REGISTRY.get(self.name) is self:
+            return get, (self.name,)
+        return super().__reduce_ex__(protocol)
 
     @property
     def fused(self) -> bool:
@@ -177,15 +192,24 @@ def names(**facts: bool) -> tuple[str, ...]:
                  if all(getattr(backend, fact) == value for fact, value in facts.items()))
 
 
-def get(name: str, **facts: bool) -> LoraBackend:
-    """The backend called `name`; ValueError, listing the valid names, for an unknown name or a
-    backend without the facts asked for (serves, trains, partitionable: e.g. `get(name, serves=True)`)."""
+def get(name: str | LoraBackend, **facts: bool) -> LoraBackend:
+    """The backend called `name` (a `LoraBackend` is taken as it is); ValueError, listing the valid
+    names, for an unknown name or a backend without the facts asked for (serves, trains,
+    partitionable: e.g. `get(name, serves=True)`). The edges call it once; below them the object
+    travels."""
+    if isinstance(name, LoraBackend):
+        return check(name, **facts)
     if name not in _REGISTRY:
         raise ValueError(f"unknown LoRA backend {name!r}; choose from {', '.join(names(**facts))}")
-    backend = _REGISTRY[name]
+    return check(_REGISTRY[name], **facts)
+
+
+def check(backend: LoraBackend, **facts: bool) -> LoraBackend:
+    """`backend` itself; ValueError, listing the backends that have them, if it lacks one of the
+    facts asked for (`get`)."""
     for fact, value in facts.items():
         if getattr(backend, fact) != value:
-            raise ValueError(f"LoRA backend {name!r} {_CANNOT[fact]}; use one of {', '.join(names(**facts))}")
+            raise ValueError(f"LoRA backend {backend.name!r} {_CANNOT[fact]}; use one of {', '.join(names(**facts))}")
     return backend
 
 

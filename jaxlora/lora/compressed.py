@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxlora.lora import ops
 from jaxlora.lora.plan import LoraPlan
-from jaxlora.models.layers import dense
+from jaxlora.nn.layers import dense
 
 KEYS = ("compressed_in", "compressed_out", "compressed_sigma", "compressed_cluster")
 _F32 = jnp.float32

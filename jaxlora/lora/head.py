@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxlora.jsonfile import read_json_file
-from jaxlora.lora.config import AdapterError
+from jaxlora.lora.adapter_config import AdapterError
 
 HEAD_CONFIG_FILE = "head_config.json"
 HEAD_WEIGHTS_FILE = "head.safetensors"

@@ -30,7 +30,7 @@ import pallas_kernels
 from jaxlora.lora import paged_ops
 from jaxlora.lora.paged_ops import PagedModulePool
 from jaxlora.lora.plan import LoraPlan, ServingPlan
-from jaxlora.models.layers import dense
+from jaxlora.nn.layers import dense
 from pallas_kernels.fused_lora import fused_lora_linear
 
 _F32 = jnp.float32

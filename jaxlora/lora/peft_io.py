@@ -17,8 +17,8 @@ from safetensors.numpy import save_file
 
 from jaxlora.lora.adapter import LoraAdapter, check_finite, empty_module
 from jaxlora.jsonfile import read_json_file
-from jaxlora.lora.config import AdapterError, LoraConfig, module_key
-from jaxlora.models.config import FUSED_CHECKPOINT_PROJECTIONS, PROJECTIONS, LlamaConfig, fused_parts
+from jaxlora.lora.adapter_config import AdapterError, LoraConfig, module_key
+from jaxlora.nn.model_config import FUSED_CHECKPOINT_PROJECTIONS, PROJECTIONS, LlamaConfig, fused_parts
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -23,7 +23,7 @@ instead of a staged copy of pageable memory (H200, jax 0.11.2, 84 MB: 2.1 ms pin
 18.4 ms from numpy; `bench/h2d.py`). A GPU server's engine turns it on (`EngineConfig.
 pinned_host_adapters`); without it the arrays are numpy and the jitted update takes them as they are.
 
-With a `mesh` the arrays are placed by their logical axes (`jaxlora.models.axes.pool_axes`;
+With a `mesh` the arrays are placed by their logical axes (`jaxlora.nn.axes.pool_axes`;
 S-LoRA: A of row-parallel layers split by input rows, B of column-parallel layers by output
 columns) and the slot update keeps that placement (its outputs are pinned to it, so donation
 still writes in place); each device receives only its part of a loaded slot."""
@@ -39,9 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlora.lora.adapter import LoraAdapter, check_finite
-from jaxlora.lora.config import AdapterError
-from jaxlora.models.axes import ShardingRules, pool_axes, slot_axes
-from jaxlora.models.config import PROJECTIONS, LlamaConfig, projection_shapes
+from jaxlora.lora.adapter_config import AdapterError
+from jaxlora.nn.axes import ShardingRules, pool_axes, slot_axes
+from jaxlora.nn.model_config import PROJECTIONS, LlamaConfig, projection_shapes
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh

@@ -15,8 +15,8 @@ from jaxlora.lora import backends
 from jaxlora.lora.backends import LoraBackend
 from jaxlora.lora.ops import stacked_pool
 from jaxlora.lora.plan import LoraPlan, WindowPlan
-from jaxlora.models.config import PACKED_PROJECTIONS, PROJECTIONS
-from jaxlora.models.layers import dense
+from jaxlora.nn.model_config import PACKED_PROJECTIONS, PROJECTIONS
+from jaxlora.nn.layers import dense
 from pallas_kernels.fused_lora_layout import dropout_inv_keep, dropout_mask
 
 
@@ -46,15 +46,18 @@ class LayerLora(NamedTuple):
     layer: jax.Array
 
 
-def layer_lora(inputs: LoraInputs | None, layer_pool: dict | None, backend: str, layer) -> LayerLora | None:
+def layer_lora(inputs: LoraInputs | None, layer_pool: dict | None, backend: LoraBackend, layer) -> LayerLora | None:
     """The LoRA context of one layer, or None without adapters. layer_pool: this layer's pool
     arrays; None takes the whole stacked pool of `inputs` at `layer` (`StackedModulePool`s: the
-    kernels index the stack in place, no per-layer slice is copied); backend: a registry name."""
+    kernels index the stack in place, no per-layer slice is copied); backend: the `LoraBackend`
+    (resolved by the caller's edge; a registry name, from a direct call, is looked up here)."""
     if inputs is None:
         return None
     if layer_pool is None:
         layer_pool = stacked_pool(inputs.pool, layer)
-    return LayerLora(layer_pool, inputs, backends.get(backend), layer)
+    if not isinstance(backend, LoraBackend):
+        backend = backends.get(backend)
+    return LayerLora(layer_pool, inputs, backend, layer)
 
 
 def project(x: jax.Array, weights: dict[str, jax.Array], name: str, layer_lora: LayerLora | None = None) -> jax.Array:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlora.lora.pool import AdapterPool, PreparedAdapter
-from jaxlora.models.config import PROJECTIONS, LlamaConfig, projection_shapes
+from jaxlora.nn.model_config import PROJECTIONS, LlamaConfig, projection_shapes
 
 
 def adapter_rank(prepared: PreparedAdapter) -> int:

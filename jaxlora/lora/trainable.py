@@ -10,7 +10,7 @@ import numpy as np
 import optax
 
 from jaxlora.lora.adapter import LoraAdapter, ModuleLora, empty_module
-from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.adapter_config import LoraConfig
 
 
 def split_pool(pool_arrays: dict) -> tuple[dict, dict]:

@@ -25,9 +25,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxlora.lora.project import LayerLora, LoraInputs, layer_lora as make_layer_lora, project as _project, project_group
-from jaxlora.models.config import LlamaConfig, has_bias, projection_shapes
-from jaxlora.models.layers import (ACTIVATION_FUNCTIONS, AttentionSpec, PackedSegments, apply_rope, attend, dense,
+from jaxlora.lora import backends
+from jaxlora.lora.backends import LoraBackend
+from jaxlora.lora.project import LayerLora, LoraInputs, layer_lora, project as _project, project_group
+from jaxlora.nn.model_config import LlamaConfig, has_bias, projection_shapes
+from jaxlora.nn.layers import (ACTIVATION_FUNCTIONS, AttentionSpec, PackedSegments, apply_rope, attend, dense,
                                    layer_window, packed_attention, rms_norm, rope_frequencies, softcap,
                                    window_mask)
 
@@ -139,7 +141,7 @@ class Llama(nnx.Module):
         cache: KVCache | None = None,
         logit_indices: jax.Array | None = None,
         lora: LoraInputs | None = None,
-        lora_backend: str = "gather",
+        lora_backend: LoraBackend | str = backends.DEFAULT,
         attention: str = "auto",
         unroll_layers: bool | int = 1,
         remat: str = "none",
@@ -156,9 +158,10 @@ class Llama(nnx.Module):
           cache: a `KVCache` for incremental decoding; None for packed mode.
           logit_indices: [B] index along T whose logits to return; None: all positions.
           lora: adapters and the plan over the B*T tokens (each token its own slot, or -1).
-          lora_backend: how the LoRA op is computed: a name in `jaxlora.lora.backends`.
+          lora_backend: how the LoRA op is computed: a `LoraBackend` of `jaxlora.lora.backends`, or its
+            name (resolved here, once per call).
           attention: packed mode's attention, "auto" | "masked" | "flash"
-            (see `jaxlora.models.layers.packed_attention`); the cache path always masks.
+            (see `jaxlora.nn.layers.packed_attention`); the cache path always masks.
           unroll_layers: layers per iteration of the layer scan (True: all). Unrolled, XLA slices
             each layer's weights statically instead of copying them out of the stack every
             iteration (faster GPU training steps: bench/NOTES_train.md); compiles slower.
@@ -175,6 +178,7 @@ class Llama(nnx.Module):
           weights' dtype), the updated cache or None).
         """
         config = self.config
+        backend = backends.get(lora_backend)
         hidden = self.embed(tokens) if embeds is None else embeds.astype(self.dtype)
         if cache is None:
             packed = PackedAttention(_packed_mask(tokens.shape, segment_ids, config, attention))
@@ -184,8 +188,8 @@ class Llama(nnx.Module):
         def layer(hidden, per_layer):
             weights, layer_cache, layer_pool, layer_index = per_layer
             kv = packed if cache is None else DenseCacheAttention(*layer_cache, positions, mask)
-            layer_lora = make_layer_lora(lora, layer_pool, lora_backend, layer_index)
-            hidden, kv = decoder_layer(config, weights, hidden, positions, layer_index, kv, layer_lora)
+            lora_context = layer_lora(lora, layer_pool, backend, layer_index)
+            hidden, kv = decoder_layer(config, weights, hidden, positions, layer_index, kv, lora_context)
             return hidden, (None if cache is None else (kv.k, kv.v))
 
         if REMAT_POLICIES[remat] is not None:
@@ -233,7 +237,7 @@ def _packed_mask(shape: tuple[int, int], segment_ids: jax.Array | None, config: 
 
 class PackedAttention(NamedTuple):
     """Keys/values of the step only (no cache): packed training/scoring rows. mask: [B, T, T] bool
-    or the flash kernel's `PackedSegments` (`jaxlora.models.layers.packed_attention`)."""
+    or the flash kernel's `PackedSegments` (`jaxlora.nn.layers.packed_attention`)."""
 
     mask: jax.Array | PackedSegments
 

@@ -27,7 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxlora.models.config import PACKED_PROJECTIONS, LlamaConfig, projection_shapes
+from jaxlora.nn.model_config import PACKED_PROJECTIONS, LlamaConfig, projection_shapes
 from pallas_kernels.merge_gpu import merge_columns
 
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlora.models.config import PACKED_PROJECTIONS, LlamaConfig, projection_shapes
+from jaxlora.nn.model_config import PACKED_PROJECTIONS, LlamaConfig, projection_shapes
 from jaxlora.models.llama import Llama
 
 

@@ -27,9 +27,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxlora.lora.plan import ServingPlan
-from jaxlora.lora.project import LoraInputs, layer_lora as make_layer_lora
-from jaxlora.models.config import LlamaConfig
-from jaxlora.models.layers import AttentionSpec
+from jaxlora.lora import backends
+from jaxlora.lora.backends import LoraBackend
+from jaxlora.lora.project import LoraInputs, layer_lora
+from jaxlora.nn.model_config import LlamaConfig
+from jaxlora.nn.layers import AttentionSpec
 from jaxlora.models.llama import Llama, decoder_layer
 from pallas_kernels.paged_attention import paged_attention
 
@@ -121,7 +123,7 @@ def paged_forward(
     batch: PagedBatch,
     cache: PagedKVCache,
     lora: LoraInputs | None = None,
-    lora_backend: str = "gather",
+    lora_backend: LoraBackend | str = backends.DEFAULT,
     attention: str = "auto",
     unroll_layers: bool | None = None,
     image_rows: tuple[jax.Array, jax.Array] | None = None,
@@ -137,7 +139,7 @@ def paged_hidden(
     batch: PagedBatch,
     cache: PagedKVCache,
     lora: LoraInputs | None = None,
-    lora_backend: str = "gather",
+    lora_backend: LoraBackend | str = backends.DEFAULT,
     attention: str = "auto",
     unroll_layers: bool | None = None,
     every_token: bool = False,
@@ -153,6 +155,7 @@ def paged_hidden(
       lora: adapters and a plan over the T tokens (in token order), or None. With a `ServingPlan`
         the layers get the whole pool stack and their index (`StackedModulePool`): the serving
         kernels index it in place, no per-layer slice of the pool is copied.
+      lora_backend: the `LoraBackend` (`jaxlora.lora.backends`), or its name (resolved here, once).
       attention: the paged attention implementation (`pallas_kernels.paged_attention`'s `kernel`):
         "auto" runs the kernel on a GPU/TPU and the jnp reference on a CPU.
       unroll_layers: None: unrolled on a GPU/TPU, a scan on a CPU (compiles faster).
@@ -166,6 +169,7 @@ def paged_hidden(
       the updated cache).
     """
     config = model.config
+    backend = backends.get(lora_backend)
     batch = jax.tree.map(jnp.asarray, batch)
     unroll = jax.default_backend() in ("gpu", "tpu") if unroll_layers is None else unroll_layers
     positions = batch.positions[None]
@@ -177,8 +181,8 @@ def paged_hidden(
         weights, layer_pool, layer_index = per_layer
         kv = PagedCacheAttention(k_pages, v_pages, layer_index, write_page, write_offset, batch.block_tables,
                                  starts, batch.positions, attention)
-        layer_lora = make_layer_lora(lora, layer_pool, lora_backend, layer_index)
-        hidden, kv = decoder_layer(config, weights, hidden, positions, layer_index, kv, layer_lora)
+        lora_context = layer_lora(lora, layer_pool, backend, layer_index)
+        hidden, kv = decoder_layer(config, weights, hidden, positions, layer_index, kv, lora_context)
         return (hidden, kv.k_pages, kv.v_pages), None
 
     # A ServingPlan's kernels take the pool stack whole (layer_pool None); the XLA backends get

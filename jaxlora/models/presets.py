@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxlora.models.config import LlamaConfig, RopeScaling
+from jaxlora.nn.model_config import LlamaConfig, RopeScaling
 
 LLAMA_3_1_8B = LlamaConfig(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from jaxlora.scheduler.training.data import Microbatch, Sample, batch_index, real_tokens
+from jaxlora.scheduler.training.samples import Microbatch, Sample, batch_index, real_tokens
 from jaxlora.scheduler.training.lemma import insert_noops
 
 

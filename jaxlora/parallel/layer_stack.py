@@ -19,19 +19,19 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxlora.lora import backends
+from jaxlora.lora.backends import LoraBackend
 from jaxlora.lora.plan import LoraPlan
-from jaxlora.models.config import LlamaConfig
-from jaxlora.lora.project import layer_lora as make_layer_lora
+from jaxlora.nn.model_config import LlamaConfig
+from jaxlora.lora.project import layer_lora
 from jaxlora.models.llama import LoraInputs, PackedAttention, decoder_layer
-from jaxlora.models.axes import ShardingRules, weight_axes
+from jaxlora.nn.axes import ShardingRules, weight_axes
 from jaxlora.sharding import ROW_PARALLEL, pool_specs
 
 
-def _check_vma(backend: str, plans: LoraPlan) -> bool:
+def _check_vma(backend: LoraBackend, plans: LoraPlan) -> bool:
     """Custom (Pallas) kernels declare no varying-axes type for their outputs, so a map that runs
     one on `plans` runs unchecked."""
-    return not backends.get(backend).for_plan(plans).custom_kernel
+    return not backend.for_plan(plans).custom_kernel
 
 
 def local_config(config: LlamaConfig, mesh: Mesh) -> LlamaConfig:
@@ -51,8 +51,9 @@ def _bias_once(layer_weights: dict) -> dict:
             else value for name, value in layer_weights.items()}
 
 
-def run_local_layers(config, layer_weights, pool, hidden, positions, mask, plan, first_layer, backend):
-    """This shard's layers (scan), with LoRA from `pool` (or None) on this shard's `plan`."""
+def run_local_layers(config, layer_weights, pool, hidden, positions, mask, plan, first_layer, backend: LoraBackend):
+    """This shard's layers (scan), with LoRA from `pool` (or None) on this shard's `plan`, computed
+    by `backend`."""
     layer_weights = _bias_once(layer_weights)
 
     def reduce_partial(partial):
@@ -60,8 +61,8 @@ def run_local_layers(config, layer_weights, pool, hidden, positions, mask, plan,
 
     def layer(hidden, per_layer):
         weights, layer_pool, index = per_layer
-        layer_lora = None if pool is None else make_layer_lora(LoraInputs(pool, plan), layer_pool, backend, index)
-        hidden, _ = decoder_layer(config, weights, hidden, positions, index, PackedAttention(mask), layer_lora,
+        lora_context = None if pool is None else layer_lora(LoraInputs(pool, plan), layer_pool, backend, index)
+        hidden, _ = decoder_layer(config, weights, hidden, positions, index, PackedAttention(mask), lora_context,
                                   reduce_partial)
         return hidden, None
 
@@ -71,7 +72,7 @@ def run_local_layers(config, layer_weights, pool, hidden, positions, mask, plan,
     return hidden
 
 
-def tensor_parallel_stack(config: LlamaConfig, mesh: Mesh, rules: ShardingRules, backend: str = "gather"):
+def tensor_parallel_stack(config: LlamaConfig, mesh: Mesh, rules: ShardingRules, backend: LoraBackend):
     """(hidden [B, T, d], positions [B, T], mask [B, T, T], layer weights, pool or None, plans with
     a leading data axis from `local_plans`) -> hidden after all layers; B on `data`."""
     if mesh.shape["stage"] != 1:
@@ -93,7 +94,7 @@ def tensor_parallel_stack(config: LlamaConfig, mesh: Mesh, rules: ShardingRules,
     return stack
 
 
-def pipeline_stack(config: LlamaConfig, mesh: Mesh, rules: ShardingRules, backend: str = "gather"):
+def pipeline_stack(config: LlamaConfig, mesh: Mesh, rules: ShardingRules, backend: LoraBackend):
     """GPipe over `stage` (layers split in contiguous groups), with tensor and data parallel inside.
 
     (hidden [M, B, T, d], positions [M, B, T], mask [M, B, T, T], layer weights, pool or None,

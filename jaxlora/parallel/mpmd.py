@@ -33,15 +33,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxlora import sharding
 from jaxlora.lora.plan import LoraPlan
-from jaxlora.models.axes import ShardingRules, weight_axes
-from jaxlora.models.config import LlamaConfig
-from jaxlora.lora.project import layer_lora as make_layer_lora
+from jaxlora.nn.axes import ShardingRules, weight_axes
+from jaxlora.nn.model_config import LlamaConfig
+from jaxlora.lora import backends
+from jaxlora.lora.backends import LoraBackend
+from jaxlora.lora.project import layer_lora
 from jaxlora.lora.trainable import apply_adapter_update, join_pool, slot_params
 from jaxlora.models.llama import (Llama, LoraInputs, PackedAttention, _packed_mask, decoder_layer, embed_tokens,
                                   final_logits)
 from jaxlora.models.loss import per_slot_loss
 from jaxlora.parallel.bubble import stage_order
-from jaxlora.scheduler.training.data import Microbatch
+from jaxlora.scheduler.training.samples import Microbatch
 from jaxlora.scheduler.training.lemma import batches_in
 
 
@@ -176,10 +178,10 @@ def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     return [(int(bounds[s]), int(bounds[s + 1])) for s in range(num_stages)]
 
 
-def _layer_call(config, backend, weights, trainable, frozen, hidden, batch, plan, mask, index):
+def _layer_call(config, backend: LoraBackend, weights, trainable, frozen, hidden, batch, plan, mask, index):
     pool = join_pool(trainable, frozen)
     hidden, _ = decoder_layer(config, weights, hidden, batch["positions"], index, PackedAttention(mask),
-                              make_layer_lora(LoraInputs(pool, plan), pool, backend, index))
+                              layer_lora(LoraInputs(pool, plan), pool, backend, index))
     return hidden
 
 
@@ -199,7 +201,7 @@ class StageProgram:
     last: bool
     first_layer: int
     num_slots: int
-    backend: str
+    backend: LoraBackend
 
     def _layers(self):
         return functools.partial(_layer_call, self.config, self.backend)
@@ -353,8 +355,9 @@ class MpmdPipeline:
     of one per slot; rank: the rank every slot trains, or one per slot."""
 
     def __init__(self, model: Llama, trainable: dict, frozen: dict, devices: Sequence[jax.Device | StagePlacement],
-                 optimizer, rank: int | list[int], backend: str = "onehot"):
+                 optimizer, rank: int | list[int], backend: LoraBackend | str = backends.TRAINING_DEFAULT):
         num_slots = next(iter(trainable.values()))["a"].shape[1]
+        lora_backend = backends.get(backend)  # resolved once; the stages' programs take the object
         # One optimizer (an optax NamedTuple, itself a sequence) for all slots, or a list of them.
         self.optimizers = list(optimizer) if isinstance(optimizer, list) else [optimizer] * num_slots
         self.ranks = list(rank) if isinstance(rank, (list, tuple)) else [rank] * num_slots
@@ -364,7 +367,7 @@ class MpmdPipeline:
         self.stages: list[Stage] = []
         for index, (placement, (start, stop)) in enumerate(zip(placements, self.layer_ranges)):
             first, last = index == 0, index == len(placements) - 1
-            program = StageProgram(model.config, first, last, start, num_slots, backend)
+            program = StageProgram(model.config, first, last, start, num_slots, lora_backend)
             weights = placement.weights(stage_weights(model, start, stop, first, last))
             own = placement.pool(_slice_layers(trainable, start, stop))
             opt_states = {slot: placement.scalars(self.optimizers[slot].init(slot_params(own, slot, self.ranks[slot])))

@@ -21,10 +21,10 @@ import numpy as np
 from safetensors import safe_open
 
 from jaxlora.lora.adapter import LoraAdapter
-from jaxlora.lora.config import AdapterError, module_key
+from jaxlora.lora.adapter_config import AdapterError, module_key
 from jaxlora.lora.peft_io import (CONFIG_FILE, WEIGHTS_FILE, adapter_from_peft, lora_config_from_peft,
                                   read_raw_adapter_config)
-from jaxlora.models.config import PROJECTIONS
+from jaxlora.nn.model_config import PROJECTIONS
 from jaxlora.vision.config import LlavaConfig, split_llava_name
 from jaxlora.vision.tower_lora import TowerLora, parse_tower_module, tower_lora_from_peft
 

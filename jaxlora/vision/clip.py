@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxlora.models.layers import AttentionSpec, attention, dense
+from jaxlora.nn.layers import AttentionSpec, attention, dense
 from jaxlora.vision.config import ClipVisionConfig, LlavaConfig
 
 ACTIVATIONS = {

@@ -1,6 +1,6 @@
 """LLaVA-1.5's configuration from a HF `config.json` (`LlavaForConditionalGeneration`): the CLIP
 vision tower's shapes, the projector, which vision layer feeds it, and the language model's
-`LlamaConfig` (built by `jaxlora.models.config.config_from_hf` from `text_config`)."""
+`LlamaConfig` (built by `jaxlora.nn.model_config.config_from_hf` from `text_config`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import dataclasses
 import re
 from typing import Any, Mapping
 
-from jaxlora.models.config import ConfigError, LlamaConfig, config_from_hf
+from jaxlora.nn.model_config import ConfigError, LlamaConfig, config_from_hf
 
 VISION_ACTIVATIONS = ("quick_gelu", "gelu", "gelu_pytorch_tanh", "gelu_new")
 FEATURE_STRATEGIES = ("default", "full")  # "default": the CLS position dropped; "full": kept

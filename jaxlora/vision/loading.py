@@ -19,7 +19,7 @@ import numpy as np
 from safetensors import safe_open
 
 from jaxlora.jsonfile import read_json_file
-from jaxlora.models.config import ConfigError
+from jaxlora.nn.model_config import ConfigError
 from jaxlora.models.llama import Llama
 from jaxlora.tokenizer import Tokenizer
 from jaxlora.vision.clip import LAYER_LINEARS, LAYER_NORMS, VisionTower, weight_shapes

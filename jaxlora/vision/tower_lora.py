@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlora.lora.adapter import ModuleLora
-from jaxlora.lora.config import AdapterError, pattern_key
+from jaxlora.lora.adapter_config import AdapterError, pattern_key
 from jaxlora.vision.clip import LAYER_LINEARS, linear_shapes
 from jaxlora.vision.config import LlavaConfig
 

@@ -6,7 +6,7 @@ import os
 
 import jax.numpy as jnp
 
-from jaxlora.models.config import LlamaConfig
+from jaxlora.nn.model_config import LlamaConfig
 from jaxlora.models.llama import Llama
 from jaxlora.tokenizer import Tokenizer, TokenizerError, tokenizer_from_gguf_metadata, tokenizer_from_hf_dir
 from jaxlora.weights.embedded import default_model_path

@@ -9,7 +9,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from jaxlora.models.config import ConfigError, LlamaConfig, config_from_gguf
+from jaxlora.nn.model_config import ConfigError, LlamaConfig, config_from_gguf
 from jaxlora.weights.errors import WeightsError
 from jaxlora.weights.layout import stack_weights
 

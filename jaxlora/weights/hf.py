@@ -12,7 +12,7 @@ import numpy as np
 from safetensors import safe_open
 
 from jaxlora.jsonfile import read_json_file
-from jaxlora.models.config import ConfigError, LlamaConfig, config_from_hf
+from jaxlora.nn.model_config import ConfigError, LlamaConfig, config_from_hf
 from jaxlora.weights.errors import WeightsError
 from jaxlora.weights.layout import on_host, stack_weights
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlora.models.config import LlamaConfig, fused_parts
+from jaxlora.nn.model_config import LlamaConfig, fused_parts
 from jaxlora.models.llama import weight_shapes
 from jaxlora.weights.errors import WeightsError
 

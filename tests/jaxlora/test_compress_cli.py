@@ -9,7 +9,7 @@ import pytest
 from jaxlora.compress import store
 from jaxlora.compress_cli import main
 from jaxlora.lora.adapter import random_adapter
-from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.adapter_config import LoraConfig
 from jaxlora.lora.peft_io import save_peft_adapter
 from jaxlora.weights import load_config
 from serve.cli import build_parser, read_compressed

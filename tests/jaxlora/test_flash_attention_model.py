@@ -8,16 +8,16 @@ import pytest
 from flax import nnx
 
 from jaxlora.lora.adapter import random_adapter
-from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.adapter_config import LoraConfig
 from jaxlora.lora.pool import AdapterPool
 from jaxlora.lora.trainable import split_pool
-from jaxlora.models.config import PROJECTIONS, LlamaConfig
-from jaxlora.models.layers import PackedSegments, packed_attention
+from jaxlora.nn.model_config import PROJECTIONS, LlamaConfig
+from jaxlora.nn.layers import PackedSegments, packed_attention
 from jaxlora.models.llama import Llama
-from jaxlora.parallel.step import make_grad_step
+from jaxlora.parallel.grad_step import make_grad_step
 from tests.pallas_kernels.cases import rel_err
 from train.data import TokenizedSample
-from train.step import device_batch, pack_microbatch
+from train.microbatch import device_batch, pack_microbatch
 
 CONFIG = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=32)

@@ -66,7 +66,7 @@ def test_structured_outputs_are_refused_not_ignored(smollm2):
 def test_generation_with_adapters_equals_merged_weights(smollm2):
     """Rows with different adapters in one batch decode like the adapter merged into the weights."""
     from jaxlora.lora.adapter import random_adapter
-    from jaxlora.lora.config import LoraConfig
+    from jaxlora.lora.adapter_config import LoraConfig
     from jaxlora.models.merge import merge_adapter
     from tests.serve.conftest import exact_weights
     from jaxlora.lora.pool import AdapterPool

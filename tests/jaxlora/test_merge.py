@@ -4,12 +4,12 @@ import numpy as np
 from flax import nnx
 
 from jaxlora.lora.adapter import random_adapter
-from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.adapter_config import LoraConfig
 from jaxlora.models.merge import merge_adapter, unmerge_adapter
 from jaxlora.lora.plan import build_plan
 from jaxlora.lora.pool import AdapterPool
-from jaxlora.models.config import LlamaConfig
-from jaxlora.models.config import PROJECTIONS
+from jaxlora.nn.model_config import LlamaConfig
+from jaxlora.nn.model_config import PROJECTIONS
 from jaxlora.models.llama import Llama, LoraInputs
 from tests.jaxlora.hf_checkpoints import relative_error
 

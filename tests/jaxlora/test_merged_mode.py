@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxlora.lora.plan import build_plan, build_window_plan
-from jaxlora.models.config import PROJECTIONS
+from jaxlora.nn.model_config import PROJECTIONS
 from jaxlora.models.llama import LoraInputs
 from jaxlora.models.merged import base_copy, merge_layout, set_merged
 from jaxlora.models.packed import add_adapter_window, fill_window_slot, pack_projections, window_keys, window_layout

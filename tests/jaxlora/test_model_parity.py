@@ -119,7 +119,7 @@ def test_cached_decoding_with_windows_equals_full_forward(tmp_path, family):
 def test_layer_windows_follow_each_family():
     """Qwen2.5's files say sliding_window 131072 with use_sliding_window false: no window; Gemma 2
     alternates, Gemma 3 windows all but every pattern-th layer."""
-    from jaxlora.models.config import config_from_hf
+    from jaxlora.nn.model_config import config_from_hf
 
     qwen = {**tiny_qwen2_config().to_dict(), "sliding_window": 131072, "use_sliding_window": False}
     assert config_from_hf(qwen).layer_windows() == (None, None, None)
@@ -129,7 +129,7 @@ def test_layer_windows_follow_each_family():
 
 
 def test_unsupported_model_options_are_refused_by_name():
-    from jaxlora.models.config import ConfigError, config_from_hf
+    from jaxlora.nn.model_config import ConfigError, config_from_hf
 
     refused = {
         "longrope": tiny_phi3_config(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,

@@ -24,7 +24,7 @@ KERNELS = [("gpu", "spans"), ("gpu", "jax"), ("tpu", "spans")]  # (impl, FlashBl
 
 def packed_inputs(seed, sizes, dtype):
     """q [1, T, H, D], k/v [1, T, Hkv, D] random normal; segment ids [1, T] (last group id 0 when
-    there are several groups, like padding in `train.step.pack_microbatch`)."""
+    there are several groups, like padding in `train.microbatch.pack_microbatch`)."""
     kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
     q = jax.random.normal(kq, (1, LENGTH, HEADS, HEAD_DIM), dtype)
     k = jax.random.normal(kk, (1, LENGTH, KV_HEADS, HEAD_DIM), dtype)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from pallas_kernels.ops import FUSED_TILES, fused_tiles
+from pallas_kernels.dispatch import FUSED_TILES, fused_tiles
 from tests.pallas_kernels.cases import TOL, rel_err
 
 LAYERS, SLOTS, R_MAX = 2, 5, 32

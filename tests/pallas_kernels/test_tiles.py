@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.layout import fit_shrink_smem, fit_tiles, pad_to, shrink_smem_bytes
+from pallas_kernels.tile_fit import fit_shrink_smem, fit_tiles, pad_to, shrink_smem_bytes
 from pallas_kernels.tiles import TileConfig, get_tile_config, heuristic_tiles, load_table
 from pallas_kernels.tiles import shape_bucket, smem_limit
 

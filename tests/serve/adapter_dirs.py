@@ -9,7 +9,7 @@ import os
 import ml_dtypes
 
 from jaxlora.lora.adapter import random_adapter
-from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.adapter_config import LoraConfig
 from jaxlora.lora.peft_io import save_peft_adapter
 
 RANKS = (4, 8, 16, 32)

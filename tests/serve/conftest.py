@@ -9,7 +9,7 @@ import time
 import pytest
 
 from jaxlora.lora.adapter import random_adapter
-from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.adapter_config import LoraConfig
 
 SMALL_ENGINE = dict(page_size=8, num_pages=96, max_model_len=128, max_num_seqs=16, token_budget=64,
                     prefill_chunk=16, max_lora_rank=8)

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from jaxlora.lora.adapter import random_adapter
-from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.adapter_config import LoraConfig
 from jaxlora.lora.peft_io import WEIGHTS_FILE, save_peft_adapter
 from jaxlora.weights import load_config
 from serve.cli import build_app, build_parser

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from jaxlora.lora.config import AdapterError
+from jaxlora.lora.adapter_config import AdapterError
 from jaxlora.lora.peft_io import CONFIG_FILE, WEIGHTS_FILE
 from jaxlora.lora.pool import PreparedAdapter
 from serve.adapter_store import AdapterStore

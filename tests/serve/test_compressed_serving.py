@@ -9,7 +9,7 @@ import pytest
 from jaxlora.compress.collection import Source, compress
 from jaxlora.generate import SamplingParams, generate
 from jaxlora.lora.adapter import random_adapter
-from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.adapter_config import LoraConfig
 from jaxlora.models.merge import merge_adapter
 from serve.engine import Engine, EngineConfig
 from tests.jaxlora.parallel.fixtures import CONFIG, tiny_model

@@ -9,9 +9,9 @@ import pytest
 from flax import nnx
 
 from jaxlora.lora.adapter import random_adapter
-from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.adapter_config import LoraConfig
 from jaxlora.lora.plan import build_window_plan
-from jaxlora.models.config import PROJECTIONS
+from jaxlora.nn.model_config import PROJECTIONS
 from jaxlora.models.llama import Llama
 from jaxlora.sampling import SamplingParams
 from jaxlora.scheduler.serving import ModePolicy

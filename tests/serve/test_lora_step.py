@@ -9,11 +9,11 @@ import pytest
 from flax import nnx
 
 from jaxlora.lora.adapter import random_adapter
-from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.adapter_config import LoraConfig
 from jaxlora.lora.plan import build_plan, build_serving_plan, serving_order
 from jaxlora.lora.pool import AdapterPool
-from jaxlora.models.config import LlamaConfig
-from jaxlora.models.config import PROJECTIONS
+from jaxlora.nn.model_config import LlamaConfig
+from jaxlora.nn.model_config import PROJECTIONS
 from jaxlora.models.llama import Llama, LoraInputs
 from jaxlora.models.paged import PagedBatch, PagedKVCache, paged_forward
 from tests.jaxlora.hf_checkpoints import relative_error

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from jaxlora.lora.adapter import random_adapter
-from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.adapter_config import LoraConfig
 from jaxlora.lora.plan import build_plan
 from jaxlora.lora.pool import AdapterPool
-from jaxlora.models.config import PROJECTIONS
+from jaxlora.nn.model_config import PROJECTIONS
 from jaxlora.models.llama import LoraInputs
 from jaxlora.sampling import SamplingParams
 from jaxlora.weights import load_llama

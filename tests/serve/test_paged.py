@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlora.models.config import LlamaConfig
+from jaxlora.nn.model_config import LlamaConfig
 from jaxlora.models.llama import KVCache, Llama
 from jaxlora.models.paged import PagedBatch, PagedKVCache, paged_forward
 

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from jaxlora.lora.adapter import random_adapter
-from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.adapter_config import LoraConfig
 from jaxlora.lora.peft_io import save_peft_adapter
 from jaxlora.models.llama import Llama
 from jaxlora.models.presets import TINY

@@ -228,7 +228,7 @@ def test_engine_with_unified_paging_gives_the_same_answers(tiny_model_dir):
     the KV at once: with unified paging idle adapters are evicted for KV (and loaded again), every
     request gets the same greedy tokens as with separate pools, and no page leaks."""
     from jaxlora.lora.adapter import random_adapter
-    from jaxlora.lora.config import LoraConfig
+    from jaxlora.lora.adapter_config import LoraConfig
     from jaxlora.sampling import SamplingParams
     from jaxlora.weights import load_model
     from serve.engine import Engine, EngineConfig
@@ -278,8 +278,8 @@ def test_resident_adapter_is_not_sized_again():
 def _mixed_rank_adapters(config):
     """8 adapters of ranks 4, 8, 16, 32 (each twice), half on q/v only, half on every projection."""
     from jaxlora.lora.adapter import random_adapter
-    from jaxlora.lora.config import LoraConfig
-    from jaxlora.models.config import PROJECTIONS
+    from jaxlora.lora.adapter_config import LoraConfig
+    from jaxlora.nn.model_config import PROJECTIONS
 
     return {f"m{i}": random_adapter(f"m{i}", config, LoraConfig(r=(4, 8, 16, 32)[i % 4], target_modules=(
         ("q_proj", "v_proj") if i < 4 else PROJECTIONS)), seed=10 + i, b_std=0.5) for i in range(8)}

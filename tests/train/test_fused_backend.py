@@ -6,13 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlora.lora.adapter import random_adapter
-from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.adapter_config import LoraConfig
 from jaxlora.lora.pool import AdapterPool
 from jaxlora.lora.trainable import split_pool
-from jaxlora.parallel.step import make_grad_step
+from jaxlora.parallel.grad_step import make_grad_step
 from tests.jaxlora.hf_checkpoints import relative_error
 from train.data import TokenizedSample
-from train.step import device_batch, pack_microbatch
+from train.microbatch import device_batch, pack_microbatch
 
 TEXTS = ["The capital of France is Paris.", "Two plus three is five.", "Cats chase mice at night."]
 

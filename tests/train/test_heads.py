@@ -14,7 +14,7 @@ from flax import nnx
 
 from bench.synthetic_jobs import write_word_tokenizer
 from jaxlora.lora.adapter import random_adapter
-from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.adapter_config import LoraConfig
 from jaxlora.lora.head import TaskHead, load_head
 from jaxlora.lora.peft_io import load_peft_adapter
 from jaxlora.models import presets

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.adapter_config import LoraConfig
 from jaxlora.models import presets
 from tests.train.tiny_jobs import write_tiny_jobs
 from train.config import load_train_config

@@ -4,7 +4,7 @@ each step's inference mode (merged / mixed / unmerged, V-LoRA), prefix caching o
 engine's step"), and the placement of requests over replicas (Punica). Host-side only (no JAX)."""
 
 from jaxlora.scheduler.serving.adapters import AdapterSlots
-from jaxlora.scheduler.serving.modes import (
+from jaxlora.scheduler.serving.mode_choice import (
     INFERENCE_MODES, CreditModes, Mode, ModePolicy, Pending, choose_mode, fixed_mode, runs_in,
 )
 from jaxlora.scheduler.serving.mode_costs import CostModes, CostPolicy, StepCosts

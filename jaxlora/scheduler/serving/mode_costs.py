@@ -37,7 +37,7 @@ import dataclasses
 import math
 from typing import Hashable
 
-from jaxlora.scheduler.serving.modes import Mode, Pending
+from jaxlora.scheduler.serving.mode_choice import Mode, Pending
 
 
 @dataclasses.dataclass(frozen=True)

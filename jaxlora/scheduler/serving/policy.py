@@ -228,7 +228,7 @@ class ServingScheduler:
         self._order = itertools.count()
         self.is_ready: Callable[[Hashable], bool] = lambda key: True  # adapter copyable to the device now
         # whether requests of an adapter (None: the base model) get rows now (merged inference mode:
-        # only the merged adapter's; `jaxlora.scheduler.serving.modes.runs_in`)
+        # only the merged adapter's; `jaxlora.scheduler.serving.mode_choice.runs_in`)
         self.runs: Callable[[Hashable | None], bool] = lambda key: True
 
     # ---- requests in and out -------------------------------------------------------------

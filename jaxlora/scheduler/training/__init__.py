@@ -7,7 +7,7 @@ process; `ScheduleAhead` packs in worker processes ahead of the training loop.
 """
 
 from jaxlora.scheduler.training.ahead import ScheduleAhead
-from jaxlora.scheduler.training.data import Microbatch, Sample, TrainingData, padded_tokens
+from jaxlora.scheduler.training.samples import Microbatch, Sample, TrainingData, padded_tokens
 from jaxlora.scheduler.training.greedy import first_fit_decreasing, per_adapter_first_fit
 from jaxlora.scheduler.training.grouping import group_adapters
 from jaxlora.scheduler.training.lemma import LemmaState, ScheduleError, insert_noops

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 
-from jaxlora.scheduler.training.data import TrainingData
+from jaxlora.scheduler.training.samples import TrainingData
 from jaxlora.scheduler.training.schedule import (
     Finalizer, Schedule, SchedulerConfig, adapter_groups, pack_window, window_samples,
 )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jaxlora.scheduler.training.data import Microbatch, Sample, round_up
+from jaxlora.scheduler.training.samples import Microbatch, Sample, round_up
 
 
 class _OpenBin:

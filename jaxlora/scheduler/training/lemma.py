@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from jaxlora.scheduler.training.data import Microbatch, batch_index
+from jaxlora.scheduler.training.samples import Microbatch, batch_index
 
 
 class ScheduleError(ValueError):

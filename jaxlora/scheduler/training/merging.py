@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from jaxlora.scheduler.training.data import Microbatch, Sample, batch_index, padded_tokens
+from jaxlora.scheduler.training.samples import Microbatch, Sample, batch_index, padded_tokens
 from jaxlora.scheduler.training.greedy import decreasing
 from jaxlora.scheduler.training.lemma import LemmaState, count_noops
 

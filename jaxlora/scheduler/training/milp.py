@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import highspy
 import numpy as np
 
-from jaxlora.scheduler.training.data import Microbatch, Sample, padded_tokens, round_up
+from jaxlora.scheduler.training.samples import Microbatch, Sample, padded_tokens, round_up
 from jaxlora.scheduler.training.greedy import decreasing
 
 

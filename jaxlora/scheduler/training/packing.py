@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from jaxlora.scheduler.training import milp
-from jaxlora.scheduler.training.data import Microbatch, Sample, padded_tokens, real_tokens
+from jaxlora.scheduler.training.samples import Microbatch, Sample, padded_tokens, real_tokens
 from jaxlora.scheduler.training.greedy import first_fit_decreasing
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from jaxlora.scheduler.training.data import (
+from jaxlora.scheduler.training.samples import (
     Microbatch, Sample, TrainingData, batch_index, real_tokens,
 )
 from jaxlora.scheduler.training.grouping import group_adapters

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
-from jaxlora.scheduler.training.data import Microbatch, Sample, batch_index, padded_tokens
+from jaxlora.scheduler.training.samples import Microbatch, Sample, batch_index, padded_tokens
 from jaxlora.scheduler.training.lemma import LemmaState, ScheduleError, lemma_violations
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxlora.scheduler.training.data import TrainingData
+from jaxlora.scheduler.training.samples import TrainingData
 
 DATASETS: dict[str, tuple[float, float]] = {
     "xsum": (450.0, 0.55),

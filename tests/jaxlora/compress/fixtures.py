@@ -4,8 +4,8 @@ import numpy as np
 
 from jaxlora.compress.collection import Source
 from jaxlora.lora.adapter import LoraAdapter, ModuleLora
-from jaxlora.lora.config import LoraConfig
-from jaxlora.models.config import LlamaConfig, projection_shapes
+from jaxlora.lora.adapter_config import LoraConfig
+from jaxlora.nn.model_config import LlamaConfig, projection_shapes
 
 # hidden 30, 3 heads of 10, 1 KV head, ffn 46. The collections target q_proj and o_proj (30 x 30
 # each: one shape, so each method compiles once per adapter count, not once per module).

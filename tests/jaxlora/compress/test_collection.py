@@ -10,8 +10,8 @@ import pytest
 
 from jaxlora.compress import store
 from jaxlora.compress.collection import Source, add, compress, recompress, source_parameter_count
-from jaxlora.lora.config import AdapterError
-from jaxlora.models.config import LlamaConfig
+from jaxlora.lora.adapter_config import AdapterError
+from jaxlora.nn.model_config import LlamaConfig
 from tests.jaxlora.compress.fixtures import (CONFIG, MODULES, dense_delta, random_sources, shared_space_sources,
                                              total_error)
 

@@ -19,12 +19,12 @@ import pytest
 from jaxlora.generate import SamplingParams, generate
 from jaxlora.lora import backends
 from jaxlora.lora.adapter import random_adapter
-from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.adapter_config import LoraConfig
 from jaxlora.lora.plan import LoraPlan, ServingPlan, build_plan
 from jaxlora.lora.project import LoraInputs, layer_lora, project
 from jaxlora.lora.trainable import split_pool
 from jaxlora.models.merge import merge_adapter
-from jaxlora.parallel.step import make_grad_step
+from jaxlora.parallel.grad_step import make_grad_step
 from serve.engine import Engine, EngineConfig
 from tests.jaxlora.hf_checkpoints import relative_error
 from tests.jaxlora.lora.test_serving_plan import IN_DIM, OUT_DIM, STEPS, random_pool, step_plan

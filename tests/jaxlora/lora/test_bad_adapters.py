@@ -8,10 +8,10 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jaxlora.lora.adapter import random_adapter
-from jaxlora.lora.config import AdapterError, LoraConfig
+from jaxlora.lora.adapter_config import AdapterError, LoraConfig
 from jaxlora.lora.peft_io import load_peft_adapter, save_peft_adapter
 from jaxlora.lora.pool import AdapterPool
-from jaxlora.models.config import LlamaConfig
+from jaxlora.nn.model_config import LlamaConfig
 from tests.jaxlora.test_merge import CONFIG
 
 LORA = LoraConfig(r=8, lora_alpha=16, target_modules=("q_proj", "v_proj", "down_proj"))

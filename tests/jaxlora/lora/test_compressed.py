@@ -10,7 +10,7 @@ import pytest
 from jaxlora.compress.collection import Source, compress
 from jaxlora.lora.adapter import random_adapter
 from jaxlora.lora.compressed import SharedBasisSet, compressed_delta, with_compressed
-from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.adapter_config import LoraConfig
 from jaxlora.lora.plan import build_plan
 from jaxlora.lora.pool import AdapterPool
 from jaxlora.lora.project import LoraInputs

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from jaxlora.lora.config import AdapterError
+from jaxlora.lora.adapter_config import AdapterError
 from jaxlora.lora.head import HEAD_CONFIG_FILE, HEAD_WEIGHTS_FILE, TaskHead, has_head, load_head, save_head
 
 HIDDEN = 16

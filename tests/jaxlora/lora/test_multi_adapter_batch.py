@@ -6,11 +6,11 @@ import pytest
 
 from jaxlora.lora import backends
 from jaxlora.lora.adapter import random_adapter
-from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.adapter_config import LoraConfig
 from jaxlora.lora.plan import build_plan
 from jaxlora.lora.pool import AdapterPool
 from jaxlora.models.llama import LoraInputs
-from jaxlora.models.config import PROJECTIONS
+from jaxlora.nn.model_config import PROJECTIONS
 from tests.jaxlora.hf_checkpoints import relative_error
 
 # Every backend: the XLA references, both SGMV kernel styles and both fused-kernel styles (kernels

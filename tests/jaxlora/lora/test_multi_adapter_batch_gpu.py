@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxlora.models.config import LlamaConfig
+from jaxlora.nn.model_config import LlamaConfig
 from jaxlora.models.llama import Llama
 from tests.jaxlora.lora import test_multi_adapter_batch as cpu_test
 

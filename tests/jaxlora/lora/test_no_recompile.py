@@ -5,7 +5,7 @@ import numpy as np
 from flax import nnx
 
 from jaxlora.lora.adapter import random_adapter
-from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.adapter_config import LoraConfig
 from jaxlora.lora.plan import build_plan
 from jaxlora.lora.pool import AdapterPool
 from jaxlora.models.llama import Llama, LoraInputs

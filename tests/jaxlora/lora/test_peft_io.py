@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from jaxlora.lora.adapter import random_adapter
-from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.adapter_config import LoraConfig
 from jaxlora.lora.peft_io import load_peft_adapter, save_peft_adapter
 from jaxlora.lora.plan import build_plan
 from jaxlora.lora.pool import AdapterPool
-from jaxlora.models.config import PROJECTIONS
+from jaxlora.nn.model_config import PROJECTIONS
 from jaxlora.models.llama import LoraInputs
 from tests.jaxlora.hf_checkpoints import relative_error
 

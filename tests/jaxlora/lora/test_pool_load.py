@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxlora.lora.adapter import random_adapter
-from jaxlora.lora.config import AdapterError, LoraConfig
+from jaxlora.lora.adapter_config import AdapterError, LoraConfig
 from jaxlora.lora.pool import AdapterPool, write_slot, write_slot_donated
 from tests.jaxlora.test_merge import CONFIG
 

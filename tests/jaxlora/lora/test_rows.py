@@ -8,7 +8,7 @@ import numpy as np
 
 from jaxlora.lora import ops
 from jaxlora.lora.adapter import random_adapter
-from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.adapter_config import LoraConfig
 from jaxlora.lora.paged_ops import padded_view
 from jaxlora.lora.plan import build_plan
 from jaxlora.lora.pool import AdapterPool

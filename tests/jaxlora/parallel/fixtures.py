@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from jaxlora.lora.pool import empty_pool_arrays
-from jaxlora.models.config import PROJECTIONS, LlamaConfig
+from jaxlora.nn.model_config import PROJECTIONS, LlamaConfig
 from jaxlora.models.llama import Llama
 
 CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,

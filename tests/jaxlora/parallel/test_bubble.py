@@ -4,7 +4,7 @@ import pytest
 
 from jaxlora.parallel.bubble import (compare_bubbles, multi_adapter_run, round_robin_schedule, simulate_1f1b,
                                      stage_order)
-from jaxlora.scheduler.training.data import Sample
+from jaxlora.scheduler.training.samples import Sample
 
 
 def test_1f1b_order_and_textbook_bubble():

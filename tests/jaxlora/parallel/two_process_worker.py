@@ -26,7 +26,7 @@ def main(process_id: int, port: int, out_path: str) -> None:
     from jaxlora.lora.plan import build_plan
     from jaxlora.lora.trainable import split_pool
     from jaxlora.parallel.plans import local_plans
-    from jaxlora.parallel.step import make_grad_step
+    from jaxlora.parallel.grad_step import make_grad_step
     from tests.jaxlora.parallel.fixtures import NUM_SLOTS, packed_batch, random_pool, tiny_model
 
     assert jax.process_count() == 2 and jax.device_count() == 8 and jax.local_device_count() == 4

@@ -4,7 +4,7 @@ from collections import Counter
 
 import numpy as np
 
-from jaxlora.scheduler.training.data import Sample, padded_tokens
+from jaxlora.scheduler.training.samples import Sample, padded_tokens
 from jaxlora.scheduler.training.workloads import adapter_datasets, dataset_lengths
 
 

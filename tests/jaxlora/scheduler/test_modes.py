@@ -1,10 +1,10 @@
-"""The inference-mode policy (jaxlora/scheduler/serving/modes.py, V-LoRA Alg. 1) on scripted
+"""The inference-mode policy (jaxlora/scheduler/serving/mode_choice.py, V-LoRA Alg. 1) on scripted
 workloads: one dominant adapter -> merged; a dominant adapter with 2 starving others -> mixed;
 starving beyond half the batch or many adapters -> unmerged; and the fixed modes' targets."""
 
 import pytest
 
-from jaxlora.scheduler.serving.modes import Mode, ModePolicy, Pending, choose_mode, fixed_mode, runs_in
+from jaxlora.scheduler.serving.mode_choice import Mode, ModePolicy, Pending, choose_mode, fixed_mode, runs_in
 
 POLICY = ModePolicy(merge_share=0.6, starve_s=0.5, theta=1, max_batch=8)
 

@@ -3,7 +3,7 @@
 import pytest
 
 from helpers_sched import assert_bubble_lemma
-from jaxlora.scheduler.training.data import Sample
+from jaxlora.scheduler.training.samples import Sample
 from jaxlora.scheduler.training.lemma import (
     LemmaState,
     ScheduleError,

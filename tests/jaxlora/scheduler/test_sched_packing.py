@@ -6,7 +6,7 @@ import pytest
 
 from helpers_sched import assert_exact_cover, assert_fits, block_samples
 from jaxlora.scheduler.training import milp
-from jaxlora.scheduler.training.data import Sample, padded_tokens
+from jaxlora.scheduler.training.samples import Sample, padded_tokens
 from jaxlora.scheduler.training.greedy import first_fit_decreasing, per_adapter_first_fit
 from jaxlora.scheduler.training.packing import pack_block, quality
 

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from helpers_sched import assert_bubble_lemma, assert_exact_cover, assert_fits
-from jaxlora.scheduler.training.data import TrainingData
+from jaxlora.scheduler.training.samples import TrainingData
 from jaxlora.scheduler.training.greedy import per_adapter_first_fit
 from jaxlora.scheduler.training.schedule import (
     Finalizer,

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxlora.lora.config import AdapterError
+from jaxlora.lora.adapter_config import AdapterError
 from jaxlora.lora.plan import build_plan
 from jaxlora.lora.pool import AdapterPool
-from jaxlora.models.config import ConfigError
+from jaxlora.nn.model_config import ConfigError
 from jaxlora.models.llama import LoraInputs
 from jaxlora.sampling import SamplingParams
 from jaxlora.vision.adapters import LANGUAGE_MODEL_TARGETS, load_llava_adapter, load_llava_lora
@@ -301,7 +301,7 @@ def test_paged_chunked_prefill_with_images_equals_the_full_forward(tiny):
 
 
 def test_jaxlora_generate_cli_with_images(tiny, tmp_path, capsys):
-    from jaxlora.cli import generate_main
+    from jaxlora.generate_cli import generate_main
     from jaxlora.vision.generate import generate_text_with_images
     from PIL import Image
 

@@ -10,7 +10,7 @@ import numpy as np
 from jaxlora.buckets import bucket
 from jaxlora.lora.plan import build_plan
 from jaxlora.lora.trainable import split_pool
-from jaxlora.parallel.step import make_grad_step
+from jaxlora.parallel.grad_step import make_grad_step
 from tests.jaxlora.parallel.fixtures import NUM_SLOTS, packed_batch, random_pool, tiny_model
 
 ADAPTERS = {"single": (2,), "multi": (0, 1, 2, 3, -1)}

@@ -7,7 +7,7 @@ from flax import nnx
 
 from jaxlora import sharding
 from jaxlora.models.llama import LoraInputs
-from jaxlora.parallel.step import make_grad_step
+from jaxlora.parallel.grad_step import make_grad_step
 from tests.jaxlora.parallel.fixtures import NUM_SLOTS, tiny_model
 from tests.jaxlora.parallel.multidevice.reference import assert_close_tree, case, reference_grads
 

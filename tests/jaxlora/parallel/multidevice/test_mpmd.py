@@ -13,13 +13,13 @@ import pytest
 
 from jaxlora.lora.trainable import apply_adapter_update, slot_params, split_pool
 from jaxlora.parallel import mpmd
-from jaxlora.parallel.step import make_grad_step
-from jaxlora.scheduler.training.data import Sample, TrainingData
+from jaxlora.parallel.grad_step import make_grad_step
+from jaxlora.scheduler.training.samples import Sample, TrainingData
 from jaxlora.scheduler.training.greedy import first_fit
 from jaxlora.scheduler.training.schedule import SchedulerConfig, build_schedule
 from tests.jaxlora.parallel.fixtures import CONFIG, random_pool, tiny_model
 from train.data import TokenizedSample
-from train.step import device_batch, pack_microbatch
+from train.microbatch import device_batch, pack_microbatch
 
 CAPACITY, RANK = 24, 8
 OPTIMIZER = optax.adamw(1e-2)

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlora import sharding
 from jaxlora.parallel.plans import local_plans
-from jaxlora.parallel.step import make_grad_step
+from jaxlora.parallel.grad_step import make_grad_step
 from tests.jaxlora.parallel.fixtures import NUM_SLOTS, tiny_model
 from tests.jaxlora.parallel.multidevice.reference import NUM_SEGMENTS, assert_close_tree, case, reference_grads
 

@@ -12,9 +12,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxlora import sharding
 from jaxlora.lora.adapter import random_adapter
-from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.adapter_config import LoraConfig
 from jaxlora.lora.plan import build_plan
-from jaxlora.models.config import PROJECTIONS
+from jaxlora.nn.model_config import PROJECTIONS
 from jaxlora.models.llama import LoraInputs
 from jaxlora.models.paged import PagedBatch, paged_forward
 from jaxlora.sampling import SamplingParams

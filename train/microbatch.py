@@ -1,5 +1,5 @@
 """One microbatch: packing scheduled samples into the arrays of the grad step
-(`jaxlora.parallel.step.make_grad_step`), and adding up its gradients.
+(`jaxlora.parallel.grad_step.make_grad_step`), and adding up its gradients.
 
 Every microbatch is one row of `capacity` tokens holding whole samples of any adapters (segment ids
 keep attention inside each sample). Token weights are 1 / (target tokens of that adapter's global

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import bgmv_gpu, reference, sgmv_gpu, sgmv_tpu
-from pallas_kernels.layout import fit_shrink_smem, fit_tiles, pad_axis, pad_to, round_up
+from pallas_kernels.tile_fit import fit_shrink_smem, fit_tiles, pad_axis, pad_to, round_up
 from pallas_kernels.routing import TileRouting, make_routing
 from pallas_kernels.tiles import TileConfig, get_tile_config, smem_limit
 

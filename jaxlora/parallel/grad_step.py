@@ -18,17 +18,19 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxlora.lora import backends
+from jaxlora.lora.backends import LoraBackend
 from jaxlora.lora.trainable import join_pool
-from jaxlora.models.axes import ShardingRules
-from jaxlora.models.config import LlamaConfig
+from jaxlora.nn.axes import ShardingRules
+from jaxlora.nn.model_config import LlamaConfig
 from jaxlora.models.llama import Llama, LoraInputs, _packed_mask
 from jaxlora.models.loss import per_slot_loss
 from jaxlora.parallel.layer_stack import pipeline_stack, tensor_parallel_stack
 
 
-def make_grad_step(model: Llama, num_slots: int, lora_backend: str = "gather", *, mesh: Mesh | None = None,
-                   rules: ShardingRules = ShardingRules(), pipeline: bool = False, attention: str = "auto",
-                   unroll_layers: bool = False, remat: str = "none"):
+def make_grad_step(model: Llama, num_slots: int, lora_backend: LoraBackend | str = backends.DEFAULT, *,
+                   mesh: Mesh | None = None, rules: ShardingRules = ShardingRules(), pipeline: bool = False,
+                   attention: str = "auto", unroll_layers: bool = False, remat: str = "none"):
     """A jitted (trainable, frozen, batch, plan, dropout_rate=None, dropout_key=None) ->
     (per-slot loss sums [num_slots], grads of trainable) over `model`'s current weights.
 
@@ -37,17 +39,19 @@ def make_grad_step(model: Llama, num_slots: int, lora_backend: str = "gather", *
     weights, each [B, T] ([M, B, T] with `pipeline`); plan: the `LoraPlan` of the B*T tokens, or
     with a mesh the per-data-shard plans of `jaxlora.parallel.plans.local_plans`. Without a mesh:
     LoRA dropout (rate [S], key), the model's packed `attention`, `unroll_layers` and `remat`
-    (see `Llama`).
+    (see `Llama`). lora_backend: a `LoraBackend` of `jaxlora.lora.backends`, or its name (resolved
+    here, once).
     With a mesh: place the model with `shard_model(model, mesh, rules)` (`rules.pipelined()` for
     a pipeline). The base weights enter the jitted function as an argument, not as captured
     constants (those would be embedded in the program: gigabytes for an 8B model, a slow compile)."""
     if mesh is not None and remat != "none":
         raise ValueError("remat applies to the model's own layer scan: make the grad step without a mesh")
+    backend = backends.get(lora_backend)
     graphdef, state = nnx.split(model)
     if mesh is None:
-        forward = _model_forward(lora_backend, attention, unroll_layers, remat)
+        forward = _model_forward(backend, attention, unroll_layers, remat)
     else:
-        forward = _stack_forward(model.config, mesh, rules, lora_backend, pipeline)
+        forward = _stack_forward(model.config, mesh, rules, backend, pipeline)
 
     def loss_fn(trainable, frozen, state, batch, plan, dropout_rate, dropout_key):
         model = nnx.merge(graphdef, state)
@@ -75,22 +79,22 @@ def make_grad_step(model: Llama, num_slots: int, lora_backend: str = "gather", *
     return grad_step
 
 
-def _model_forward(lora_backend: str, attention: str, unroll_layers: bool, remat: str):
+def _model_forward(backend: LoraBackend, attention: str, unroll_layers: bool, remat: str):
     """(model, pool, batch, plan, dropout rate, key) -> logits [B, T, vocab] of the whole model."""
 
     def forward(model, pool, batch, plan, dropout_rate, dropout_key):
         logits, _ = model(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"],
-                          lora=LoraInputs(pool, plan, dropout_rate, dropout_key), lora_backend=lora_backend,
+                          lora=LoraInputs(pool, plan, dropout_rate, dropout_key), lora_backend=backend,
                           attention=attention, unroll_layers=unroll_layers, remat=remat)
         return logits
 
     return forward
 
 
-def _stack_forward(config: LlamaConfig, mesh: Mesh, rules: ShardingRules, lora_backend: str, pipeline: bool):
+def _stack_forward(config: LlamaConfig, mesh: Mesh, rules: ShardingRules, backend: LoraBackend, pipeline: bool):
     """(model, pool, batch, plans, -, -) -> logits [(M,) B, T, vocab]: embedding and unembedding
     under GSPMD, the decoder layers under shard_map."""
-    stack = (pipeline_stack if pipeline else tensor_parallel_stack)(config, mesh, rules, lora_backend)
+    stack = (pipeline_stack if pipeline else tensor_parallel_stack)(config, mesh, rules, backend)
 
     def forward(model, pool, batch, plans, dropout_rate, dropout_key):
         tokens = batch["tokens"]

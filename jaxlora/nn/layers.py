@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlora.models.config import LlamaConfig
+from jaxlora.nn.model_config import LlamaConfig
 from pallas_kernels.attention import flash_supported, flash_takes_window, segment_attention
-from pallas_kernels.ops import kernel_style
+from pallas_kernels.dispatch import kernel_style
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
