@@ -186,7 +186,7 @@ class Server:
         self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
         self.limits = settings.limits
         # image_url parts need a vision tower; no served family has one yet (issue 39), so they are refused
-        self.accepts_images = getattr(engine.model_config, "vision_config", None) is not None
+        self.accepts_images = getattr(getattr(engine, "model_config", None), "vision_config", None) is not None
         self.metrics = Metrics(engine)
         self.grammars = functools.cache(lambda: GrammarCompiler(  # structured outputs, made on first use
             tokenizer, getattr(engine, "eos_ids", None) or tokenizer.eos_token_ids, engine.model_config.vocab_size))
