@@ -19,7 +19,6 @@ import numpy as np
 from safetensors import safe_open
 
 from jaxlora.jsonfile import read_json_file
-from jaxlora.nn.model_config import ConfigError
 from jaxlora.models.llama import Llama
 from jaxlora.tokenizer import Tokenizer
 from jaxlora.vision.clip import LAYER_LINEARS, LAYER_NORMS, VisionTower, weight_shapes
@@ -27,7 +26,7 @@ from jaxlora.vision.config import LlavaConfig, llava_config_from_hf, split_llava
 from jaxlora.vision.llava import Llava
 from jaxlora.vision.preprocess import ImageError, ImageProcessorConfig, read_image_processor
 from jaxlora.weights import WeightsError, load_tokenizer
-from jaxlora.weights.hf import safetensors_files
+from jaxlora.weights.hf import read_hf_config, safetensors_files
 from jaxlora.weights.layout import stack_weights
 
 __all__ = ["IMAGE_TOKEN", "is_vlm_dir", "load_llava", "load_vlm", "read_llava_config"]
@@ -38,12 +37,7 @@ _VISION_LAYER = re.compile(r"^encoder\.layers\.(\d+)\.(?:self_attn\.|mlp\.)?([a-
 
 def read_llava_config(path: str) -> LlavaConfig:
     """The `LlavaConfig` of a HF directory's `config.json`; WeightsError if it is not one."""
-    config_file = os.path.join(path, "config.json")
-    raw = read_json_file(config_file, WeightsError, f"is {path} a HF model directory?")
-    try:
-        return llava_config_from_hf(raw, source=config_file)
-    except ConfigError as err:
-        raise WeightsError(str(err)) from err
+    return read_hf_config(path, parse=llava_config_from_hf)
 
 
 def is_vlm_dir(path: str) -> bool:

@@ -17,11 +17,13 @@ from jaxlora.weights.errors import WeightsError
 from jaxlora.weights.layout import on_host, stack_weights
 
 
-def read_hf_config(path: str) -> LlamaConfig:
+def read_hf_config(path: str, parse=config_from_hf) -> LlamaConfig:
+    """`parse(config.json's dict, source=its path)` of a HF directory (default: the `LlamaConfig`);
+    WeightsError if the file is missing, unreadable or not a config `parse` accepts."""
     config_file = os.path.join(path, "config.json")
     raw = read_json_file(config_file, WeightsError, f"is {path} a HF model directory?")
     try:
-        return config_from_hf(raw, source=config_file)
+        return parse(raw, source=config_file)
     except ConfigError as err:
         raise WeightsError(str(err)) from err
 
