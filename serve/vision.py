@@ -29,10 +29,11 @@ from flax import nnx
 from jaxlora.buckets import bucket
 from jaxlora.lora.adapter import LoraAdapter
 from jaxlora.vision.adapters import load_llava_adapter
+from jaxlora.vision.loading import IMAGE_TOKEN
 from jaxlora.vision.llava import Llava, check_image_tokens, image_row_index
 from jaxlora.vision.preprocess import ImageProcessorConfig, expand_image_tokens, preprocess_images
 
-__all__ = ["ImageInput", "ImageServing"]
+__all__ = ["IMAGE_TOKEN", "ImageInput", "ImageServing"]
 
 
 @dataclasses.dataclass(frozen=True)
