@@ -48,11 +48,11 @@ def tiny(tmp_path_factory):
     return directory, model, tokenizer, processor, images
 
 
-def _engine(model, processor, adapters=None, **kw):
+def _engine(model, processor, adapters=None, eos=(), **kw):
     config = dict(page_size=8, num_pages=64, max_model_len=128, max_num_seqs=4, token_budget=32, prefill_chunk=12,
                   max_lora_rank=4, max_adapters_on_device=2)
     config.update(kw)
-    return Engine(model.language, (), EngineConfig(**config), adapters, images=ImageServing(model, processor))
+    return Engine(model.language, eos, EngineConfig(**config), adapters, images=ImageServing(model, processor))
 
 
 def _request(tiny, text, images):
@@ -134,7 +134,7 @@ def test_the_engine_refuses_images_that_do_not_match_the_prompt(tiny):
         engine.submit(0, prompt, None, sampling, print, images=ImageInput.of(pixels.pixels[:1]))
     with pytest.raises(RequestError, match="image tokens"):
         engine.submit(1, prompt, None, sampling, print)  # image tokens without images
-    text_engine = Engine(model.language, (), EngineConfig(page_size=8, num_pages=16, max_model_len=64,
+    text_engine = Engine(model.language, (), EngineConfig(page_size=8, num_pages=32, max_model_len=128,
                                                           max_num_seqs=2, token_budget=16, max_lora_rank=4))
     with pytest.raises(RequestError, match="text only"):
         text_engine.submit(2, prompt, None, sampling, print, images=pixels)
@@ -153,10 +153,8 @@ def vlm_server(tiny):
     from serve.protocol import Limits
 
     _, model, tokenizer, processor, _ = tiny
-    engine = Engine(model.language, tokenizer.eos_token_ids,
-                    EngineConfig(page_size=8, num_pages=64, max_model_len=128, max_num_seqs=4, token_budget=32,
-                                 max_lora_rank=4, max_adapters_on_device=2, background_compile=True),
-                    images=ImageServing(model, processor))
+    engine = _engine(model, processor, eos=tokenizer.eos_token_ids)
+    engine.start()  # no warm-up: the engine tests compiled these programs (the server is ready at once)
     settings = ServerSettings("tiny-llava", (), Limits(max_tokens=16, max_images=2))
     with LiveServer(create_app(engine, tokenizer, settings), engine) as server:
         server.wait_ready()
