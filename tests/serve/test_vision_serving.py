@@ -16,6 +16,7 @@ import pytest
 
 from jaxlora.lora.adapter import random_adapter
 from jaxlora.lora.config import LoraConfig
+from jaxlora.lora.pool import AdapterPool
 from jaxlora.sampling import SamplingParams
 from jaxlora.vision.generate import generate_text_with_images, generate_with_images
 from jaxlora.vision.loading import load_vlm
@@ -48,6 +49,10 @@ def tiny(tmp_path_factory):
     return directory, model, tokenizer, processor, images
 
 
+def _adapter(model):
+    return random_adapter("a0", model.config.text, LORA, seed=3, b_std=0.5)
+
+
 def _engine(model, processor, adapters=None, eos=(), **kw):
     config = dict(page_size=8, num_pages=64, max_model_len=128, max_num_seqs=4, token_budget=32, prefill_chunk=12,
                   max_lora_rank=4, max_adapters_on_device=2)
@@ -60,6 +65,14 @@ def _request(tiny, text, images):
     _, model, tokenizer, processor, _ = tiny
     ids = tokenizer.encode(text)
     return ImageServing(model, processor).prompt(ids, images)
+
+
+def _generate(model, prompt, images, adapter=None):
+    """`jaxlora.vision.generate_with_images`' greedy tokens, with `adapter` on the language model."""
+    pool = AdapterPool(model.config.text, num_slots=1, max_rank=LORA.r)
+    slots = [-1 if adapter is None else pool.load(adapter)]
+    return generate_with_images(model, [prompt], None if images is None else images.pixels,
+                                SamplingParams(max_new_tokens=NEW), pool_arrays=pool.arrays, row_slots=slots)[0]
 
 
 def _serve(engine, requests, sampling=SamplingParams(max_new_tokens=NEW)):
@@ -94,7 +107,7 @@ def test_engine_tokens_with_one_and_two_images_equal_generate(tiny):
 
 def test_a_step_mixes_an_image_request_with_an_adapter_and_a_text_request_without(tiny):
     _, model, tokenizer, processor, images = tiny
-    adapter = random_adapter("a0", model.config.text, LORA, seed=3, b_std=0.5)
+    adapter = _adapter(model)
     image, pixels = _request(tiny, TWO, images[:2])
     text = tokenizer.encode(TEXT)
     requests = [(image, pixels, "a0"), (text, None, None), (image, pixels, None), (text, None, "a0")]
@@ -106,6 +119,7 @@ def test_a_step_mixes_an_image_request_with_an_adapter_and_a_text_request_withou
     together = _serve(engine, requests)
     assert together == alone
     assert alone[0] != alone[2] and alone[1] != alone[3]  # the adapter changes the tokens
+    assert alone[0] == _generate(model, image, pixels, adapter)  # images and the adapter: jaxlora.vision's tokens
     first = steps[0]  # every prompt in the first step: image rows and text rows, with and without the adapter
     assert len(first.plan.rows) == 4 and first.image_rows is not None and first.shapes[0].images >= 64
     assert all(step.image_rows is None and step.shapes[0].images == 0 for step in steps[1:])  # decode: text programs
@@ -153,7 +167,7 @@ def vlm_server(tiny):
     from serve.protocol import Limits
 
     _, model, tokenizer, processor, _ = tiny
-    engine = _engine(model, processor, eos=tokenizer.eos_token_ids)
+    engine = _engine(model, processor, {"a0": _adapter(model)}, eos=tokenizer.eos_token_ids)
     engine.start()  # no warm-up: the engine tests compiled these programs (the server is ready at once)
     settings = ServerSettings("tiny-llava", (), Limits(max_tokens=16, max_images=2))
     with LiveServer(create_app(engine, tokenizer, settings), engine) as server:
@@ -184,6 +198,10 @@ def test_chat_with_images_over_http_equals_the_in_process_model(tiny, vlm_server
         assert answer.choices[0].message.content == expected
         assert answer.usage.prompt_tokens == len(tokenizer.encode(tokenizer.apply_chat_template(
             [{"role": "user", "content": text}]))) + 15 * len(expected_images)
+    with_adapter = client.chat.completions.create(model="a0", max_tokens=NEW, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(images[2])}}]}])
+    ids, pixels = _request(tiny, tokenizer.apply_chat_template([{"role": "user", "content": "<image>"}]), images[2:3])
+    assert with_adapter.choices[0].message.content == tokenizer.decode(_generate(model, ids, pixels, _adapter(model)))
     plain = client.chat.completions.create(model="tiny-llava", max_tokens=NEW, temperature=0,
                                            messages=[{"role": "user", "content": TEXT}])
     assert plain.choices[0].message.content == generate_text_with_images(model, tokenizer, processor, [TEXT], [[]],
@@ -221,3 +239,27 @@ def test_bad_images_are_400s_and_the_vlm_server_keeps_serving(tiny, vlm_server):
         client.chat.completions.create(model="tiny-llava", max_tokens=2, messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}])
     assert chat(good).status_code == 200
+
+
+def test_jaxlora_serve_loads_a_llava_directory_with_a_peft_adapter(tiny, tmp_path):
+    """`build_app` on a LLaVA directory: the language model in the engine, the tower beside it,
+    images accepted, a PEFT adapter saved on the LLaVA read as its language model's; fine-tuning in
+    the server refused for it."""
+    from jaxlora.vision.adapters import LANGUAGE_MODEL_TARGETS, load_llava_adapter
+    from serve.cli import build_app, build_parser
+    from tests.jaxlora.vision.test_llava import _peft_adapter
+
+    directory = tiny[0]
+    _peft_adapter(directory, tmp_path / "a0", LANGUAGE_MODEL_TARGETS)
+    app = build_app(build_parser().parse_args(["--model", directory, "--dtype", "float32", "--adapter",
+                                               f"a0={tmp_path / 'a0'}", "--max-model-len", "128"]))
+    server = app.state.server
+    assert server.accepts_images and server.engine.images.tokens_per_image == 16
+    assert server.engine.adapter_names() == ["a0"]
+    expected = load_llava_adapter(str(tmp_path / "a0"), tiny[1].config, "a0")
+    got = server.engine.residency.load_adapter(str(tmp_path / "a0"), "a0")
+    assert sorted(got.modules) == sorted(expected.modules)
+    (tmp_path / "data").mkdir()
+    with pytest.raises(SystemExit, match="not built for a vision-language model"):
+        build_app(build_parser().parse_args(["--model", directory, "--data-dir", str(tmp_path / "data"),
+                                             "--adapter-dir", str(tmp_path)]))
