@@ -154,6 +154,21 @@ def test_the_engine_refuses_images_that_do_not_match_the_prompt(tiny):
         text_engine.submit(2, prompt, None, sampling, print, images=pixels)
 
 
+def test_a_preempted_image_request_is_recomputed_with_its_images(tiny):
+    """KV pages grow with the output (`reserve_output_kv=False`) in a pool too small for both: the
+    newest request is preempted and recomputed later (no prefix cache: its images encoded again),
+    same tokens."""
+    _, model, _, processor, images = tiny
+    requests = [(*_request(tiny, TWO, images[:2]), None), (*_request(tiny, ONE, images[2:3]), None)]
+    params = SamplingParams(max_new_tokens=40)
+    alone = [_serve(_engine(model, processor), [r], params)[0] for r in requests]
+    engine = _engine(model, processor, num_pages=20, reserve_output_kv=False, prefix_caching=False)
+    hand_off, preempted = engine._hand_off, []
+    engine._hand_off = lambda seqs: (preempted.extend(seqs), hand_off(seqs))
+    assert _serve(engine, requests, params) == alone
+    assert preempted and engine.images.encodes >= 2
+
+
 # ---- over HTTP ----------------------------------------------------------------------------------------
 def _data_url(image, fmt="PNG") -> str:
     out = io.BytesIO()
