@@ -64,6 +64,11 @@ A compressed collection (`Engine(..., compressed=SharedBasisSet)`, Compress-then
 stay on the device next to the pool's arrays, and adapter j's rows take the fixed slot
 `max_adapters_on_device + j` (never loaded or evicted: `AdapterSlots.fix`).
 
+Images (a vision-language model: `Engine(llava.language, ..., images=serve.vision.ImageServing(...))`):
+a request may carry images (`submit(images=)`); the tower runs once per request on a step's new
+images (batched) and each prefill chunk's step writes their rows at its image tokens; a step
+without image tokens runs the text-only programs (`serve.vision`).
+
 Tensor parallel: `Engine(..., mesh=jaxlora.sharding.make_mesh(tensor=N, devices=...))` serves a
 copy of the weights, the adapter pool and the KV pages placed over the mesh's `tensor` axis, the
 same jitted step running under GSPMD (`serve.placement`).
