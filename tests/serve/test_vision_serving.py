@@ -9,7 +9,6 @@ and bad input is a 400 while the server keeps serving."""
 import base64
 import io
 
-import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
@@ -20,7 +19,6 @@ from jaxlora.lora.pool import AdapterPool
 from jaxlora.sampling import SamplingParams
 from jaxlora.vision.generate import generate_text_with_images, generate_with_images
 from jaxlora.vision.loading import load_vlm
-from jaxlora.vision.preprocess import expand_image_tokens, preprocess_images
 from serve.engine import Engine, EngineConfig, RequestError
 from serve.vision import ImageInput, ImageServing
 from tests.jaxlora.vision.tiny_llava import IMAGE_TOKEN_ID, write_tiny_llava
