@@ -56,6 +56,7 @@ from jaxlora.sampling import SamplingParams
 from serve.engine import Engine, EngineBusy, RequestError, UnknownAdapter
 from serve.finetune import FinetuneService, FinetuneSettings, add_finetune_routes
 from serve.images import check_images
+from serve.vision import IMAGE_TOKEN
 from serve.auth import ApiKeyAuth
 from serve.classify import add_classify_route
 from serve.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
@@ -94,6 +95,7 @@ class SeqSpec:
     sampling: SamplingParams
     stops: list[str]
     prompt_only: bool = False  # max_tokens 0 (with echo): the one token generated is not returned
+    images: object = None  # the prompt's images (`serve.vision.ImageInput`), None: text only
 
 
 class Generation:
@@ -121,7 +123,8 @@ class Generation:
         for index, spec in enumerate(self.specs):
             callback = lambda event, i=index: loop.call_soon_threadsafe(self.queue.put_nowait, (i, event))
             try:
-                self.engine.submit(self._id(index), spec.prompt, spec.adapter, spec.sampling, callback)
+                images = {} if spec.images is None else {"images": spec.images}
+                self.engine.submit(self._id(index), spec.prompt, spec.adapter, spec.sampling, callback, **images)
             except Exception:
                 self.done[index:] = [True] * (len(self.specs) - index)
                 self.abort()
@@ -185,8 +188,8 @@ class Server:
     def __init__(self, engine: Engine, tokenizer, settings: ServerSettings):
         self.engine, self.tokenizer, self.settings = engine, tokenizer, settings
         self.limits = settings.limits
-        # image_url parts need a vision tower; no served family has one yet (issue 39), so they are refused
-        self.accepts_images = getattr(getattr(engine, "model_config", None), "vision_config", None) is not None
+        # image_url parts need a vision tower: an engine serving a LLaVA's language model has one (`serve.vision`)
+        self.accepts_images = getattr(engine, "images", None) is not None
         self.metrics = Metrics(engine)
         self.grammars = functools.cache(lambda: GrammarCompiler(  # structured outputs, made on first use
             tokenizer, getattr(engine, "eos_ids", None) or tokenizer.eos_token_ids, engine.model_config.vocab_size))
@@ -334,17 +337,34 @@ class Server:
             raise ApiError(400, "the prompt is empty", "prompt")
         return ids
 
-    def chat_prompt(self, body: ChatRequest) -> list[int]:
-        return self.tokens_of(self.chat_text(body.messages))
+    def chat_prompt(self, body: ChatRequest) -> tuple[list[int], object]:
+        """The prompt ids of a chat request and its images (`serve.vision.ImageInput`, None: none):
+        each image part is the model's `<image>` placeholder where it was, expanded to the image's
+        tokens and checked against the images, which are preprocessed here; ApiError 400."""
+        text, images = self.chat_inputs(body.messages)
+        ids = self.tokens_of(text)
+        if not self.accepts_images:
+            return ids, None
+        try:
+            return self.engine.images.prompt(ids, images)
+        except ValueError as err:  # incl. ImageError: placeholders and images do not match
+            raise ApiError(400, str(err), "messages") from err
 
     def chat_text(self, messages: list, add_generation_prompt: bool = True) -> str:
         """The prompt text of chat `messages` (ChatMessage) by the chat template; ApiError 400."""
+        return self.chat_inputs(messages, add_generation_prompt)[0]
+
+    def chat_inputs(self, messages: list, add_generation_prompt: bool = True) -> tuple[str, list]:
+        """(the prompt text of chat `messages` by the chat template, their images decoded in order);
+        ApiError 400. A vision-language model's image parts are rendered as its placeholder."""
         if len(messages) > self.limits.max_messages:
             raise ApiError(400, f"at most {self.limits.max_messages} messages", "messages")
-        check_images(messages, self.limits, self.accepts_images, self.settings.model_name)
-        turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+        images = check_images(messages, self.limits, self.accepts_images, self.settings.model_name)
+        placeholder = IMAGE_TOKEN if self.accepts_images else None
+        turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(placeholder)}
+                 for m in messages]
         try:
-            return self.tokenizer.apply_chat_template(turns, add_generation_prompt)
+            return self.tokenizer.apply_chat_template(turns, add_generation_prompt), images
         except TokenizerError as err:
             raise ApiError(400, str(err), "messages") from err
 
@@ -651,11 +671,13 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
     async def chat_completions(body: ChatRequest, request: Request):
         check_common(body, server.limits)
         check_chat(body, server.limits)
-        prompt = server.chat_prompt(body)
+        prompt, images = server.chat_prompt(body)
         await server.read_adapter(body.model)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        generation = server.start(server.specs(body, [prompt], server.limits.max_tokens, top, None,
-                                               await server.constraint(body)))
+        specs = server.specs(body, [prompt], server.limits.max_tokens, top, None, await server.constraint(body))
+        for spec in specs:
+            spec.images = images
+        generation = server.start(specs)
 
         def logprobs_of(entries):
             return chat_logprobs(server.tokenizer, entries) if body.logprobs else None
@@ -763,7 +785,9 @@ def _add_admin_routes(app: FastAPI, server: Server) -> None:
             raise ApiError(400, f"the adapter {name!r} is already loaded", "lora_name")
         path = server.check_adapter_path(body.lora_path)
         try:
-            adapter = await run_in_threadpool(load_peft_adapter, path, server.engine.model_config, name, True)
+            reader = server.engine.residency.load_adapter if server.accepts_images else (
+                lambda path, name: load_peft_adapter(path, server.engine.model_config, name, True))
+            adapter = await run_in_threadpool(reader, path, name)
             server.engine.add_adapter(name, adapter, path)
         except (AdapterError, ValueError) as err:
             raise ApiError(400, f"cannot load adapter {name!r}: {err}", "lora_path") from err

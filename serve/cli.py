@@ -296,6 +296,7 @@ def build_app(args):
     from jaxlora.lora.peft_io import load_peft_adapter
     from serve.adapter_store import largest_adapter_bytes
     from jaxlora.models.packed import pack_projections
+    from jaxlora.vision.loading import is_vlm_dir
     from jaxlora.weights import WeightsError, load_model
     from serve.app import ServerSettings, create_app
     from serve.protocol import Limits
@@ -320,13 +321,31 @@ def build_app(args):
     devices = replica_devices(args.replicas, args.tensor_parallel)
     if devices is not None and collection is not None and collection.method != "svd":
         raise SystemExit("jaxlora-serve: a compressed JD collection is served by one engine (no --replicas)")
+    images = None  # a vision-language model's tower and preprocessing (`serve.vision`)
     try:
         started = time.perf_counter()
-        model, tokenizer = load_model(args.model, jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32)
+        dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+        if is_vlm_dir(args.model):  # LLaVA-1.5: its language model served by the engine, its tower beside it
+            if finetune is not None:
+                raise SystemExit("jaxlora-serve: fine-tuning inside the server (--data-dir) is not built for a "
+                                 "vision-language model")
+            if mesh is not None or devices is not None or collection is not None:
+                raise SystemExit("jaxlora-serve: a vision-language model is served by one engine on one device "
+                                 "(no --tensor-parallel, --replicas or --compressed)")
+            from jaxlora.vision.loading import load_vlm
+            from serve.vision import ImageServing
+
+            llava, tokenizer, processor = load_vlm(args.model, dtype)
+            images = ImageServing(llava, processor)
+            model = llava.language
+        else:
+            model, tokenizer = load_model(args.model, dtype)
         logging.getLogger("jaxlora.serve").info("model loaded in %.1f s (%d layers, %s)", time.perf_counter() - started,
                                                 model.config.num_layers, args.dtype)
         paths = dict(parse_adapters(args.adapter))
-        adapters = {name: load_peft_adapter(path, model.config, name, keep_dtype=True) for name, path in paths.items()}
+        read = images.read_adapter if images is not None else (
+            lambda path, name: load_peft_adapter(path, model.config, name, keep_dtype=True))
+        adapters = {name: read(path, name) for name, path in paths.items()}
     except (WeightsError, AdapterError, OSError) as err:
         raise SystemExit(f"jaxlora-serve: {err}")
     shared = None
@@ -344,7 +363,7 @@ def build_app(args):
         else:
             if mesh is None:  # packed here so that the separate kernels are freed before the KV cache is sized
                 model = pack_projections(model)
-            engine = first = Engine(model, tokenizer.eos_token_ids, config, mesh=mesh, compressed=shared)
+            engine = first = Engine(model, tokenizer.eos_token_ids, config, mesh=mesh, compressed=shared, images=images)
         prepared = {name: first.prepare_adapter(adapter) for name, adapter in adapters.items()}
         largest = None if args.adapter_dir is None else largest_adapter_bytes(first.pool, model.dtype)
         check_host_bound(host_bound, {name: p.nbytes for name, p in prepared.items()}, largest)

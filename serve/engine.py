@@ -64,6 +64,11 @@ A compressed collection (`Engine(..., compressed=SharedBasisSet)`, Compress-then
 stay on the device next to the pool's arrays, and adapter j's rows take the fixed slot
 `max_adapters_on_device + j` (never loaded or evicted: `AdapterSlots.fix`).
 
+Images (a vision-language model: `Engine(llava.language, ..., images=serve.vision.ImageServing(...))`):
+a request may carry images (`submit(images=)`); the tower runs once per request on a step's new
+images (batched) and each prefill chunk's step writes their rows at its image tokens; a step
+without image tokens runs the text-only programs (`serve.vision`).
+
 Tensor parallel: `Engine(..., mesh=jaxlora.sharding.make_mesh(tensor=N, devices=...))` serves a
 copy of the weights, the adapter pool and the KV pages placed over the mesh's `tensor` axis, the
 same jitted step running under GSPMD (`serve.placement`).
@@ -73,11 +78,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import os
 import threading
 import time
-from typing import Callable, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol
 
 import jax
 import numpy as np
@@ -110,6 +116,9 @@ from serve.step_builder import StepBuilder, progress_log, scores_prompt, segment
 from serve.structured import GrammarRows
 from serve.window import WindowFill
 
+if TYPE_CHECKING:
+    from serve.vision import ImageInput, ImageServing
+
 log = logging.getLogger("jaxlora.serve")
 
 
@@ -131,13 +140,19 @@ class Engine:
     def __init__(self, model: Llama, eos_ids=(), config: EngineConfig = EngineConfig(),
                  adapters: dict[str, LoraAdapter] | None = None, mesh: Mesh | None = None,
                  step_fn: Callable[[Step, PagedKVCache], tuple] | None = None,
-                 compressed: SharedBasisSet | None = None):
+                 compressed: SharedBasisSet | None = None, images: "ImageServing | None" = None):
         """mesh: serve tensor parallel over `mesh`'s `tensor` axis (see the module doc).
         step_fn(step, cache) -> (sampled tokens: row r's at index r, the cache): runs each step in
         place of `device_step` (e.g. a host-only stub for benchmarks); a public attribute.
         `self.config` is `config` with its unset sizes filled (see `EngineConfig`).
-        compressed: a compressed collection to serve (see the module doc)."""
+        compressed: a compressed collection to serve (see the module doc).
+        images: a vision-language model's vision side (`serve.vision.ImageServing`; `model` is its
+        language model): requests may carry images (`submit(images=)`). None: text only."""
         devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+        if images is not None and (mesh is not None or compressed is not None):
+            raise ValueError("a vision-language model is served by one engine on one device (no tensor parallel, "
+                             "no compressed collection)")
+        self.images = images
         config = config.for_platform(devices[0].platform)
         self.config = config
         self.model_config = model.config
@@ -196,6 +211,8 @@ class Engine:
                                    self.scheduler, self.stats, self._page_bytes(), self.tensor_parallel,
                                    background_prefetch=mesh is None and jax.default_backend() != "cpu")
         self.adapters, self.copies = self.residency.store, self.residency.copies  # the store; prefetched copies
+        if images is not None:  # PEFT adapters saved on the LLaVA model: its language model's part
+            self.residency.load_adapter = images.read_adapter
         self.scheduler.adapter_pages = self.residency.adapter_pages
         self.scheduler.adapter_rows = self.residency.adapter_rows
         self.scheduler.is_ready = self._adapter_ready  # admit a request once its adapter is on the host
@@ -204,6 +221,7 @@ class Engine:
         self.builder = StepBuilder(config, self.model_config, self.programs, self.residency.lora_arrays,
                                    self.stats, self.grammars, self.sampler_slots, self.eos_ids, self.window_fill,
                                    self.modes, self.max_rows, self._num_segments)
+        self.builder.image_dtype = self._dtype
         # Training in the steps serving leaves idle (`jaxlora.scheduler.core`): set by the server.
         self.training: TrainingSource | None = None
         self.co_policy = CoSchedulePolicy()
@@ -320,7 +338,8 @@ class Engine:
                                f"(context {limit}), got {max_tokens}")
 
     def submit(self, request_id, prompt: list[int], adapter: str | None, sampling: SamplingParams,
-               callback: Callable[[Event], None], output: list[int] = (), head: TaskHead | None = None) -> None:
+               callback: Callable[[Event], None], output: list[int] = (), head: TaskHead | None = None,
+               images: "ImageInput | None" = None) -> None:
         """Queues a request for up to `sampling.max_new_tokens` tokens (temperature 0: greedy; a
         sampled row draws from key(seed) folded with the token's index, so a seeded request gives
         the same tokens whatever else is in the batch); `callback(Event)` is called from the engine
@@ -329,8 +348,17 @@ class Engine:
         and values recomputed, and they count towards max_new_tokens. Raises RequestError,
         UnknownAdapter, AdapterError (a name the adapter directory refuses) or EngineBusy.
         head: classify instead of generating (`classify` says how; one token, no output).
+        images: the prompt's images (`serve.vision.ImageInput`; its image tokens expanded, one run
+        of `tokens_per_image` per image), for an engine with a vision tower.
         """
         self.validate(len(prompt), sampling.max_new_tokens)
+        if self.images is not None:
+            try:
+                self.images.check(prompt, images)
+            except ValueError as err:
+                raise RequestError(str(err)) from err
+        elif images is not None:
+            raise RequestError("this model reads text only: it has no vision tower")
         check_request(sampling, output, head, self.model_config.vocab_size, self.modes is not None)
         uid = None if adapter is None else self.resolve_adapter(adapter).uid
         with self._lock:
@@ -339,8 +367,9 @@ class Engine:
                 raise EngineBusy(f"{waiting} requests are waiting; try again later")
             self._num_waiting_submitted += 1
         seq = Sequence(request_id, list(prompt), sampling.max_new_tokens, uid, sampling.stop_ids(self.eos_ids),
-                       output=list(output), sampling=sampling, cache_prefix=sampling.prompt_logprobs is None)
-        request = Request(seq, callback, time.monotonic(), head)
+                       output=list(output), sampling=sampling, cache_prefix=sampling.prompt_logprobs is None,
+                       prefix_salt=b"" if images is None else images.digest)
+        request = Request(seq, callback, time.monotonic(), head, images=images)
         self._command(lambda: self._add(request))
 
     def classify(self, request_id, prompt: list[int], adapter: str, callback: Callable[[Event], None]) -> None:
@@ -512,7 +541,9 @@ class Engine:
         delora = None if self.modes is None else self.modes.delora_key(self, plan)  # mixed: the -ΔW branch
         scoring = self._scoring > 0 and any(scores_prompt(row) for row in plan.rows)  # no window (no score variant)
         in_flight = None if self._in_flight is None else self._in_flight.step
-        return self.builder.build(plan, phases, self._last_tokens, in_flight, scoring, delora, self._grammar_masks)
+        image_rows = None if self.images is None else functools.partial(self.images.plan_rows, plan.rows, self._requests)
+        return self.builder.build(plan, phases, self._last_tokens, in_flight, scoring, delora, self._grammar_masks,
+                                  image_rows)
 
     def _grammar_masks(self, plan_rows, rows: int, phases: "_PhaseClock") -> np.ndarray:
         """A step's token masks (`serve.structured`), called once its forward is dispatched: the step in flight
@@ -537,6 +568,8 @@ class Engine:
             self.stats.step_compiles += shape not in self.programs
         forward = step.shapes[0]
         scoring = () if step.score_targets is None else (step.score_targets,)
+        if step.image_rows is not None:  # a prefill with image tokens (`serve.vision`)
+            scoring = (step.score_targets, step.image_rows)
         greedy, logits, cache, self._last_features, self._last_scores = self.programs.run(
             forward, self._state, cache, step.batch, step.lora, step.prev_tokens, step.token_src, *scoring)
         if step.sampling is None:

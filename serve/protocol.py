@@ -159,13 +159,14 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart | ImagePart] | None = None
 
-    def text(self) -> str:
-        """The message's text (its text parts joined; image parts are `serve.images`' to read)."""
+    def text(self, image: str | None = None) -> str:
+        """The message's text: its text parts joined, each image part as `image` where it was (a
+        vision-language model's placeholder, e.g. `<image>`; None: left out, `serve.images` reads them)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+        return "".join(part.text if isinstance(part, TextPart) else (image or "") for part in self.content)
 
 
 class ChatRequest(_Sampling):

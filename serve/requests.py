@@ -36,6 +36,8 @@ class Request:
     head: TaskHead | None = None  # a classification (`Engine.classify`): the head its features go through
     prompt_entries: list = dataclasses.field(default_factory=list)  # prompt log-probabilities so far
     scored_to: int = 1  # the next prompt position whose log-probability is due (recomputed chunks skip)
+    images: object = None  # its images (`serve.vision.ImageInput`), None: text only
+    image_embeds: object = None  # their rows [n * P, d] (device array) from the tower until its prefill is done
 
 
 class Handoff(NamedTuple):

@@ -109,6 +109,8 @@ class Residency:
                  background_prefetch: bool):
         self.config = config
         self.model_config = model_config
+        # reads an adapter folder (path, name) -> LoraAdapter, stored dtype kept (a VLM: `serve.vision`)
+        self.load_adapter = lambda path, name: load_peft_adapter(path, self.model_config, name, keep_dtype=True)
         self.dtype = dtype
         self.pool = pool
         self.compressed = compressed
@@ -185,7 +187,7 @@ class Residency:
     def read(self, path: str, name: str) -> PreparedAdapter:
         """Reads and checks one adapter folder for the store's reader thread (stored dtype kept;
         `load_peft_adapter` has checked that its weights are finite)."""
-        adapter = load_peft_adapter(path, self.model_config, name, keep_dtype=True)
+        adapter = self.load_adapter(path, name)
         self.check(adapter, finite=False)
         return self.pool.prepare(adapter, check=False)
 

@@ -75,6 +75,7 @@ class StepShape(NamedTuple):
     decode_only: bool = False
     window: bool = False
     score: bool = False
+    images: int = 0  # image rows (a power of two; 0: no image tokens, the text-only program)
 
 
 class Step(NamedTuple):
@@ -93,6 +94,8 @@ class Step(NamedTuple):
     prompt token of a row that asks for prompt log-probabilities, -1: none); None: no scoring.
     masks: for a "*_masked" sampler, a callable returning the rows' token bitmask [R, W] int32,
     called once the step's forward is dispatched (`serve.structured.GrammarRows.masks`); else None.
+    image_rows: (rows [M, d] device array, index [T] int32: token t's row, -1 text) of a step whose
+    prefill chunks hold image tokens (`serve.vision`); None: none.
     """
 
     plan: StepPlan
@@ -105,6 +108,7 @@ class Step(NamedTuple):
     sampling: tuple | None
     score_targets: np.ndarray | None = None
     masks: Callable[[], np.ndarray] | None = None
+    image_rows: tuple | None = None
 
 
 class RowSampling(NamedTuple):
@@ -160,7 +164,7 @@ class SamplerState(NamedTuple):
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
 def _forward(graphdef, backend: LoraBackend, max_rows: int, unroll: bool, state, cache: PagedKVCache, batch: PagedBatch,
-             lora, prev_tokens, token_src, score_targets=None):
+             lora, prev_tokens, token_src, score_targets=None, image_rows=None):
     """(greedy tokens [max_rows] int32, logits [R, V] float32, the updated cache, features [R, d]
     float32, scores) of one step; unroll: the layers unrolled (False: one scan body). With
     score_targets [T] (a "score" program): scores = (log-probability of each token's target [T]
@@ -169,7 +173,8 @@ def _forward(graphdef, backend: LoraBackend, max_rows: int, unroll: bool, state,
     model = nnx.merge(graphdef, state)
     batch = batch._replace(tokens=tokens)
     scoring = score_targets is not None
-    hidden, cache = paged_hidden(model, batch, cache, lora, backend, unroll_layers=unroll, every_token=scoring)
+    hidden, cache = paged_hidden(model, batch, cache, lora, backend, unroll_layers=unroll, every_token=scoring,
+                                 image_rows=image_rows)
     logits, scores = model.unembed(hidden), None
     if scoring:  # every token's logits: the rows' are among them
         scores = token_logprobs(logits, jnp.maximum(score_targets, 0), MAX_LOGPROBS)

@@ -126,6 +126,7 @@ class StepBuilder:
                                   bucket(config.token_budget, self.min_tokens))
         self.background: threading.Thread | None = None  # `Engine.warmup`'s background compile
         self._decode_variant: bool | None = None  # `has_decode_variant`, once known
+        self.image_dtype = jnp.float32  # the image rows' dtype (the model's; `serve.vision`)
 
     # ---- one step -----------------------------------------------------------------------------
     @staticmethod
@@ -135,18 +136,21 @@ class StepBuilder:
         return dataclasses.replace(plan, rows=[plan.rows[i] for i in order])
 
     def build(self, plan: StepPlan, phases: _PhaseClock, last_tokens, in_flight: Step | None, scoring: bool,
-              delora: tuple | None, masks: Callable) -> Step:
+              delora: tuple | None, masks: Callable, image_rows: Callable[[int], tuple | None] | None = None
+              ) -> Step:
         """The padded inputs of a step over `plan` (rows already in `order`). last_tokens
         [max_rows]: the previous step's sampled tokens; in_flight: the step launched before, whose
         tokens are not read yet (a PENDING input takes its sampled token on the device); scoring:
         the step computes prompt log-probabilities (no window: no scoring window variant); delora:
         a mixed step's -ΔW branch key (`EngineModes.delora_key`); masks(plan rows, rows, phases) ->
-        [R, W] the token masks of a step with a row under a grammar (called once its forward runs)."""
+        [R, W] the token masks of a step with a row under a grammar (called once its forward runs);
+        image_rows(padded tokens) -> the step's (image rows [M, d], index [T]) or None (`serve.vision`)."""
         in_window = None if scoring or self.window is None else self.window.place(
             sorted({row.slot for row in plan.rows if row.slot >= 0}), delora,
             prefill=any(row.count > 1 for row in plan.rows))
         batch, token_slot, one_token = self.batch_arrays(plan, in_window is not None, scoring)
         targets = score_targets(plan, len(batch.tokens)) if scoring else None
+        images = None if image_rows is None else image_rows(len(batch.tokens))
         phases.mark("batch")
         decode_only = bool(one_token[: plan.num_tokens].all())
         lora = self._lora_inputs(plan, batch, token_slot, one_token, decode_only, in_window, delora)
@@ -154,7 +158,7 @@ class StepBuilder:
         rows, width = batch.block_tables.shape
         forward = StepShape("forward", len(batch.tokens), rows, width, lora is not None,
                             isinstance(lora and lora.plan, ServingPlan) and lora.plan.seg_starts is None,
-                            in_window is not None, scoring)
+                            in_window is not None, scoring, 0 if images is None else int(images[0].shape[0]))
         masked = self.grammars.constrains(plan.rows)  # a row under a grammar: its masks when the forward runs
         sampler = step_sampling(plan.rows, rows, self.sampler_slots, self.eos_ids, masked)
         sampling = None if sampler is None else sampler[1]
@@ -163,7 +167,7 @@ class StepBuilder:
         kind = ("base " if lora is None else "window " if in_window is not None else "lora ") + (
             "decode" if decode_only else "mixed")
         return Step(plan, shapes, kind, batch, lora, last_tokens, self.token_sources(plan, batch.tokens, in_flight),
-                    sampling, targets, functools.partial(masks, plan.rows, rows, phases) if masked else None)
+                    sampling, targets, functools.partial(masks, plan.rows, rows, phases) if masked else None, images)
 
     def _lora_inputs(self, plan: StepPlan, batch: PagedBatch, token_slot: np.ndarray, one_token: np.ndarray,
                      decode_only: bool, in_window: dict | None, delora: tuple | None) -> LoraInputs | None:
@@ -368,6 +372,9 @@ class StepBuilder:
         elif shape.lora:
             lora = LoraInputs(self.lora_arrays(), self.lora_plan(no_rows, np.zeros(tokens, bool), shape.decode_only))
         scoring = (no_rows,) if shape.score else ()
+        if shape.images:  # a step with image tokens (`serve.vision`): compiled when one first runs
+            rows = jax.ShapeDtypeStruct((shape.images, self.model_config.hidden_size), self.image_dtype)
+            scoring = (no_rows if shape.score else None, (rows, no_rows))
         return (state, cache, batch, lora, last_tokens, no_rows) + scoring
 
     def compile(self, shapes: list[StepShape], threads: int, args: Callable[[StepShape], tuple], progress=None,

@@ -115,6 +115,7 @@ class Sequence:
     sampling: Any = None  # the caller's sampling parameters (opaque here; the engine's SamplingParams)
     cache_prefix: bool = True  # prefix caching: may start after cached blocks (False: computes every position)
     prefix_root: bytes | None = None  # its chain's root digest (None: registers no blocks)
+    prefix_salt: bytes = b""  # mixed into its root (e.g. a digest of its images): shares blocks only with the same salt
     prefix_digests: list = dataclasses.field(default_factory=list)  # digests of its first full blocks
     prefix_blocks: int = 0  # its leading blocks that are cached (hit or registered)
 
@@ -438,7 +439,7 @@ class ServingScheduler:
         none without prefix caching or with `cache_prefix` False. Sets its chain's root."""
         if self.prefix is None:
             return []
-        root = root_digest(self.prefix_root(seq.adapter))
+        root = self._root(seq)
         if seq.prefix_root != root:
             seq.prefix_root, seq.prefix_digests = root, []
         if not seq.cache_prefix:
@@ -446,6 +447,11 @@ class ServingScheduler:
         tokens = seq.tokens
         count = (len(tokens) - 1) // self.config.page_size
         return self.prefix.lookup(chain_digests(tokens, self.config.page_size, root, seq.prefix_digests, count)[:count])
+
+    def _root(self, seq: Sequence) -> bytes:
+        """The root digest of `seq`'s chain: its adapter's `prefix_root`, salted with `seq.prefix_salt`."""
+        key = self.prefix_root(seq.adapter)
+        return root_digest((key, seq.prefix_salt) if seq.prefix_salt else key)
 
     def _take_pages(self, seq: Sequence, hits: list[int]) -> list[int]:
         """An admitted `seq`'s pages: its cached `hits` (acquired; counted as computed) and new ones
@@ -468,7 +474,7 @@ class ServingScheduler:
         full = min(seq.num_computed, len(seq.prompt) + len(output) - pending) // size
         if full <= seq.prefix_blocks:
             return
-        if root_digest(self.prefix_root(seq.adapter)) != seq.prefix_root:
+        if self._root(seq) != seq.prefix_root:
             seq.prefix_root = None  # computed under other numerics from here on
             return
         digests = chain_digests(seq.tokens, size, seq.prefix_root, seq.prefix_digests, full)
