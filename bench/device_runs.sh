@@ -394,6 +394,32 @@ final_x4() {  # 4 x H200, one call, pinned (PIN=1): GPU 0 the guard's serving tr
   tar czf $OUT/final_x4.tgz -C $OUT final && rm -rf $OUT/final
 }
 
+modes_table_and_guard() {  # 4 x H200, one call, pinned (PIN=1): GPUs 0-2 bench/serve.py --modes-skew at the
+  # README's sizes, two shares each, all four modes, 32 requests (issue 38's table); GPU 3 the guard's serving
+  # trace on this tree, then on the tree in old_guard/ (an older commit, untracked: a same-machine comparison).
+  # On 2 GPUs: SHARES="1.0 0.8" GUARD_GPU=1 (SHARES: one group of shares per GPU, groups split by ';')
+  nvidia-smi -L
+  export PIN=1
+  python3 bench/jit_cache.py unpack .jitcache/jitcache /tmp/jaxlora_serve_jit_cache
+  mkdir -p $OUT/mt/guard_head $OUT/mt/guard_old
+  local t=$((LIMIT - 20)) sizes="--modes-skew --lora-backend hybrid --max-num-seqs 256 --token-budget 2048 --prefill-chunk 2048"
+  local gpu=0 guard_gpu=${GUARD_GPU:-3}
+  local groups
+  IFS=';' read -ra groups <<<"${SHARES:-0.6 0.5;0.8 0.7;1.0 0.9}"
+  for shares in "${groups[@]}"; do
+    job modes$gpu $gpu $t bash -c "python3 bench/serve.py $sizes --compile-only; python3 bench/serve.py $sizes \
+        --requests 32 --skews $shares --modes auto merged unmerged mixed --time-budget $((t - 290)) \
+        --out $OUT/mt/modes_skew_h200_g$gpu.json"
+    gpu=$((gpu + 1))
+  done
+  job guards $guard_gpu $t bash -c "python3 bench/regress.py --only serve --out-dir $OUT/mt/guard_head; \
+      cd old_guard && PYTHONPATH=\$PWD python3 bench/regress.py --only serve --out-dir $OUT/mt/guard_old"
+  wait
+  rm -rf $OUT/mt/*/regress_serve.png $OUT/mt/*/regress_log.txt
+  collect_logs modes_table_and_guard
+  tar czf $OUT/modes_table_and_guard.tgz -C $OUT mt && rm -rf $OUT/mt
+}
+
 two_gpus() {  # 2 GPUs: TP=2 serving vs one GPU, then PP=2 training vs one GPU
   nvidia-smi -L
   timeout 270 python3 bench/tp_serve.py --out "$OUT/tp_serve_2xh200.json" 2>&1 | tail -n 15

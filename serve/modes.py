@@ -98,7 +98,8 @@ class EngineModes:
         """Picks this step's mode from the waiting and running requests and restricts the
         scheduler's rows to it (`runs`)."""
         now = time.monotonic()
-        requests = [Pending(seq.adapter, now - self._served.get(seq.seq_id, seq.arrival), seq.order, running)
+        requests = [Pending(seq.adapter, now - self._served.get(seq.seq_id, seq.arrival), seq.order, running,
+                            max(0, seq.max_tokens - len(seq.output)))
                     for running, queue in ((True, scheduler.running), (False, scheduler.waiting)) for seq in queue]
         if self.name == "auto":
             self.mode = self.decider.choose(requests, self.mode, step_s, self.last_switch_s)

@@ -56,13 +56,14 @@ class ModePolicy:
 @dataclasses.dataclass(frozen=True)
 class Pending:
     """A request as the policy sees it: its adapter (None: the base model), seconds since it last
-    got a row (or since it arrived), its arrival order (smaller: older), and whether it is running
-    (admitted: it holds its KV pages)."""
+    got a row (or since it arrived), its arrival order (smaller: older), whether it is running
+    (admitted: it holds its KV pages), and the tokens it may still generate (max_tokens - output)."""
 
     adapter: Hashable | None
     waited_s: float
     order: int = 0
     running: bool = False
+    remaining: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,9 @@ mean seconds per token of every mode it could run (module `predict`):
   it leaves waiting, the time to serve them afterwards (an unmerged step over their rows);
 - plus, for a mode whose merged adapter differs from the current one, the switch time amortised
   over the steps a mode is expected to stay (the measured stays' moving average, at least
-  `min_dwell`), once into the mode and, for merged, once back for the starved requests.
+  `min_dwell`, and for merging X at least the tokens X's longest request still has to generate:
+  X has requests that long), once into the mode and, for merged, once back for the starved
+  requests.
 
 That is the mean completion time of one round of tokens of every request, per step (all rows
 together; merged X first, then the others). Merged X is not an option while another request has
@@ -61,7 +63,7 @@ class CostPolicy:
     expected_stay: int = 32
     min_dwell: int = 8
     confirm: int = 4
-    margin: float = 0.05
+    margin: float = 0.02
     max_wait_steps: float = 2.0
     ema: float = 0.2
 
@@ -88,6 +90,7 @@ class StepCosts:
         self.table: dict[tuple[str, int], float] = {}
         self.samples: collections.Counter = collections.Counter()  # mode -> steps recorded
         self.merged_buckets: set[int] = set()  # buckets whose r0 a merged step measured
+        self.seen: dict[tuple[str, int], list[float]] = {}  # (mode, bucket) -> [count, sum, min, max] of raw seconds
 
     def has_merged(self, tokens: int) -> bool:
         """Whether a merged step of the bucket of `tokens` was measured."""
@@ -134,15 +137,16 @@ class StepCosts:
         prediction (normalised least mean squares); r1 stays in [0.25, 8]."""
         b, alpha = bucket(max(1, tokens)), self.policy.ema
         self.samples[mode] += 1
+        self._see(mode, b, seconds)
         if mode == "unmerged":
             old = self.table.get(("base", b))
-            self.table[("base", b)] = seconds if old is None else (1 - alpha) * old + alpha * seconds
+            self.table[("base", b)] = seconds if old is None else (1 - alpha) * old + alpha * _clip(seconds, old)
             return
         base = self.get("base", tokens)
         if base is None:
             return
-        ratio = seconds / base
         r0, r1 = self.ratios(tokens)
+        ratio = _clip(seconds / base, r0 if mode == "merged" else (1 - others) * r0 + others * r1)
         if mode == "merged":  # the first one replaces the prior (or a mixed step's fit)
             self.table[("r0", b)] = ratio if b not in self.merged_buckets else (1 - alpha) * r0 + alpha * ratio
             self.merged_buckets.add(b)
@@ -155,6 +159,19 @@ class StepCosts:
             weights = (1 - others) / norm, others / norm
         self.table[("r0", b)] = r0 + alpha * error * weights[0]
         self.table[("r1", b)] = min(8.0, max(0.25, r1 + alpha * error * weights[1]))
+
+
+    def _see(self, mode: str, b: int, seconds: float) -> None:
+        """Adds a raw sample to `seen`."""
+        entry = self.seen.setdefault((mode, b), [0, 0.0, seconds, seconds])
+        entry[0] += 1
+        entry[1] += seconds
+        entry[2], entry[3] = min(entry[2], seconds), max(entry[3], seconds)
+
+
+def _clip(sample: float, around: float) -> float:
+    """`sample` clipped to [around / 2, 2 around] (`around` > 0)."""
+    return min(2 * around, max(0.5 * around, sample))
 
 
 class CostModes:
@@ -184,9 +201,13 @@ class CostModes:
         self.switch_s += self.policy.ema * (switch_s + excess - self.switch_s)
 
     def summary(self) -> dict:
-        """What it measured: {"costs": {"base@16": seconds, "r0@16": ratio, ...}, "switch_s",
+        """What it measured: {"costs": {"base@16": seconds, "r0@16": ratio, ...}, "seen" (raw samples per
+        mode and bucket: steps, mean, min, max seconds), "switch_s",
         "stay_steps", "switches", "samples" (steps recorded per mode)}."""
+        seen = {f"{mode}@{b}": {"steps": n, "mean_s": round(total / n, 6), "min_s": round(lo, 6), "max_s": round(hi, 6)}
+                for (mode, b), (n, total, lo, hi) in sorted(self.costs.seen.items())}
         return {"costs": {f"{key}@{b}": round(value, 6) for (key, b), value in sorted(self.costs.table.items())},
+                "seen": seen,
                 "switch_s": self.switch_s, "stay_steps": self.stay, "switches": self.switches,
                 "samples": dict(self.costs.samples)}
 
@@ -218,6 +239,7 @@ class CostModes:
         options = {unmerged: step_u + self._switch(unmerged, current, horizon)}
         for adapter in self._candidates(counts, current):
             n_x = counts[adapter]
+            horizon = max(p.min_dwell, self.stay, max(r.remaining for r in requests if r.adapter == adapter))
             others = (total - n_x) / total
             if not self._starving(requests, adapter, p.max_wait_steps * step_u):
                 merged = Mode("merged", adapter)

@@ -100,6 +100,34 @@ def test_a_starving_request_turns_merged_into_mixed_not_a_switch():
         assert decider.choose(requests, Mode("merged", "a")) == expected
 
 
+def test_a_small_saving_is_worth_a_switch_when_the_adapter_has_long_requests():
+    """Mixed "a" predicted 3% cheaper than unmerged, a switch costing a whole step: not worth it
+    over the default stay (32 steps: +3.1% a step), worth it when "a"'s requests still have 400
+    tokens to generate (the switch amortised over 400 steps: +0.25%, past the 2% margin)."""
+    policy = CostPolicy(min_dwell=1, confirm=1, switch_s=STEP_S)
+    for remaining, expected in ((0, Mode("unmerged")), (400, Mode("mixed", "a"))):
+        requests = [Pending("a", 0.0, i, True, remaining) for i in range(8)] + [Pending("b", 0.0, 8 + i, True, 9)
+                                                                                 for i in range(2)]
+        decider = policy.start()
+        decider.steps_here = 10
+        for b in (8, 16):
+            decider.costs.table.update({("base", b): STEP_S, ("r0", b): 0.86, ("r1", b): 1.41})
+            decider.costs.merged_buckets.add(b)
+        assert decider.costs.step("mixed", 10, 0.2) == pytest.approx(0.97 * STEP_S, rel=1e-3)
+        assert decider.choose(requests, Mode()) == expected
+
+
+def test_an_outlier_step_moves_an_estimate_at_most_twofold_and_is_kept_in_seen():
+    costs_ = StepCosts(CostPolicy(ema=1.0))
+    costs_.record("unmerged", 8, 0.006)
+    costs_.record("unmerged", 8, 0.5)  # a stalled step
+    assert costs_.step("unmerged", 8) == pytest.approx(0.012)
+    costs_.record("merged", 8, 0.5)  # ratio 41: clipped to twice the prior 0.85
+    assert costs_.ratios(8)[0] == pytest.approx(1.7)
+    assert costs_.seen[("unmerged", 8)] == [2, pytest.approx(0.506), 0.006, 0.5]
+    assert costs_.seen[("merged", 8)][0] == 1
+
+
 def test_balanced_load_stays_unmerged():
     modes, decider, _ = simulate(CostPolicy(), lambda step: hot(0.5), costs(0.85, 1.2), 300)
     assert set(modes) == {Mode("unmerged")} and decider.switches == 0
