@@ -110,7 +110,7 @@ from serve.placement import check_mesh, new_kv_cache, serving_model  # noqa: F40
 from serve.requests import Handoff, Request, check_request, classified, collect_scores, prompt_k, row_logprobs
 from serve.residency import Residency, adapter_pool, place_compressed, slot_rows
 from serve.sampler_state import SamplerSlots
-from serve.stats import EngineStats, _PhaseClock
+from serve.stats import EngineStats, _PhaseClock, engine_snapshot
 from serve.step import Programs, Step, StepShape
 from serve.step_builder import StepBuilder, progress_log, scores_prompt, segments
 from serve.structured import GrammarRows
@@ -785,30 +785,8 @@ class Engine:
         return self.residency.slot_adapters()
 
     def snapshot(self) -> dict:
-        """Counts for /metrics and /health (read without locking; values may be one step stale)."""
-        scheduler = self.scheduler
-        return {
-            "running": len(scheduler.running),
-            "waiting": len(scheduler.waiting) + self._num_waiting_submitted,
-            "adapters_on_device": len(scheduler.slots.resident()),
-            "adapters_known": len(self.adapters.names()),
-            "adapters_on_host": self.adapters.on_host_count(),
-            "adapters_on_disk": self.adapters.disk_count(),
-            "host_adapter_bytes": self.adapters.cached_bytes(),
-            "free_pages": scheduler.pages.num_free,
-            "pages": scheduler.page_split(),
-            "adapter_rows": {"used": getattr(scheduler.pages, "adapter_rows_used", 0),
-                             "total": getattr(self.pool, "num_rows", 0)},  # unified paging's device rows
-            "total_pages": self.config.num_pages,
-            "tokens_per_second": self.stats.tokens_per_second(),
-            "dropped_overloaded": self.stats.dropped,
-            "max_num_seqs": self.config.max_num_seqs,
-            "page_size": self.config.page_size,
-            "reserve_output_kv": self.config.reserve_output_kv,
-            "waiting_pages": sum(scheduler.pages_needed(seq) for seq in list(scheduler.waiting)),
-            "prefix_cache": self.stats.prefix_cache(),
-            **({} if self.modes is None else self.modes.snapshot()),
-        }
+        """Counts for /metrics and /health (`serve.stats.engine_snapshot`; may be one step stale)."""
+        return engine_snapshot(self)
 
 
 class TrainingSource(Protocol):

@@ -50,7 +50,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import BaseModel, ConfigDict
 
 from jaxlora.scheduler.serving import ReplicaState, place
-from serve.app import BodyLimit, add_error_handlers
+from serve.app import add_error_handlers
+from serve.body_limit import BodyLimit
 from serve.auth import ApiKeyAuth
 from serve.protocol import ApiError, ChatRequest, ClassifyRequest, CompletionRequest
 

@@ -139,3 +139,32 @@ class EngineStats:
                 "requests": stats.requests, "hit_requests": stats.hit_requests, "evictions": stats.evictions,
                 "cached_blocks": stats.cached_blocks, "cached_pages": cache.num_registered,
                 "unreferenced_pages": cache.num_cached}
+
+
+def engine_snapshot(engine) -> dict:
+    """An `Engine`'s counts for /metrics and /health (read without locking; values may be one step
+    stale): requests running and waiting, adapters per tier, KV pages, throughput, prefix cache,
+    and the inference mode's state."""
+    scheduler = engine.scheduler
+    return {
+        "running": len(scheduler.running),
+        "waiting": len(scheduler.waiting) + engine._num_waiting_submitted,
+        "adapters_on_device": len(scheduler.slots.resident()),
+        "adapters_known": len(engine.adapters.names()),
+        "adapters_on_host": engine.adapters.on_host_count(),
+        "adapters_on_disk": engine.adapters.disk_count(),
+        "host_adapter_bytes": engine.adapters.cached_bytes(),
+        "free_pages": scheduler.pages.num_free,
+        "pages": scheduler.page_split(),
+        "adapter_rows": {"used": getattr(scheduler.pages, "adapter_rows_used", 0),
+                         "total": getattr(engine.pool, "num_rows", 0)},  # unified paging's device rows
+        "total_pages": engine.config.num_pages,
+        "tokens_per_second": engine.stats.tokens_per_second(),
+        "dropped_overloaded": engine.stats.dropped,
+        "max_num_seqs": engine.config.max_num_seqs,
+        "page_size": engine.config.page_size,
+        "reserve_output_kv": engine.config.reserve_output_kv,
+        "waiting_pages": sum(scheduler.pages_needed(seq) for seq in list(scheduler.waiting)),
+        "prefix_cache": engine.stats.prefix_cache(),
+        **({} if engine.modes is None else engine.modes.snapshot()),
+    }

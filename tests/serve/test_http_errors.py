@@ -16,7 +16,8 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from serve.app import BodyLimit, ServerSettings, create_app
+from serve.app import ServerSettings, create_app
+from serve.body_limit import BodyLimit
 from serve.protocol import Limits
 from serve.router import Router, create_router_app
 from tests.serve.conftest import LiveServer
