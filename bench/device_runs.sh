@@ -420,6 +420,29 @@ modes_table_and_guard() {  # 4 x H200, one call, pinned (PIN=1): GPUs 0-2 bench/
   tar czf $OUT/modes_table_and_guard.tgz -C $OUT mt && rm -rf $OUT/mt
 }
 
+modes_cold_fused() {  # 4 x H200, one call, pinned (PIN=1): GPU 0 --modes-skew at all six shares, four modes,
+  # 32 requests (issue 38's table); GPU 1 the guard's serving trace; GPU 2, once the guard is done, the
+  # server's cold start with 150 s of completions after ready (issue 35 item 2: the background compile's
+  # effect); GPU 3 bench/fused_lora.py (issue 37 item 2's figures with today's resolver). .jitcache, .whl carried
+  nvidia-smi -L
+  export PIN=1
+  python3 bench/jit_cache.py unpack .jitcache/jitcache /tmp/jaxlora_serve_jit_cache
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  mkdir -p $OUT/mcf
+  local t=$((LIMIT - 20)) sizes="--modes-skew --lora-backend hybrid --max-num-seqs 256 --token-budget 2048 --prefill-chunk 2048"
+  job modes 0 $t bash -c "python3 bench/serve.py $sizes --compile-only; python3 bench/serve.py $sizes --requests 32 \
+      --skews 0.5 0.6 0.7 0.8 0.9 1.0 --modes auto merged unmerged mixed --time-budget $((t - 110)) \
+      --out $OUT/mcf/modes_skew_h200.json"
+  job guard 1 $t python3 bench/regress.py --only serve --out-dir $OUT/mcf
+  job cold 2 $t bash -c "sleep 190; PYTHONPATH=\$PYTHONPATH:/tmp/site python3 bench/cold_start.py --runs cold \
+      --after-ready 150 --out $OUT/mcf/cold_start_h200.json"
+  job fused 3 $t python3 bench/fused_lora.py --name fused_lora_h200 --out $OUT/mcf --budget-s 400
+  wait
+  rm -rf $OUT/mcf/regress_serve.png $OUT/mcf/regress_log.txt
+  collect_logs modes_cold_fused
+  tar czf $OUT/modes_cold_fused.tgz -C $OUT mcf && rm -rf $OUT/mcf
+}
+
 two_gpus() {  # 2 GPUs: TP=2 serving vs one GPU, then PP=2 training vs one GPU
   nvidia-smi -L
   timeout 270 python3 bench/tp_serve.py --out "$OUT/tp_serve_2xh200.json" 2>&1 | tail -n 15
