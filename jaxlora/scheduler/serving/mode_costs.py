@@ -37,9 +37,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import statistics
 from typing import Hashable
 
 from jaxlora.scheduler.serving.mode_choice import Mode, Pending
+
+
+WINDOW = 32  # samples an estimate is the median of
+MIN_SAMPLES = 3  # samples before a measurement replaces the prior
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +96,7 @@ class StepCosts:
         self.samples: collections.Counter = collections.Counter()  # mode -> steps recorded
         self.merged_buckets: set[int] = set()  # buckets whose r0 a merged step measured
         self.seen: dict[tuple[str, int], list[float]] = {}  # (mode, bucket) -> [count, sum, min, max] of raw seconds
+        self.recent: dict[tuple[str, int], collections.deque] = {}  # (key, bucket) -> the last samples
 
     def has_merged(self, tokens: int) -> bool:
         """Whether a merged step of the bucket of `tokens` was measured."""
@@ -131,35 +137,49 @@ class StepCosts:
         return base * (r0 if mode == "merged" else (1 - others) * r0 + others * r1)
 
     def record(self, mode: str, tokens: int, seconds: float, others: float = 0.0) -> None:
-        """Adds a measured step. Merged and mixed steps update the ratios to the unmerged step of
-        their bucket (ignored until an unmerged step is measured). A mixed step moves r1 alone
-        when a merged step measured r0, else r0 and r1 by their weights (1 - f, f) in its
-        prediction (normalised least mean squares); r1 stays in [0.25, 8]."""
-        b, alpha = bucket(max(1, tokens)), self.policy.ema
+        """Adds a measured step (a mixed step without rows of other adapters is a merged one).
+        Each estimate is the median of its last `WINDOW` samples, set once `MIN_SAMPLES` are in
+        (before that: the priors, or the measured buckets around): the unmerged seconds, and the
+        merged step's ratio to the unmerged one of its bucket. A mixed step of a bucket whose r0 is
+        measured gives its own r1 ((ratio - (1 - f) r0) / f: noisy at a small f, the median takes
+        care of it); with r0 unmeasured it moves r0 and r1 by their weights (1 - f, f) in
+        its prediction (normalised least mean squares, the sample clipped to [1/2, 2] x the
+        prediction). r1 stays in [0.25, 8]."""
+        if mode == "mixed" and others == 0:
+            mode = "merged"
+        b = bucket(max(1, tokens))
         self.samples[mode] += 1
         self._see(mode, b, seconds)
         if mode == "unmerged":
-            old = self.table.get(("base", b))
-            self.table[("base", b)] = seconds if old is None else (1 - alpha) * old + alpha * _clip(seconds, old)
+            self._median("base", b, seconds)
             return
         base = self.get("base", tokens)
         if base is None:
             return
         r0, r1 = self.ratios(tokens)
-        ratio = _clip(seconds / base, r0 if mode == "merged" else (1 - others) * r0 + others * r1)
-        if mode == "merged":  # the first one replaces the prior (or a mixed step's fit)
-            self.table[("r0", b)] = ratio if b not in self.merged_buckets else (1 - alpha) * r0 + alpha * ratio
-            self.merged_buckets.add(b)
+        if mode == "merged":
+            if self._median("r0", b, seconds / base):
+                self.merged_buckets.add(b)
             return
-        error = ratio - ((1 - others) * r0 + others * r1)
         if b in self.merged_buckets:
-            weights = 0.0, (1 / others if others > 0 else 0.0)
-        else:
-            norm = (1 - others) ** 2 + others ** 2
-            weights = (1 - others) / norm, others / norm
-        self.table[("r0", b)] = r0 + alpha * error * weights[0]
-        self.table[("r1", b)] = min(8.0, max(0.25, r1 + alpha * error * weights[1]))
+            if others > 0:
+                self._median("r1", b, (seconds / base - (1 - others) * r0) / others, low=0.25, high=8.0)
+            return
+        predicted = (1 - others) * r0 + others * r1
+        error, norm = _clip(seconds / base, predicted) - predicted, (1 - others) ** 2 + others ** 2
+        alpha = self.policy.ema
+        self.table[("r0", b)] = r0 + alpha * error * (1 - others) / norm
+        self.table[("r1", b)] = min(8.0, max(0.25, r1 + alpha * error * others / norm))
 
+    def _median(self, key: str, b: int, value: float, low: float = 0.0, high: float = math.inf) -> bool:
+        """Adds `value` to the window of (key, b); once it holds `MIN_SAMPLES`, the table's entry
+        becomes their median (clamped to [low, high]). Returns whether it did."""
+        window = self.recent.setdefault((key, b), collections.deque(maxlen=WINDOW))
+        window.append(value)
+        if len(window) < MIN_SAMPLES:
+            return False
+        self.table[(key, b)] = min(high, max(low, statistics.median(window)))
+        return True
 
     def _see(self, mode: str, b: int, seconds: float) -> None:
         """Adds a raw sample to `seen`."""
