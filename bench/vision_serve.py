@@ -156,8 +156,8 @@ def make_vision_trace(serving: ImageServing, requests: int, min_len: int, max_le
             images.append(None)
             continue
         cut = int(rng.integers(0, min(8, len(text)) + 1))
-        picture = rng.integers(0, 256, (int(rng.integers(size // 2, 2 * size)), int(rng.integers(size // 2, 2 * size)), 3),
-                               dtype=np.uint8)
+        height, width = (int(n) for n in rng.integers(size // 2, 2 * size, 2))
+        picture = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
         ids, image = serving.prompt(text[:cut] + [image_token] + text[cut:], [picture])
         prompts.append(ids)
         images.append(image)
@@ -390,8 +390,9 @@ def describe(args, config: LlavaConfig, vtrace: VisionTrace, engine: EngineConfi
                   "tokens_per_image": config.tokens_per_image, "image_token_id": config.image_token_id,
                   "flops_per_image": flops_per_image(config)},
         "engine": dataclasses.asdict(engine),
-        "trace": {"requests": args.requests, "image_requests": len(images), "text_only_requests": args.requests - len(images),
-                  "images_per_request": 1, "text_len": [args.min_len, args.max_len], "output_len": [args.min_len, args.max_len],
+        "trace": {"requests": args.requests, "image_requests": len(images),
+                  "text_only_requests": args.requests - len(images), "images_per_request": 1,
+                  "text_len": [args.min_len, args.max_len], "output_len": [args.min_len, args.max_len],
                   "prompt_tokens": sum(len(p) for p in vtrace.prompts),
                   "image_tokens": len(images) * config.tokens_per_image,
                   "output_tokens": int(vtrace.trace.output_lens.sum()), "arrivals": "all at t=0", "seed": args.seed},
@@ -403,13 +404,13 @@ def describe(args, config: LlavaConfig, vtrace: VisionTrace, engine: EngineConfi
 
 
 def run_cases(args, model, processor, engine, vtrace, factory, shapes, report, started) -> None:
-    """The base case, then each adapter count, written after each; a case that would end past
-    --time-budget is skipped with a message."""
+    """The base case (always: every ratio needs it), then each adapter count, written after each;
+    an adapter case that would end past --time-budget (1.3x the case before it) is skipped with a message."""
     last_s = 0.0
     for adapters in [0] + list(args.adapters):
         elapsed = time.perf_counter() - started
-        if args.time_budget and elapsed + last_s > args.time_budget:
-            print(f"{case_name(adapters):12} skipped (time budget: {elapsed:.0f} s used, ~{last_s:.0f} s needed)",
+        if adapters and args.time_budget and elapsed + 1.3 * last_s > args.time_budget:
+            print(f"{case_name(adapters):12} skipped (time budget: {elapsed:.0f} s used, ~{1.3 * last_s:.0f} s needed)",
                   flush=True)
             report["skipped"].append(adapters)
             write_report(args.out, report)
