@@ -396,7 +396,7 @@ final_x4() {  # 4 x H200, one call, pinned (PIN=1): GPU 0 the guard's serving tr
 
 vision_serve() {  # one GPU, issue 39 item 4: bench/vision_serve.py (LLaVA-1.5 layout, ViT-L/14-336 + Llama-3.1-8B
   # shape, random bf16) serving one image+text trace on the base model and over 1, 8 and 64 adapters at the README's
-  # engine sizes; ~5 min from an empty compile cache on an H200. Its compile cache comes back as jitcache_vision.partNN:
+  # engine sizes; ~5-6 min from an empty compile cache on an H200. Its compile cache comes back as jitcache_vision.partNN:
   # copy them into .jitcache/ and carry it to skip the compile next time. TAG names the JSON (default h200)
   nvidia-smi -L
   local cache=/tmp/jaxlora_vision_jit_cache

@@ -30,9 +30,10 @@ Compilation before the clock (`compile_programs`): every case is first run host-
 device step replaced by a stub that records each step's program, `StepShape`: token bucket, LoRA
 variant, image-row bucket; the scheduler's plan does not depend on the device's results, so the
 timed run takes the same steps), the union of those programs is compiled in parallel (`compile_all`),
-and the tower's encode is compiled and timed for each image bucket a step can hold. Each timed run
-then warms up its case's programs on a fresh engine from JAX's caches; `compiles_in_run` in the
-JSON says if a step compiled anyway. `--compile-cache DIR` keeps them across processes and
+and the tower's encode is compiled and timed for each image bucket a step can hold. Each case then
+serves its trace once untimed (`--warmup-runs`: every program's first execution) and once timed,
+each on a fresh engine warmed up from JAX's caches; `compiles_in_run` in the JSON says if a timed
+step compiled anyway. `--compile-cache DIR` keeps them across processes and
 `--compile-only` stops once they are compiled.
 
 Reported per case (bench/serve.py's `run_trace`: the driver calls `Engine.step()` in this thread,
@@ -250,14 +251,21 @@ def _scan_from(config: EngineConfig) -> int:
 # ---- cases --------------------------------------------------------------------------------------
 
 def run_case(model: Llava, processor: ImageProcessorConfig, config: EngineConfig, vtrace: VisionTrace,
-             adapters: int, factory: AdapterFactory, shapes: list, bucket_ms: dict) -> dict:
-    """One timed run of the trace: on the base model (`adapters` 0) or over `adapters` adapters;
-    bench/serve.py's `run_trace` figures plus the tower's (`CountingImages.summary`)."""
-    serving = CountingImages(model, processor)
+             adapters: int, factory: AdapterFactory, shapes: list, bucket_ms: dict, warmups: int = 1) -> dict:
+    """One timed run of the trace: on the base model (`adapters` 0) or over `adapters` adapters,
+    after `warmups` untimed runs of it (each program's first execution: on a CPU XLA finishes its
+    kernels then; on a GPU the modules load); bench/serve.py's `run_trace` figures plus the tower's
+    (`CountingImages.summary`) and the untimed runs' seconds."""
     trace = vtrace.with_adapters(adapters)
-    result = run_trace(model.language, config, trace, vtrace.prompts, factory if adapters else None, shapes=shapes,
-                       images=(serving, vtrace.images))
-    result.update(serving.summary(bucket_ms), adapters=adapters,
+    run = lambda serving: run_trace(model.language, config, trace, vtrace.prompts, factory if adapters else None,
+                                    shapes=shapes, images=(serving, vtrace.images))
+    started = time.perf_counter()
+    for _ in range(warmups):
+        run(ImageServing(model, processor))
+    warmup_s = time.perf_counter() - started
+    serving = CountingImages(model, processor)
+    result = run(serving)
+    result.update(serving.summary(bucket_ms), adapters=adapters, warmup_runs=warmups, warmup_s=warmup_s,
                   distinct_adapters=int(len(set(trace.adapters.tolist()))) if adapters else 0,
                   expected_tokens=int(trace.output_lens.sum()))
     return result
@@ -331,6 +339,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compile-cache", default="/tmp/jaxlora_serve_jit_cache",
                         help="JAX persistent compilation cache dir ('' to disable)")
     parser.add_argument("--compile-only", action="store_true", help="compile every program into --compile-cache, stop")
+    parser.add_argument("--warmup-runs", type=int, default=1, help="untimed runs of each case's trace before its "
+                        "timed run (every program executed once)")
     parser.add_argument("--time-budget", type=float, default=0, help="seconds; skip cases that would not fit (0: off)")
     parser.add_argument("--out", default="bench/results/vision_serve.json")
     args = parser.parse_args(argv)
@@ -416,7 +426,8 @@ def run_cases(args, model, processor, engine, vtrace, factory, shapes, report, s
             write_report(args.out, report)
             continue
         case_start = time.perf_counter()
-        result = run_case(model, processor, engine, vtrace, adapters, factory, shapes[adapters], report["tower_ms"])
+        result = run_case(model, processor, engine, vtrace, adapters, factory, shapes[adapters], report["tower_ms"],
+                          args.warmup_runs)
         last_s = time.perf_counter() - case_start
         base = report["cases"][0] if report["cases"] else result
         result["vs_base"] = {key: result[key] / base[key] for key in RATIOS}
