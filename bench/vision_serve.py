@@ -239,9 +239,16 @@ def compile_programs(model: Llava, serving: ImageServing, config: EngineConfig, 
     print(f"expected step programs: {counts['programs']} ({counts['base']} base, {counts['window']} adapter window, "
           f"{counts['lora']} LoRA kernels; {counts['with_images']} with image rows, {counts['unrolled']} unrolled); "
           f"per case {counts['per_case']}; found host-only in {found_s:.1f} s", flush=True)
+    print("  " + ", ".join(shape_name(shape) for shape in union), flush=True)
     info = compile_all(model.language, config, threads, shapes=union)
-    info.update(counts, discover_s=found_s)
+    info.update(counts, discover_s=found_s, shapes=[shape_name(shape) for shape in union])
     return shapes, info
+
+
+def shape_name(shape) -> str:
+    """A forward program in a few characters: its variant, tokens, and image rows (e.g. `window 2048 +4096 img`)."""
+    variant = "window" if shape.window else "kernels decode" if shape.decode_only else "kernels" if shape.lora else "base"
+    return f"{variant} {shape.tokens}" + (f" +{shape.images} img" if shape.images else "")
 
 
 def _scan_from(config: EngineConfig) -> int:

@@ -26,7 +26,7 @@ def test_tiny_run_serves_every_case_on_the_same_trace(tmp_path):
         assert case["finished_ok"] == case["requests"] == 12 and case["errors"] == 0
         assert case["generated_tokens"] == case["expected_tokens"] == trace["output_tokens"]
         assert case["images_encoded"] == 12 and 1 <= case["tower_calls"] <= 12
-        assert case["compiles_in_run"] == 0
+        assert case["compiles_in_run"] == 0 and case["warmup_runs"] == 1
         assert case["distinct_adapters"] == case["adapters"]
         assert all(case[key] > 0 for key in KEYS) and set(case["vs_base"]) == set(KEYS)
     assert report["cases"][0]["vs_base"]["tokens_per_s"] == 1.0
