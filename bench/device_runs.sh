@@ -443,6 +443,21 @@ modes_cold_fused() {  # 4 x H200, one call, pinned (PIN=1): GPU 0 --modes-skew a
   tar czf $OUT/modes_cold_fused.tgz -C $OUT mcf && rm -rf $OUT/mcf
 }
 
+vision_serve() {  # one GPU, issue 39 item 4: bench/vision_serve.py (LLaVA-1.5 layout, ViT-L/14-336 + Llama-3.1-8B
+  # shape, random bf16) serving one image+text trace on the base model and over 1, 8 and 64 adapters at the README's
+  # engine sizes; ~5-6 min from an empty compile cache on an H200. Its compile cache comes back as jitcache_vision.partNN:
+  # copy them into .jitcache/ and carry it to skip the compile next time. TAG names the JSON (default h200)
+  nvidia-smi -L
+  local cache=/tmp/jaxlora_vision_jit_cache
+  if [ -e .jitcache/jitcache_vision.part00 ]; then
+    python3 bench/jit_cache.py unpack .jitcache/jitcache_vision $cache
+  fi
+  timeout $((LIMIT - SECONDS - 40)) python3 bench/vision_serve.py --compile-cache $cache \
+      --time-budget $((LIMIT - SECONDS - 70)) --out "$OUT/vision_serve_${TAG:-h200}.json" 2>&1 \
+      | grep -v "cuda_timer\\|Warning" | tail -n 30
+  timeout 30 python3 bench/jit_cache.py pack $cache "$OUT/jitcache_vision"
+}
+
 two_gpus() {  # 2 GPUs: TP=2 serving vs one GPU, then PP=2 training vs one GPU
   nvidia-smi -L
   timeout 270 python3 bench/tp_serve.py --out "$OUT/tp_serve_2xh200.json" 2>&1 | tail -n 15

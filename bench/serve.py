@@ -241,16 +241,21 @@ class Timeline:
 
 
 def run_trace(model, engine_config: EngineConfig, trace: Trace, prompts: list, factory: AdapterFactory | None,
-              mesh=None, step_fn=None, shapes=None, compressed=None, install=None, timeline: bool = False) -> dict:
+              mesh=None, step_fn=None, shapes=None, compressed=None, install=None, timeline: bool = False,
+              images: tuple | None = None) -> dict:
     """Serves `trace` on a fresh engine (with its adapters if `factory`, or from a compressed
     collection `compressed` (a `SharedBasisSet` naming them adapter<i>), else all on the base model;
     tensor parallel over `mesh` if given), warmed up on `shapes` (default: the greedy steps of its
     kind, `greedy_shapes`) unless `step_fn` replaces its device step (`Engine(step_fn=...)`).
     install(engine): called once the engine is ready, before the clock starts (e.g. to set its
     `training`: the driver runs `Engine.train_step` after every step, as the engine thread does).
-    timeline: also return the run's `Timeline` spans and their summary ("timeline")."""
+    timeline: also return the run's `Timeline` spans and their summary ("timeline"). images: a
+    vision-language model's (`serve.vision.ImageServing`, each request's `ImageInput` or None),
+    `model` its language model (bench/vision_serve.py)."""
     setup_start = time.perf_counter()
-    engine = Engine(model, eos_ids=(), config=engine_config, mesh=mesh, step_fn=step_fn, compressed=compressed)
+    serving, request_images = images if images is not None else (None, None)
+    engine = Engine(model, eos_ids=(), config=engine_config, mesh=mesh, step_fn=step_fn, compressed=compressed,
+                    images=serving)
     with_adapters = factory is not None or compressed is not None
     if step_fn is None:
         engine.warmup(greedy_shapes(engine, (with_adapters,)) if shapes is None else shapes)
@@ -275,7 +280,8 @@ def run_trace(model, engine_config: EngineConfig, trace: Trace, prompts: list, f
             i = submitted
             records[i].submitted = start + trace.arrivals[i]
             lateness = max(lateness, now - trace.arrivals[i])
-            engine.submit(i, prompts[i], names[i], SamplingParams(int(trace.output_lens[i])), recording(records[i], finished))
+            engine.submit(i, prompts[i], names[i], SamplingParams(int(trace.output_lens[i])), recording(records[i], finished),
+                          images=None if request_images is None else request_images[i])
             submitted += 1
         t0 = time.perf_counter()
         busy = engine.step()
@@ -357,6 +363,14 @@ def host_only_step(step, cache):
 
 
 # ---- compilation ----------------------------------------------------------------------------------
+
+def use_compile_cache(path: str) -> None:
+    """JAX's persistent compilation cache in `path` for every program ('' or None: off)."""
+    if path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
 
 def greedy_shapes(engine: Engine, lora=(False, True)) -> list:
     """The step programs greedy requests can run: the forwards with LoRA inputs or without (`lora`:
@@ -853,10 +867,7 @@ def main() -> None:
     slots = pick(args.adapter_slots, 64, 4)
     max_num_seqs = pick(args.max_num_seqs, 64, 8)
     max_model_len = 2 * (args.max_len - 1)
-    if args.compile_cache:
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    use_compile_cache(args.compile_cache)
     backends = args.lora_backend or ["pallas" if jax.default_backend() == "gpu" else "gather"]
     backend = backends[0]
     engine_config = EngineConfig(
