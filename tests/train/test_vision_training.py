@@ -34,6 +34,34 @@ from train.microbatch import device_batch, pack_microbatch
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220)}
 QUESTION = "\nWhat colour is the square?"
 LORA = LoraConfig(r=4, lora_alpha=8, target_modules=("q_proj", "v_proj", "down_proj"))
+# A louder LM head and projector, quieter CLIP positions: a random tiny model whose answer tokens
+# can be made confident and whose image rows differ by colour more than by position.
+SCALES = {"lm_head": 10.0, "multi_modal_projector.linear_2": 10.0, "position_embedding": 0.05,
+          "class_embedding": 0.05}
+JOBS = """\
+base_model: {model}
+output_dir: {out}
+capacity: 256
+scheduler: greedy
+progress: false
+dtype: float32
+jobs:
+  - name: colour
+    dataset: colour.jsonl
+    lora: {{r: 8, alpha: 16, targets: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]}}
+    learning_rate: 5.0e-3
+    schedule: cosine
+    global_batch_size: 8
+    steps: 150
+    seed: 1
+  - name: fox
+    dataset: fox.jsonl
+    lora: {{r: 4, alpha: 8, targets: [q_proj, v_proj, down_proj]}}
+    learning_rate: 2.0e-2
+    global_batch_size: 2
+    steps: 20
+    seed: 2
+"""
 
 
 def colour_image(colour: str, seed: int):
@@ -61,7 +89,7 @@ def colour_record(part: dict, answer: str) -> dict:
 def tiny(tmp_path_factory):
     """(model directory, Llava, tokenizer, processor)."""
     directory = str(tmp_path_factory.mktemp("tiny_llava_train"))
-    write_tiny_llava(directory, scales={"lm_head": 10.0, "multi_modal_projector.linear_2": 10.0})
+    write_tiny_llava(directory, scales=SCALES)
     return (directory, *load_vlm(directory))
 
 
@@ -127,4 +155,103 @@ def test_packed_step_loss_equals_the_inference_forward(tiny, tmp_path):
 
     swapped = dict(batch, image_embeds=jnp.roll(batch["image_embeds"], per_image, axis=0))
     other, _ = step(trainable, frozen, swapped, plan)
-    assert rel_err(np.asarray(other), want) > 1e-3  # the images decide the loss
+    assert np.abs(np.asarray(other) - want).max() > 1e-3  # the images move the loss (> 3x the bound above)
+
+
+def _colour_data(directory: str, count: int) -> None:
+    """colour.jsonl (images alternately as data URLs and as PNG files under imgs/) and fox.jsonl
+    (text chats) in `directory`; the colours cycle, so every global batch holds each."""
+    names = list(COLOURS)
+    os.makedirs(os.path.join(directory, "imgs"), exist_ok=True)
+    records = []
+    for i in range(count):
+        colour = names[i % len(names)]
+        image = colour_image(colour, 1000 + i)
+        if i % 2:
+            part = {"type": "image_url", "image_url": {"url": data_url(image)}}
+        else:
+            image.save(os.path.join(directory, "imgs", f"{i}.png"))
+            part = {"type": "image", "path": f"imgs/{i}.png"}
+        records.append(colour_record(part, colour))
+    _write(directory, records)
+    os.replace(os.path.join(directory, "data.jsonl"), os.path.join(directory, "colour.jsonl"))
+    fox = [{"messages": [{"role": "user", "content": f"the quick brown fox {w}"}, {"role": "assistant", "content": w}]}
+           for w in ("jumps", "over", "the", "lazy")]
+    with open(os.path.join(directory, "fox.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in fox)
+
+
+def _answers(model, tokenizer, processor, images, adapter=None) -> list[str]:
+    """The in-process model's greedy answers (3 tokens at most) to the colour question, one per
+    image, with `adapter` (read as the server reads it) on the language model or none."""
+    from jaxlora.sampling import SamplingParams
+    from jaxlora.vision.generate import generate_with_images
+    from jaxlora.vision.preprocess import expand_image_tokens, preprocess_images
+
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "<image>" + QUESTION}], add_generation_prompt=True)
+    ids = expand_image_tokens(tokenizer.encode(text), model.config.image_token_id, model.config.tokens_per_image)
+    pool, slots = None, None
+    if adapter is not None:
+        pool = AdapterPool(model.config.text, num_slots=1, max_rank=adapter.config.r)
+        slots = [pool.load(adapter)] * len(images)
+    out = generate_with_images(model, [ids] * len(images), preprocess_images(images, processor),
+                               SamplingParams(max_new_tokens=3), tokenizer.eos_token_ids,
+                               None if pool is None else pool.arrays, slots)
+    return [tokenizer.decode(tokens) for tokens in out]
+
+
+def _accuracy(answers, colours) -> float:
+    return float(np.mean([bool(a.split()) and a.split()[0] == c for a, c in zip(answers, colours)]))
+
+
+def test_worked_example_train_with_jaxlora_train_then_serve_over_http(tiny, tmp_path):
+    """Issue 39's CPU worked example: `jaxlora-train` trains a colour adapter (48 generated
+    images, 3 colours) beside a text adapter in one run; on 30 held-out images the adapter answers
+    >= 90% right where the base model answers <= 30%; `jaxlora-serve`'s app on the LLaVA with the
+    saved adapter answers over HTTP (`openai` client, images as data URLs) as the in-process model."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+
+    from jaxlora.vision.adapters import load_llava_adapter
+    from serve.cli import build_app, build_parser
+    from tests.serve.conftest import LiveServer
+    from train.cli import main
+
+    directory, model, tokenizer, processor = tiny
+    _colour_data(str(tmp_path), 48)
+    (tmp_path / "jobs.yaml").write_text(JOBS.format(model=directory, out=tmp_path / "out"))
+    assert main([str(tmp_path / "jobs.yaml")]) == 0
+    fox_losses = [json.loads(line)["loss"] for line in open(tmp_path / "out" / "fox" / "metrics.jsonl")]
+    assert len(fox_losses) == 20 and fox_losses[-1] < fox_losses[0] / 2  # the text adapter trained beside it
+
+    names = list(COLOURS)
+    colours = [names[i % len(names)] for i in range(30)]
+    held_out = [colour_image(c, 5000 + i) for i, c in enumerate(colours)]
+    adapter = load_llava_adapter(str(tmp_path / "out" / "colour"), model.config, "colour")
+    trained, base = _answers(model, tokenizer, processor, held_out, adapter), _answers(model, tokenizer, processor,
+                                                                                        held_out)
+    assert _accuracy(trained, colours) >= 0.9, trained
+    assert _accuracy(base, colours) <= 0.3, base
+
+    app = build_app(build_parser().parse_args(["--model", directory, "--dtype", "float32", "--max-model-len", "128",
+                                               "--adapter", f"colour={tmp_path / 'out' / 'colour'}"]))
+    engine = app.state.server.engine
+    engine.start()  # no warm-up: the programs compile as the first requests need them
+    with LiveServer(app, engine) as server:
+        server.wait_ready()
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+        def ask(job):
+            image, name = job
+            content = [{"type": "image_url", "image_url": {"url": data_url(image)}}, {"type": "text", "text": QUESTION}]
+            reply = client.chat.completions.create(model=name, max_tokens=3, temperature=0,
+                                                   messages=[{"role": "user", "content": content}])
+            return reply.choices[0].message.content
+
+        base_name = app.state.server.settings.model_name
+        jobs = [(image, "colour") for image in held_out] + [(image, base_name) for image in held_out[:6]]
+        with ThreadPoolExecutor(8) as pool:
+            served = list(pool.map(ask, jobs))
+    assert served[:30] == trained
+    assert served[30:] == base[:6]
