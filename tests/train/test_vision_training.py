@@ -142,15 +142,17 @@ def test_packed_step_loss_equals_the_inference_forward(tiny, tmp_path):
     trainable, frozen = split_pool(pool.arrays)
     got, _ = step(trainable, frozen, batch, plan)
 
+    @jax.jit
+    def nll(tokens, pixels, plan_one):  # the inference forward of one sample: its NLL per target
+        positions = jnp.arange(tokens.shape[0])[None]
+        logits, _ = model(tokens[None], positions, pixel_values=pixels, lora=LoraInputs(pool.arrays, plan_one))
+        return jax.nn.logsumexp(logits[0, :-1], -1) - jnp.take_along_axis(logits[0, :-1], tokens[1:, None], -1)[:, 0]
+
     want = np.zeros(2)
     for slot, sample, weight in entries:
-        length = len(sample.tokens)
-        plan_one = build_plan(np.full((1, length), slot, np.int32))
-        logits, _ = model(jnp.asarray(sample.tokens)[None], jnp.arange(length)[None],
-                          pixel_values=None if sample.pixels is None else jnp.asarray(sample.pixels),
-                          lora=LoraInputs(pool.arrays, plan_one))
-        nll = jax.nn.logsumexp(logits[0, :-1], -1) - jnp.take_along_axis(logits[0, :-1], sample.tokens[1:, None], -1)[:, 0]
-        want[slot] += float(jnp.sum(nll * sample.loss_mask[1:]) * weight)
+        plan_one = build_plan(np.full((1, len(sample.tokens)), slot, np.int32))
+        losses = nll(jnp.asarray(sample.tokens), None if sample.pixels is None else jnp.asarray(sample.pixels), plan_one)
+        want[slot] += float(np.sum(np.asarray(losses) * sample.loss_mask[1:]) * weight)
     assert rel_err(np.asarray(got), want) <= 1e-5, (got, want)
 
     swapped = dict(batch, image_embeds=jnp.roll(batch["image_embeds"], per_image, axis=0))
