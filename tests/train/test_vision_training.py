@@ -257,3 +257,44 @@ def test_worked_example_train_with_jaxlora_train_then_serve_over_http(tiny, tmp_
             served = list(pool.map(ask, jobs))
     assert served[:30] == trained
     assert served[30:] == base[:6]
+
+
+def test_bad_image_input_is_an_error_naming_the_record(tiny, tmp_path):
+    """A remote URL, a malformed data URL, a missing file, a path outside the dataset's directory,
+    too many images, a TRL image part without an `images` entry, a typed `<image>` too many, an
+    over-long sample with images (never truncated), images on a text-only model: each a
+    ConfigError naming the dataset line (and the part); a malformed part already when read."""
+    from train.base_model import load_base_model
+    from train.data import read_jsonl
+
+    directory, model, tokenizer, processor = tiny
+    vision = _vision(model, processor)
+    good = {"type": "image_url", "image_url": {"url": data_url(colour_image("red", 0))}}
+    (tmp_path / "data").mkdir()
+    colour_image("blue", 1).save(tmp_path / "outside.png")  # exists, but outside data/
+    cases = {
+        "not fetched.*'https'": [colour_record({"type": "image_url", "image_url": {"url": "https://x/cat.png"}}, "r")],
+        "malformed image data URL": [colour_record({"type": "image_url", "image_url": {"url": "data:image/png;base64,%%"}},
+                                                   "r")],
+        "cannot read image file 'imgs/none.png'": [colour_record({"type": "image", "path": "imgs/none.png"}, "r")],
+        "outside the dataset's directory": [colour_record({"type": "image", "path": "../outside.png"}, "r")],
+        "9 images in the record; at most 8": [{"messages": [{"role": "user", "content": [good] * 9},
+                                                             {"role": "assistant", "content": "r"}]}],
+        "takes the record's next 'images' entry, but it has only 0": [colour_record({"type": "image"}, "r")],
+        "placeholder": [colour_record(good, "r") | {"messages": [
+            {"role": "user", "content": [good, {"type": "text", "text": "<image>"}]}, {"role": "assistant", "content": "r"}]}],
+    }
+    for words, records in cases.items():
+        path = _write(str(tmp_path / "data"), [colour_record(good, "red")] + records)
+        with pytest.raises(ConfigError, match=r"data\.jsonl:2: .*" + words):
+            load_job_samples(_job(path), tokenizer, 256, "refuse", vision)
+    path = _write(str(tmp_path / "data"), [colour_record(good, "red")])
+    with pytest.raises(ConfigError, match=r"data\.jsonl:1: .*never truncated"):
+        load_job_samples(_job(path), tokenizer, 20, "truncate", vision)
+    with pytest.raises(ConfigError, match=r"data\.jsonl:1: the record holds 1 image\(s\), but the base model reads text"):
+        load_job_samples(_job(path), tokenizer, 256, "refuse", None)  # vision None: a text-only model
+    bad_part = _write(str(tmp_path / "data"), [colour_record({"type": "video", "path": "a.mp4"}, "r")])
+    with pytest.raises(ConfigError, match=r"data\.jsonl:1: messages\[0\]\.content\[0\]: expected a part"):
+        read_jsonl(bad_part)
+    with pytest.raises(ConfigError, match="vision-language model: task heads and knowledge fusion"):
+        load_base_model(directory, jnp.float32)
