@@ -92,7 +92,7 @@ def tokenize_record(record: dict, tokenizer: Tokenizer) -> tuple[list[int], list
         prompt = tokenizer.encode(record["prompt"])
         completion = tokenizer.encode(record["completion"], add_bos=False) + eos
         return prompt + completion, [False] * len(prompt) + [True] * len(completion)
-    messages = [{"role": m["role"], "content": message_text(m["content"], IMAGE_TOKEN)} for m in record["messages"]]
+    messages = [{**m, "content": message_text(m["content"], IMAGE_TOKEN)} for m in record["messages"]]
     return _tokenize_chat(messages, tokenizer)
 
 
