@@ -238,19 +238,18 @@ def save_peft_adapter(adapter: LoraAdapter, path: str, base_model_name: str = ""
     config then targets exactly the renamed modules (a regex) and its pattern keys are renamed."""
     os.makedirs(path, exist_ok=True)
     config = adapter.config
-    rename = rename or (lambda name: name)
     tensors, names = {}, []
     for module, weights in adapter.modules.items():
         for layer, rank in enumerate(weights.rank):
             if rank == 0:
                 continue
-            names.append(rename(module_key(layer, module)))
+            names.append(module_key(layer, module) if rename is None else rename(module_key(layer, module)))
             prefix = f"base_model.model.{names[-1]}"
             tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(weights.a[layer, :, :rank].T)
             tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(weights.b[layer, :rank, :].T)
     save_file(tensors, os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt"})
     raw = _peft_config_dict(config, base_model_name)
-    if rename(module_key(0, "q_proj")) != module_key(0, "q_proj"):
+    if rename is not None:
         raw["target_modules"] = "(?:" + "|".join(re.escape(name) for name in sorted(names)) + ")"
         raw["layers_to_transform"] = None  # PEFT ignores it beside a regex: the regex names the layers
         for key in ("rank_pattern", "alpha_pattern"):
