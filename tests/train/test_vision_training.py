@@ -9,6 +9,7 @@ import base64
 import io
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -259,12 +260,13 @@ def test_worked_example_train_with_jaxlora_train_then_serve_over_http(tiny, tmp_
     assert served[30:] == base[:6]
 
 
-def test_bad_image_input_is_an_error_naming_the_record(tiny, tmp_path):
+def test_bad_image_input_is_an_error_naming_the_record(tiny, tmp_path, capsys):
     """A remote URL, a malformed data URL, a missing file, a path outside the dataset's directory,
     too many images, a TRL image part without an `images` entry, a typed `<image>` too many, an
     over-long sample with images (never truncated), images on a text-only model: each a
     ConfigError naming the dataset line (and the part); a malformed part already when read."""
     from train.base_model import load_base_model
+    from train.cli import main
     from train.data import read_jsonl
 
     directory, model, tokenizer, processor = tiny
@@ -298,3 +300,11 @@ def test_bad_image_input_is_an_error_naming_the_record(tiny, tmp_path):
         read_jsonl(bad_part)
     with pytest.raises(ConfigError, match="vision-language model: task heads and knowledge fusion"):
         load_base_model(directory, jnp.float32)
+    remote = _write(str(tmp_path / "data"), [colour_record(good, "red"), colour_record(
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}, "r")])
+    os.replace(remote, tmp_path / "data" / "colour.jsonl")
+    (tmp_path / "data" / "fox.jsonl").write_text(json.dumps({"text": "the quick brown fox"}) + "\n")
+    (tmp_path / "data" / "jobs.yaml").write_text(JOBS.format(model=directory, out=tmp_path / "out"))
+    assert main([str(tmp_path / "data" / "jobs.yaml")]) == 2  # jaxlora-train: exit status 2, the record named
+    assert re.search(r"error: .*colour\.jsonl:2: messages\[0\]\.content\[0\]: image URLs are not fetched",
+                     capsys.readouterr().err)
