@@ -12,15 +12,8 @@ so (`check_images`); nothing a client sends is silently dropped.
 
 from __future__ import annotations
 
-import base64
-import binascii
-import io
-import re
-
+from jaxlora.vision.preprocess import ImageError, decode_data_url
 from serve.protocol import ApiError, ImagePart, Limits
-
-MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG"}
-_DATA_URL = re.compile(r"data:(?P<media>[\w/+.-]+)?(?P<params>(?:;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,")
 
 
 def image_parts(messages: list) -> list[tuple[str, ImagePart]]:
@@ -37,49 +30,11 @@ def image_parts(messages: list) -> list[tuple[str, ImagePart]]:
 def decode_image(url: str, limits: Limits, param: str):
     """The RGB `PIL.Image` of a `data:` URL, within `limits`; ApiError 400 naming what is wrong
     (a remote URL, a malformed data URL, a media type other than PNG/JPEG, too many bytes or
-    pixels, bytes that are not the declared image)."""
-    from PIL import Image
-
-    if not url.startswith("data:"):
-        scheme = url.split(":", 1)[0] if ":" in url else "(none)"
-        raise ApiError(400, f"image URLs are not fetched (scheme {scheme!r}): the server fetches nothing on a "
-                            "client's behalf; send the image inline as a data: URL "
-                            "(data:image/png;base64,... or data:image/jpeg;base64,...)", param)
-    header = _DATA_URL.match(url)
-    if header is None or header.group("b64") is None:
-        raise ApiError(400, "malformed image data URL: expected data:image/png;base64,<data> or "
-                            "data:image/jpeg;base64,<data>", param)
-    media = (header.group("media") or "").lower()
-    if media not in MEDIA_TYPES:
-        raise ApiError(400, f"image media type {media or '(none)'!r} is not accepted: PNG or JPEG only "
-                            "(image/png, image/jpeg)", param)
-    encoded = url[header.end():]
-    if len(encoded) > 4 * (-(-limits.max_image_bytes // 3)) + 4:
-        raise ApiError(400, f"image is larger than {limits.max_image_bytes} bytes", param)
+    pixels, bytes that are not the declared image: `jaxlora.vision.preprocess.decode_data_url`)."""
     try:
-        raw = base64.b64decode(encoded, validate=True)
-    except (binascii.Error, ValueError) as err:
-        raise ApiError(400, f"malformed image data URL: the data is not valid base64 ({err})", param) from err
-    if len(raw) > limits.max_image_bytes:
-        raise ApiError(400, f"image is larger than {limits.max_image_bytes} bytes ({len(raw)})", param)
-    return _open(raw, MEDIA_TYPES[media], limits, param, Image)
-
-
-def _open(raw: bytes, expected: str, limits: Limits, param: str, Image):
-    """Decodes `raw` as an `expected` ("PNG"/"JPEG") image, its size checked from the header first."""
-    try:
-        with Image.open(io.BytesIO(raw), formats=[expected]) as image:
-            width, height = image.size
-            if width * height > limits.max_image_pixels:
-                raise ApiError(400, f"image has {width}x{height} pixels, more than the {limits.max_image_pixels} "
-                                    "allowed", param)
-            return image.convert("RGB")
-    except ApiError:
-        raise
-    except Image.DecompressionBombError as err:  # past Pillow's own bound, refused before its size is read
-        raise ApiError(400, f"image has more than the {limits.max_image_pixels} pixels allowed", param) from err
-    except Exception as err:  # Pillow's UnidentifiedImageError, truncated data, a bomb warning ...
-        raise ApiError(400, f"image data is not a readable {expected} image ({type(err).__name__})", param) from err
+        return decode_data_url(url, limits.max_image_bytes, limits.max_image_pixels)
+    except ImageError as err:
+        raise ApiError(400, str(err), param) from err
 
 
 def check_images(messages: list, limits: Limits, accepts_images: bool, model: str) -> list:

@@ -18,19 +18,17 @@ Prefix caching: an image request's blocks are cached under a root salted with it
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxlora.buckets import bucket
 from jaxlora.lora.adapter import LoraAdapter
 from jaxlora.vision.adapters import load_llava_adapter
 from jaxlora.vision.loading import IMAGE_TOKEN
-from jaxlora.vision.llava import Llava, check_image_tokens, image_row_index
+from jaxlora.vision.llava import Llava, TowerEncoder, check_image_tokens, image_row_index
 from jaxlora.vision.preprocess import ImageProcessorConfig, expand_image_tokens, preprocess_images
 
 __all__ = ["IMAGE_TOKEN", "ImageInput", "ImageServing"]
@@ -54,11 +52,6 @@ class ImageInput:
         return int(self.pixels.shape[0])
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _encode(graphdef, state, pixels):
-    return nnx.merge(graphdef, state).encode(pixels)
-
-
 class ImageServing:
     """A LLaVA's vision side for the engine (module doc): `Engine(llava.language, ...,
     images=ImageServing(llava, processor))`."""
@@ -69,7 +62,7 @@ class ImageServing:
         self.image_token_id = int(model.config.image_token_id)
         self.tokens_per_image = int(model.config.tokens_per_image)
         self.dtype = model.dtype
-        self._graphdef, self._state = nnx.split(model.vision)
+        self._encoder = TowerEncoder(model.vision, model.dtype)
         self.encodes = 0  # tower calls (tests, stats)
 
     # ---- requests -------------------------------------------------------------------------------
@@ -99,11 +92,7 @@ class ImageServing:
         """The rows [n_i * P, d] of each request's pixel values [n_i, C, H, W], in one tower call
         over the images padded to a power of two."""
         counts = [len(p) for p in pixels]
-        stacked = np.concatenate(pixels)
-        padded = bucket(len(stacked), 1)
-        if padded > len(stacked):
-            stacked = np.concatenate([stacked, np.zeros((padded - len(stacked),) + stacked.shape[1:], np.float32)])
-        out = _encode(self._graphdef, self._state, jnp.asarray(stacked, self.dtype))
+        out = self._encoder(np.concatenate(pixels))
         self.encodes += 1
         rows, start = [], 0
         for count in counts:

@@ -2,26 +2,34 @@
 (token ids, loss mask) samples with Grain, in a seeded per-epoch order.
 
 Loss is on every token of `text`, on the completion (and EOS) of `prompt`/`completion`, and on
-the assistant turns of `messages` (rendered with the model's chat template)."""
+the assistant turns of `messages` (rendered with the model's chat template). A message's content
+may be a list of text and image parts (`train.images`: data URLs or paths relative to the
+dataset file); for a vision-language model each image becomes its image tokens (no loss on them)
+and the sample carries the image's pixel values."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import numpy as np
 
 from jaxlora.tokenizer import Tokenizer, TokenizerError
 from train.config import ConfigError, JobConfig
+from train.images import IMAGE_TOKEN, VisionInputs, check_content, message_text, record_images, with_images
 
 
 @dataclasses.dataclass(frozen=True)
 class TokenizedSample:
-    """tokens [n] int32 and loss_mask [n] bool (True: the model is trained to predict this token)."""
+    """tokens [n] int32 and loss_mask [n] bool (True: the model is trained to predict this token);
+    pixels [k, C, H, W] float32: the pixel values of its k images, in the order of their image
+    tokens (None: text only)."""
 
     tokens: np.ndarray
     loss_mask: np.ndarray
     source: str  # "file:line"
+    pixels: np.ndarray | None = None
 
 
 def read_jsonl(path: str) -> list[tuple[int, dict]]:
@@ -61,18 +69,21 @@ def _check_record(record, where: str) -> None:
         return
     messages = record.get("messages")
     if isinstance(messages, list) and messages and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), (str, list))
         for m in messages
     ):
+        for i, message in enumerate(messages):
+            check_content(message["content"], f"{where}: messages[{i}].content")
         if not any(m["role"] == "assistant" for m in messages):
             raise ConfigError(f"{where}: 'messages' has no assistant turn to learn from")
         return
     raise ConfigError(f"{where}: expected 'text', 'prompt'+'completion', or 'messages' "
-                      "(a list of {role, content}) with string values")
+                      "(a list of {role, content}: a string, or a list of text and image parts)")
 
 
 def tokenize_record(record: dict, tokenizer: Tokenizer) -> tuple[list[int], list[bool]]:
-    """Token ids and loss mask of one record."""
+    """Token ids and loss mask of one record (each image part of a chat as one `<image>` token:
+    `train.images.with_images` expands them)."""
     eos = list(tokenizer.eos_token_ids[:1])
     if "text" in record:
         tokens = tokenizer.encode(record["text"]) + eos
@@ -81,7 +92,8 @@ def tokenize_record(record: dict, tokenizer: Tokenizer) -> tuple[list[int], list
         prompt = tokenizer.encode(record["prompt"])
         completion = tokenizer.encode(record["completion"], add_bos=False) + eos
         return prompt + completion, [False] * len(prompt) + [True] * len(completion)
-    return _tokenize_chat(record["messages"], tokenizer)
+    messages = [{**m, "content": message_text(m["content"], IMAGE_TOKEN)} for m in record["messages"]]
+    return _tokenize_chat(messages, tokenizer)
 
 
 def _tokenize_chat(messages: list[dict], tokenizer: Tokenizer) -> tuple[list[int], list[bool]]:
@@ -102,25 +114,31 @@ def _tokenize_chat(messages: list[dict], tokenizer: Tokenizer) -> tuple[list[int
     return tokens, mask
 
 
-def load_job_samples(job: JobConfig, tokenizer: Tokenizer, max_len: int, overlong: str) -> list[TokenizedSample]:
-    """All samples of a job's dataset, tokenized (via a Grain map) and length-checked."""
+def load_job_samples(job: JobConfig, tokenizer: Tokenizer, max_len: int, overlong: str,
+                     vision: VisionInputs | None = None) -> list[TokenizedSample]:
+    """All samples of a job's dataset, tokenized (via a Grain map) and length-checked; with
+    `vision` (a vision-language model) chat images are read and preprocessed."""
     records = read_jsonl(job.dataset)
+    base_dir = os.path.dirname(os.path.abspath(job.dataset))
 
     def tokenize(item: tuple[int, dict]) -> TokenizedSample:
         number, record = item
         where = f"{job.dataset}:{number}"
+        images = record_images(record, base_dir, where, vision) if "messages" in record else []
         try:
             tokens, mask = tokenize_record(record, tokenizer)
         except TokenizerError as err:
             raise ConfigError(f"{where}: {err}") from None
+        tokens, mask, pixels = with_images(tokens, mask, images, vision, where)
         if len(tokens) > max_len:
-            if overlong == "refuse":
+            if overlong == "refuse" or pixels is not None:
                 raise ConfigError(f"{where}: sample has {len(tokens)} tokens, more than the limit of {max_len} "
-                                  "(raise capacity/max_seq_len, or set overlong: truncate)")
+                                  "(raise capacity/max_seq_len, or set overlong: truncate; a sample with "
+                                  "images is never truncated)")
             tokens, mask = tokens[:max_len], mask[:max_len]
         if len(tokens) < 2 or not any(mask[1:]):
             raise ConfigError(f"{where}: sample has no token to learn from")
-        return TokenizedSample(np.asarray(tokens, np.int32), np.asarray(mask, bool), where)
+        return TokenizedSample(np.asarray(tokens, np.int32), np.asarray(mask, bool), where, pixels)
 
     import grain  # here, not at the top: bench/train.py uses this module where Grain is not installed
 

@@ -42,7 +42,8 @@ class SpmdExecutor:
     """Grad steps of [rows, capacity] batches on one device (mesh None) or under GSPMD on `mesh`."""
 
     def __init__(self, config: TrainConfig, model, trainable: dict, frozen: dict, optimizers: Sequence,
-                 ranks: Sequence[int], mesh=None):
+                 ranks: Sequence[int], mesh=None, image_token_id: int | None = None):
+        """image_token_id: a vision-language model's (batches may then hold `image_embeds`; one device)."""
         self.mesh, self.optimizers, self.ranks = mesh, list(optimizers), list(ranks)
         if mesh is not None:
             sharding.shard_model(model, mesh, weight_rules(config))
@@ -52,7 +53,8 @@ class SpmdExecutor:
         self.opt_states = [self._commit_scalars(opt.init(slot_params(trainable, slot, rank)))
                            for slot, (opt, rank) in enumerate(zip(self.optimizers, self.ranks))]
         self.grad_step = make_grad_step(model, len(self.optimizers), config.backend,
-                                        unroll_layers=config.unroll_layers, remat=config.remat)
+                                        unroll_layers=config.unroll_layers, remat=config.remat,
+                                        image_token_id=image_token_id)
         rates = [job.lora.lora_dropout for job in config.jobs]
         self.dropout_rate = None if not any(rates) else self._replicated(np.asarray(rates, np.float32))
         self.seed = config.seed

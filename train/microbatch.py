@@ -22,7 +22,8 @@ from jaxlora.scheduler.core import TRAIN, TokenCapacity, WorkItem
 
 @dataclasses.dataclass
 class MicrobatchArrays:
-    """Arrays of one microbatch, each [1, capacity]; `adapter_tokens[slot]` counts real tokens."""
+    """Arrays of one microbatch, each [1, capacity]; `adapter_tokens[slot]` counts real tokens;
+    pixels [N, C, H, W]: its samples' images in the order of their image tokens (None: none)."""
 
     tokens: np.ndarray
     positions: np.ndarray
@@ -31,6 +32,7 @@ class MicrobatchArrays:
     weights: np.ndarray
     token_slot: np.ndarray
     adapter_tokens: np.ndarray
+    pixels: np.ndarray | None = None
 
 
 def pack_microbatch(entries, capacity: int, num_slots: int) -> MicrobatchArrays:
@@ -51,7 +53,14 @@ def pack_microbatch(entries, capacity: int, num_slots: int) -> MicrobatchArrays:
         weights[0, offset: offset + length - 1] = np.where(sample.loss_mask[1:], weight, 0.0)
         adapter_tokens[slot] += length
         offset += length
-    return MicrobatchArrays(tokens, positions, segment_ids, targets, weights, token_slot, adapter_tokens)
+    return MicrobatchArrays(tokens, positions, segment_ids, targets, weights, token_slot, adapter_tokens,
+                            _pixels(sample for _, sample, _ in entries))
+
+
+def _pixels(samples) -> np.ndarray | None:
+    """The samples' pixel values concatenated in order [N, C, H, W], None if none has images."""
+    parts = [sample.pixels for sample in samples if sample.pixels is not None]
+    return np.concatenate(parts) if parts else None
 
 
 def pack_rows(rows, capacity: int, num_slots: int) -> MicrobatchArrays:
@@ -59,8 +68,9 @@ def pack_rows(rows, capacity: int, num_slots: int) -> MicrobatchArrays:
     (an empty list is an empty row: no tokens, zero weights, slot -1)."""
     packed = [pack_microbatch(entries, capacity, num_slots) for entries in rows]
     fields = {f.name: np.concatenate([getattr(p, f.name) for p in packed]) for f in dataclasses.fields(MicrobatchArrays)
-              if f.name != "adapter_tokens"}
-    return MicrobatchArrays(**fields, adapter_tokens=sum(p.adapter_tokens for p in packed))
+              if f.name not in ("adapter_tokens", "pixels")}
+    return MicrobatchArrays(**fields, adapter_tokens=sum(p.adapter_tokens for p in packed),
+                            pixels=_pixels(packed))
 
 
 def device_batch(arrays: MicrobatchArrays, num_slots: int) -> tuple[dict, LoraPlan]:

@@ -29,7 +29,8 @@ from jaxlora.models.packed import pack_projections
 from jaxlora.scheduler.core import IDLE, TRAIN, TRAINING_ONLY, WorkItem
 from jaxlora.scheduler.training.samples import Sample, TrainingData
 from jaxlora.scheduler.training.schedule import SchedulerConfig
-from train.base_model import base_model_config, load_base_model
+from jaxlora.vision.adapters import save_llava_adapter
+from train.base_model import base_model_config, load_training_model
 from train.checkpoint import Checkpointer
 from train.config import ConfigError, TrainConfig
 from train.data import load_job_samples, sample_order
@@ -60,8 +61,10 @@ class JobState:
 class Trainer:
     """Trains all jobs of a `TrainConfig` together; `run()` returns each job's per-step losses."""
 
-    def __init__(self, config: TrainConfig, model=None, tokenizer=None, devices=None):
-        """devices: what `config.mesh` spans (default: every device of every process)."""
+    def __init__(self, config: TrainConfig, model=None, tokenizer=None, devices=None, vision=None):
+        """devices: what `config.mesh` spans (default: every device of every process); vision: a
+        vision-language model's frozen tower (`train.images.VisionInputs`) beside `model`, its
+        language model (loaded with it when `model` is None)."""
         heads = [job.name for job in config.jobs if job.head is not None]
         if heads:
             raise ConfigError(f"jobs {heads} have task heads: train them with train.heads (jaxlora-train does)")
@@ -71,7 +74,12 @@ class Trainer:
         check_mesh(config, model.config if model is not None else base_model_config(config.base_model),
                    len(self.devices), jax.process_count())
         if model is None:
-            model, tokenizer = load_base_model(config.base_model, jnp.dtype(config.dtype), config.seed, config.tokenizer)
+            model, tokenizer, vision = load_training_model(config.base_model, jnp.dtype(config.dtype), config.seed,
+                                                           config.tokenizer)
+        if vision is not None and config.mesh.size > 1:
+            raise ConfigError(f"base_model {config.base_model!r} is a vision-language model: it trains on one device "
+                              "(mesh: data/tensor/pipeline 1)")
+        self.vision = vision
         self.model, self.tokenizer = _training_model(config, model), tokenizer
         self.jobs = [self._job_state(job) for job in config.jobs]
         modules = [m for m in PROJECTIONS if any(m in job.lora.target_modules for job in config.jobs)]
@@ -90,13 +98,15 @@ class Trainer:
             meshes = build_meshes(self.config, self.devices)
             return PipelineExecutor(self.config, self.model, trainable, frozen, optimizers, ranks, meshes)
         if mesh.size == 1:
+            image_token_id = None if self.vision is None else self.vision.image_token_id
             with jax.default_device(self.devices[0]):
-                return SpmdExecutor(self.config, self.model, trainable, frozen, optimizers, ranks)
+                return SpmdExecutor(self.config, self.model, trainable, frozen, optimizers, ranks,
+                                    image_token_id=image_token_id)
         spmd_mesh = build_meshes(self.config, self.devices)[0]
         return SpmdExecutor(self.config, self.model, trainable, frozen, optimizers, ranks, spmd_mesh)
 
     def _job_state(self, job) -> JobState:
-        samples = load_job_samples(job, self.tokenizer, self.config.sample_limit, self.config.overlong)
+        samples = load_job_samples(job, self.tokenizer, self.config.sample_limit, self.config.overlong, self.vision)
         order = sample_order(len(samples), job)
         size = job.global_batch_size
         targets = [int(samples[i].loss_mask[1:].sum()) for i in order]
@@ -246,7 +256,7 @@ class Trainer:
         inputs, tokens, flops = [], 0, 0.0
         for group in window:
             arrays, group_flops = self._group_arrays(group)
-            inputs.append(None if arrays is None else device_batch(arrays, len(self.jobs)))
+            inputs.append(None if arrays is None else self._device_batch(arrays))
             tokens += 0 if arrays is None else int(arrays.adapter_tokens.sum())
             flops += group_flops
         started = time.perf_counter()
@@ -258,6 +268,16 @@ class Trainer:
                 self._log_adapter_step(slot, group.stop - 1, metrics, bars)
         if tokens:
             metrics.log_step(window[-1].stop - 1, seconds, tokens, flops)
+
+    def _device_batch(self, arrays):
+        """(batch, plan) of packed arrays; their images (if any) encoded by the frozen tower into
+        batch["image_embeds"] [N' * P, d] (one jitted call, N' a power of two)."""
+        batch, plan = device_batch(arrays, len(self.jobs))
+        if arrays.pixels is not None:
+            with jax.default_device(self.devices[0]):
+                rows = self.vision.encoder(arrays.pixels)
+            batch["image_embeds"] = rows.reshape(-1, rows.shape[-1])
+        return batch, plan
 
     def _group_arrays(self, group: StepGroup):
         """(packed [width, capacity] arrays or None for a step without samples, model FLOPs)."""
@@ -326,8 +346,11 @@ class Trainer:
         if not self.primary:
             return
         for adapter in adapters:
-            save_peft_adapter(adapter, os.path.join(self.config.output_dir, adapter.name),
-                              base_model_name=str(self.config.base_model))
+            path = os.path.join(self.config.output_dir, adapter.name)
+            if self.vision is None:
+                save_peft_adapter(adapter, path, base_model_name=str(self.config.base_model))
+            else:  # PEFT's names on the LLaVA model (what `jaxlora.vision.adapters` and PEFT read)
+                save_llava_adapter(adapter, path, base_model_name=str(self.config.base_model))
 
 
 def _training_model(config: TrainConfig, model):

@@ -231,21 +231,31 @@ def _check_all_present(config: LoraConfig, base: LlamaConfig, seen: set, path: s
         raise AdapterError(f"{path}: missing tensors {', '.join(missing[:3])}{more}")
 
 
-def save_peft_adapter(adapter: LoraAdapter, path: str, base_model_name: str = "") -> None:
-    """Writes `adapter` so that `peft.PeftModel.from_pretrained(hf_model, path)` loads it."""
+def save_peft_adapter(adapter: LoraAdapter, path: str, base_model_name: str = "", rename=None) -> None:
+    """Writes `adapter` so that `peft.PeftModel.from_pretrained(hf_model, path)` loads it.
+    rename: the HF model's name of each module (`module_key`'s `model.layers.N...` -> its
+    name, e.g. a vision-language model's `model.language_model.layers.N...`; None: as is); the
+    config then targets exactly the renamed modules (a regex) and its pattern keys are renamed."""
     os.makedirs(path, exist_ok=True)
     config = adapter.config
-    tensors = {}
+    tensors, names = {}, []
     for module, weights in adapter.modules.items():
         for layer, rank in enumerate(weights.rank):
             if rank == 0:
                 continue
-            prefix = f"base_model.model.{module_key(layer, module)}"
+            names.append(module_key(layer, module) if rename is None else rename(module_key(layer, module)))
+            prefix = f"base_model.model.{names[-1]}"
             tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(weights.a[layer, :, :rank].T)
             tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(weights.b[layer, :rank, :].T)
     save_file(tensors, os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt"})
+    raw = _peft_config_dict(config, base_model_name)
+    if rename is not None:
+        raw["target_modules"] = "(?:" + "|".join(re.escape(name) for name in sorted(names)) + ")"
+        raw["layers_to_transform"] = None  # PEFT ignores it beside a regex: the regex names the layers
+        for key in ("rank_pattern", "alpha_pattern"):
+            raw[key] = {rename(k) if k.startswith("model.layers.") else k: v for k, v in raw[key].items()}
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
-        json.dump(_peft_config_dict(config, base_model_name), f, indent=2)
+        json.dump(raw, f, indent=2)
 
 
 def _peft_config_dict(config: LoraConfig, base_model_name: str) -> dict:

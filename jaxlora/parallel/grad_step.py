@@ -26,11 +26,13 @@ from jaxlora.nn.model_config import LlamaConfig
 from jaxlora.models.llama import Llama, LoraInputs, _packed_mask
 from jaxlora.models.loss import per_slot_loss
 from jaxlora.parallel.layer_stack import pipeline_stack, tensor_parallel_stack
+from jaxlora.vision.llava import embed_with_images
 
 
 def make_grad_step(model: Llama, num_slots: int, lora_backend: LoraBackend | str = backends.DEFAULT, *,
                    mesh: Mesh | None = None, rules: ShardingRules = ShardingRules(), pipeline: bool = False,
-                   attention: str = "auto", unroll_layers: bool = False, remat: str = "none"):
+                   attention: str = "auto", unroll_layers: bool = False, remat: str = "none",
+                   image_token_id: int | None = None):
     """A jitted (trainable, frozen, batch, plan, dropout_rate=None, dropout_key=None) ->
     (per-slot loss sums [num_slots], grads of trainable) over `model`'s current weights.
 
@@ -39,7 +41,10 @@ def make_grad_step(model: Llama, num_slots: int, lora_backend: LoraBackend | str
     weights, each [B, T] ([M, B, T] with `pipeline`); plan: the `LoraPlan` of the B*T tokens, or
     with a mesh the per-data-shard plans of `jaxlora.parallel.plans.local_plans`. Without a mesh:
     LoRA dropout (rate [S], key), the model's packed `attention`, `unroll_layers` and `remat`
-    (see `Llama`). lora_backend: a `LoraBackend` of `jaxlora.lora.backends`, or its name (resolved
+    (see `Llama`), and images: with `image_token_id` (a vision-language model's language model),
+    a batch may hold `image_embeds` [M, d], the frozen tower's rows written at the image tokens
+    in row-major order (`jaxlora.vision.llava.embed_with_images`, as the inference forward does).
+    lora_backend: a `LoraBackend` of `jaxlora.lora.backends`, or its name (resolved
     here, once).
     With a mesh: place the model with `shard_model(model, mesh, rules)` (`rules.pipelined()` for
     a pipeline). The base weights enter the jitted function as an argument, not as captured
@@ -49,7 +54,7 @@ def make_grad_step(model: Llama, num_slots: int, lora_backend: LoraBackend | str
     backend = backends.get(lora_backend)
     graphdef, state = nnx.split(model)
     if mesh is None:
-        forward = _model_forward(backend, attention, unroll_layers, remat)
+        forward = _model_forward(backend, attention, unroll_layers, remat, image_token_id)
     else:
         forward = _stack_forward(model.config, mesh, rules, backend, pipeline)
 
@@ -79,13 +84,20 @@ def make_grad_step(model: Llama, num_slots: int, lora_backend: LoraBackend | str
     return grad_step
 
 
-def _model_forward(backend: LoraBackend, attention: str, unroll_layers: bool, remat: str):
-    """(model, pool, batch, plan, dropout rate, key) -> logits [B, T, vocab] of the whole model."""
+def _model_forward(backend: LoraBackend, attention: str, unroll_layers: bool, remat: str,
+                   image_token_id: int | None = None):
+    """(model, pool, batch, plan, dropout rate, key) -> logits [B, T, vocab] of the whole model
+    (a batch with `image_embeds`: those rows at the image tokens)."""
 
     def forward(model, pool, batch, plan, dropout_rate, dropout_key):
+        embeds = None
+        if batch.get("image_embeds") is not None:
+            if image_token_id is None:
+                raise ValueError("a batch with image_embeds needs make_grad_step(image_token_id=)")
+            embeds = embed_with_images(model, batch["tokens"], image_token_id, batch["image_embeds"])
         logits, _ = model(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"],
                           lora=LoraInputs(pool, plan, dropout_rate, dropout_key), lora_backend=backend,
-                          attention=attention, unroll_layers=unroll_layers, remat=remat)
+                          attention=attention, unroll_layers=unroll_layers, remat=remat, embeds=embeds)
         return logits
 
     return forward

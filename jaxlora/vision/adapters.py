@@ -23,7 +23,7 @@ from safetensors import safe_open
 from jaxlora.lora.adapter import LoraAdapter
 from jaxlora.lora.adapter_config import AdapterError, module_key
 from jaxlora.lora.peft_io import (CONFIG_FILE, WEIGHTS_FILE, adapter_from_peft, lora_config_from_peft,
-                                  read_raw_adapter_config)
+                                  read_raw_adapter_config, save_peft_adapter)
 from jaxlora.nn.model_config import PROJECTIONS
 from jaxlora.vision.config import LlavaConfig, split_llava_name
 from jaxlora.vision.tower_lora import TowerLora, parse_tower_module, tower_lora_from_peft
@@ -153,3 +153,12 @@ def load_llava_lora(path: str, config: LlavaConfig, name: str | None = None, kee
         tower[key] = (found[1], parsed[0], parsed[1], _PEFT_KEY.match(key).group(2), tensor)
     language = _language_adapter(raw, text, config, name, path, keep_dtype) if text else None
     return LlavaLora(language, tower_lora_from_peft(raw, tower, config, name, path) if tower else None)
+
+
+def save_llava_adapter(adapter: LoraAdapter, path: str, base_model_name: str = "") -> None:
+    """Writes an adapter of a LLaVA's language model (Llama module names) as PEFT saves LoRA on
+    `LlavaForConditionalGeneration`'s language model: tensors `base_model.model.model.
+    language_model.layers.N...`, target_modules a regex of exactly those modules (a plain list
+    would also hit CLIP's q/k/v_proj). `load_llava_adapter` and PEFT read it."""
+    save_peft_adapter(adapter, path, base_model_name,
+                      rename=lambda name: "model.language_model." + name[len("model."):])

@@ -9,16 +9,20 @@ image tokens included, as PEFT applies it).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxlora.buckets import bucket
 from jaxlora.models.llama import KVCache, Llama
 from jaxlora.vision.clip import VisionTower
 from jaxlora.vision.config import LlavaConfig
 
-__all__ = ["Llava", "check_image_tokens", "image_row_index", "merge_image_embeddings"]
+__all__ = ["Llava", "TowerEncoder", "check_image_tokens", "embed_with_images", "image_row_index",
+           "merge_image_embeddings"]
 
 
 def merge_image_embeddings(text: jax.Array, tokens: jax.Array, image_token_id: int, images: jax.Array) -> jax.Array:
@@ -32,6 +36,41 @@ def merge_image_embeddings(text: jax.Array, tokens: jax.Array, image_token_id: i
     valid = mask & (index < images.shape[0])
     picked = jnp.take(images, jnp.clip(index, 0, images.shape[0] - 1), axis=0)
     return jnp.where(valid[..., None], picked, text)
+
+
+def embed_with_images(language: Llama, tokens: jax.Array, image_token_id: int,
+                      image_embeds: jax.Array | None = None) -> jax.Array:
+    """tokens [B, T] -> the language model's input embeddings [B, T, d]: the token table's rows,
+    image tokens replaced by image_embeds ([N, P, d] or [M, d], in row-major order of the image
+    tokens; rows past the last image token are unused; None: text only)."""
+    mask = tokens == image_token_id
+    text = language.embed(jnp.where(mask, 0, tokens))  # the image token's own row is never used
+    if image_embeds is None:
+        return text
+    return merge_image_embeddings(text, tokens, image_token_id, image_embeds)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _encode(graphdef, state, pixels):
+    return nnx.merge(graphdef, state).encode(pixels)
+
+
+class TowerEncoder:
+    """A frozen vision tower (`VisionTower`: CLIP ViT + projector, no LoRA) as one jitted call
+    whose image count is padded to a power of two (one program per bucket)."""
+
+    def __init__(self, tower: VisionTower, dtype=jnp.float32):
+        self._graphdef, self._state = nnx.split(tower)
+        self.dtype = dtype
+
+    def __call__(self, pixels: np.ndarray) -> jax.Array:
+        """pixels [N, C, H, W] (host) -> embeddings [N', P, d], N' = N rounded up to a power of
+        two (rows of the padding images after the N real ones)."""
+        pixels = np.asarray(pixels, np.float32)
+        padded = bucket(len(pixels), 1)
+        if padded > len(pixels):
+            pixels = np.concatenate([pixels, np.zeros((padded - len(pixels),) + pixels.shape[1:], np.float32)])
+        return _encode(self._graphdef, self._state, jnp.asarray(pixels, self.dtype))
 
 
 def check_image_tokens(tokens, image_token_id: int, num_images: int, tokens_per_image: int) -> None:
@@ -76,12 +115,7 @@ class Llava(nnx.Module):
     def embed(self, tokens: jax.Array, image_embeds: jax.Array | None = None) -> jax.Array:
         """tokens [B, T] -> input embeddings [B, T, d]: the token table's rows, image tokens
         replaced by image_embeds ([N, P, d] or [N*P, d]; None: text only)."""
-        image_token = self.config.image_token_id
-        mask = tokens == image_token
-        text = self.language.embed(jnp.where(mask, 0, tokens))  # the image token's own row is never used
-        if image_embeds is None:
-            return text
-        return merge_image_embeddings(text, tokens, image_token, image_embeds)
+        return embed_with_images(self.language, tokens, self.config.image_token_id, image_embeds)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, *, pixel_values: jax.Array | None = None,
                  image_embeds: jax.Array | None = None, tower_lora=None, **language_kwargs) -> tuple[jax.Array, KVCache | None]:

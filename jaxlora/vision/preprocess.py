@@ -9,10 +9,14 @@ Settings come from the model directory's `preprocessor_config.json` (`read_image
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
+import io
 import json
 import math
 import os
+import re
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -22,6 +26,8 @@ from PIL import Image
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 BICUBIC = 3  # PIL.Image.Resampling.BICUBIC; HF's `resample` values are PIL's
+MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG"}  # data URL media -> Pillow format
+_DATA_URL = re.compile(r"data:(?P<media>[\w/+.-]+)?(?P<params>(?:;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,")
 
 
 class ImageError(ValueError):
@@ -257,3 +263,51 @@ def count_images(token_ids: Sequence[int], image_token_id: int, tokens_per_image
     if total % tokens_per_image:
         raise ImageError(f"{total} image tokens are not a multiple of {tokens_per_image} tokens per image")
     return total // tokens_per_image
+
+
+def decode_data_url(url: str, max_bytes: int, max_pixels: int) -> Image.Image:
+    """The RGB image of a `data:image/png;base64,...` (or image/jpeg) URL, at most `max_bytes`
+    decoded bytes and `max_pixels` pixels; ImageError saying what is wrong (not a data URL: a
+    remote or file URL is never fetched; malformed; another media type; too large; unreadable)."""
+    if not url.startswith("data:"):
+        scheme = url.split(":", 1)[0] if ":" in url else "(none)"
+        raise ImageError(f"image URLs are not fetched (scheme {scheme!r}): the server fetches nothing on a "
+                         "client's behalf; send the image inline as a data: URL "
+                         "(data:image/png;base64,... or data:image/jpeg;base64,...)")
+    header = _DATA_URL.match(url)
+    if header is None or header.group("b64") is None:
+        raise ImageError("malformed image data URL: expected data:image/png;base64,<data> or "
+                         "data:image/jpeg;base64,<data>")
+    media = (header.group("media") or "").lower()
+    if media not in MEDIA_TYPES:
+        raise ImageError(f"image media type {media or '(none)'!r} is not accepted: PNG or JPEG only "
+                         "(image/png, image/jpeg)")
+    encoded = url[header.end():]
+    if len(encoded) > 4 * (-(-max_bytes // 3)) + 4:
+        raise ImageError(f"image is larger than {max_bytes} bytes")
+    try:
+        raw = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise ImageError(f"malformed image data URL: the data is not valid base64 ({err})") from err
+    if len(raw) > max_bytes:
+        raise ImageError(f"image is larger than {max_bytes} bytes ({len(raw)})")
+    return open_image(raw, max_pixels, MEDIA_TYPES[media])
+
+
+def open_image(raw: bytes, max_pixels: int, expected: str | None = None) -> Image.Image:
+    """Decodes image bytes (as an `expected` Pillow format, e.g. "PNG"; None: PNG or JPEG) to RGB,
+    its size checked from the header before its pixels are decoded; ImageError otherwise."""
+    formats = [expected] if expected else ["PNG", "JPEG"]
+    try:
+        with Image.open(io.BytesIO(raw), formats=formats) as image:
+            width, height = image.size
+            if width * height > max_pixels:
+                raise ImageError(f"image has {width}x{height} pixels, more than the {max_pixels} allowed")
+            return image.convert("RGB")
+    except ImageError:
+        raise
+    except Image.DecompressionBombError as err:  # past Pillow's own bound, refused before its size is read
+        raise ImageError(f"image has more than the {max_pixels} pixels allowed") from err
+    except Exception as err:  # Pillow's UnidentifiedImageError, truncated data, a bomb warning ...
+        raise ImageError(f"image data is not a readable {expected or 'PNG or JPEG'} image "
+                         f"({type(err).__name__})") from err

@@ -147,6 +147,41 @@ def test_peft_adapter_on_the_language_model_equals_peft(tiny, tmp_path):
     assert np.abs(got - expected).max() <= 1e-4 and relative_error(got, expected) <= 1e-4
 
 
+def test_saved_language_adapter_loads_in_peft_and_back(tiny, tmp_path):
+    """`save_llava_adapter` (what jaxlora-train writes for a LLaVA): PEFT loads it onto the HF
+    LLaVA (its language model only: CLIP's q/v_proj untouched) with our logits (1e-4); a rank
+    pattern keyed by our module name is renamed; `load_llava_adapter` reads it back exactly."""
+    import torch
+    from peft import PeftModel
+    from transformers import LlavaForConditionalGeneration
+
+    from jaxlora.lora.adapter import random_adapter
+    from jaxlora.lora.adapter_config import LoraConfig
+    from jaxlora.vision.adapters import save_llava_adapter
+
+    directory, hf_model, ours, processor = tiny
+    model = ours[0]
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=("q_proj", "v_proj", "down_proj"),
+                      rank_pattern={"model.layers.1.mlp.down_proj": 2})
+    adapter = random_adapter("t", model.config.text, lora, seed=5, b_std=0.3)
+    save_llava_adapter(adapter, str(tmp_path), base_model_name=directory)
+    base = LlavaForConditionalGeneration.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
+    peft_model = PeftModel.from_pretrained(base, str(tmp_path)).eval()
+    assert not any("vision_tower" in name for name, _ in peft_model.named_modules() if name.endswith("lora_A"))
+    images = [make_image(48, 40, 0)]
+    expected = _torch_logits(peft_model, _hf_inputs(processor, ONE, images))
+    back = load_llava_adapter(str(tmp_path), model.config)
+    assert back.modules["down_proj"].rank.tolist() == [4, 2]
+    for name, module in adapter.modules.items():
+        assert np.array_equal(back.modules[name].a, module.a) and np.array_equal(back.modules[name].b, module.b)
+    pool = AdapterPool(model.config.text, num_slots=2, max_rank=4)
+    slot = pool.load(back)
+    tokens, pixels = _our_inputs(ours, ONE, images)
+    got = _our_logits(model, tokens, pixels, LoraInputs(pool.arrays, build_plan(np.full(tokens.shape, slot))))
+    assert relative_error(expected, _torch_logits(hf_model, _hf_inputs(processor, ONE, images))) > 1e-3
+    assert np.abs(got - expected).max() <= 1e-4 and relative_error(got, expected) <= 1e-4
+
+
 def test_lora_on_the_vision_tower_is_refused_by_module(tiny, tmp_path):
     directory, _, ours, _ = tiny
     _peft_adapter(directory, tmp_path, ["q_proj", "v_proj"])  # also CLIP's q/v_proj

@@ -61,9 +61,10 @@ def hf_processor(directory: str):
                           vision_feature_select_strategy="default", num_additional_image_tokens=1)
 
 
-def write_tiny_llava(directory: str, seed: int = 0, **config_overrides):
+def write_tiny_llava(directory: str, seed: int = 0, scales: dict[str, float] | None = None, **config_overrides):
     """Writes the model (safetensors), tokenizer and preprocessor config; returns the HF model
-    (float32, eager attention, eval mode)."""
+    (float32, eager attention, eval mode). scales: parameters whose name contains a key are
+    multiplied by its value (e.g. a louder projector or LM head for a model trained in a test)."""
     import torch
     from transformers import LlavaForConditionalGeneration
 
@@ -76,6 +77,9 @@ def write_tiny_llava(directory: str, seed: int = 0, **config_overrides):
                 param.add_(0.1 * torch.randn_like(param))
             if "class_embedding" in name or "position_embedding" in name:
                 param.normal_(0, 0.5)
+            for key, factor in (scales or {}).items():
+                if key in name:
+                    param.mul_(factor)
     model.eval()
     model.save_pretrained(directory, safe_serialization=True)
     make_tokenizer().save(os.path.join(directory, "tokenizer.json"))
