@@ -147,8 +147,13 @@ def dispatch_order(orders: Sequence[Sequence[Op]]) -> list[tuple[int, Op]]:
 
 
 def simulate(orders: Sequence[Sequence[Op]], durations: Mapping[str, Sequence[float]],
-             transfer: float = 0.0) -> tuple[float, list[float]]:
-    """(makespan, busy time per stage) of the orders with op times durations[kind][stage]."""
+             transfer: float = 0.0, hold: float = 0.0) -> tuple[float, list[float]]:
+    """(makespan, busy time per stage) of the orders with op times durations[kind][stage].
+
+    transfer: seconds from an op's end to its output being usable on the neighbour (copy and the
+    host's reaction). hold: seconds a stage stays idle after each op that sends to a neighbour
+    before its next op can start (a driver that waits for the op and its copy before issuing the
+    next, as the driver before 2026-11-27 did; 0 for the current one)."""
     num_stages = len(orders)
     free = [0.0] * num_stages
     busy = [0.0] * num_stages
@@ -159,11 +164,12 @@ def simulate(orders: Sequence[Sequence[Op]], durations: Mapping[str, Sequence[fl
             ready = finished[("F", op.index, stage - 1)] + transfer
         elif op.kind == "B" and stage < num_stages - 1:
             ready = finished[("B", op.index, stage + 1)] + transfer
-        start = max(free[stage], ready)
-        free[stage] = start + durations[op.kind][stage]
+        end = max(free[stage], ready) + durations[op.kind][stage]
+        sends = (op.kind == "F" and stage < num_stages - 1) or (op.kind == "B" and stage > 0)
+        free[stage] = end + (hold if sends else 0.0)
         busy[stage] += durations[op.kind][stage]
-        finished[(op.kind, op.index, stage)] = free[stage]
-    return max(free, default=0.0), busy
+        finished[(op.kind, op.index, stage)] = end
+    return max(finished.values(), default=0.0), busy
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,6 +182,18 @@ def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
         raise ValueError(f"{num_stages} stages for {num_layers} layers")
     bounds = np.linspace(0, num_layers, num_stages + 1).round().astype(int)
     return [(int(bounds[s]), int(bounds[s + 1])) for s in range(num_stages)]
+
+
+def check_layer_ranges(ranges: Sequence[tuple[int, int]], num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """`ranges` as a list if they are `num_stages` contiguous non-empty ranges covering every
+    layer in order; raises ValueError otherwise."""
+    ranges = [(int(a), int(b)) for a, b in ranges]
+    starts = [0] + [b for _, b in ranges[:-1]]
+    if len(ranges) != num_stages or [a for a, _ in ranges] != starts or ranges[-1][1] != num_layers or \
+            any(b <= a for a, b in ranges):
+        raise ValueError(f"layer ranges {ranges} are not {num_stages} contiguous non-empty ranges "
+                         f"of {num_layers} layers")
+    return ranges
 
 
 def _layer_call(config, backend: LoraBackend, weights, trainable, frozen, hidden, batch, plan, mask, index):
@@ -272,7 +290,8 @@ def stage_weights(model: Llama, start: int, stop: int, first: bool, last: bool) 
 
 class _RunState:
     """Values in flight between stages: activations / cotangents keyed (microbatch, stage that
-    consumes them), each stage's saved forward residuals, and the last stage's losses."""
+    consumes them), still on the producing stage's device, each stage's saved forward residuals,
+    and the last stage's losses."""
 
     def __init__(self):
         self.activations, self.cotangents, self.saved, self.losses = {}, {}, {}, {}
@@ -352,10 +371,13 @@ class MpmdPipeline:
     trainable {module: {a [L, slots, k, r], b [L, slots, r, n]}}, frozen {module: {scale, rank}}
     (see `jaxlora.lora.trainable.split_pool`); optimizer: an optax transformation applied per slot
     with `jaxlora.lora.trainable.apply_adapter_update` (its state per stage and slot), or a list
-    of one per slot; rank: the rank every slot trains, or one per slot."""
+    of one per slot; rank: the rank every slot trains, or one per slot; layer_ranges: each stage's
+    [start, stop) layers (default `split_layers`, even; `jaxlora.parallel.balance.balanced_split`
+    balances them by measured cost)."""
 
     def __init__(self, model: Llama, trainable: dict, frozen: dict, devices: Sequence[jax.Device | StagePlacement],
-                 optimizer, rank: int | list[int], backend: LoraBackend | str = backends.TRAINING_DEFAULT):
+                 optimizer, rank: int | list[int], backend: LoraBackend | str = backends.TRAINING_DEFAULT,
+                 layer_ranges: Sequence[tuple[int, int]] | None = None):
         num_slots = next(iter(trainable.values()))["a"].shape[1]
         lora_backend = backends.get(backend)  # resolved once; the stages' programs take the object
         # One optimizer (an optax NamedTuple, itself a sequence) for all slots, or a list of them.
@@ -363,7 +385,8 @@ class MpmdPipeline:
         self.ranks = list(rank) if isinstance(rank, (list, tuple)) else [rank] * num_slots
         placements = [d if isinstance(d, StagePlacement) else StagePlacement(d) for d in devices]
         self.devices = [p.target for p in placements]
-        self.layer_ranges = split_layers(model.config.num_layers, len(placements))
+        self.layer_ranges = check_layer_ranges(layer_ranges or split_layers(model.config.num_layers, len(placements)),
+                                               model.config.num_layers, len(placements))
         self.stages: list[Stage] = []
         for index, (placement, (start, stop)) in enumerate(zip(placements, self.layer_ranges)):
             first, last = index == 0, index == len(placements) - 1
@@ -391,7 +414,15 @@ class MpmdPipeline:
 
         threaded=False: one thread issues all ops in `dispatch_order` (asynchronously, so the
         GPUs run ahead of it). threaded=True: one thread per stage issues that stage's ops, each
-        waiting only for its own inputs (for runtimes where a cross-device copy blocks its caller)."""
+        waiting only for its own inputs (for runtimes where a cross-device copy blocks its caller).
+
+        A stage hands its output over on its own device as soon as the op is issued; the stage
+        that consumes it copies it (`placement.rows`) right before the op that needs it. So where
+        a copy blocks its caller until the source is computed, only the consumer's thread waits
+        (its device still busy with the ops queued before), never the producer's: each stage's
+        thread issues its next op while the previous one runs, and its device idles only where an
+        input really is late (before, the producer copied its output and waited for it, leaving its
+        device idle after every op that sends; bench/NOTES_train.md)."""
         state = _RunState()
         if not threaded:
             for stage_index, op in dispatch_order(orders):
@@ -419,21 +450,20 @@ class MpmdPipeline:
         tokens, batch, plan = inputs[op.index][stage_index]
         key = (op.index, stage_index)
         if op.kind == "F":
-            x = tokens if stage_index == 0 else state.take(state.activations, key, wait)
+            x = tokens if stage_index == 0 else stage.placement.rows(state.take(state.activations, key, wait))
             out, state.saved[key] = stage.program.forward(stage.weights, stage.trainable, stage.frozen, x, batch, plan)
             if stage_index == last:
                 state.losses[op.index] = out
             else:
-                state.put(state.activations, (op.index, stage_index + 1),
-                          self.stages[stage_index + 1].placement.rows(out))
+                state.put(state.activations, (op.index, stage_index + 1), out)
         else:
-            cotangent = None if stage_index == last else state.take(state.cotangents, key, wait)
+            cotangent = None if stage_index == last else stage.placement.rows(
+                state.take(state.cotangents, key, wait))
             stage.grads_acc, grad_in = stage.program.backward(
                 stage.weights, stage.trainable, stage.frozen, state.saved.pop(key), stage.grads_acc, cotangent,
                 batch, plan)
             if stage_index > 0:
-                state.put(state.cotangents, (op.index, stage_index - 1),
-                          self.stages[stage_index - 1].placement.rows(grad_in))
+                state.put(state.cotangents, (op.index, stage_index - 1), grad_in)
 
     def wait(self) -> None:
         jax.block_until_ready([(s.trainable, s.grads_acc, s.opt_states) for s in self.stages])
