@@ -274,14 +274,34 @@ def calibrate(args, model, trainable, frozen, stages: int, simulated: bool) -> d
 
 
 def run_variant(args, model, trainable, frozen, devices, ranges, orders, data, microbatches):
-    """One timed run of `orders`; returns (pipeline, placed inputs, wall seconds, loss sum)."""
+    """One timed run of `orders`; returns (pipeline, placed inputs, wall seconds, loss sum, host
+    summary of the driver's timeline)."""
     pipeline, placed = build(args, model, trainable, frozen, devices, ranges, data, microbatches)
+    timeline: list = []
     start = time.perf_counter()
-    losses = pipeline.run(orders, placed, threaded=args.threaded)
+    losses = pipeline.run(orders, placed, threaded=args.threaded, timeline=timeline)
     jax.block_until_ready(losses)
     pipeline.wait()
     wall = time.perf_counter() - start
-    return pipeline, placed, wall, float(sum(np.asarray(v).sum() for v in losses.values()))
+    return (pipeline, placed, wall, float(sum(np.asarray(v).sum() for v in losses.values())),
+            host_summary(timeline, start, len(devices)))
+
+
+def host_summary(timeline: list, start: float, stages: int) -> dict:
+    """Per stage, from `MpmdPipeline.run`'s timeline: seconds its driver spent waiting for inputs
+    (taken and copied), mean ms to dispatch an F/B op once its input was there, and when (s after
+    the start) its last op had been issued. A driver that keeps up issues its last op well before
+    the wall time ends and dispatches in well under an op's time."""
+    out = {"input_wait_s": [0.0] * stages, "dispatch_ms": [0.0] * stages, "last_issued_s": [0.0] * stages}
+    counts = [0] * stages
+    for stage, kind, _, reached, ready, issued in timeline:
+        out["input_wait_s"][stage] += ready - reached
+        out["last_issued_s"][stage] = max(out["last_issued_s"][stage], issued - start)
+        if kind != "U":
+            out["dispatch_ms"][stage] += 1e3 * (issued - ready)
+            counts[stage] += 1
+    out["dispatch_ms"] = [total / max(1, n) for total, n in zip(out["dispatch_ms"], counts)]
+    return out
 
 
 def run_summary(run: dict, microbatches, segments, data, capacity: int, ranges) -> dict:
@@ -297,8 +317,8 @@ def measure(args, model, trainable, frozen, run: dict, calibration: dict) -> dic
     """One measured run on real devices: wall, tokens/s, bubble from solo busy times, replay."""
     stages, ranges = run["stages"], calibration["split"]
     data, microbatches, segments, orders = plan_of(args, stages, run["workload"], run["variant"], run["batches"])
-    pipeline, placed, wall, loss = run_variant(args, model, trainable, frozen, stage_devices(stages, False), ranges,
-                                               orders, data, microbatches)
+    pipeline, placed, wall, loss, host = run_variant(args, model, trainable, frozen, stage_devices(stages, False),
+                                                     ranges, orders, data, microbatches)
     key = (stages, tuple(ranges))
     if key not in OP_TIMES:  # fixed shapes: one measurement per pipeline split
         OP_TIMES[key] = op_times(pipeline, next(p for p in placed if p is not None), args.repeats)
@@ -315,7 +335,7 @@ def measure(args, model, trainable, frozen, run: dict, calibration: dict) -> dic
             "busy_model_s_per_stage": busy_model, "bubble_ratio_model": 1.0 - sum(busy_model) / (stages * wall),
             "predicted_wall_s": predicted["wall_s"],
             "predicted_bubble_ratio": 1.0 - sum(busy_model) / (stages * predicted["wall_s"]),
-            "op_seconds": times, "loss_sum": loss}
+            "op_seconds": times, "loss_sum": loss, "host": host}
 
 
 def simulate_stages(args, model, trainable, frozen, run: dict, calibration: dict) -> dict:

@@ -23,6 +23,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import threading
+import time
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -293,8 +294,9 @@ class _RunState:
     consumes them), still on the producing stage's device, each stage's saved forward residuals,
     and the last stage's losses."""
 
-    def __init__(self):
+    def __init__(self, timeline: list | None = None):
         self.activations, self.cotangents, self.saved, self.losses = {}, {}, {}, {}
+        self.timeline = timeline
         self._changed = threading.Condition()
 
     def put(self, table: dict, key, value) -> None:
@@ -408,7 +410,7 @@ class MpmdPipeline:
         return [stage.placement.microbatch(batch, plan) for stage in self.stages]
 
     def run(self, orders: Sequence[Sequence[Op]], inputs: Sequence[Sequence[tuple]],
-            threaded: bool = False) -> dict[int, jax.Array]:
+            threaded: bool = False, timeline: list | None = None) -> dict[int, jax.Array]:
         """Issues every op; inputs[m] from `place`. Returns the per-slot loss sums of each
         microbatch (on the last device; block on them, or call `wait`, to time the run).
 
@@ -422,8 +424,12 @@ class MpmdPipeline:
         (its device still busy with the ops queued before), never the producer's: each stage's
         thread issues its next op while the previous one runs, and its device idles only where an
         input really is late (before, the producer copied its output and waited for it, leaving its
-        device idle after every op that sends; bench/NOTES_train.md)."""
-        state = _RunState()
+        device idle after every op that sends; bench/NOTES_train.md).
+
+        timeline: a list to append (stage, kind, index, reached, input ready, issued) to for every
+        op, in host `time.perf_counter()` seconds: when its thread reached it, when its input was
+        there (taken and copied), and when the op had been dispatched."""
+        state = _RunState(timeline)
         if not threaded:
             for stage_index, op in dispatch_order(orders):
                 self._issue(stage_index, op, inputs, state)
@@ -440,30 +446,37 @@ class MpmdPipeline:
 
     def _issue(self, stage_index: int, op: Op, inputs, state: "_RunState", wait: bool = False) -> None:
         """Issues one op of one stage; its input comes from `state` (wait=True: blocks until a
-        neighbour's thread has put it there)."""
+        neighbour's thread has put it there), copied to this stage here."""
         stage, last = self.stages[stage_index], self.num_stages - 1
+        reached = time.perf_counter()
+        ready = reached
         if op.kind == "U":
             stage.trainable, stage.grads_acc, stage.opt_states[op.index] = apply_adapter_update(
                 self.optimizers[op.index], stage.trainable, stage.grads_acc, op.index, self.ranks[op.index],
                 stage.opt_states[op.index])
-            return
-        tokens, batch, plan = inputs[op.index][stage_index]
-        key = (op.index, stage_index)
-        if op.kind == "F":
+        elif op.kind == "F":
+            tokens, batch, plan = inputs[op.index][stage_index]
+            key = (op.index, stage_index)
             x = tokens if stage_index == 0 else stage.placement.rows(state.take(state.activations, key, wait))
+            ready = time.perf_counter()
             out, state.saved[key] = stage.program.forward(stage.weights, stage.trainable, stage.frozen, x, batch, plan)
             if stage_index == last:
                 state.losses[op.index] = out
             else:
                 state.put(state.activations, (op.index, stage_index + 1), out)
         else:
+            tokens, batch, plan = inputs[op.index][stage_index]
+            key = (op.index, stage_index)
             cotangent = None if stage_index == last else stage.placement.rows(
                 state.take(state.cotangents, key, wait))
+            ready = time.perf_counter()
             stage.grads_acc, grad_in = stage.program.backward(
                 stage.weights, stage.trainable, stage.frozen, state.saved.pop(key), stage.grads_acc, cotangent,
                 batch, plan)
             if stage_index > 0:
                 state.put(state.cotangents, (op.index, stage_index - 1), grad_in)
+        if state.timeline is not None:
+            state.timeline.append((stage_index, op.kind, op.index, reached, ready, time.perf_counter()))
 
     def wait(self) -> None:
         jax.block_until_ready([(s.trainable, s.grads_acc, s.opt_states) for s in self.stages])
