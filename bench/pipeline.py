@@ -65,7 +65,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from bench.pipeline_replay import NUM_ADAPTERS, op_orders, replay, variant_plan
+from bench.pipeline_replay import NUM_ADAPTERS, cpu_only, op_orders, replay, variant_plan
 from bench.timing import median_call_seconds
 from jaxlora.lora.adapter import random_adapter
 from jaxlora.lora.adapter_config import LoraConfig
@@ -221,15 +221,46 @@ def sample_tokens(model, data) -> dict:
 
 
 PLANS: dict[tuple, tuple] = {}
+SCHEDULING: dict[tuple, concurrent.futures.Future] = {}
 OP_TIMES: dict[tuple, dict] = {}  # (stages, layer ranges) -> measured op times (fixed shapes: one per split)
 
 
+def schedule_ahead(args, runs: list[dict]) -> concurrent.futures.ProcessPoolExecutor:
+    """Starts every run's schedule (the MILP: seconds per global batch) in worker processes, so it
+    overlaps the model's set-up and the compiles (LoRAFusion schedules ahead the same way)."""
+    import multiprocessing
+
+    pool = concurrent.futures.ProcessPoolExecutor(max(1, min(8, (os.cpu_count() or 2) // 2)),
+                                                  mp_context=multiprocessing.get_context("spawn"),
+                                                  initializer=cpu_only)
+    # Workers start during the submits and take the environment then: JAX on the CPU only (no GPU
+    # memory taken). This process read its JAX settings at import, so the change does not reach it.
+    before = os.environ.get("JAX_PLATFORMS")
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    try:
+        for run in runs:
+            key = (run["stages"], run["workload"], run["variant"], run["batches"])
+            if key not in SCHEDULING:
+                SCHEDULING[key] = pool.submit(variant_plan, args.capacity, run["batches"],
+                                              args.microbatches_per_batch, args.milp_time, *key[:3])
+    finally:
+        if before is None:
+            os.environ.pop("JAX_PLATFORMS")
+        else:
+            os.environ["JAX_PLATFORMS"] = before
+    return pool
+
+
 def plan_of(args, stages: int, workload: str, variant: str, batches: int) -> tuple:
-    """(data, microbatches, segments, orders) of one run (cached: the MILP runs once)."""
+    """(data, microbatches, segments, orders) of one run (cached: the MILP runs once, in a worker
+    process if `schedule_ahead` started it)."""
     key = (stages, workload, variant, batches)
     if key not in PLANS:
-        data, microbatches, segments = variant_plan(args.capacity, batches, args.microbatches_per_batch,
-                                                    args.milp_time, stages, workload, variant)
+        if key in SCHEDULING:
+            data, microbatches, segments = SCHEDULING.pop(key).result()
+        else:
+            data, microbatches, segments = variant_plan(args.capacity, batches, args.microbatches_per_batch,
+                                                        args.milp_time, stages, workload, variant)
         orders = op_orders(data, microbatches, segments, stages, {a: a for a in data.adapters})
         PLANS[key] = (data, microbatches, segments, orders)
     return PLANS[key]
@@ -419,6 +450,10 @@ def adapters(config) -> tuple[dict, dict]:
 def main() -> None:
     args = parse_args()
     started = time.perf_counter()
+    sizes = [(s, False) for s in args.stages] + [(s, True) for s in args.simulate_stages]
+    calibration_runs = [{"stages": s, "workload": args.workloads[0], "variant": "ours", "batches": args.batches}
+                        for s, _ in sizes]
+    scheduler = schedule_ahead(args, calibration_runs + [r for s, sim in sizes for r in planned_runs(args, s, sim)])
     config = llama8b_config(args.layers, args.tiny)
     model = Llama(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     trainable, frozen = adapters(config)
@@ -428,7 +463,7 @@ def main() -> None:
     print(f"device_put held its caller {held * 1e3:.1f} ms -> {'threaded' if args.threaded else 'single-thread'} "
           "driver", flush=True)
     results, skipped, calibrations = [], [], []
-    for stages, simulated in [(s, False) for s in args.stages] + [(s, True) for s in args.simulate_stages]:
+    for stages, simulated in sizes:
         begin = time.perf_counter()
         calibration = calibrate(args, model, trainable, frozen, stages, simulated)
         # What a run costs besides its two passes (build, compile, placing): first the calibration's
@@ -458,6 +493,7 @@ def main() -> None:
                   flush=True)
             write_report(args, device, results, calibrations, skipped, time.perf_counter() - started)
     write_report(args, device, results, calibrations, skipped, time.perf_counter() - started)
+    scheduler.shutdown(cancel_futures=True)
     print(f"device: {device} x {len(jax.devices())}, jax {jax.__version__}, {args.layers} layers, "
           f"capacity {args.capacity}, {time.perf_counter() - started:.0f} s; wrote {args.out}")
 

@@ -37,6 +37,13 @@ NUM_ADAPTERS = 4
 VARIANTS = ("ours", "1f1b-single")
 
 
+def cpu_only() -> None:
+    """A scheduling worker process's JAX on the CPU (it must not take GPU memory)."""
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+
+
 def mean_length(workload: str) -> float:
     """Expected sample length of a workload's lognormal lengths."""
     means = [m * np.exp(s * s / 2) for m, s in DATASETS.values()] if workload == "mixed" else \
