@@ -310,7 +310,8 @@ def run_variant(args, model, trainable, frozen, devices, ranges, orders, data, m
     pipeline, placed = build(args, model, trainable, frozen, devices, ranges, data, microbatches)
     timeline: list = []
     start = time.perf_counter()
-    losses = pipeline.run(orders, placed, threaded=args.threaded, timeline=timeline)
+    losses = pipeline.run(orders, placed, threaded=args.threaded, timeline=timeline,
+                          producer_copies=args.copies == "producer")
     jax.block_until_ready(losses)
     pipeline.wait()
     wall = time.perf_counter() - start
@@ -426,6 +427,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="back-to-back calls per op timing round")
     parser.add_argument("--driver", choices=["auto", "single", "threaded"], default="auto",
                         help="who issues the ops (auto: threaded if a cross-device copy blocks its caller)")
+    parser.add_argument("--copies", choices=["consumer", "producer"], default="consumer",
+                        help="which stage's thread copies an activation / gradient between GPUs (producer: the "
+                             "driver before 2026-11-27, to measure the difference)")
     parser.add_argument("--simulate-stages", type=int, nargs="*", default=[],
                         help="pipeline sizes to replay from measured op times (more stages than GPUs allowed), "
                              "after the measured --stages runs")
@@ -502,7 +506,7 @@ def write_report(args, device: str, results: list, calibrations: list, skipped: 
     public = [{k: v for k, v in c.items() if k != "costs"} for c in calibrations]
     report = {"device": device, "devices": len(jax.devices()), "jax": jax.__version__,
               "date": datetime.date.today().isoformat(), "host": platform.node(), "layers": args.layers,
-              "driver": "threaded" if args.threaded else "single-thread", "split": args.split,
+              "driver": "threaded" if args.threaded else "single-thread", "copies": args.copies, "split": args.split,
               "capacity": args.capacity, "batches": args.batches, "adapters": NUM_ADAPTERS, "rank": LORA.r,
               "microbatches_per_batch": args.microbatches_per_batch, "time_budget_s": args.time_budget,
               "elapsed_s": elapsed, "calibration": public[-1] if public else None, "calibrations": public,

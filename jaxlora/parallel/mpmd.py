@@ -294,9 +294,9 @@ class _RunState:
     consumes them), still on the producing stage's device, each stage's saved forward residuals,
     and the last stage's losses."""
 
-    def __init__(self, timeline: list | None = None):
+    def __init__(self, timeline: list | None = None, producer_copies: bool = False):
         self.activations, self.cotangents, self.saved, self.losses = {}, {}, {}, {}
-        self.timeline = timeline
+        self.timeline, self.producer_copies = timeline, producer_copies
         self._changed = threading.Condition()
 
     def put(self, table: dict, key, value) -> None:
@@ -410,7 +410,8 @@ class MpmdPipeline:
         return [stage.placement.microbatch(batch, plan) for stage in self.stages]
 
     def run(self, orders: Sequence[Sequence[Op]], inputs: Sequence[Sequence[tuple]],
-            threaded: bool = False, timeline: list | None = None) -> dict[int, jax.Array]:
+            threaded: bool = False, timeline: list | None = None,
+            producer_copies: bool = False) -> dict[int, jax.Array]:
         """Issues every op; inputs[m] from `place`. Returns the per-slot loss sums of each
         microbatch (on the last device; block on them, or call `wait`, to time the run).
 
@@ -428,8 +429,10 @@ class MpmdPipeline:
 
         timeline: a list to append (stage, kind, index, reached, input ready, issued) to for every
         op, in host `time.perf_counter()` seconds: when its thread reached it, when its input was
-        there (taken and copied), and when the op had been dispatched."""
-        state = _RunState(timeline)
+        there (taken and copied), and when the op had been dispatched. producer_copies=True: the
+        producing stage copies its output to the consumer before handing it over (the driver before
+        2026-11-27, kept to measure the difference)."""
+        state = _RunState(timeline, producer_copies)
         if not threaded:
             for stage_index, op in dispatch_order(orders):
                 self._issue(stage_index, op, inputs, state)
@@ -463,7 +466,7 @@ class MpmdPipeline:
             if stage_index == last:
                 state.losses[op.index] = out
             else:
-                state.put(state.activations, (op.index, stage_index + 1), out)
+                state.put(state.activations, (op.index, stage_index + 1), self._hand_over(out, stage_index + 1, state))
         else:
             tokens, batch, plan = inputs[op.index][stage_index]
             key = (op.index, stage_index)
@@ -474,9 +477,14 @@ class MpmdPipeline:
                 stage.weights, stage.trainable, stage.frozen, state.saved.pop(key), stage.grads_acc, cotangent,
                 batch, plan)
             if stage_index > 0:
-                state.put(state.cotangents, (op.index, stage_index - 1), grad_in)
+                state.put(state.cotangents, (op.index, stage_index - 1),
+                          self._hand_over(grad_in, stage_index - 1, state))
         if state.timeline is not None:
             state.timeline.append((stage_index, op.kind, op.index, reached, ready, time.perf_counter()))
+
+    def _hand_over(self, value: jax.Array, consumer: int, state: "_RunState") -> jax.Array:
+        """`value` as put for the consumer: as it is, or copied there now (producer_copies)."""
+        return self.stages[consumer].placement.rows(value) if state.producer_copies else value
 
     def wait(self) -> None:
         jax.block_until_ready([(s.trainable, s.grads_acc, s.opt_states) for s in self.stages])

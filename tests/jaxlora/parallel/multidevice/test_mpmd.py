@@ -152,11 +152,11 @@ def test_drained_single_adapter_orders_and_lemma_check():
     assert makespan == 3 * (2 + 3 - 1) * (1 + 2)  # per batch (M + S - 1)(F + B)
 
 
-@pytest.mark.parametrize("threaded", [False, True])
-def test_uneven_split_stream_matches_one_device(threaded):
+@pytest.mark.parametrize("threaded,producer_copies", [(False, False), (True, False), (True, True)])
+def test_uneven_split_stream_matches_one_device(threaded, producer_copies):
     """A split by cost (3, 1, 1, 1 layers), the stream of 3 adapters: losses, the gradients left
-    over and every adapter's updates equal one device; both drivers hand each output over on the
-    producer's device (the consumer copies it)."""
+    over and every adapter's updates equal one device, with either driver, the consumer copying
+    each output (default) or the producer (the old driver)."""
     config = dataclasses.replace(CONFIG, num_layers=6)
     model = tiny_model(config)
     trainable, frozen = split_pool(random_pool(config))
@@ -177,7 +177,7 @@ def test_uneven_split_stream_matches_one_device(threaded):
                                  layer_ranges=[(0, 3), (3, 4), (4, 5), (5, 6)])
     assert [s.weights["layers"]["q_proj.kernel"].shape[0] for s in pipeline.stages] == [3, 1, 1, 1]
     losses = pipeline.run(orders, [None if item is None else pipeline.place(*item) for item in arrays],
-                          threaded=threaded)
+                          threaded=threaded, producer_copies=producer_copies)
     pipeline.wait()
     for index, loss in losses.items():
         np.testing.assert_allclose(np.asarray(loss), np.asarray(expected_losses[index]), rtol=1e-5, atol=1e-7)
