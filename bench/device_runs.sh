@@ -31,11 +31,12 @@ collect_logs() {  # the logs as one file (what comes back from the machine is li
 }
 
 pipeline() {  # PP=4 on 4 GPUs: our schedule and 1F1B one adapter, 4 global batches, balanced split; then
-  # ours at 2 and 8 global batches (skipped first if --time-budget runs short). ~6-7 min on 4 x H200.
+  # ours at 2 and 8 global batches, and ours with the old hand-over between GPUs (the last skipped first if
+  # --time-budget runs short). ~6-7 min on 4 x H200.
   nvidia-smi -L
   timeout $((LIMIT - SECONDS - 5)) python3 bench/pipeline.py --stages 4 --workloads xsum mixed --batches 4 \
-      --sweep-batches 2 8 --time-budget $((LIMIT - SECONDS - 40)) --out "$OUT/pipeline_4xh200.json" 2>&1 | \
-      tee "$OUT/log_pp4.txt"
+      --sweep-batches 2 8 --compare-copies --time-budget $((LIMIT - SECONDS - 40)) \
+      --out "$OUT/pipeline_4xh200.json" 2>&1 | tee "$OUT/log_pp4.txt"
   collect_logs pipeline
 }
 

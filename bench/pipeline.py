@@ -2,7 +2,7 @@
 weights): measured bubble ratio and tokens/s of our schedule against 1F1B with one adapter.
 
     PYTHONPATH=. python bench/pipeline.py --stages 4 --workloads xsum mixed --batches 4 \
-        --sweep-batches 2 8 --time-budget 420 --out FILE          # 4 GPUs: ours + 1F1B, ~6 min on H200
+        --sweep-batches 2 8 --compare-copies --time-budget 480 --out FILE   # 4 GPUs: ~6-7 min on H200
     PYTHONPATH=. python bench/pipeline.py --stages 2 1 --variants ours   # PP=2 against one GPU
     PYTHONPATH=. python bench/pipeline.py --stages --simulate-stages 4   # 4 stages replayed, any GPU count
     XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu PYTHONPATH=. \
@@ -29,7 +29,9 @@ Variants (same samples, same stage programs, one run each):
   1f1b-single  one adapter at a time (Megatron-style): each global batch packed alone (first-fit
                decreasing), run as its own 1F1B pass and drained before the optimizer step.
 `--sweep-batches` adds runs of ours with other numbers of global batches (the bubble's fill and
-drain are paid once per run, so it falls as the run gets longer).
+drain are paid once per run, so it falls as the run gets longer). `--compare-copies` adds one run of
+ours where the producing stage's thread copies each output to its consumer and waits for it (the
+driver before 2026-11-27; by default the consumer's thread copies, `mpmd.MpmdPipeline.run`).
 
 Measured: wall time of the whole run (first op issued to last result ready), tokens/s over real
 (unpadded) tokens, and the bubble ratio = sum over stages of idle time / (stages x wall), where a
@@ -304,14 +306,14 @@ def calibrate(args, model, trainable, frozen, stages: int, simulated: bool) -> d
             "split": ranges, "costs": costs}
 
 
-def run_variant(args, model, trainable, frozen, devices, ranges, orders, data, microbatches):
-    """One timed run of `orders`; returns (pipeline, placed inputs, wall seconds, loss sum, host
-    summary of the driver's timeline)."""
+def run_variant(args, model, trainable, frozen, devices, ranges, orders, data, microbatches, copies: str):
+    """One timed run of `orders` (copies: which stage's thread copies between GPUs); returns
+    (pipeline, placed inputs, wall seconds, loss sum, host summary of the driver's timeline)."""
     pipeline, placed = build(args, model, trainable, frozen, devices, ranges, data, microbatches)
     timeline: list = []
     start = time.perf_counter()
     losses = pipeline.run(orders, placed, threaded=args.threaded, timeline=timeline,
-                          producer_copies=args.copies == "producer")
+                          producer_copies=copies == "producer")
     jax.block_until_ready(losses)
     pipeline.wait()
     wall = time.perf_counter() - start
@@ -340,6 +342,7 @@ def run_summary(run: dict, microbatches, segments, data, capacity: int, ranges) 
     real = sum(s.num_tokens for mb in microbatches for s in mb)
     used = sum(1 for mb in microbatches if mb)
     return {"stages": run["stages"], "workload": run["workload"], "variant": run["variant"], "batches": run["batches"],
+            "copies": run["copies"],
             "layer_ranges": [list(r) for r in ranges], "tokens": real, "microbatches": used,
             "noops": len(microbatches) - used, "passes": len(segments),
             "global_batch_size": data.global_batch_size[0], "padding_waste": 1 - real / (used * capacity)}
@@ -350,7 +353,7 @@ def measure(args, model, trainable, frozen, run: dict, calibration: dict) -> dic
     stages, ranges = run["stages"], calibration["split"]
     data, microbatches, segments, orders = plan_of(args, stages, run["workload"], run["variant"], run["batches"])
     pipeline, placed, wall, loss, host = run_variant(args, model, trainable, frozen, stage_devices(stages, False),
-                                                     ranges, orders, data, microbatches)
+                                                     ranges, orders, data, microbatches, run["copies"])
     key = (stages, tuple(ranges))
     if key not in OP_TIMES:  # fixed shapes: one measurement per pipeline split
         OP_TIMES[key] = op_times(pipeline, next(p for p in placed if p is not None), args.repeats)
@@ -388,11 +391,17 @@ def simulate_stages(args, model, trainable, frozen, run: dict, calibration: dict
 
 def planned_runs(args, stages: int, simulated: bool) -> list[dict]:
     """The runs of one pipeline size: each workload's variants at --batches, then our schedule at
-    each of --sweep-batches (what is skipped first when time runs short)."""
-    runs = [{"stages": stages, "workload": w, "variant": v, "batches": args.batches, "simulated": simulated}
-            for w in args.workloads for v in args.variants]
-    return runs + [{"stages": stages, "workload": w, "variant": "ours", "batches": b, "simulated": simulated}
-                   for b in args.sweep_batches for w in args.workloads if b != args.batches]
+    each of --sweep-batches, then (--compare-copies) ours on the first workload with the other
+    hand-over between GPUs (what comes last is skipped first when time runs short)."""
+    def run(workload, variant, batches, copies=args.copies):
+        return {"stages": stages, "workload": workload, "variant": variant, "batches": batches,
+                "simulated": simulated, "copies": copies}
+
+    runs = [run(w, v, args.batches) for w in args.workloads for v in args.variants]
+    runs += [run(w, "ours", b) for b in args.sweep_batches for w in args.workloads if b != args.batches]
+    if args.compare_copies and not simulated and stages > 1:
+        runs.append(run(args.workloads[0], "ours", args.batches, {"consumer": "producer"}.get(args.copies, "consumer")))
+    return runs
 
 
 def print_plan(args, runs: list[dict], calibration: dict) -> None:
@@ -406,7 +415,11 @@ def print_plan(args, runs: list[dict], calibration: dict) -> None:
         run["predicted"] = replay(orders, times)
         print(f"  {run['workload']:8} {run['variant']:12} {run['batches']:2} global batches: "
               f"{sum(1 for mb in microbatches if mb):4} microbatches, wall {run['predicted']['wall_s']:6.2f} s, "
-              f"bubble {run['predicted']['bubble_ratio']:.3f}", flush=True)
+              f"bubble {run['predicted']['bubble_ratio']:.3f}{note(run)}", flush=True)
+
+
+def note(run: dict) -> str:
+    return "" if run["copies"] == "consumer" else f"  ({run['copies']} copies)"
 
 
 def parse_args() -> argparse.Namespace:
@@ -430,6 +443,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--copies", choices=["consumer", "producer"], default="consumer",
                         help="which stage's thread copies an activation / gradient between GPUs (producer: the "
                              "driver before 2026-11-27, to measure the difference)")
+    parser.add_argument("--compare-copies", action="store_true",
+                        help="one more run of ours with the other --copies, last")
     parser.add_argument("--simulate-stages", type=int, nargs="*", default=[],
                         help="pipeline sizes to replay from measured op times (more stages than GPUs allowed), "
                              "after the measured --stages runs")
@@ -484,7 +499,7 @@ def main() -> None:
             if args.time_budget and time.perf_counter() - started + estimate > args.time_budget:
                 skipped.append({**run, "estimate_s": estimate})
                 print(f"{stages:2} {run['workload']:8} {run['variant']:12} {run['batches']:2} skipped: needs "
-                      f"~{estimate:.0f} s, past --time-budget {args.time_budget:.0f} s", flush=True)
+                      f"~{estimate:.0f} s, past --time-budget {args.time_budget:.0f} s{note(run)}", flush=True)
                 continue
             begin = time.perf_counter()
             r = (simulate_stages if simulated else measure)(args, model, trainable, frozen, run, calibration)
@@ -493,8 +508,8 @@ def main() -> None:
             results.append(r)
             predicted = f"{r['predicted_bubble_ratio']:6.3f}" if "predicted_bubble_ratio" in r else f"{'sim.':>6}"
             print(f"{stages:2} {r['workload']:8} {r['variant']:12} {r['batches']:2} {r['tokens_per_s']:9.0f} "
-                  f"{r['wall_s']:7.2f} {r['bubble_ratio']:7.3f} {predicted} {r['microbatches']:4} {r['noops']:4}",
-                  flush=True)
+                  f"{r['wall_s']:7.2f} {r['bubble_ratio']:7.3f} {predicted} {r['microbatches']:4} {r['noops']:4}"
+                  f"{note(r)}", flush=True)
             write_report(args, device, results, calibrations, skipped, time.perf_counter() - started)
     write_report(args, device, results, calibrations, skipped, time.perf_counter() - started)
     scheduler.shutdown(cancel_futures=True)
