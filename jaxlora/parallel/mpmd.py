@@ -450,37 +450,42 @@ class MpmdPipeline:
     def _issue(self, stage_index: int, op: Op, inputs, state: "_RunState", wait: bool = False) -> None:
         """Issues one op of one stage; its input comes from `state` (wait=True: blocks until a
         neighbour's thread has put it there), copied to this stage here."""
-        stage, last = self.stages[stage_index], self.num_stages - 1
-        reached = time.perf_counter()
-        ready = reached
+        stage = self.stages[stage_index]
+        reached = ready = time.perf_counter()
         if op.kind == "U":
             stage.trainable, stage.grads_acc, stage.opt_states[op.index] = apply_adapter_update(
                 self.optimizers[op.index], stage.trainable, stage.grads_acc, op.index, self.ranks[op.index],
                 stage.opt_states[op.index])
         elif op.kind == "F":
-            tokens, batch, plan = inputs[op.index][stage_index]
-            key = (op.index, stage_index)
-            x = tokens if stage_index == 0 else stage.placement.rows(state.take(state.activations, key, wait))
-            ready = time.perf_counter()
-            out, state.saved[key] = stage.program.forward(stage.weights, stage.trainable, stage.frozen, x, batch, plan)
-            if stage_index == last:
-                state.losses[op.index] = out
-            else:
-                state.put(state.activations, (op.index, stage_index + 1), self._hand_over(out, stage_index + 1, state))
+            ready = self._forward(stage_index, op.index, inputs[op.index][stage_index], state, wait)
         else:
-            tokens, batch, plan = inputs[op.index][stage_index]
-            key = (op.index, stage_index)
-            cotangent = None if stage_index == last else stage.placement.rows(
-                state.take(state.cotangents, key, wait))
-            ready = time.perf_counter()
-            stage.grads_acc, grad_in = stage.program.backward(
-                stage.weights, stage.trainable, stage.frozen, state.saved.pop(key), stage.grads_acc, cotangent,
-                batch, plan)
-            if stage_index > 0:
-                state.put(state.cotangents, (op.index, stage_index - 1),
-                          self._hand_over(grad_in, stage_index - 1, state))
+            ready = self._backward(stage_index, op.index, inputs[op.index][stage_index], state, wait)
         if state.timeline is not None:
             state.timeline.append((stage_index, op.kind, op.index, reached, ready, time.perf_counter()))
+
+    def _forward(self, stage_index: int, micro: int, placed: tuple, state: "_RunState", wait: bool) -> float:
+        """Issues the forward of microbatch `micro` on a stage; returns when its input was there."""
+        stage, (tokens, batch, plan), key = self.stages[stage_index], placed, (micro, stage_index)
+        x = tokens if stage_index == 0 else stage.placement.rows(state.take(state.activations, key, wait))
+        ready = time.perf_counter()
+        out, state.saved[key] = stage.program.forward(stage.weights, stage.trainable, stage.frozen, x, batch, plan)
+        if stage_index == self.num_stages - 1:
+            state.losses[micro] = out
+        else:
+            state.put(state.activations, (micro, stage_index + 1), self._hand_over(out, stage_index + 1, state))
+        return ready
+
+    def _backward(self, stage_index: int, micro: int, placed: tuple, state: "_RunState", wait: bool) -> float:
+        """Issues the backward of microbatch `micro` on a stage; returns when its input was there."""
+        stage, (_, batch, plan), key = self.stages[stage_index], placed, (micro, stage_index)
+        cotangent = None if stage_index == self.num_stages - 1 else stage.placement.rows(
+            state.take(state.cotangents, key, wait))
+        ready = time.perf_counter()
+        stage.grads_acc, grad_in = stage.program.backward(
+            stage.weights, stage.trainable, stage.frozen, state.saved.pop(key), stage.grads_acc, cotangent, batch, plan)
+        if stage_index > 0:
+            state.put(state.cotangents, (micro, stage_index - 1), self._hand_over(grad_in, stage_index - 1, state))
+        return ready
 
     def _hand_over(self, value: jax.Array, consumer: int, state: "_RunState") -> jax.Array:
         """`value` as put for the consumer: as it is, or copied there now (producer_copies)."""
