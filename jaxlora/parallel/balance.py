@@ -89,8 +89,8 @@ def balanced_split(num_layers: int, num_stages: int, costs: StageCosts) -> list[
     """Contiguous [start, stop) layer ranges, at least one layer each, that minimize the slowest
     stage's F+B time; among those, the sum of squared stage times (the slack spread over stages),
     ties going to the split whose slow stages come first (later stages then have slack to absorb
-    transfer latency: the replay with 3 ms per transfer gives 0.107 for 9,8,8,7 and 0.131 for
-    9,9,8,6 on the measured xsum schedule).
+    transfer latency: with the 4 x H200 costs, 4 global batches of xsum and 3 ms per transfer the
+    replay gives 0.100 for 9,8,8,7, 0.124 for 8,8,9,7 and 9,9,8,6; 0.094 for all without).
 
     Dynamic programming over (stages placed, layers placed), twice: O(num_stages * num_layers^2)."""
     if not 1 <= num_stages <= num_layers:
