@@ -90,7 +90,7 @@ def balanced_split(num_layers: int, num_stages: int, costs: StageCosts) -> list[
     stage's F+B time; among those, the sum of squared stage times (the slack spread over stages),
     ties going to the split whose slow stages come first (later stages then have slack to absorb
     transfer latency: with the 4 x H200 costs, 4 global batches of xsum and 3 ms per transfer the
-    replay gives 0.100 for 9,8,8,7, 0.124 for 8,8,9,7 and 9,9,8,6; 0.094 for all without).
+    replay gives 0.100 for 9,8,8,7, 0.124 for 8,8,9,7 and 9,9,8,6; 0.094-0.098 without).
 
     Dynamic programming over (stages placed, layers placed), twice: O(num_stages * num_layers^2)."""
     if not 1 <= num_stages <= num_layers:
