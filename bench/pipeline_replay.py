@@ -5,7 +5,8 @@ GPU). bench/pipeline.py uses the same orders and replay for its measured runs an
 
     PYTHONPATH=. python bench/pipeline_replay.py --from bench/results/pipeline_sim4_h200.json \\
         --batches 1 2 4 8 16 --workloads xsum mixed --out bench/results/pipeline_replay_4.json
-    PYTHONPATH=. python bench/pipeline_replay.py --costs 2.575 8.11 4.3 13.5 --layers 32 --stages 4
+    PYTHONPATH=. python bench/pipeline_replay.py --costs 2.44 7.76 4.03 15.72 --hold 0 7 \
+        --out bench/results/pipeline_replay_4xh200_fit.json   # the costs fitted to the 4 x H200 run
 
 --from takes the stage op times of a pipeline.py result (its "calibration" if it has one, else
 the first result's "op_seconds" on an even split); --costs gives them as milliseconds per op of
