@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind bench/results/*h200*, from the repository root. On a 4 x H200 machine:
-#   OUT=/some/dir bash bench/device_runs.sh pipeline   # PP=4; then PP=2 vs 1 GPU || TP=2 vs 1 GPU serving
+#   OUT=/some/dir bash bench/device_runs.sh pipeline   # PP=4: ours and 1F1B one adapter, bubble vs global batches
+#   OUT=/some/dir bash bench/device_runs.sh pp2_tp2    # PP=2 vs 1 GPU || TP=2 vs 1 GPU serving
 #   OUT=/some/dir bash bench/device_runs.sh singles    # one job per GPU, side by side
 # On one H200, one call each (10-minute calls): kernels, train, serve; on 2 x H200: two_gpus.
 # Jobs that share the machine run on separate GPUs (CUDA_VISIBLE_DEVICES); each JSON names its GPU.
@@ -29,14 +30,23 @@ collect_logs() {  # the logs as one file (what comes back from the machine is li
   tail -n 60 "$OUT/logs_$1.txt"
 }
 
-pipeline() {
+pipeline() {  # PP=4 on 4 GPUs: our schedule and 1F1B one adapter, 4 global batches, balanced split; then
+  # ours at 2 and 8 global batches, and ours with the old hand-over between GPUs (the last skipped first if
+  # --time-budget runs short). ~6-7 min on 4 x H200.
   nvidia-smi -L
-  python3 bench/pipeline.py --stages 4 --out "$OUT/pipeline_4xh200.json" 2>&1 | tee "$OUT/log_pp4.txt"
+  timeout $((LIMIT - SECONDS - 5)) python3 bench/pipeline.py --stages 4 --workloads xsum mixed --batches 4 \
+      --sweep-batches 2 8 --compare-copies --time-budget $((LIMIT - SECONDS - 40)) \
+      --out "$OUT/pipeline_4xh200.json" 2>&1 | tee "$OUT/log_pp4.txt"
+  collect_logs pipeline
+}
+
+pp2_tp2() {  # on 4 GPUs: PP=2 vs 1 GPU (GPUs 0,1) || TP=2 vs 1 GPU serving (GPUs 2,3)
+  nvidia-smi -L
   job pp2 0,1 $((LIMIT - SECONDS)) python3 bench/pipeline.py --stages 2 1 --variants ours --workloads xsum wikisum \
-      --out "$OUT/pipeline_2xh200.json"
+      --batches 2 --out "$OUT/pipeline_2xh200.json"
   job tp2 2,3 $((LIMIT - SECONDS)) python3 bench/tp_serve.py --out "$OUT/tp_serve_2xh200.json"
   wait
-  collect_logs pipeline
+  collect_logs pp2_tp2
 }
 
 singles() {
@@ -461,7 +471,7 @@ vision_serve() {  # one GPU, issue 39 item 4: bench/vision_serve.py (LLaVA-1.5 l
 two_gpus() {  # 2 GPUs: TP=2 serving vs one GPU, then PP=2 training vs one GPU
   nvidia-smi -L
   timeout 270 python3 bench/tp_serve.py --out "$OUT/tp_serve_2xh200.json" 2>&1 | tail -n 15
-  timeout $((LIMIT - SECONDS - 5)) python3 bench/pipeline.py --stages 2 1 --workloads xsum mixed \
+  timeout $((LIMIT - SECONDS - 5)) python3 bench/pipeline.py --stages 2 1 --workloads xsum mixed --batches 2 \
       --out "$OUT/pipeline_2xh200.json" 2>&1 | tail -n 15
 }
 

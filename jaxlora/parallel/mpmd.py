@@ -23,6 +23,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import threading
+import time
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -147,8 +148,13 @@ def dispatch_order(orders: Sequence[Sequence[Op]]) -> list[tuple[int, Op]]:
 
 
 def simulate(orders: Sequence[Sequence[Op]], durations: Mapping[str, Sequence[float]],
-             transfer: float = 0.0) -> tuple[float, list[float]]:
-    """(makespan, busy time per stage) of the orders with op times durations[kind][stage]."""
+             transfer: float = 0.0, hold: float = 0.0) -> tuple[float, list[float]]:
+    """(makespan, busy time per stage) of the orders with op times durations[kind][stage].
+
+    transfer: seconds from an op's end to its output being usable on the neighbour (copy and the
+    host's reaction). hold: seconds a stage stays idle after each op that sends to a neighbour
+    before its next op can start (a driver that waits for the op and its copy before issuing the
+    next, as the driver before 2026-11-27 did; 0 for the current one)."""
     num_stages = len(orders)
     free = [0.0] * num_stages
     busy = [0.0] * num_stages
@@ -159,11 +165,12 @@ def simulate(orders: Sequence[Sequence[Op]], durations: Mapping[str, Sequence[fl
             ready = finished[("F", op.index, stage - 1)] + transfer
         elif op.kind == "B" and stage < num_stages - 1:
             ready = finished[("B", op.index, stage + 1)] + transfer
-        start = max(free[stage], ready)
-        free[stage] = start + durations[op.kind][stage]
+        end = max(free[stage], ready) + durations[op.kind][stage]
+        sends = (op.kind == "F" and stage < num_stages - 1) or (op.kind == "B" and stage > 0)
+        free[stage] = end + (hold if sends else 0.0)
         busy[stage] += durations[op.kind][stage]
-        finished[(op.kind, op.index, stage)] = free[stage]
-    return max(free, default=0.0), busy
+        finished[(op.kind, op.index, stage)] = end
+    return max(finished.values(), default=0.0), busy
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,6 +183,18 @@ def split_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
         raise ValueError(f"{num_stages} stages for {num_layers} layers")
     bounds = np.linspace(0, num_layers, num_stages + 1).round().astype(int)
     return [(int(bounds[s]), int(bounds[s + 1])) for s in range(num_stages)]
+
+
+def check_layer_ranges(ranges: Sequence[tuple[int, int]], num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """`ranges` as a list if they are `num_stages` contiguous non-empty ranges covering every
+    layer in order; raises ValueError otherwise."""
+    ranges = [(int(a), int(b)) for a, b in ranges]
+    starts = [0] + [b for _, b in ranges[:-1]]
+    if len(ranges) != num_stages or [a for a, _ in ranges] != starts or ranges[-1][1] != num_layers or \
+            any(b <= a for a, b in ranges):
+        raise ValueError(f"layer ranges {ranges} are not {num_stages} contiguous non-empty ranges "
+                         f"of {num_layers} layers")
+    return ranges
 
 
 def _layer_call(config, backend: LoraBackend, weights, trainable, frozen, hidden, batch, plan, mask, index):
@@ -272,10 +291,12 @@ def stage_weights(model: Llama, start: int, stop: int, first: bool, last: bool) 
 
 class _RunState:
     """Values in flight between stages: activations / cotangents keyed (microbatch, stage that
-    consumes them), each stage's saved forward residuals, and the last stage's losses."""
+    consumes them), still on the producing stage's device, each stage's saved forward residuals,
+    and the last stage's losses."""
 
-    def __init__(self):
+    def __init__(self, timeline: list | None = None, producer_copies: bool = False):
         self.activations, self.cotangents, self.saved, self.losses = {}, {}, {}, {}
+        self.timeline, self.producer_copies = timeline, producer_copies
         self._changed = threading.Condition()
 
     def put(self, table: dict, key, value) -> None:
@@ -352,10 +373,13 @@ class MpmdPipeline:
     trainable {module: {a [L, slots, k, r], b [L, slots, r, n]}}, frozen {module: {scale, rank}}
     (see `jaxlora.lora.trainable.split_pool`); optimizer: an optax transformation applied per slot
     with `jaxlora.lora.trainable.apply_adapter_update` (its state per stage and slot), or a list
-    of one per slot; rank: the rank every slot trains, or one per slot."""
+    of one per slot; rank: the rank every slot trains, or one per slot; layer_ranges: each stage's
+    [start, stop) layers (default `split_layers`, even; `jaxlora.parallel.balance.balanced_split`
+    balances them by measured cost)."""
 
     def __init__(self, model: Llama, trainable: dict, frozen: dict, devices: Sequence[jax.Device | StagePlacement],
-                 optimizer, rank: int | list[int], backend: LoraBackend | str = backends.TRAINING_DEFAULT):
+                 optimizer, rank: int | list[int], backend: LoraBackend | str = backends.TRAINING_DEFAULT,
+                 layer_ranges: Sequence[tuple[int, int]] | None = None):
         num_slots = next(iter(trainable.values()))["a"].shape[1]
         lora_backend = backends.get(backend)  # resolved once; the stages' programs take the object
         # One optimizer (an optax NamedTuple, itself a sequence) for all slots, or a list of them.
@@ -363,7 +387,8 @@ class MpmdPipeline:
         self.ranks = list(rank) if isinstance(rank, (list, tuple)) else [rank] * num_slots
         placements = [d if isinstance(d, StagePlacement) else StagePlacement(d) for d in devices]
         self.devices = [p.target for p in placements]
-        self.layer_ranges = split_layers(model.config.num_layers, len(placements))
+        self.layer_ranges = check_layer_ranges(layer_ranges or split_layers(model.config.num_layers, len(placements)),
+                                               model.config.num_layers, len(placements))
         self.stages: list[Stage] = []
         for index, (placement, (start, stop)) in enumerate(zip(placements, self.layer_ranges)):
             first, last = index == 0, index == len(placements) - 1
@@ -385,14 +410,29 @@ class MpmdPipeline:
         return [stage.placement.microbatch(batch, plan) for stage in self.stages]
 
     def run(self, orders: Sequence[Sequence[Op]], inputs: Sequence[Sequence[tuple]],
-            threaded: bool = False) -> dict[int, jax.Array]:
+            threaded: bool = False, timeline: list | None = None,
+            producer_copies: bool = False) -> dict[int, jax.Array]:
         """Issues every op; inputs[m] from `place`. Returns the per-slot loss sums of each
         microbatch (on the last device; block on them, or call `wait`, to time the run).
 
         threaded=False: one thread issues all ops in `dispatch_order` (asynchronously, so the
         GPUs run ahead of it). threaded=True: one thread per stage issues that stage's ops, each
-        waiting only for its own inputs (for runtimes where a cross-device copy blocks its caller)."""
-        state = _RunState()
+        waiting only for its own inputs (for runtimes where a cross-device copy blocks its caller).
+
+        A stage hands its output over on its own device as soon as the op is issued; the stage
+        that consumes it copies it (`placement.rows`) right before the op that needs it. So where
+        a copy blocks its caller until the source is computed, only the consumer's thread waits
+        (its device still busy with the ops queued before), never the producer's: each stage's
+        thread issues its next op while the previous one runs, and its device idles only where an
+        input really is late (before, the producer copied its output and waited for it, leaving its
+        device idle after every op that sends; bench/NOTES_train.md).
+
+        timeline: a list to append (stage, kind, index, reached, input ready, issued) to for every
+        op, in host `time.perf_counter()` seconds: when its thread reached it, when its input was
+        there (taken and copied), and when the op had been dispatched. producer_copies=True: the
+        producing stage copies its output to the consumer before handing it over (the driver before
+        2026-11-27, kept to measure the difference)."""
+        state = _RunState(timeline, producer_copies)
         if not threaded:
             for stage_index, op in dispatch_order(orders):
                 self._issue(stage_index, op, inputs, state)
@@ -409,31 +449,47 @@ class MpmdPipeline:
 
     def _issue(self, stage_index: int, op: Op, inputs, state: "_RunState", wait: bool = False) -> None:
         """Issues one op of one stage; its input comes from `state` (wait=True: blocks until a
-        neighbour's thread has put it there)."""
-        stage, last = self.stages[stage_index], self.num_stages - 1
+        neighbour's thread has put it there), copied to this stage here."""
+        stage = self.stages[stage_index]
+        reached = ready = time.perf_counter()
         if op.kind == "U":
             stage.trainable, stage.grads_acc, stage.opt_states[op.index] = apply_adapter_update(
                 self.optimizers[op.index], stage.trainable, stage.grads_acc, op.index, self.ranks[op.index],
                 stage.opt_states[op.index])
-            return
-        tokens, batch, plan = inputs[op.index][stage_index]
-        key = (op.index, stage_index)
-        if op.kind == "F":
-            x = tokens if stage_index == 0 else state.take(state.activations, key, wait)
-            out, state.saved[key] = stage.program.forward(stage.weights, stage.trainable, stage.frozen, x, batch, plan)
-            if stage_index == last:
-                state.losses[op.index] = out
-            else:
-                state.put(state.activations, (op.index, stage_index + 1),
-                          self.stages[stage_index + 1].placement.rows(out))
+        elif op.kind == "F":
+            ready = self._forward(stage_index, op.index, inputs[op.index][stage_index], state, wait)
         else:
-            cotangent = None if stage_index == last else state.take(state.cotangents, key, wait)
-            stage.grads_acc, grad_in = stage.program.backward(
-                stage.weights, stage.trainable, stage.frozen, state.saved.pop(key), stage.grads_acc, cotangent,
-                batch, plan)
-            if stage_index > 0:
-                state.put(state.cotangents, (op.index, stage_index - 1),
-                          self.stages[stage_index - 1].placement.rows(grad_in))
+            ready = self._backward(stage_index, op.index, inputs[op.index][stage_index], state, wait)
+        if state.timeline is not None:
+            state.timeline.append((stage_index, op.kind, op.index, reached, ready, time.perf_counter()))
+
+    def _forward(self, stage_index: int, micro: int, placed: tuple, state: "_RunState", wait: bool) -> float:
+        """Issues the forward of microbatch `micro` on a stage; returns when its input was there."""
+        stage, (tokens, batch, plan), key = self.stages[stage_index], placed, (micro, stage_index)
+        x = tokens if stage_index == 0 else stage.placement.rows(state.take(state.activations, key, wait))
+        ready = time.perf_counter()
+        out, state.saved[key] = stage.program.forward(stage.weights, stage.trainable, stage.frozen, x, batch, plan)
+        if stage_index == self.num_stages - 1:
+            state.losses[micro] = out
+        else:
+            state.put(state.activations, (micro, stage_index + 1), self._hand_over(out, stage_index + 1, state))
+        return ready
+
+    def _backward(self, stage_index: int, micro: int, placed: tuple, state: "_RunState", wait: bool) -> float:
+        """Issues the backward of microbatch `micro` on a stage; returns when its input was there."""
+        stage, (_, batch, plan), key = self.stages[stage_index], placed, (micro, stage_index)
+        cotangent = None if stage_index == self.num_stages - 1 else stage.placement.rows(
+            state.take(state.cotangents, key, wait))
+        ready = time.perf_counter()
+        stage.grads_acc, grad_in = stage.program.backward(
+            stage.weights, stage.trainable, stage.frozen, state.saved.pop(key), stage.grads_acc, cotangent, batch, plan)
+        if stage_index > 0:
+            state.put(state.cotangents, (micro, stage_index - 1), self._hand_over(grad_in, stage_index - 1, state))
+        return ready
+
+    def _hand_over(self, value: jax.Array, consumer: int, state: "_RunState") -> jax.Array:
+        """`value` as put for the consumer: as it is, or copied there now (producer_copies)."""
+        return self.stages[consumer].placement.rows(value) if state.producer_copies else value
 
     def wait(self) -> None:
         jax.block_until_ready([(s.trainable, s.grads_acc, s.opt_states) for s in self.stages])

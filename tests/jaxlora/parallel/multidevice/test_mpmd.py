@@ -150,3 +150,45 @@ def test_drained_single_adapter_orders_and_lemma_check():
     makespan, busy = mpmd.simulate(orders, {"F": [1, 1, 1], "B": [2, 2, 2], "U": [0, 0, 0]})
     assert busy == [18, 18, 18]
     assert makespan == 3 * (2 + 3 - 1) * (1 + 2)  # per batch (M + S - 1)(F + B)
+
+
+@pytest.mark.parametrize("threaded,producer_copies", [(False, False), (True, False), (True, True)])
+def test_uneven_split_stream_matches_one_device(threaded, producer_copies):
+    """A split by cost (3, 1, 1, 1 layers), the stream of 3 adapters: losses, the gradients left
+    over and every adapter's updates equal one device, with either driver, the consumer copying
+    each output (default) or the producer (the old driver)."""
+    config = dataclasses.replace(CONFIG, num_layers=6)
+    model = tiny_model(config)
+    trainable, frozen = split_pool(random_pool(config))
+    num_slots = next(iter(trainable.values()))["a"].shape[1]
+    data = _data(num_adapters=3, samples=8, batch_size=2, seed=5)
+    schedule = build_schedule(data, SchedulerConfig(capacity=CAPACITY, num_stages=4, padding_multiple=1,
+                                                    use_milp=False))
+    microbatches = list(schedule.microbatches)
+    slot_of = {a: a for a in data.adapters}
+    completions = mpmd.completions_of(microbatches, data.global_batch_size, slot_of)
+    orders = mpmd.stage_orders([range(len(microbatches))], 4, completions,
+                               frozenset(i for i, mb in enumerate(microbatches) if not mb))
+    mpmd.check_update_order(orders, microbatches, data.global_batch_size, slot_of)
+    arrays = _arrays(data, microbatches, num_slots)
+    expected_params, expected_acc, expected_losses = _reference(model, trainable, frozen, arrays, completions,
+                                                                num_slots)
+    pipeline = mpmd.MpmdPipeline(model, trainable, frozen, jax.devices()[:4], OPTIMIZER, RANK,
+                                 layer_ranges=[(0, 3), (3, 4), (4, 5), (5, 6)])
+    assert [s.weights["layers"]["q_proj.kernel"].shape[0] for s in pipeline.stages] == [3, 1, 1, 1]
+    losses = pipeline.run(orders, [None if item is None else pipeline.place(*item) for item in arrays],
+                          threaded=threaded, producer_copies=producer_copies)
+    pipeline.wait()
+    for index, loss in losses.items():
+        np.testing.assert_allclose(np.asarray(loss), np.asarray(expected_losses[index]), rtol=1e-5, atol=1e-7)
+    assert _relative(pipeline.trainable(), expected_params) <= 1e-5
+    initial = jax.device_get(trainable)
+    for slot in range(3):  # each adapter's own update
+        def delta(params):
+            return jax.tree.map(lambda x, y: np.asarray(x)[:, slot] - np.asarray(y)[:, slot], params, initial)
+
+        assert _relative(delta(pipeline.trainable()), delta(expected_params)) <= 1e-4
+    for got, want in zip(jax.tree.leaves(pipeline.grads()), jax.tree.leaves(expected_acc)):
+        np.testing.assert_allclose(got, want, atol=1e-6)  # every global batch stepped: cleared
+    with pytest.raises(ValueError, match="layer ranges"):
+        mpmd.MpmdPipeline(model, trainable, frozen, jax.devices()[:2], OPTIMIZER, RANK, layer_ranges=[(0, 3), (4, 6)])
