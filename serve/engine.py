@@ -77,10 +77,10 @@ same jitted step running under GSPMD (`serve.placement`).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import logging
-import os
 import threading
 import time
 from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol
@@ -106,13 +106,13 @@ from serve.engine_config import (  # noqa: F401 (re-exported: the engine's publi
     EngineBusy, EngineConfig, Event, NoTaskHead, RequestError, UnknownAdapter, kv_page_bytes, kv_pages_that_fit,
 )
 from serve.modes import EngineModes
-from serve.placement import check_mesh, new_kv_cache, serving_model  # noqa: F401 (check_mesh: re-exported)
+from serve.placement import abstract_state, check_mesh, new_kv_cache, serving_model  # noqa: F401 (check_mesh: re-exported)
 from serve.requests import Handoff, Request, check_request, classified, collect_scores, prompt_k, row_logprobs
 from serve.residency import Residency, adapter_pool, place_compressed, slot_rows
 from serve.sampler_state import SamplerSlots
 from serve.stats import EngineStats, _PhaseClock
 from serve.step import Programs, Step, StepShape
-from serve.step_builder import StepBuilder, progress_log, scores_prompt, segments
+from serve.step_builder import StepBuilder, scores_prompt, segments
 from serve.structured import GrammarRows
 from serve.window import WindowFill
 
@@ -186,6 +186,8 @@ class Engine:
         self.handoff: Callable[[Handoff], None] | None = None  # set by a replica set (module doc)
         self.programs = Programs(self._graphdef, config.backend, self.max_rows, config.scan_layers_from_tokens)
         self._background: threading.Thread | None = None  # `warmup`'s background compile
+        self._early_warmup: concurrent.futures.Future | None = None  # `start_warmup`'s programs
+        self._lowering_state = None  # while `start_warmup`'s programs compile: the weights' shapes
         self.sampler_slots = SamplerSlots(config.max_num_seqs, model.config.vocab_size,
                                           None if mesh is None else NamedSharding(mesh, jax.sharding.PartitionSpec()))
         self.grammars = GrammarRows(model.config.vocab_size, self.eos_ids)  # structured outputs' matchers
@@ -235,6 +237,11 @@ class Engine:
         projections and the adapter window's columns included): a program given it reads the
         weights as they are when it runs. Training in the server runs on it (`serve.finetune`)."""
         return nnx.merge(self._graphdef, self._state)
+
+    def weight_variables(self):
+        """The served model's weight Variables by name (packed, windowed): a value replaced by an
+        array of the same shape, dtype and placement is what the next step reads."""
+        return self._state["weights"]
 
     @property
     def tensor_parallel(self) -> int:
@@ -593,25 +600,15 @@ class Engine:
         runs but an update of an empty slot with zeros). With `background` (None: the config's
         `background_compile`; only for the default shapes) it compiles now only the programs that
         can serve any step (`first_shapes`) and the rest on a background thread (`_compile_rest`).
+        After `start_warmup`, a call with the defaults waits for the programs it compiles instead.
         Returns {"programs": compiled now, "seconds": wall time, "background": programs left to the
         background thread}."""
-        started = time.perf_counter()
-        background = self.config.background_compile if background is None else background
-        rest: list[StepShape] = []
-        if shapes is None:
-            shapes = self.step_shapes()
-            if background:  # the scoring programs (prompt log-probabilities) last
-                first = self.first_shapes(shapes)
-                rest = [shape for shape in shapes if shape not in first] + self.builder.score_shapes(shapes)
-                shapes = first
-        before = len(self.programs)
-        threads = min(8, os.cpu_count() or 1) if threads is None else threads
-        log.info("compiling %d step programs (%d threads)%s", len(shapes), threads,
-                 f"; {len(rest)} more in the background once serving" if rest else "")
-        # with a background compile the first programs are scanned (fast to compile); those that run
-        # unrolled in the end are compiled again in the background (`Programs` stand-ins)
-        self.builder.compile(shapes, threads, self._padding_args, progress_log(started), scan=True if rest else None)
-        rest += [shape for shape in self.programs.stand_ins() if shape not in rest]
+        early, self._early_warmup = self._early_warmup, None
+        if early is not None and (shapes, threads, background) == (None, None, None):
+            started, before, rest = early.result()
+        else:
+            started, before, rest = self._compile_first(shapes, threads, background)
+        self._lowering_state = None  # the weights are written by now: lower over them
         free = self.pool.free_slot()
         if free is not None:  # an empty slot written with zeros: compiles the update, changes nothing
             self.pool.evict(free)
@@ -620,12 +617,36 @@ class Engine:
         if self.modes is not None:
             self.modes.warmup(self)
         seconds = time.perf_counter() - started
-        log.info("step programs ready: %d compiled in %.1f s", len(self.programs) - before, seconds)
+        log.info("step programs ready: %d compiled in %.1f s (summed over threads: lowering %.1f s, compiling or "
+                 "loading from the cache %.1f s)", len(self.programs) - before, seconds, self.programs.lower_s,
+                 self.programs.compile_s)
         if rest:
             self._background = self.builder.background = threading.Thread(
                 target=self._compile_rest, args=(rest,), daemon=True, name="jaxlora-compile-background")
             self._background.start()
         return {"programs": len(self.programs) - before, "seconds": seconds, "background": len(rest)}
+
+    def start_warmup(self) -> None:
+        """Starts `warmup`'s step programs (its default shapes) on a thread now, lowered over the
+        weights' shapes and dtypes alone (`abstract_state`): the caller may replace every weight
+        array meanwhile by one of the same shape, dtype and placement (`jaxlora.weights.fill`:
+        the server's warm start loads programs and weights at once). `warmup()` then waits for them
+        and does the rest."""
+        self._lowering_state = abstract_state(self._state)
+        self._early_warmup = future = concurrent.futures.Future()
+
+        def run() -> None:  # a daemon thread: an exit meanwhile (a bad checkpoint) does not wait for it
+            try:
+                future.set_result(self._compile_first(None, None, None))
+            except BaseException as err:
+                future.set_exception(err)
+
+        threading.Thread(target=run, daemon=True, name="jaxlora-warmup").start()
+
+    def _compile_first(self, shapes, threads, background) -> tuple[float, int, list[StepShape]]:
+        """`warmup`'s step programs (`StepBuilder.compile_first`)."""
+        background = self.config.background_compile if background is None else background
+        return self.builder.compile_first(shapes, threads, background, self._padding_args)
 
     def first_shapes(self, shapes: list[StepShape]) -> list[StepShape]:
         """The programs of `shapes` that serve any step until the rest are compiled (`StepBuilder.first_shapes`)."""
@@ -633,7 +654,8 @@ class Engine:
 
     def _padding_args(self, shape: StepShape) -> tuple:
         """Dynamic arguments of the program `shape` for a step of padding only (writes nothing)."""
-        return self.builder.padding_args(shape, self._state, self.cache, self._last_tokens)
+        state = self._state if self._lowering_state is None else self._lowering_state
+        return self.builder.padding_args(shape, state, self.cache, self._last_tokens)
 
     def _compile_rest(self, shapes: list[StepShape]) -> None:
         """The background thread of `warmup` (`StepBuilder.compile_rest`); stops with the engine."""

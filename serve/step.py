@@ -35,6 +35,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import threading
+import time
 from typing import Callable, NamedTuple
 
 import jax
@@ -246,6 +247,8 @@ class Programs:
         self._compiled: dict[StepShape, Callable] = {}
         self._stand_ins: set[StepShape] = set()
         self._lock = threading.Lock()
+        # seconds summed over threads: tracing and lowering (Python), XLA's compile or the persistent cache's load
+        self.lower_s = self.compile_s = 0.0
 
     def __len__(self) -> int:
         return len(self._compiled)
@@ -283,9 +286,14 @@ class Programs:
     def compile(self, shape: StepShape, args: tuple, scan: bool | None = None) -> Callable:
         """Compiles the program `shape` for `args` (arrays or `jax.ShapeDtypeStruct`s) and keeps it
         (a scanned forward below `scan_from_tokens`: as a stand-in, class doc)."""
-        program = self.lower(shape, args, scan).compile()
+        started = time.perf_counter()
+        lowered = self.lower(shape, args, scan)
+        lowered_at = time.perf_counter()
+        program = lowered.compile()
         stand_in = shape.program == "forward" and self._scanned(shape, scan) and not self._scanned(shape, None)
         with self._lock:
+            self.lower_s += lowered_at - started
+            self.compile_s += time.perf_counter() - lowered_at
             self._compiled[shape] = program
             if stand_in:
                 self._stand_ins.add(shape)

@@ -10,7 +10,7 @@ import jax
 from jaxlora.jsonfile import read_json_file
 from jaxlora.nn.model_config import ConfigError, LlamaConfig, config_from_hf
 from jaxlora.weights.errors import WeightsError
-from jaxlora.weights.layout import plan_weights
+from jaxlora.weights.layout import Planned, plan_weights
 from jaxlora.weights.parallel_read import read_weights
 from jaxlora.weights.safetensors_file import TensorRef, read_header
 
@@ -43,11 +43,16 @@ def safetensors_files(path: str) -> list[str]:
 
 def load_hf_weights(path: str, config: LlamaConfig, dtype) -> dict[str, jax.Array]:
     """Reads all weights of a HF directory into the model's stacked layout, in `dtype`: the
-    headers first (every shape checked, nothing read yet), then the tensors by threads
-    (`jaxlora.weights.parallel_read`); WeightsError naming the file for a corrupt or truncated
-    one, a tensor the config does not imply, a wrong shape or a missing weight."""
+    headers first (`plan_hf_weights`: every shape checked, nothing read yet), then the tensors by
+    threads (`jaxlora.weights.parallel_read`)."""
+    return read_weights(plan_hf_weights(path, config), dtype)
+
+
+def plan_hf_weights(path: str, config: LlamaConfig) -> dict[str, Planned]:
+    """The model weights of a HF directory as `TensorRef`s (`layout.plan_weights`) from the
+    safetensors headers alone; WeightsError naming the file for a corrupt or truncated one, a
+    tensor the config does not imply, a wrong shape or a missing weight."""
     refs: dict[str, TensorRef] = {}
     for file in safetensors_files(path):
         refs.update(read_header(file))
-    plan = plan_weights(config, sorted(refs), refs.__getitem__, source=path, file_of=lambda name: refs[name].file)
-    return read_weights(plan, dtype)
+    return plan_weights(config, sorted(refs), refs.__getitem__, source=path, file_of=lambda name: refs[name].file)
