@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-cache", default=DEFAULT_COMPILE_CACHE, metavar="DIR",
                    help="JAX's persistent compilation cache: a restarted server loads its step programs from "
                         "here instead of compiling them again (empty: off)")
+    p.add_argument("--no-executable-cache", dest="executable_cache", action="store_false",
+                   help="with --compile-cache: do not keep the step programs as serialized executables under "
+                        "DIR/jaxlora-executables (a restart then traces and lowers each program to find it in "
+                        "JAX's cache: most of a warm start's program phase)")
     p.add_argument("--api-key", default=os.environ.get("JAXLORA_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on every route but /health and /metrics (default: "
                         "$JAXLORA_API_KEY; none: no authentication)")
@@ -377,6 +381,11 @@ def build_app(args):
             engine.add_adapter(name, adapter, paths.get(name))
         logging.getLogger("jaxlora.serve").info("engine built in %.1f s (%d KV pages)", time.perf_counter() - built,
                                                 first.config.num_pages)
+        if args.compile_cache and args.executable_cache and devices is None and mesh is None:
+            from serve.executables import ExecutableStore  # one engine on the default device
+
+            engine.programs.store = ExecutableStore(os.path.join(os.path.expanduser(args.compile_cache),
+                                                                 "jaxlora-executables"))
         if plan is not None:
             warm_start.load_into(engine, plan, started, args.dtype)
     except (AdapterError, ValueError, WeightsError) as err:  # incl. bad sizes, shapes that do not split over --tensor-parallel

@@ -114,3 +114,34 @@ def test_jaxlora_serve_takes_the_warm_start_and_names_a_bad_file(tmp_path, caplo
         f.truncate(os.path.getsize(weights) // 2)
     with pytest.raises(SystemExit, match=r"model\.safetensors: cannot read safetensors \(truncated or corrupt\?\)"):
         build_app(build_parser().parse_args(argv))
+
+
+def test_stored_executables_are_loaded_without_a_trace_and_serve_the_same_tokens(tmp_path):
+    from serve.executables import ExecutableStore
+
+    directory = str(tmp_path / "model")
+    save_random_model(tiny_llama_config(), directory)
+    model_config = load_llama(directory).config
+    adapters = {f"ad{i}": random_adapter(f"ad{i}", model_config, LoraConfig(r=8, target_modules=("q_proj", "v_proj")),
+                                         seed=i, b_std=0.2) for i in range(2)}
+    config = EngineConfig(**ENGINE, background_compile=False)
+    reference = loaded_engine(directory, jnp.float32, config, adapters)
+    reference.warmup()
+    expected = serve(reference, model_config.vocab_size)
+
+    def stored_engine() -> Engine:
+        engine = loaded_engine(directory, jnp.float32, config, adapters)
+        engine.programs.store = ExecutableStore(str(tmp_path / "executables"))
+        engine.warmup()
+        return engine
+
+    for run in range(2):  # the first stores every program, the second loads them all
+        engine = stored_engine()
+        store, programs = engine.programs.store, len(engine.programs)
+        assert (store.hits, store.misses) == ((programs, 0) if run else (0, programs))
+        assert run == 0 or engine.programs.lower_s == 0  # nothing traced
+        assert serve(engine, model_config.vocab_size) == expected and engine.stats.step_compiles == 0
+    for path in (tmp_path / "executables").iterdir():  # a file that does not load is compiled again
+        path.write_bytes(b"not an executable")
+    engine = stored_engine()
+    assert engine.programs.store.hits == 0 and serve(engine, model_config.vocab_size) == expected
