@@ -10,12 +10,17 @@ bf16 safetensors in per-layer shards with an index, a tokenizer.json: a small BP
 its ids below the model's vocabulary) whose weights are slices of one random buffer (no 8B random
 draws), and `--adapters` PEFT folders (r=16, all seven projections, bf16; `bench/slora_disk.py`'s
 writer, folders task-0000..). Then per cache state
-("cold": a fresh --compile-cache directory; "warm": the same directory again) it starts
+("cold": a fresh --compile-cache directory; "warm": the same directory again; "warm-lowered": the
+same without the server's stored executables, `--no-executable-cache`) it starts
 `python -m serve` with the README's engine sizes (64 adapter slots, rank 16, 256 rows, 2048-token
 steps; --tiny: the CPU sizes), timestamps every log line the server prints, polls /health, sends
 one completion naming an adapter, and stops the server. Reported per run: seconds from launch to
 each of: the first log line, weights loaded (the server's "model loaded in" line), /health ready, the
-first completion; and the log with its timestamps. JSON (device, jax, date) at --out."""
+first completion; per run `phases`: seconds from launch to the end of each start-up phase the
+server logs (imports, backend, engine built, weights on the device, uvicorn, step programs ready,
+/health ready, first completion) and the weights' and programs' own lines (GB/s; lowering vs
+loading seconds); and the log with its timestamps. JSON (device, jax, date) at --out.
+`--small`: a CPU run of the GPU's start-up path on the 8B shape scaled down (0.5 GB)."""
 
 from __future__ import annotations
 
@@ -137,6 +142,8 @@ def launch(args, model_dir: str, adapter_dir: str, cache_dir: str, label: str) -
     port = free_port()
     command = [sys.executable, "-m", "serve", "--model", model_dir, "--adapter-dir", adapter_dir, "--port", str(port),
                "--compile-cache", cache_dir, "--max-tokens-limit", "16", *args.server_args.split()]
+    if label == "warm-lowered":  # the programs traced and lowered to find them in JAX's cache (no executables)
+        command.append("--no-executable-cache")
     started, lines = time.perf_counter(), []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
            "PYTHONUNBUFFERED": "1"}
@@ -235,7 +242,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 32; --tiny: 2)")
     parser.add_argument("--dir", default=None, help="checkpoint and adapters (default /tmp/jaxlora_cold_start[_tiny])")
     parser.add_argument("--adapters", type=int, default=4)
-    parser.add_argument("--runs", nargs="+", default=["cold", "warm"], choices=("cold", "warm"))
+    parser.add_argument("--runs", nargs="+", default=["cold", "warm"], choices=("cold", "warm", "warm-lowered"),
+                        help="warm-lowered: warm, without the server's stored executables (--no-executable-cache)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for /health per run")
     parser.add_argument("--server-args", default=None, help="extra jaxlora-serve options (default: the README's sizes)")
     parser.add_argument("--after-ready", type=float, default=0.0,
