@@ -71,7 +71,8 @@ def main() -> None:
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "dtype": args.dtype, "runs": []}
     for _ in range(args.repeat):
         nbytes, floor = raw_floor(files, parallel_read.READ_THREADS)
-        run = {"bytes": nbytes, "raw_floor_s": floor, "loader_s": timed(lambda: load_hf_weights(args.model, config, dtype))}
+        run = {"bytes": nbytes, "raw_floor_s": floor,
+               "loader_s": timed(lambda: load_hf_weights(args.model, config, dtype))}
         if not args.skip_library:
             run["library_s"] = timed(lambda: library_load(args.model, config, dtype))
         report["runs"].append(run)

@@ -382,13 +382,10 @@ def build_app(args):
         logging.getLogger("jaxlora.serve").info("engine built in %.1f s (%d KV pages)", time.perf_counter() - built,
                                                 first.config.num_pages)
         if args.compile_cache and args.executable_cache and devices is None and mesh is None:
-            from serve.executables import ExecutableStore  # one engine on the default device
-
-            engine.programs.store = ExecutableStore(os.path.join(os.path.expanduser(args.compile_cache),
-                                                                 "jaxlora-executables"))
+            use_executable_store(engine, args.compile_cache)
         if plan is not None:
             warm_start.load_into(engine, plan, started, args.dtype)
-    except (AdapterError, ValueError, WeightsError) as err:  # incl. bad sizes, shapes that do not split over --tensor-parallel
+    except (AdapterError, ValueError, WeightsError, OSError) as err:  # bad sizes, TP shapes, a checkpoint's read
         raise SystemExit(f"jaxlora-serve: {err}")
     for option, value, least in (("--max-images", args.max_images, 0), ("--max-image-bytes", args.max_image_bytes, 1),
                                  ("--max-image-pixels", args.max_image_pixels, 1)):
@@ -446,6 +443,18 @@ def read_compressed(args):
             "--compressed %s was made for base model %r, serving %r (shapes are checked)", args.compressed,
             collection.base_model, args.model)
     return collection
+
+
+def use_executable_store(engine, directory: str) -> None:
+    """The engine's programs kept as serialized executables under `directory`/jaxlora-executables
+    (`serve.executables`; one engine on the default device); a directory that cannot be made is
+    logged and the programs are traced as before."""
+    from serve.executables import ExecutableStore
+
+    try:
+        engine.programs.store = ExecutableStore(os.path.join(os.path.expanduser(directory), "jaxlora-executables"))
+    except OSError as err:
+        logging.getLogger("jaxlora.serve").warning("no executable cache in %s: %s", directory, err)
 
 
 def use_compile_cache(directory: str) -> None:

@@ -77,7 +77,6 @@ same jitted step running under GSPMD (`serve.placement`).
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -106,7 +105,9 @@ from serve.engine_config import (  # noqa: F401 (re-exported: the engine's publi
     EngineBusy, EngineConfig, Event, NoTaskHead, RequestError, UnknownAdapter, kv_page_bytes, kv_pages_that_fit,
 )
 from serve.modes import EngineModes
-from serve.placement import abstract_state, check_mesh, new_kv_cache, serving_model  # noqa: F401 (check_mesh: re-exported)
+from serve.placement import (  # noqa: F401 (check_mesh: re-exported)
+    abstract_state, check_mesh, new_kv_cache, serving_model,
+)
 from serve.requests import Handoff, Request, check_request, classified, collect_scores, prompt_k, row_logprobs
 from serve.residency import Residency, adapter_pool, place_compressed, slot_rows
 from serve.sampler_state import SamplerSlots
@@ -186,7 +187,7 @@ class Engine:
         self.handoff: Callable[[Handoff], None] | None = None  # set by a replica set (module doc)
         self.programs = Programs(self._graphdef, config.backend, self.max_rows, config.scan_layers_from_tokens)
         self._background: threading.Thread | None = None  # `warmup`'s background compile
-        self._early_warmup: concurrent.futures.Future | None = None  # `start_warmup`'s programs
+        self._early_warmup = None  # `start_warmup`'s programs (a Future)
         self._lowering_state = None  # while `start_warmup`'s programs compile: the weights' shapes
         self.sampler_slots = SamplerSlots(config.max_num_seqs, model.config.vocab_size,
                                           None if mesh is None else NamedSharding(mesh, jax.sharding.PartitionSpec()))
@@ -237,11 +238,6 @@ class Engine:
         projections and the adapter window's columns included): a program given it reads the
         weights as they are when it runs. Training in the server runs on it (`serve.finetune`)."""
         return nnx.merge(self._graphdef, self._state)
-
-    def weight_variables(self):
-        """The served model's weight Variables by name (packed, windowed): a value replaced by an
-        array of the same shape, dtype and placement is what the next step reads."""
-        return self._state["weights"]
 
     @property
     def tensor_parallel(self) -> int:
@@ -603,11 +599,13 @@ class Engine:
         After `start_warmup`, a call with the defaults waits for the programs it compiles instead.
         Returns {"programs": compiled now, "seconds": wall time, "background": programs left to the
         background thread}."""
-        early, self._early_warmup = self._early_warmup, None
-        if early is not None and (shapes, threads, background) == (None, None, None):
+        early = self._early_warmup if (shapes, threads, background) == (None, None, None) else None
+        if early is not None:
+            self._early_warmup = None
             started, before, rest = early.result()
         else:
-            started, before, rest = self._compile_first(shapes, threads, background)
+            background = self.config.background_compile if background is None else background
+            started, before, rest = self.builder.compile_first(shapes, threads, background, self._padding_args)
         self._lowering_state = None  # the weights are written by now: lower over them
         free = self.pool.free_slot()
         if free is not None:  # an empty slot written with zeros: compiles the update, changes nothing
@@ -627,26 +625,11 @@ class Engine:
         return {"programs": len(self.programs) - before, "seconds": seconds, "background": len(rest)}
 
     def start_warmup(self) -> None:
-        """Starts `warmup`'s step programs (its default shapes) on a thread now, lowered over the
-        weights' shapes and dtypes alone (`abstract_state`): the caller may replace every weight
-        array meanwhile by one of the same shape, dtype and placement (`jaxlora.weights.fill`:
-        the server's warm start loads programs and weights at once). `warmup()` then waits for them
-        and does the rest."""
+        """Starts `warmup`'s programs on a thread now, lowered over the weights' shapes alone
+        (`abstract_state`): the caller may meanwhile replace each weight array by one of the same
+        shape, dtype and placement (`serve.warm_start`); `warmup()` then waits for them."""
         self._lowering_state = abstract_state(self._state)
-        self._early_warmup = future = concurrent.futures.Future()
-
-        def run() -> None:  # a daemon thread: an exit meanwhile (a bad checkpoint) does not wait for it
-            try:
-                future.set_result(self._compile_first(None, None, None))
-            except BaseException as err:
-                future.set_exception(err)
-
-        threading.Thread(target=run, daemon=True, name="jaxlora-warmup").start()
-
-    def _compile_first(self, shapes, threads, background) -> tuple[float, int, list[StepShape]]:
-        """`warmup`'s step programs (`StepBuilder.compile_first`)."""
-        background = self.config.background_compile if background is None else background
-        return self.builder.compile_first(shapes, threads, background, self._padding_args)
+        self._early_warmup = self.builder.start_first(self.config.background_compile, self._padding_args)
 
     def first_shapes(self, shapes: list[StepShape]) -> list[StepShape]:
         """The programs of `shapes` that serve any step until the rest are compiled (`StepBuilder.first_shapes`)."""

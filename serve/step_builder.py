@@ -25,6 +25,7 @@ the step in flight, whether a request scores its prompt) comes in as arguments.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -410,6 +411,20 @@ class StepBuilder:
         self.compile(shapes, threads, args, progress_log(started), scan=True if rest else None)
         rest += [shape for shape in self.programs.stand_ins() if shape not in rest]
         return started, before, rest
+
+    def start_first(self, background: bool, args: Callable[[StepShape], tuple]) -> concurrent.futures.Future:
+        """`compile_first` of the default shapes on a daemon thread (an exit meanwhile, e.g. a bad
+        checkpoint, does not wait for it); its result or error in the returned future."""
+        future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(self.compile_first(None, None, background, args))
+            except BaseException as err:
+                future.set_exception(err)
+
+        threading.Thread(target=run, daemon=True, name="jaxlora-warmup").start()
+        return future
 
     def compile_rest(self, shapes: list[StepShape], args: Callable[[StepShape], tuple],
                      stopping: Callable[[], bool]) -> None:
