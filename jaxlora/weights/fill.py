@@ -25,7 +25,7 @@ import numpy as np
 from jaxlora.models.llama import weight_shapes
 from jaxlora.nn.model_config import PACKED_PROJECTIONS, LlamaConfig
 from jaxlora.weights.layout import Planned
-from jaxlora.weights.parallel_read import READ_THREADS, BufferReader
+from jaxlora.weights.parallel_read import READ_THREADS, BufferReader, buffer_layout
 
 log = logging.getLogger("jaxlora.weights")
 
@@ -94,7 +94,7 @@ class _WritePrograms:
         keys = set()
         for name, planned in plan.items():
             target = weights[places[name][0]][...]
-            piece = planned.pieces[0]
+            piece = jax.ShapeDtypeStruct(tuple(planned.pieces[0].shape), buffer_layout(planned)[1])  # a layer's
             keys.add(self._key(target, piece, planned.stacked, planned.transpose))
         pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jaxlora-write")
         self._compiled = {key: pool.submit(self._compile, *key) for key in keys}
