@@ -46,7 +46,7 @@ def test_the_written_weights_are_the_loaded_ones(tmp_path, family):
     if "float16" in family:  # one layer's tensor in another dtype: widened like the loader's
         from tests.jaxlora.test_parallel_read import cast_file
 
-        cast_file(directory, np.float16, only="model.layers.1.mlp.up_proj.weight")
+        cast_file(directory, np.float16, only="model.layers.0.mlp.down_proj.weight")  # the first
     for dtype in (jnp.float32, jnp.bfloat16):
         config = EngineConfig(**ENGINE, background_compile=False)
         model, plan = warm_start.placeholder_model(directory, dtype)
