@@ -239,6 +239,10 @@ class Engine:
         weights as they are when it runs. Training in the server runs on it (`serve.finetune`)."""
         return nnx.merge(self._graphdef, self._state)
 
+    def weight_variables(self):
+        """The served weights' Variables by name, the state the steps read (`serve.warm_start` writes them)."""
+        return self._state["weights"]
+
     @property
     def tensor_parallel(self) -> int:
         return 1 if self.mesh is None else self.mesh.shape["tensor"]

@@ -46,6 +46,6 @@ def load_into(engine, plan: dict[str, Planned], started: float, dtype: str) -> N
     """Starts the engine's step programs, then writes `plan`'s weights into the engine's arrays
     (module doc); logs "model loaded in" (seconds since `started`) once they are on the device."""
     engine.start_warmup()
-    fill_weights(plan, engine.model_view().weights)
+    fill_weights(plan, engine.weight_variables())
     log.info("model loaded in %.1f s (%d layers, %s; the step programs loading meanwhile)",
              time.perf_counter() - started, engine.model_config.num_layers, dtype)

@@ -51,8 +51,8 @@ def test_the_written_weights_are_the_loaded_ones(tmp_path, family):
         config = EngineConfig(**ENGINE, background_compile=False)
         model, plan = warm_start.placeholder_model(directory, dtype)
         after = Engine(pack_projections(model), (2,), config)
-        fill_weights(plan, after.model_view().weights)  # `load_into` without the programs (the test below)
-        old, new = loaded_engine(directory, dtype, config).model_view().weights, after.model_view().weights
+        fill_weights(plan, after.weight_variables())  # `load_into` without the programs (the test below)
+        old, new = loaded_engine(directory, dtype, config).weight_variables(), after.weight_variables()
         assert set(old) == set(new) and any("window" in key for key in new)  # the adapter window's columns too
         for key in old:
             a, b = np.asarray(old[key][...]), np.asarray(new[key][...])
