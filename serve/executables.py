@@ -60,7 +60,8 @@ def _environment() -> str:
 
     devices = jax.devices()
     return repr((jax.__version__, jaxlib.__version__, devices[0].platform, devices[0].device_kind, len(devices),
-                 os.environ.get("XLA_FLAGS", ""), sorted((k, repr(v)) for k, v in jax.config.values.items())))
+                 os.environ.get("XLA_FLAGS", ""),  # jax's options but where caches live (a moved cache still hits)
+                 sorted((k, repr(v)) for k, v in jax.config.values.items() if "cache" not in k)))
 
 
 class ExecutableStore:
