@@ -10,12 +10,17 @@ bf16 safetensors in per-layer shards with an index, a tokenizer.json: a small BP
 its ids below the model's vocabulary) whose weights are slices of one random buffer (no 8B random
 draws), and `--adapters` PEFT folders (r=16, all seven projections, bf16; `bench/slora_disk.py`'s
 writer, folders task-0000..). Then per cache state
-("cold": a fresh --compile-cache directory; "warm": the same directory again) it starts
+("cold": a fresh --compile-cache directory; "warm": the same directory again; "warm-lowered": the
+same without the server's stored executables, `--no-executable-cache`) it starts
 `python -m serve` with the README's engine sizes (64 adapter slots, rank 16, 256 rows, 2048-token
 steps; --tiny: the CPU sizes), timestamps every log line the server prints, polls /health, sends
 one completion naming an adapter, and stops the server. Reported per run: seconds from launch to
 each of: the first log line, weights loaded (the server's "model loaded in" line), /health ready, the
-first completion; and the log with its timestamps. JSON (device, jax, date) at --out."""
+first completion; per run `phases`: seconds from launch to the end of each start-up phase the
+server logs (imports, backend, engine built, weights on the device, uvicorn, step programs ready,
+/health ready, first completion) and the weights' and programs' own lines (GB/s; lowering vs
+loading seconds); and the log with its timestamps. JSON (device, jax, date) at --out.
+`--small`: a CPU run of the GPU's start-up path on the 8B shape scaled down (0.5 GB)."""
 
 from __future__ import annotations
 
@@ -137,6 +142,8 @@ def launch(args, model_dir: str, adapter_dir: str, cache_dir: str, label: str) -
     port = free_port()
     command = [sys.executable, "-m", "serve", "--model", model_dir, "--adapter-dir", adapter_dir, "--port", str(port),
                "--compile-cache", cache_dir, "--max-tokens-limit", "16", *args.server_args.split()]
+    if label == "warm-lowered":  # the programs traced and lowered to find them in JAX's cache (no executables)
+        command.append("--no-executable-cache")
     started, lines = time.perf_counter(), []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
            "PYTHONUNBUFFERED": "1"}
@@ -164,7 +171,25 @@ def launch(args, model_dir: str, adapter_dir: str, cache_dir: str, label: str) -
     result["first_log_s"] = lines[0][0] if lines else None
     result["weights_loaded_s"] = next((t for t, line in lines if "model loaded in" in line), None)
     result["background_done_s"] = next((t for t, line in lines if "background compile done" in line), None)
+    result["phases"] = phases(lines, result)
     return result
+
+
+# (phase, the server's log line that ends it): seconds from launch to each, in start-up order
+PHASE_LINES = (("imports", "jaxlora.serve:starting"), ("backend", "jaxlora.serve:weights in "),
+               ("weights_on_device", "jaxlora.weights:weights:"), ("model_loaded", "model loaded in"),
+               ("engine_built", "engine built in"), ("uvicorn", "Uvicorn running on"),
+               ("programs_ready", "step programs ready"))
+
+
+def phases(lines: list, result: dict) -> dict:
+    """{phase: seconds from launch to its end} of a run's timestamped log (`PHASE_LINES`), then
+    /health ready and the first completion; the weights' line and the programs' line as they are."""
+    out = {name: next((t for t, line in lines if marker in line), None) for name, marker in PHASE_LINES}
+    out["ready"], out["first_completion"] = result.get("ready_s"), result.get("first_completion_s")
+    for key, marker in (("weights_line", "jaxlora.weights:weights:"), ("programs_line", "step programs ready")):
+        out[key] = next((line.split(":", 2)[-1] for _, line in lines if marker in line), None)
+    return out
 
 
 def serve_after_ready(port: int, started: float, lines: list, seconds: float) -> list:
@@ -211,10 +236,14 @@ def first_completion(port: int, started: float) -> tuple[float, dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--small", action="store_true",
+                        help="CPU: the 8B shape scaled down (hidden 2048, 4 layers, 0.5 GB of bf16), the CPU's "
+                             "engine sizes with --background-compile on (the GPU's start-up path)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 32; --tiny: 2)")
     parser.add_argument("--dir", default=None, help="checkpoint and adapters (default /tmp/jaxlora_cold_start[_tiny])")
     parser.add_argument("--adapters", type=int, default=4)
-    parser.add_argument("--runs", nargs="+", default=["cold", "warm"], choices=("cold", "warm"))
+    parser.add_argument("--runs", nargs="+", default=["cold", "warm"], choices=("cold", "warm", "warm-lowered"),
+                        help="warm-lowered: warm, without the server's stored executables (--no-executable-cache)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for /health per run")
     parser.add_argument("--server-args", default=None, help="extra jaxlora-serve options (default: the README's sizes)")
     parser.add_argument("--after-ready", type=float, default=0.0,
@@ -223,14 +252,20 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     tiny = args.tiny
-    layers = args.layers or (2 if tiny else 32)
-    config = llama8b_config(layers, tiny)
+    tiny = tiny or args.small
+    layers = args.layers or (4 if args.small else 2 if tiny else 32)
+    config = llama8b_config(layers, tiny and not args.small)
+    if args.small:  # the 8B shape scaled down for a CPU (0.5 GB of bf16): hidden 2048, GQA 16/4, 16k vocab
+        config = dataclasses.replace(llama8b_config(layers), hidden_size=2048, intermediate_size=5632,
+                                     vocab_size=16384, num_heads=16, num_kv_heads=4, head_dim=128)
     if tiny:
         config = dataclasses.replace(config, max_position_embeddings=512)
-    args.dir = args.dir or f"/tmp/jaxlora_cold_start{'_tiny' if tiny else ''}"
-    args.out = args.out or f"bench/results/cold_start{'_cpu' if tiny else ''}.json"
+    suffix = "_small" if args.small else "_tiny" if tiny else ""
+    args.dir = args.dir or f"/tmp/jaxlora_cold_start{suffix}"
+    args.out = args.out or f"bench/results/cold_start{'_cpu_small' if args.small else '_cpu' if tiny else ''}.json"
     if args.server_args is None:
-        args.server_args = ("--max-adapters-on-device 4 --max-model-len 256" if tiny else
+        args.server_args = ("--max-adapters-on-device 4 --max-model-len 256 --background-compile on" if args.small
+                            else "--max-adapters-on-device 4 --max-model-len 256" if tiny else
                             "--max-adapters-on-device 64 --max-lora-rank 16 --max-num-seqs 256 "
                             "--max-num-batched-tokens 2048 --max-model-len 1024")
     model_dir, adapter_dir = os.path.join(args.dir, "model"), os.path.join(args.dir, "adapters")
@@ -246,6 +281,8 @@ def main() -> None:
         for label in args.runs:
             result = launch(args, model_dir, adapter_dir, cache_dir, label)
             report["runs"].append(result)
+            print(f"{label:5}: " + ", ".join(f"{k} {v:.1f}" for k, v in result["phases"].items()
+                                              if isinstance(v, float)), flush=True)
             print(f"{label:5}: first log {result['first_log_s'] or float('nan'):6.1f} s, weights "
                   f"{result['weights_loaded_s'] or float('nan'):6.1f} s, ready {result.get('ready_s', float('nan')):6.1f} s,"
                   f" first completion {result.get('first_completion_s', float('nan')):6.1f} s"

@@ -453,6 +453,29 @@ modes_cold_fused() {  # 4 x H200, one call, pinned (PIN=1): GPU 0 --modes-skew a
   tar czf $OUT/modes_cold_fused.tgz -C $OUT mcf && rm -rf $OUT/mcf
 }
 
+final_s6() {  # 4 x H200, one call, pinned (PIN=1): GPU 0 the guard's serving trace (.jitcache carried); GPU 1
+  # --modes-skew at all six shares (issue 38's table); GPU 2 bench/vision_serve.py (issue 39 item 4); GPU 3, once
+  # the guard is done, the server's cold start: cold, warm, warm without the stored executables (issue 35; .whl)
+  nvidia-smi -L
+  export PIN=1
+  python3 bench/jit_cache.py unpack .jitcache/jitcache /tmp/jaxlora_serve_jit_cache
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  mkdir -p $OUT/f6
+  local t=$((LIMIT - 20)) sizes="--modes-skew --lora-backend hybrid --max-num-seqs 256 --token-budget 2048 --prefill-chunk 2048"
+  job guard 0 $t python3 bench/regress.py --only serve --out-dir $OUT/f6
+  job modes 1 $t bash -c "python3 bench/serve.py $sizes --compile-only; python3 bench/serve.py $sizes --requests 32 \
+      --skews 0.5 0.6 0.7 0.8 0.9 1.0 --modes auto merged unmerged mixed --time-budget $((t - 110)) \
+      --out $OUT/f6/modes_skew_h200.json"
+  job vision 2 $t python3 bench/vision_serve.py --compile-cache /tmp/jaxlora_vision_jit_cache \
+      --time-budget $((t - 60)) --out $OUT/f6/vision_serve_h200.json
+  job cold 3 $t bash -c "sleep 170; PYTHONPATH=\$PYTHONPATH:/tmp/site python3 bench/cold_start.py \
+      --runs cold warm warm-lowered --after-ready 20 --out $OUT/f6/cold_start_h200.json"
+  wait
+  rm -rf $OUT/f6/regress_serve.png $OUT/f6/regress_log.txt
+  collect_logs final_s6
+  tar czf $OUT/final_s6.tgz -C $OUT f6 && rm -rf $OUT/f6
+}
+
 vision_serve() {  # one GPU, issue 39 item 4: bench/vision_serve.py (LLaVA-1.5 layout, ViT-L/14-336 + Llama-3.1-8B
   # shape, random bf16) serving one image+text trace on the base model and over 1, 8 and 64 adapters at the README's
   # engine sizes; ~5-6 min from an empty compile cache on an H200. Its compile cache comes back as jitcache_vision.partNN:

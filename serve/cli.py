@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-cache", default=DEFAULT_COMPILE_CACHE, metavar="DIR",
                    help="JAX's persistent compilation cache: a restarted server loads its step programs from "
                         "here instead of compiling them again (empty: off)")
+    p.add_argument("--no-executable-cache", dest="executable_cache", action="store_false",
+                   help="with --compile-cache: do not keep the step programs as serialized executables under "
+                        "DIR/jaxlora-executables (a restart then traces and lowers each program to find it in "
+                        "JAX's cache: most of a warm start's program phase)")
     p.add_argument("--api-key", default=os.environ.get("JAXLORA_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on every route but /health and /metrics (default: "
                         "$JAXLORA_API_KEY; none: no authentication)")
@@ -297,7 +301,8 @@ def build_app(args):
     from serve.adapter_store import largest_adapter_bytes
     from jaxlora.models.packed import pack_projections
     from jaxlora.vision.loading import is_vlm_dir
-    from jaxlora.weights import WeightsError, load_model
+    from jaxlora.weights import WeightsError, load_model, load_tokenizer
+    from serve import warm_start
     from serve.app import ServerSettings, create_app
     from serve.protocol import Limits
     from serve.engine import Engine
@@ -322,6 +327,7 @@ def build_app(args):
     if devices is not None and collection is not None and collection.method != "svd":
         raise SystemExit("jaxlora-serve: a compressed JD collection is served by one engine (no --replicas)")
     images = None  # a vision-language model's tower and preprocessing (`serve.vision`)
+    plan = None  # the weights' plan when they are written into the built engine (`serve.warm_start`)
     try:
         started = time.perf_counter()
         dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
@@ -338,9 +344,12 @@ def build_app(args):
             llava, tokenizer, processor = load_vlm(args.model, dtype)
             images = ImageServing(llava, processor)
             model = llava.language
+        elif warm_start.applies(args, mesh, devices, collection, vlm=False):  # weights written once programs load
+            (model, plan), tokenizer = warm_start.placeholder_model(args.model, dtype), load_tokenizer(args.model)
         else:
             model, tokenizer = load_model(args.model, dtype)
-        logging.getLogger("jaxlora.serve").info("model loaded in %.1f s (%d layers, %s)", time.perf_counter() - started,
+        logging.getLogger("jaxlora.serve").info("model %s in %.1f s (%d layers, %s)", "loaded" if plan is None else
+                                                "planned (headers read, zero weights)", time.perf_counter() - started,
                                                 model.config.num_layers, args.dtype)
         paths = dict(parse_adapters(args.adapter))
         read = images.read_adapter if images is not None else (
@@ -355,6 +364,7 @@ def build_app(args):
         shared = collection.serving_set()
     max_rank = args.max_lora_rank or max([16] + [a.max_rank for a in adapters.values()])
     context = min(args.max_model_len, model.config.max_position_embeddings)
+    built = time.perf_counter()
     try:
         config = engine_config(args, max_rank, context, host_bound)
         if devices is not None:  # each replica places its own copy on its device
@@ -369,7 +379,13 @@ def build_app(args):
         check_host_bound(host_bound, {name: p.nbytes for name, p in prepared.items()}, largest)
         for name, adapter in adapters.items():  # from their folders (evictable); SVD ones held
             engine.add_adapter(name, adapter, paths.get(name))
-    except (AdapterError, ValueError) as err:  # incl. bad sizes, shapes that do not split over --tensor-parallel
+        logging.getLogger("jaxlora.serve").info("engine built in %.1f s (%d KV pages)", time.perf_counter() - built,
+                                                first.config.num_pages)
+        if args.compile_cache and args.executable_cache and devices is None and mesh is None:
+            use_executable_store(engine, args.compile_cache)
+        if plan is not None:
+            warm_start.load_into(engine, plan, started, args.dtype)
+    except (AdapterError, ValueError, WeightsError, OSError) as err:  # bad sizes, TP shapes, a checkpoint's read
         raise SystemExit(f"jaxlora-serve: {err}")
     for option, value, least in (("--max-images", args.max_images, 0), ("--max-image-bytes", args.max_image_bytes, 1),
                                  ("--max-image-pixels", args.max_image_pixels, 1)):
@@ -429,6 +445,18 @@ def read_compressed(args):
     return collection
 
 
+def use_executable_store(engine, directory: str) -> None:
+    """The engine's programs kept as serialized executables under `directory`/jaxlora-executables
+    (`serve.executables`; one engine on the default device); a directory that cannot be made is
+    logged and the programs are traced as before."""
+    from serve.executables import ExecutableStore
+
+    try:
+        engine.programs.store = ExecutableStore(os.path.join(os.path.expanduser(directory), "jaxlora-executables"))
+    except OSError as err:
+        logging.getLogger("jaxlora.serve").warning("no executable cache in %s: %s", directory, err)
+
+
 def use_compile_cache(directory: str) -> None:
     """Turns on JAX's persistent compilation cache in `directory` (nothing if empty): the server's
     warm-up compiles every step program, which for a large model takes minutes the first time."""
@@ -443,6 +471,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
+    logging.getLogger("jaxlora.serve").info("starting: %s", args.model)
     use_compile_cache(args.compile_cache)
     app = build_app(args)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30)

@@ -80,7 +80,6 @@ import collections
 import dataclasses
 import functools
 import logging
-import os
 import threading
 import time
 from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol
@@ -106,13 +105,15 @@ from serve.engine_config import (  # noqa: F401 (re-exported: the engine's publi
     EngineBusy, EngineConfig, Event, NoTaskHead, RequestError, UnknownAdapter, kv_page_bytes, kv_pages_that_fit,
 )
 from serve.modes import EngineModes
-from serve.placement import check_mesh, new_kv_cache, serving_model  # noqa: F401 (check_mesh: re-exported)
+from serve.placement import (  # noqa: F401 (check_mesh: re-exported)
+    abstract_state, check_mesh, new_kv_cache, serving_model,
+)
 from serve.requests import Handoff, Request, check_request, classified, collect_scores, prompt_k, row_logprobs
 from serve.residency import Residency, adapter_pool, place_compressed, slot_rows
 from serve.sampler_state import SamplerSlots
 from serve.stats import EngineStats, _PhaseClock, engine_snapshot
 from serve.step import Programs, Step, StepShape
-from serve.step_builder import StepBuilder, progress_log, scores_prompt, segments
+from serve.step_builder import StepBuilder, scores_prompt, segments
 from serve.structured import GrammarRows
 from serve.window import WindowFill
 
@@ -186,6 +187,8 @@ class Engine:
         self.handoff: Callable[[Handoff], None] | None = None  # set by a replica set (module doc)
         self.programs = Programs(self._graphdef, config.backend, self.max_rows, config.scan_layers_from_tokens)
         self._background: threading.Thread | None = None  # `warmup`'s background compile
+        self._early_warmup = None  # `start_warmup`'s programs (a Future)
+        self._lowering_state = None  # while `start_warmup`'s programs compile: the weights' shapes
         self.sampler_slots = SamplerSlots(config.max_num_seqs, model.config.vocab_size,
                                           None if mesh is None else NamedSharding(mesh, jax.sharding.PartitionSpec()))
         self.grammars = GrammarRows(model.config.vocab_size, self.eos_ids)  # structured outputs' matchers
@@ -235,6 +238,10 @@ class Engine:
         projections and the adapter window's columns included): a program given it reads the
         weights as they are when it runs. Training in the server runs on it (`serve.finetune`)."""
         return nnx.merge(self._graphdef, self._state)
+
+    def weight_variables(self):
+        """The served weights' Variables by name, the state the steps read (`serve.warm_start` writes them)."""
+        return self._state["weights"]
 
     @property
     def tensor_parallel(self) -> int:
@@ -593,25 +600,17 @@ class Engine:
         runs but an update of an empty slot with zeros). With `background` (None: the config's
         `background_compile`; only for the default shapes) it compiles now only the programs that
         can serve any step (`first_shapes`) and the rest on a background thread (`_compile_rest`).
+        After `start_warmup`, a call with the defaults waits for the programs it compiles instead.
         Returns {"programs": compiled now, "seconds": wall time, "background": programs left to the
         background thread}."""
-        started = time.perf_counter()
-        background = self.config.background_compile if background is None else background
-        rest: list[StepShape] = []
-        if shapes is None:
-            shapes = self.step_shapes()
-            if background:  # the scoring programs (prompt log-probabilities) last
-                first = self.first_shapes(shapes)
-                rest = [shape for shape in shapes if shape not in first] + self.builder.score_shapes(shapes)
-                shapes = first
-        before = len(self.programs)
-        threads = min(8, os.cpu_count() or 1) if threads is None else threads
-        log.info("compiling %d step programs (%d threads)%s", len(shapes), threads,
-                 f"; {len(rest)} more in the background once serving" if rest else "")
-        # with a background compile the first programs are scanned (fast to compile); those that run
-        # unrolled in the end are compiled again in the background (`Programs` stand-ins)
-        self.builder.compile(shapes, threads, self._padding_args, progress_log(started), scan=True if rest else None)
-        rest += [shape for shape in self.programs.stand_ins() if shape not in rest]
+        early = self._early_warmup if (shapes, threads, background) == (None, None, None) else None
+        if early is not None:
+            self._early_warmup = None
+            started, before, rest = early.result()
+        else:
+            background = self.config.background_compile if background is None else background
+            started, before, rest = self.builder.compile_first(shapes, threads, background, self._padding_args)
+        self._lowering_state = None  # the weights are written by now: lower over them
         free = self.pool.free_slot()
         if free is not None:  # an empty slot written with zeros: compiles the update, changes nothing
             self.pool.evict(free)
@@ -620,12 +619,21 @@ class Engine:
         if self.modes is not None:
             self.modes.warmup(self)
         seconds = time.perf_counter() - started
-        log.info("step programs ready: %d compiled in %.1f s", len(self.programs) - before, seconds)
+        log.info("step programs ready: %d compiled in %.1f s (summed over threads: lowering %.1f s, compiling or "
+                 "loading from the cache %.1f s)", len(self.programs) - before, seconds, self.programs.lower_s,
+                 self.programs.compile_s)
         if rest:
             self._background = self.builder.background = threading.Thread(
                 target=self._compile_rest, args=(rest,), daemon=True, name="jaxlora-compile-background")
             self._background.start()
         return {"programs": len(self.programs) - before, "seconds": seconds, "background": len(rest)}
+
+    def start_warmup(self) -> None:
+        """Starts `warmup`'s programs on a thread now, lowered over the weights' shapes alone
+        (`abstract_state`): the caller may meanwhile replace each weight array by one of the same
+        shape, dtype and placement (`serve.warm_start`); `warmup()` then waits for them."""
+        self._lowering_state = abstract_state(self._state)
+        self._early_warmup = self.builder.start_first(self.config.background_compile, self._padding_args)
 
     def first_shapes(self, shapes: list[StepShape]) -> list[StepShape]:
         """The programs of `shapes` that serve any step until the rest are compiled (`StepBuilder.first_shapes`)."""
@@ -633,7 +641,8 @@ class Engine:
 
     def _padding_args(self, shape: StepShape) -> tuple:
         """Dynamic arguments of the program `shape` for a step of padding only (writes nothing)."""
-        return self.builder.padding_args(shape, self._state, self.cache, self._last_tokens)
+        state = self._state if self._lowering_state is None else self._lowering_state
+        return self.builder.padding_args(shape, state, self.cache, self._last_tokens)
 
     def _compile_rest(self, shapes: list[StepShape]) -> None:
         """The background thread of `warmup` (`StepBuilder.compile_rest`); stops with the engine."""

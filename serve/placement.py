@@ -76,3 +76,14 @@ def new_kv_cache(model_config, num_pages: int, page_size: int, dtype, mesh: Mesh
     if mesh is None:
         return PagedKVCache.zeros(*sizes)
     return _placed_zeros_cache(*sizes, NamedSharding(mesh, sharding.ShardingRules().spec(sharding.KV_CACHE_AXES)))
+
+
+def abstract_state(state):
+    """`state` (a pytree of arrays, e.g. the engine's nnx weights) as `jax.ShapeDtypeStruct`s that
+    lower to the same programs: a committed array's with its sharding, an uncommitted one's
+    without (a sharding there would make the program's argument committed: another program)."""
+    def abstract(array):
+        committed = getattr(array, "_committed", True)
+        return jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=array.sharding if committed else None)
+
+    return jax.tree.map(abstract, state)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import threading
+import time
 from typing import Callable, NamedTuple
 
 import jax
@@ -246,6 +247,9 @@ class Programs:
         self._compiled: dict[StepShape, Callable] = {}
         self._stand_ins: set[StepShape] = set()
         self._lock = threading.Lock()
+        # seconds summed over threads: tracing and lowering (Python), XLA's compile or a cache's load
+        self.lower_s = self.compile_s = 0.0
+        self.store = None  # a `serve.executables.ExecutableStore`: compiled programs kept on disk
 
     def __len__(self) -> int:
         return len(self._compiled)
@@ -272,20 +276,36 @@ class Programs:
             program = self.compile(shape, args)
         return program(*args)
 
-    def lower(self, shape: StepShape, args: tuple, scan: bool | None = None):
-        """The program `shape` lowered for `args` (arrays or `jax.ShapeDtypeStruct`s), not compiled;
-        `scan`: a forward's layers as a scan (None: by its tokens, class doc)."""
+    def _program(self, shape: StepShape, scan: bool | None) -> tuple[Callable, tuple]:
+        """(the jitted function of `shape`, its static arguments)."""
         fn, static = self._static[shape.program]
         if shape.program == "forward":
             static = static + (not self._scanned(shape, scan),)
+        return fn, static
+
+    def lower(self, shape: StepShape, args: tuple, scan: bool | None = None):
+        """The program `shape` lowered for `args` (arrays or `jax.ShapeDtypeStruct`s), not compiled;
+        `scan`: a forward's layers as a scan (None: by its tokens, class doc)."""
+        fn, static = self._program(shape, scan)
         return fn.lower(*static, *args)
 
     def compile(self, shape: StepShape, args: tuple, scan: bool | None = None) -> Callable:
         """Compiles the program `shape` for `args` (arrays or `jax.ShapeDtypeStruct`s) and keeps it
-        (a scanned forward below `scan_from_tokens`: as a stand-in, class doc)."""
-        program = self.lower(shape, args, scan).compile()
+        (a scanned forward below `scan_from_tokens`: as a stand-in, class doc); with a `store`, loads
+        it from there instead when it holds it (no trace), else stores what it compiled."""
+        started = lowered_at = time.perf_counter()
+        key = None if self.store is None else self.store.key(shape.program, self._program(shape, scan)[1], args)
+        program = None if key is None else self.store.load(key)
+        if program is None:
+            lowered = self.lower(shape, args, scan)
+            lowered_at = time.perf_counter()
+            program = lowered.compile()
+            if key is not None:
+                self.store.save(key, program)
         stand_in = shape.program == "forward" and self._scanned(shape, scan) and not self._scanned(shape, None)
         with self._lock:
+            self.lower_s += lowered_at - started
+            self.compile_s += time.perf_counter() - lowered_at
             self._compiled[shape] = program
             if stand_in:
                 self._stand_ins.add(shape)

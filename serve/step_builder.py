@@ -25,9 +25,11 @@ the step in flight, whether a request scores its prompt) comes in as arguments.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
+import os
 import threading
 import time
 from typing import Callable
@@ -385,6 +387,44 @@ class StepBuilder:
             todo = [shape for shape in shapes if shape.program == program]
             self.programs.compile_all([(shape, args(shape)) for shape in todo], threads,
                                       None if progress is None else progress(program), scan=scan)
+
+    def compile_first(self, shapes: list[StepShape] | None, threads: int | None, background: bool,
+                      args: Callable[[StepShape], tuple]) -> tuple[float, int, list[StepShape]]:
+        """`Engine.warmup`'s programs compiled before serving: `shapes` (None: every `step_shapes()`,
+        or with `background` only `first_shapes`, scanned), `threads` at a time (None: one per CPU
+        core, at most 8), over `args(shape)`. Returns (when it started, programs compiled before,
+        the shapes left to the background compile: the others, the scoring ones, the stand-ins)."""
+        started = time.perf_counter()
+        rest: list[StepShape] = []
+        if shapes is None:
+            shapes = self.step_shapes()
+            if background:  # the scoring programs (prompt log-probabilities) last
+                first = self.first_shapes(shapes)
+                rest = [shape for shape in shapes if shape not in first] + self.score_shapes(shapes)
+                shapes = first
+        before = len(self.programs)
+        threads = min(8, os.cpu_count() or 1) if threads is None else threads
+        log.info("compiling %d step programs (%d threads)%s", len(shapes), threads,
+                 f"; {len(rest)} more in the background once serving" if rest else "")
+        # with a background compile the first programs are scanned (fast to compile); those that run
+        # unrolled in the end are compiled again in the background (`Programs` stand-ins)
+        self.compile(shapes, threads, args, progress_log(started), scan=True if rest else None)
+        rest += [shape for shape in self.programs.stand_ins() if shape not in rest]
+        return started, before, rest
+
+    def start_first(self, background: bool, args: Callable[[StepShape], tuple]) -> concurrent.futures.Future:
+        """`compile_first` of the default shapes on a daemon thread (an exit meanwhile, e.g. a bad
+        checkpoint, does not wait for it); its result or error in the returned future."""
+        future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(self.compile_first(None, None, background, args))
+            except BaseException as err:
+                future.set_exception(err)
+
+        threading.Thread(target=run, daemon=True, name="jaxlora-warmup").start()
+        return future
 
     def compile_rest(self, shapes: list[StepShape], args: Callable[[StepShape], tuple],
                      stopping: Callable[[], bool]) -> None:

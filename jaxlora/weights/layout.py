@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,33 +62,51 @@ def stack_weights(
 
     Checks that each tensor has the shape the config implies and that none is missing; errors
     name `file_of(tensor name)` (default: `source`)."""
+    host = on_host()
+    plan = plan_weights(config, tensor_names, read, source, file_of, place=None if host else jnp.asarray)
+    weights: dict[str, jax.Array] = {}
+    for name in list(plan):  # one name at a time: its pieces are freed before the next is stacked
+        pieces, transpose, stack = plan.pop(name)
+        weights[name] = _assemble(pieces, transpose, dtype, host, stack)
+    return weights
+
+
+class Planned(NamedTuple):
+    """A model weight's pieces as `read` gave them (one, or one per layer in layer order when
+    `stacked`) and whether the model's layout is their transpose."""
+
+    pieces: list
+    transpose: bool
+    stacked: bool
+
+
+def plan_weights(config: LlamaConfig, tensor_names: Iterable[str], read: Callable, source: str,
+                 file_of: Callable[[str], str] | None = None, place: Callable | None = None) -> dict[str, Planned]:
+    """{model weight name: `Planned`} of the HF-named tensors, each got with `read(name)` (an array,
+    or anything with `.shape` and row slices, e.g. a `safetensors_file.TensorRef`: nothing is read
+    then) and passed through `place` if given (a layer's piece); WeightsError for a tensor the
+    config does not imply, a wrong shape, a layer out of range or a missing weight, naming
+    `file_of(tensor name)` (default: `source`)."""
     file_of = file_of or (lambda _: source)
     expected = weight_shapes(config)
-    host = on_host()
-    weights: dict[str, jax.Array] = {}
+    single: dict[str, Planned] = {}
     layers: dict[str, dict[int, tuple]] = {}  # name -> layer -> (tensor, transposed)
     for hf_name in tensor_names:
         mapped = hf_to_model_name(hf_name)
-        if mapped is None:
-            continue
-        if mapped[0] == "lm_head" and config.tie_word_embeddings:
+        if mapped is None or (mapped[0] == "lm_head" and config.tie_word_embeddings):
             continue
         for name, layer, tensor, transpose in _checked_tensors(config, expected, hf_name, mapped, read, file_of):
             if layer is None:
-                weights[name] = _assemble([tensor], transpose, dtype, host, stack=False)
+                single[name] = Planned([tensor], transpose, False)
                 continue
             if not 0 <= layer < config.num_layers:
                 raise WeightsError(f"{file_of(hf_name)}: tensor {hf_name} names layer {layer}, "
                                    f"but the config has {config.num_layers} layers")
-            layers.setdefault(name, {})[layer] = (tensor if host else jnp.asarray(tensor), transpose)
-    _check_complete(expected, {**weights, **layers}, {name: set(got) for name, got in layers.items()},
+            layers.setdefault(name, {})[layer] = (tensor if place is None else place(tensor), transpose)
+    _check_complete(expected, {**single, **layers}, {name: set(got) for name, got in layers.items()},
                     config.num_layers, source)
-    for name in list(layers):  # one name at a time: its pieces are freed before the next is stacked
-        pieces = layers.pop(name)
-        transpose = pieces[0][1]
-        ordered = [pieces.pop(layer)[0] for layer in range(config.num_layers)]
-        weights[name] = _assemble(ordered, transpose, dtype, host, stack=True)
-    return weights
+    return single | {name: Planned([got[layer][0] for layer in range(config.num_layers)], got[0][1], True)
+                     for name, got in layers.items()}
 
 
 def on_host() -> bool:
