@@ -59,19 +59,15 @@ a failed step empties the cache, and the hit rate is in `stats.prefix_cache()` a
 Classification (`classify`, V-LoRA's task heads): a one-token greedy sequence in the same steps as
 every other request, its prompt's last features through the adapter's task head (`serve.requests`).
 
-A compressed collection (`Engine(..., compressed=SharedBasisSet)`, Compress-then-Serve; needs a
-`shared_basis` LoRA backend) is registered adapter by adapter under its names; its bases and cores
-stay on the device next to the pool's arrays, and adapter j's rows take the fixed slot
-`max_adapters_on_device + j` (never loaded or evicted: `AdapterSlots.fix`).
+A compressed collection (`Engine(..., compressed=SharedBasisSet)`, Compress-then-Serve; a `shared_basis`
+backend): bases and cores stay on the device; adapter j's rows take the fixed slot `max_adapters_on_device + j`.
 
-Images (a vision-language model: `Engine(llava.language, ..., images=serve.vision.ImageServing(...))`):
-a request may carry images (`submit(images=)`); the tower runs once per request on a step's new
-images (batched) and each prefill chunk's step writes their rows at its image tokens; a step
-without image tokens runs the text-only programs (`serve.vision`).
+Images (`Engine(llava.language, ..., images=serve.vision.ImageServing(...))`, `submit(images=)`): the
+tower runs once per request on a step's new images (batched), each prefill chunk writes their rows at its
+image tokens; a step without image tokens runs the text-only programs (`serve.vision`).
 
-Tensor parallel: `Engine(..., mesh=jaxlora.sharding.make_mesh(tensor=N, devices=...))` serves a
-copy of the weights, the adapter pool and the KV pages placed over the mesh's `tensor` axis, the
-same jitted step running under GSPMD (`serve.placement`).
+Tensor parallel (`Engine(..., mesh=jaxlora.sharding.make_mesh(tensor=N, ...))`): weights, adapter pool and
+KV pages placed over the mesh's `tensor` axis, the same jitted step under GSPMD (`serve.placement`).
 """
 
 from __future__ import annotations
@@ -634,10 +630,6 @@ class Engine:
         shape, dtype and placement (`serve.warm_start`); `warmup()` then waits for them."""
         self._lowering_state = abstract_state(self._state)
         self._early_warmup = self.builder.start_first(self.config.background_compile, self._padding_args)
-
-    def first_shapes(self, shapes: list[StepShape]) -> list[StepShape]:
-        """The programs of `shapes` that serve any step until the rest are compiled (`StepBuilder.first_shapes`)."""
-        return self.builder.first_shapes(shapes)
 
     def _padding_args(self, shape: StepShape) -> tuple:
         """Dynamic arguments of the program `shape` for a step of padding only (writes nothing)."""

@@ -51,7 +51,7 @@ def test_first_shapes_serve_every_variant_with_scanned_programs(smollm2, adapter
     config = EngineConfig(**TINY_ENGINE, scan_layers_from_tokens=16)
     engine = Engine(model, tokenizer.eos_token_ids, config, {"ad0": adapters8["ad0"]})
     shapes = engine.step_shapes()
-    first = engine.first_shapes(shapes)
+    first = engine.builder.first_shapes(shapes)
     forwards = [s for s in shapes if s.program == "forward"]
     variants = {(s.width, s.lora, s.decode_only, s.window) for s in forwards}
     assert len(variants) >= 3  # base, LoRA, window (and the decode-only LoRA variant where it exists)
