@@ -458,6 +458,7 @@ final_s6() {  # 4 x H200, one call, pinned (PIN=1): GPU 0 the guard's serving tr
   # the guard is done, the server's cold start: cold, warm, warm without the stored executables (issue 35; .whl)
   nvidia-smi -L
   export PIN=1
+  python3 -c "import PIL; print('Pillow', PIL.__version__)"
   python3 bench/jit_cache.py unpack .jitcache/jitcache /tmp/jaxlora_serve_jit_cache
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   mkdir -p $OUT/f6
@@ -468,8 +469,8 @@ final_s6() {  # 4 x H200, one call, pinned (PIN=1): GPU 0 the guard's serving tr
       --out $OUT/f6/modes_skew_h200.json"
   job vision 2 $t python3 bench/vision_serve.py --compile-cache /tmp/jaxlora_vision_jit_cache \
       --time-budget $((t - 60)) --out $OUT/f6/vision_serve_h200.json
-  job cold 3 $t bash -c "sleep 170; PYTHONPATH=\$PYTHONPATH:/tmp/site python3 bench/cold_start.py \
-      --runs cold warm warm-lowered --after-ready 20 --out $OUT/f6/cold_start_h200.json"
+  job cold 3 $t bash -c "sleep 140; PYTHONPATH=\$PYTHONPATH:/tmp/site python3 bench/cold_start.py \
+      --runs cold warm --after-ready 20 --out $OUT/f6/cold_start_h200.json"
   wait
   rm -rf $OUT/f6/regress_serve.png $OUT/f6/regress_log.txt
   collect_logs final_s6
