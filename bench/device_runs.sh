@@ -467,7 +467,7 @@ final_s6() {  # 4 x H200, one call, pinned (PIN=1): GPU 0 the guard's serving tr
   job modes 1 $t bash -c "python3 bench/serve.py $sizes --compile-only; python3 bench/serve.py $sizes --requests 32 \
       --skews 0.5 0.6 0.7 0.8 0.9 1.0 --modes auto merged unmerged mixed --time-budget $((t - 110)) \
       --out $OUT/f6/modes_skew_h200.json"
-  job vision 2 $t python3 bench/vision_serve.py --compile-cache /tmp/jaxlora_vision_jit_cache \
+  job vision 2 $t env PYTHONPATH=$PYTHONPATH:/tmp/site python3 bench/vision_serve.py --compile-cache /tmp/jaxlora_vision_jit_cache \
       --time-budget $((t - 60)) --out $OUT/f6/vision_serve_h200.json
   job cold 3 $t bash -c "sleep 140; PYTHONPATH=\$PYTHONPATH:/tmp/site python3 bench/cold_start.py \
       --runs cold warm --after-ready 20 --out $OUT/f6/cold_start_h200.json"
@@ -486,8 +486,9 @@ vision_serve() {  # one GPU, issue 39 item 4: bench/vision_serve.py (LLaVA-1.5 l
   if [ -e .jitcache/jitcache_vision.part00 ]; then
     python3 bench/jit_cache.py unpack .jitcache/jitcache_vision $cache
   fi
-  timeout $((LIMIT - SECONDS - 40)) python3 bench/vision_serve.py --compile-cache $cache \
-      --time-budget $((LIMIT - SECONDS - 70)) --out "$OUT/vision_serve_${TAG:-h200}.json" 2>&1 \
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl  # gguf, fastapi, ...
+  PYTHONPATH=$PYTHONPATH:/tmp/site timeout $((LIMIT - SECONDS - 40)) python3 bench/vision_serve.py --compile-cache $cache \
+      --time-budget $((LIMIT - SECONDS - 70)) --out "$OUT/vision_serve_${TAG:-h200}.json" ${VISION_ARGS:-} 2>&1 \
       | grep -v "cuda_timer\\|Warning" | tail -n 30
   timeout 30 python3 bench/jit_cache.py pack $cache "$OUT/jitcache_vision"
 }
