@@ -835,6 +835,9 @@ def main() -> None:
                         help="EngineConfig.adapter_window: adapters a step may hold in the window (default: the "
                              "engine's, 8 on a GPU/TPU; 0: off)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="EngineConfig.prefix_caching off")
+    parser.add_argument("--scan-layers-from-tokens", type=int, default=None,
+                        help="EngineConfig.scan_layers_from_tokens: steps of this many tokens or more run the layers "
+                             "as one scan body (default: the engine's; 1: every step scanned)")
     parser.add_argument("--window-mixed-adapters", type=int, default=None,
                         help="EngineConfig.window_mixed_adapters: most adapters of a step with a prefill row "
                              "that uses the window (default: as many as the window holds)")
@@ -877,6 +880,8 @@ def main() -> None:
         prefill_chunk=pick(args.prefill_chunk, 128, 16), max_waiting=1 << 30, lora_backend=backend,
         unified_paging=args.unified_paging, adapter_rows=args.adapter_rows, adapter_window=args.adapter_window,
         window_mixed_adapters=args.window_mixed_adapters, prefix_caching=not args.no_prefix_caching)
+    if args.scan_layers_from_tokens is not None:
+        engine_config = dataclasses.replace(engine_config, scan_layers_from_tokens=args.scan_layers_from_tokens)
     if args.unified_paging and (args.profile or args.modes_skew):
         raise SystemExit("--unified-paging serves traces only: --profile loads pool slots directly, --modes-skew "
                          "needs the merged modes (padded slots)")
