@@ -19,6 +19,7 @@ a stage's driver waits after each op that sends: the driver before 2026-11-27).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -186,7 +187,10 @@ def main() -> None:
               f"{r['hold_ms']:5.1f} {r['microbatches']:4} {r['noops']:4} {r['wall_s']:7.2f} {r['bubble_ratio']:7.3f}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"source": args.report or {"costs_ms": args.costs}, "layers": args.layers, "stages": args.stages,
+            device = (json.load(open(args.report)).get("device", "?") if args.report else "the command line (--costs)")
+            json.dump({"device": f"CPU replay (no device ran it) of costs from {device}",
+                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                       "source": args.report or {"costs_ms": args.costs}, "layers": args.layers, "stages": args.stages,
                        "capacity": args.capacity, "per_layer_s": dict(costs.per_layer), "first_s": dict(costs.first),
                        "last_s": dict(costs.last), "rows": rows}, f, indent=1)
         print(f"wrote {args.out}")
