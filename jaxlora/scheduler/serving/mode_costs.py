@@ -2,20 +2,23 @@
 
 `CostPolicy` holds the knobs (frozen, in `EngineConfig.mode_policy`); `start()` builds the one
 stateful `CostModes` an engine keeps. Each step `choose` predicts, for the current requests, the
-mean seconds per token of every mode it could run (module `predict`):
+cost per token (below) of every mode it could run (`predict`), from these step times:
 
 - unmerged: the unmerged step over N rows (N: the requests, at most `max_batch`);
 - mixed X: that step times the mixed ratio at X's share (`StepCosts.step`);
-- merged X: the merged step over X's rows, plus, for the share of requests of other adapters that
-  it leaves waiting, the time to serve them afterwards (an unmerged step over their rows);
+- merged X: the merged step over X's rows only (the other adapters' requests wait through it);
 - plus, for a mode whose merged adapter differs from the current one, the switch time amortised
   over the steps a mode is expected to stay (the measured stays' moving average, at least
   `min_dwell`, and for merging X at least the tokens X's longest request still has to generate:
-  X has requests that long), once into the mode and, for merged, once back for the starved
-  requests.
+  X has requests that long).
 
-That is the mean completion time of one round of tokens of every request, per step (all rows
-together; merged X first, then the others). Merged X is not an option while another request has
+Each option is priced per token it produces, weighted by the requests that wait through it:
+(step + amortised switch) x requests / rows served. Every live request's latency grows by the
+step's time, and the step yields one token per row it serves, so this is the step's increase of
+the sum of request latencies per token generated (V-LoRA's average token latency), the quantity
+a greedy choice should keep lowest. Merged X serves only X's rows: at a share s of X it costs
+T_merged / s, so it wins against mixed only when s > T_merged / T_mixed (~0.85 on the H200's 8B
+decode), and with no other request it is the plain merged step. Merged X is not an option while another request has
 waited more than `max_wait_steps` unmerged steps. Hysteresis: the merged adapter changes (a weight switch) only after
 `min_dwell` steps with the current one and once the new one was the best `confirm` steps in a
 row, and any change needs the new mode to be predicted `margin` cheaper than the current one; an
@@ -256,22 +259,19 @@ class CostModes:
         counts = collections.Counter(r.adapter for r in requests)
         horizon = max(p.min_dwell, self.stay)
         unmerged, step_u = Mode("unmerged"), self.costs.step("unmerged", rows)
-        options = {unmerged: step_u + self._switch(unmerged, current, horizon)}
+        per_row = total / rows  # every request waits through a step; `rows` of them get a token
+        options = {unmerged: (step_u + self._switch(unmerged, current, horizon)) * per_row}
         for adapter in self._candidates(counts, current):
             n_x = counts[adapter]
             horizon = max(p.min_dwell, self.stay, max(r.remaining for r in requests if r.adapter == adapter))
             others = (total - n_x) / total
             if not self._starving(requests, adapter, p.max_wait_steps * step_u):
-                merged = Mode("merged", adapter)
-                wait = 0.0
-                if n_x < total:
-                    later = self.costs.step("unmerged", min(total - n_x, p.max_batch))
-                    wait = others * (later + self.switch_s / horizon)
-                options[merged] = (self.costs.step("merged", min(n_x, p.max_batch))
-                                   + self._switch(merged, current, horizon) + wait)
+                merged, served = Mode("merged", adapter), min(n_x, p.max_batch)
+                options[merged] = ((self.costs.step("merged", served) + self._switch(merged, current, horizon))
+                                   * total / served)
             if others > 0:  # (with none, a mixed step is a merged one)
                 mixed = Mode("mixed", adapter)
-                options[mixed] = self.costs.step("mixed", rows, others) + self._switch(mixed, current, horizon)
+                options[mixed] = (self.costs.step("mixed", rows, others) + self._switch(mixed, current, horizon)) * per_row
         return options
 
     def _candidates(self, counts: collections.Counter, current: Mode) -> list[Hashable]:
