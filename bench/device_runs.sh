@@ -477,6 +477,32 @@ final_s6() {  # 4 x H200, one call, pinned (PIN=1): GPU 0 the guard's serving tr
   tar czf $OUT/final_s6.tgz -C $OUT f6 && rm -rf $OUT/f6
 }
 
+modes_and_scan() {  # 4 x H200, one call, pinned (PIN=1): GPUs 0-1 --modes-skew (issue 38's table, three shares
+  # each, four modes, 32 requests, each mode warmed on a short trace first); GPU 2 the decode32 profile with every
+  # layer scanned (issue 35 item 2: the stand-ins' cost), then the unrolled reference; GPU 3 the scanned profile
+  # with XLA's dynamic-slice fusion (lets a GEMM read its layer's weights in the stack in place). .jitcache carried
+  nvidia-smi -L
+  export PIN=1
+  python3 bench/jit_cache.py unpack .jitcache/jitcache /tmp/jaxlora_serve_jit_cache
+  mkdir -p $OUT/ms/p2 $OUT/ms/p3
+  local t=$((LIMIT - 20)) sizes="--lora-backend hybrid --max-num-seqs 256 --token-budget 2048 --prefill-chunk 2048"
+  local prof="bench/serve.py --profile $sizes --profile-steps decode32 --profile-variants base hybrid"
+  job modes0 0 $t bash -c "python3 bench/serve.py --modes-skew $sizes --compile-only; python3 bench/serve.py \
+      --modes-skew $sizes --requests 32 --skews 0.5 0.6 0.7 --modes auto merged unmerged mixed \
+      --time-budget $((t - 110)) --out $OUT/ms/modes_skew_h200_a.json"
+  job modes1 1 $t bash -c "python3 bench/serve.py --modes-skew $sizes --compile-only; python3 bench/serve.py \
+      --modes-skew $sizes --requests 32 --skews 1.0 0.9 0.8 --modes auto merged unmerged mixed \
+      --time-budget $((t - 110)) --out $OUT/ms/modes_skew_h200_b.json"
+  job scan 2 $t bash -c "python3 $prof --scan-layers-from-tokens 1 --compile-cache '' --out $OUT/ms/p2/scan.json; \
+      python3 $prof --out $OUT/ms/p2/unrolled.json"
+  job scan_dsf 3 $t env XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true python3 $prof \
+      --scan-layers-from-tokens 1 --compile-cache '' --out $OUT/ms/p3/scan_dsf.json
+  wait
+  rm -rf $OUT/ms/*/serve_profile_traces
+  collect_logs modes_and_scan
+  tar czf $OUT/modes_and_scan.tgz -C $OUT ms && rm -rf $OUT/ms
+}
+
 vision_serve() {  # one GPU, issue 39 item 4: bench/vision_serve.py (LLaVA-1.5 layout, ViT-L/14-336 + Llama-3.1-8B
   # shape, random bf16) serving one image+text trace on the base model and over 1, 8 and 64 adapters at the README's
   # engine sizes; ~5-6 min from an empty compile cache on an H200. Its compile cache comes back as jitcache_vision.partNN:
