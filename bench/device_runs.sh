@@ -300,12 +300,16 @@ window_probe() {  # one H200: device time of decode steps whose 32 / 64 rows use
 modes_skew() {  # one GPU, issue 38: bench/serve.py --modes-skew at the README's sizes (hybrid, 256 rows, 2048
   # tokens), the modes auto (measured costs), merged, unmerged, mixed on the shares of SKEWS (default all six;
   # a 10-minute call fits about two shares once the programs are in the compile cache: SKEWS="0.5 0.6" TAG=a);
-  # the compile cache stays in /tmp/jaxlora_serve_jit_cache while the machine is held
+  # the compile cache: .jitcache carried (H200 programs), else it stays in /tmp/jaxlora_serve_jit_cache while the
+  # machine is held. On an 80 GB GPU the README's 16384 KV pages (32 GB) and merged mode's base copy do not
+  # fit: pass NUM_PAGES=8192 (32 requests use far fewer)
   nvidia-smi -L
+  [ -d .jitcache ] && python3 bench/jit_cache.py unpack .jitcache/jitcache /tmp/jaxlora_serve_jit_cache
   local sizes="--modes-skew --lora-backend hybrid --max-num-seqs 256 --token-budget 2048 --prefill-chunk 2048"
+  sizes="$sizes ${NUM_PAGES:+--num-pages $NUM_PAGES}"
   timeout $((LIMIT - 10)) python3 bench/serve.py $sizes --compile-only 2>&1 | grep -v cuda_timer | tail -n 3
   timeout $((LIMIT - SECONDS - 5)) python3 bench/serve.py $sizes --skews ${SKEWS:-0.5 0.6 0.7 0.8 0.9 1.0} \
-      --modes ${MODES:-auto merged unmerged mixed} --time-budget $((LIMIT - SECONDS - 90)) \
+      --requests ${REQUESTS:-32} --modes ${MODES:-auto merged unmerged mixed} --time-budget $((LIMIT - SECONDS - 90)) \
       --out "$OUT/modes_skew_${TAG:-h200}.json" 2>&1 | grep -v "cuda_timer\\|Warning" | tail -n 45
 }
 
