@@ -12,7 +12,7 @@ def test_auto_with_measured_costs_gives_the_tokens_of_unmerged_serving(model_and
     model, adapters = model_and_adapters
     batch, late, outputs = unmerged
     # priors that favour merging and no hysteresis, so that it switches on this short trace
-    policy = CostPolicy(max_batch=8, merged_ratio=0.2, mixed_ratio=0.3, min_dwell=1, confirm=1, max_wait_steps=0.0)
+    policy = CostPolicy(max_batch=8, merged_ratio=0.2, mixed_ratio=0.3, min_dwell=1, confirm=1)
     engine = Engine(model, (), EngineConfig(inference_mode="auto", mode_policy=policy, **ENGINE), adapters)
     decider = engine.modes.decider
     assert isinstance(decider, CostModes) and decider.policy is policy

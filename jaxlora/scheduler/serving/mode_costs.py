@@ -5,34 +5,41 @@ stateful `CostModes` an engine keeps. Each step `choose` predicts, for the curre
 cost per token (below) of every mode it could run (`predict`), from these step times:
 
 - unmerged: the unmerged step over N rows (N: the requests, at most `max_batch`);
-- mixed X: that step times the mixed ratio at X's share (`StepCosts.step`);
-- merged X: the merged step over X's rows only (the other adapters' requests wait through it);
+- mixed X: that step times the mixed ratio r1 (with rows of other adapters; none: the merged
+  ratio r0, `StepCosts.step`); also for the adapter merged now while it has no request;
+- merged X: the merged step, an option only while every request is X's;
 - plus, for a mode whose merged adapter differs from the current one, the switch time amortised
   over the steps a mode is expected to stay (the measured stays' moving average, at least
   `min_dwell`, and for merging X at least the tokens X's longest request still has to generate:
   X has requests that long).
 
-Each option is priced per token it produces, weighted by the requests that wait through it:
-(step + amortised switch) x requests / rows served. Every live request's latency grows by the
-step's time, and the step yields one token per row it serves, so this is the step's increase of
-the sum of request latencies per token generated (V-LoRA's average token latency), the quantity
-a greedy choice should keep lowest. Merged X serves only X's rows: at a share s of X it costs
-T_merged / s, so it wins against mixed only when s > T_merged / T_mixed (~0.85 on the H200's 8B
-decode), and with no other request it is the plain merged step. Merged X is not an option while another request has
-waited more than `max_wait_steps` unmerged steps. Hysteresis: the merged adapter changes (a weight switch) only after
+Each option is priced per token: (step + amortised switch) x requests / rows (rows: at most
+`max_batch`). Why merged X is not an option while other adapters have requests: it would serve X's
+rows and leave the others waiting, and their token still needs a later step of every row (mixed X
+on the same weights). Served in turns (merged, then mixed), X's requests get a token per
+(T_merged + T_mixed) / 2 and the others one per T_merged + T_mixed; the mean over requests at a
+share s of X is (T_merged + T_mixed)(1 - s / 2), below T_mixed only for s > 0.91 at the H200's
+8B decode costs (T_merged 0.83 T_mixed), and by at most 2% there, while the others' TPOT
+doubles. (A per-step price of a merged step, tried first, held merged X with others waiting: 4%
+above mixed alone on the skew trace's replay.) Hysteresis: the merged adapter changes (a weight switch) only after
 `min_dwell` steps with the current one and once the new one was the best `confirm` steps in a
 row, and any change needs the new mode to be predicted `margin` cheaper than the current one; an
-infeasible current mode is replaced by its feasible twin with the same weights (merged X with a
-starving request: mixed X; mixed X without other requests: merged X) and left at once only if
-neither is feasible (an adapter without requests). Mixed X becomes merged X (the same weights) for a step when no merged
-step of that size was measured yet, so that the merged cost is measured, not inferred.
+infeasible current mode is replaced by its feasible twin with the same weights (merged X when a
+request of another adapter comes: mixed X; mixed X without other requests: merged X); the adapter
+merged now stays a candidate while it has no request (mixed X), so a lull in X's traffic is no
+switch away and back. Until a mixed cost is known, mixed X replaces unmerged once past the
+dwell when X has most requests and the switch is cheap over their tokens (`_explore`): its cost
+is measured, not taken from the prior.
 
-Step costs (`StepCosts`) are exponential moving averages per token bucket (powers of two): the
-unmerged step in seconds, the merged step as a ratio r0 to the unmerged one, and the mixed step as
-the ratio (1 - f) r0 + f r1 at a share f of rows of other adapters (r1: a mixed step of no merged
-rows, the LoRA plus the -ΔW branch). Unmeasured buckets interpolate between the measured ones (or take the nearest), else the
-priors (`default_step_s`, `merged_ratio`, `mixed_ratio`); the engine's measurements replace them
-(`observe_step`). Pure host code over `Pending` requests: no JAX, no engine.
+Step costs (`StepCosts`) are medians of recent samples per token bucket (powers of two): the
+unmerged step in seconds, the merged step as a ratio r0 to the unmerged one, and a mixed step with
+rows of other adapters as a ratio r1, whatever their share: the H200 (8B, 2026-11-27) measured a
+mixed decode step at the unmerged one's cost at every share (6.19 vs 6.21 ms at 8 rows), its LoRA
+kernels costing per launch, not per row; a model linear in the share (tried first) put r1 at
+1.5 from those samples and kept auto off mixed. Unmeasured buckets interpolate between the
+measured ones (or take the nearest), else the priors (`default_step_s`, `merged_ratio`,
+`mixed_ratio`); the engine's measurements replace them (`observe_step`). Pure host code over
+`Pending` requests: no JAX, no engine.
 """
 
 from __future__ import annotations
@@ -58,10 +65,8 @@ class CostPolicy:
     prior switch time (the 8B shape on an H200: 9.7 ms); expected_stay: steps a merged adapter is
     expected to stay before stays are measured; min_dwell: steps before the merged adapter changes
     again; confirm: steps in a row another merged adapter (or none) must be the best before the
-    weights switch to it; margin: the fraction a new mode must be predicted cheaper by;
-    max_wait_steps: a request of another adapter that waited longer than this many unmerged steps
-    (predicted, of the current rows) rules merged out (a starved request's TPOT grows by its
-    wait); ema: the weight of a new measurement."""
+    weights switch to it; margin: the fraction a new mode must be predicted cheaper by; ema: the
+    weight of a new measurement (the switch time and the stays)."""
 
     max_batch: int = 256
     default_step_s: float = 0.03
@@ -72,7 +77,6 @@ class CostPolicy:
     min_dwell: int = 8
     confirm: int = 4
     margin: float = 0.02
-    max_wait_steps: float = 2.0
     ema: float = 0.2
 
     def __post_init__(self):
@@ -80,9 +84,8 @@ class CostPolicy:
             raise ValueError("max_batch, min_dwell, confirm and expected_stay must be >= 1")
         if not (self.default_step_s > 0 and self.merged_ratio > 0 and self.mixed_ratio > 0 and self.switch_s >= 0):
             raise ValueError("default_step_s, merged_ratio, mixed_ratio must be > 0 and switch_s >= 0")
-        if not (0 <= self.margin < 1 and 0 < self.ema <= 1 and self.max_wait_steps >= 0):
-            raise ValueError(f"margin in [0, 1), ema in (0, 1], max_wait_steps >= 0: got {self.margin}, {self.ema}, "
-                             f"{self.max_wait_steps}")
+        if not (0 <= self.margin < 1 and 0 < self.ema <= 1):
+            raise ValueError(f"margin in [0, 1) and ema in (0, 1]: got {self.margin}, {self.ema}")
 
     def start(self) -> "CostModes":
         """The policy's state for one engine (costs measured from now on)."""
@@ -137,17 +140,13 @@ class StepCosts:
         if mode == "unmerged":
             return base
         r0, r1 = self.ratios(tokens)
-        return base * (r0 if mode == "merged" else (1 - others) * r0 + others * r1)
+        return base * (r0 if mode == "merged" or others == 0 else r1)
 
     def record(self, mode: str, tokens: int, seconds: float, others: float = 0.0) -> None:
         """Adds a measured step (a mixed step without rows of other adapters is a merged one).
         Each estimate is the median of its last `WINDOW` samples, set once `MIN_SAMPLES` are in
-        (before that: the priors, or the measured buckets around): the unmerged seconds, and the
-        merged step's ratio to the unmerged one of its bucket. A mixed step of a bucket whose r0 is
-        measured gives its own r1 ((ratio - (1 - f) r0) / f: noisy at a small f, the median takes
-        care of it); with r0 unmeasured it moves r0 and r1 by their weights (1 - f, f) in
-        its prediction (normalised least mean squares, the sample clipped to [1/2, 2] x the
-        prediction). r1 stays in [0.25, 8]."""
+        (before that: the priors, or the measured buckets around): the unmerged seconds, the merged
+        step's ratio to the unmerged one of its bucket (r0), and a mixed step's (r1, in [0.25, 8])."""
         if mode == "mixed" and others == 0:
             mode = "merged"
         b = bucket(max(1, tokens))
@@ -159,20 +158,11 @@ class StepCosts:
         base = self.get("base", tokens)
         if base is None:
             return
-        r0, r1 = self.ratios(tokens)
         if mode == "merged":
             if self._median("r0", b, seconds / base):
                 self.merged_buckets.add(b)
             return
-        if b in self.merged_buckets:
-            if others > 0:
-                self._median("r1", b, (seconds / base - (1 - others) * r0) / others, low=0.25, high=8.0)
-            return
-        predicted = (1 - others) * r0 + others * r1
-        error, norm = _clip(seconds / base, predicted) - predicted, (1 - others) ** 2 + others ** 2
-        alpha = self.policy.ema
-        self.table[("r0", b)] = r0 + alpha * error * (1 - others) / norm
-        self.table[("r1", b)] = min(8.0, max(0.25, r1 + alpha * error * others / norm))
+        self._median("r1", b, seconds / base, low=0.25, high=8.0)
 
     def _median(self, key: str, b: int, value: float, low: float = 0.0, high: float = math.inf) -> bool:
         """Adds `value` to the window of (key, b); once it holds `MIN_SAMPLES`, the table's entry
@@ -190,11 +180,6 @@ class StepCosts:
         entry[0] += 1
         entry[1] += seconds
         entry[2], entry[3] = min(entry[2], seconds), max(entry[3], seconds)
-
-
-def _clip(sample: float, around: float) -> float:
-    """`sample` clipped to [around / 2, 2 around] (`around` > 0)."""
-    return min(2 * around, max(0.5 * around, sample))
 
 
 class CostModes:
@@ -263,44 +248,44 @@ class CostModes:
         options = {unmerged: (step_u + self._switch(unmerged, current, horizon)) * per_row}
         for adapter in self._candidates(counts, current):
             n_x = counts[adapter]
-            horizon = max(p.min_dwell, self.stay, max(r.remaining for r in requests if r.adapter == adapter))
+            horizon = max([p.min_dwell, self.stay] + [r.remaining for r in requests if r.adapter == adapter])
             others = (total - n_x) / total
-            if not self._starving(requests, adapter, p.max_wait_steps * step_u):
-                merged, served = Mode("merged", adapter), min(n_x, p.max_batch)
-                options[merged] = ((self.costs.step("merged", served) + self._switch(merged, current, horizon))
-                                   * total / served)
+            if n_x == total:
+                merged = Mode("merged", adapter)
+                options[merged] = (self.costs.step("merged", rows) + self._switch(merged, current, horizon)) * per_row
             if others > 0:  # (with none, a mixed step is a merged one)
                 mixed = Mode("mixed", adapter)
                 options[mixed] = (self.costs.step("mixed", rows, others) + self._switch(mixed, current, horizon)) * per_row
         return options
 
     def _candidates(self, counts: collections.Counter, current: Mode) -> list[Hashable]:
-        """The adapters worth merging: the most requested one (ties: the current) and the current
-        one while it has requests; never the base model (None)."""
+        """The adapters worth merging: the most requested one (ties: the current) and the one
+        merged now, also while it has no request (mixed X serves the others on X's weights: no
+        switch away and back when X's next request comes); never the base model (None)."""
         named = {a: n for a, n in counts.items() if a is not None}
-        if not named:
-            return []
-        top = max(named, key=lambda a: (named[a], a == current.merged))
-        return [top] + ([current.merged] if current.merged in named and current.merged != top else [])
-
-    @staticmethod
-    def _starving(requests: list[Pending], adapter: Hashable, bound_s: float) -> bool:
-        """Whether a request of another adapter than `adapter` waited more than `bound_s`."""
-        return any(r.adapter != adapter and r.waited_s > bound_s for r in requests)
+        top = [max(named, key=lambda a: (named[a], a == current.merged))] if named else []
+        kept = current.merged if current.name != "unmerged" and current.merged is not None else None
+        return top + ([kept] if kept is not None and kept not in top else [])
 
     def _switch(self, mode: Mode, current: Mode, horizon: float) -> float:
         """The switch time per step over `horizon` if `mode` changes the merged weights."""
         return 0.0 if _target(mode) == _target(current) else self.switch_s / horizon
 
     def _explore(self, chosen: Mode, options: dict[Mode, float], requests: list[Pending]) -> Mode:
-        """Merged X instead of mixed X (the same weights: no switch) when merged X is feasible
-        and no merged step of that size was measured: one step measures r0 (a mixed step at a
-        small share of others cannot tell r0 from r1)."""
-        merged = Mode("merged", chosen.merged)
-        if chosen.name != "mixed" or merged not in options:
+        """Mixed X instead of unmerged, once past the dwell, while no mixed cost is known, X has
+        more than half the requests and the switch amortised over X's requests costs at most the
+        margin: one stay measures r1 (the prior is a guess; a stream without lulls in the others'
+        traffic would never try it otherwise)."""
+        p = self.policy
+        if chosen.name != "unmerged" or any(key == "r1" for key, _ in self.costs.table) or self.steps_here < p.min_dwell:
             return chosen
-        rows = min(sum(r.adapter == chosen.merged for r in requests), self.policy.max_batch)
-        return chosen if self.costs.has_merged(rows) else merged
+        trial = next((mode for mode in options if mode.name == "mixed"), None)
+        mine = [r.remaining for r in requests if trial is not None and r.adapter == trial.merged]
+        if trial is None or 2 * len(mine) <= len(requests):
+            return chosen
+        horizon = max([p.min_dwell, self.stay] + mine)
+        rows = min(len(requests), p.max_batch)
+        return trial if self.switch_s / horizon <= p.margin * self.costs.unmerged(rows) else chosen
 
     def _hysteresis(self, best: Mode, options: dict[Mode, float], current: Mode | None) -> Mode:
         """`best` if there is no feasible current mode (`_anchor`: None); else, if it switches
@@ -326,7 +311,7 @@ def bucket(n: int) -> int:
 
 def _anchor(current: Mode, options: dict[Mode, float]) -> Mode | None:
     """The feasible mode that stands for `current` in the hysteresis: itself, else the other of
-    merged X / mixed X (the same weights: merged X with a starving request -> mixed X, mixed X
+    merged X / mixed X (the same weights: merged X with another adapter's request -> mixed X, mixed X
     without other requests -> merged X); None if neither is feasible."""
     if current in options:
         return current

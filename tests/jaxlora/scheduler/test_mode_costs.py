@@ -14,12 +14,13 @@ SWITCH_S = 0.01
 
 
 def costs(r0, r1, base=STEP_S):
-    """Step seconds of a mode: unmerged `base`, merged r0 * base, mixed ((1 - f) r0 + f r1) * base
-    at a share f of rows of other adapters (the policy's own model, for scripted traces)."""
+    """Step seconds of a mode: unmerged `base`, merged r0 * base, mixed r1 * base with any rows of
+    other adapters (r0 without: a merged step). The policy's own model, and the H200's decode
+    steps (2026-11-27: a mixed step's LoRA costs per launch, not per row)."""
     def cost(mode, rows, others):
         if mode == "unmerged":
             return base
-        return base * (r0 if mode == "merged" else (1 - others) * r0 + others * r1)
+        return base * (r0 if mode == "merged" or others == 0 else r1)
     return cost
 
 
@@ -28,10 +29,10 @@ def target(mode):
     return None if mode.name == "unmerged" else mode.merged
 
 
-def simulate(policy, population, cost, steps, switch_s=SWITCH_S, decider=None):
+def simulate(policy, population, cost, steps, switch_s=SWITCH_S, decider=None, remaining=0):
     """Serves `population(step)` (the adapters of the live requests; request i is index i, a new
-    adapter at an index is a new request) for `steps` steps with `decider` (default: a fresh
-    `policy.start()`); returns (modes, the decider, the longest any request waited for a row)."""
+    adapter at an index is a new request; each with `remaining` tokens to generate) for `steps`
+    steps with `decider` (default: a fresh `policy.start()`); returns (modes, the decider, the longest any request waited for a row)."""
     decider = decider or policy.start()
     mode, now, last, adapters, modes, longest = Mode(), 0.0, {}, [], [], 0.0
     for step in range(steps):
@@ -40,7 +41,7 @@ def simulate(policy, population, cost, steps, switch_s=SWITCH_S, decider=None):
             if i >= len(adapters) or adapters[i] != adapter:
                 last[i] = now
         adapters = list(live)
-        requests = [Pending(a, now - last[i], i) for i, a in enumerate(adapters)]
+        requests = [Pending(a, now - last[i], i, True, remaining) for i, a in enumerate(adapters)]
         previous, mode = mode, decider.choose(requests, mode)
         modes.append(mode)
         served = [i for i, a in enumerate(adapters) if mode.name != "merged" or a == mode.merged]
@@ -71,29 +72,30 @@ def test_one_adapter_with_a_cheaper_merged_step_goes_merged_and_stays():
     assert decider.switches == 1
 
 
-def test_95_percent_one_adapter_merges_it_and_stays():
-    modes, decider, longest = simulate(CostPolicy(), lambda step: hot(0.95), costs(0.7, 1.2), 300)
-    assert all(mode.merged == "a" and mode.name in ("merged", "mixed") for mode in modes[20:])
+def test_95_percent_one_adapter_runs_mixed_and_never_merged_while_others_wait():
+    """95% of the requests on "a", a mixed step a little cheaper than unmerged: mixed "a" from
+    the first switch on; merged never while the others have requests (no request waits)."""
+    modes, decider, longest = simulate(CostPolicy(), lambda step: hot(0.95), costs(0.7, 0.95), 300, remaining=300)
+    assert all(mode == Mode("mixed", "a") for mode in modes[20:])
     assert decider.switches == 1
-    assert longest < 3 * STEP_S + 0.01  # the others wait at most max_wait_steps (+ a step)
+    assert longest < 2 * STEP_S  # every request gets a row every step
 
 
-def test_starving_requests_leave_merged_within_the_wait_bound():
-    """Merged is much cheaper, mixed much dearer: merged, leaving it for the starved request."""
-    policy = CostPolicy(max_wait_steps=6)
-    modes, decider, longest = simulate(policy, lambda step: hot(0.95), costs(0.5, 3.0), 300)
-    assert longest < 7 * STEP_S + 0.01
-    names = [mode.name for mode in modes[20:]]
-    assert names.count("merged") > 200 and set(names) > {"merged"}
+def test_a_much_cheaper_merged_step_does_not_starve_the_other_adapters():
+    """Merged much cheaper, mixed much dearer, 95% on "a": merged would leave the others waiting,
+    so it stays unmerged, every request served every step."""
+    modes, decider, longest = simulate(CostPolicy(), lambda step: hot(0.95), costs(0.5, 3.0), 300, remaining=300)
+    assert all(mode.name != "merged" for mode in modes) and all(mode == Mode() for mode in modes[60:])
+    assert longest < 2 * STEP_S
 
 
-def test_a_starving_request_turns_merged_into_mixed_not_a_switch():
-    """Merged "a" with a request of "b" past max_wait_steps: merged is out; mixed "a" (the same
-    weights) stands for it, and unmerged, predicted a little cheaper (within the margin), does
-    not get a weight switch; a much cheaper unmerged does."""
+def test_another_adapters_request_turns_merged_into_mixed_not_a_switch():
+    """Merged "a" when a request of "b" comes: merged is out; mixed "a" (the same weights) stands
+    for it, and unmerged, predicted a little cheaper (within the margin), does not get a weight
+    switch; a much cheaper unmerged does (mixed at r1 x the unmerged step)."""
     policy = CostPolicy(min_dwell=1, confirm=1)
-    requests = [Pending("a", 0.0, i) for i in range(9)] + [Pending("b", 1.0, 9)]
-    for r1, expected in ((2.55, Mode("mixed", "a")), (3.5, Mode("unmerged"))):  # mixed: 0.9 * 0.85 + 0.1 * r1
+    requests = [Pending("a", 0.0, i) for i in range(9)] + [Pending("b", 0.0, 9)]
+    for r1, expected in ((1.01, Mode("mixed", "a")), (1.2, Mode("unmerged"))):
         decider = policy.start()
         decider.steps_here = 10
         decider.observe_step("unmerged", 10, STEP_S)
@@ -113,7 +115,7 @@ def test_a_small_saving_is_worth_a_switch_when_the_adapter_has_long_requests():
         decider = policy.start()
         decider.steps_here = 10
         for b in (8, 16):
-            decider.costs.table.update({("base", b): STEP_S, ("r0", b): 0.86, ("r1", b): 1.41})
+            decider.costs.table.update({("base", b): STEP_S, ("r0", b): 0.86, ("r1", b): 0.97})
             decider.costs.merged_buckets.add(b)
         assert decider.costs.step("mixed", 10, 0.2) == pytest.approx(0.97 * STEP_S, rel=1e-3)
         assert decider.choose(requests, Mode()) == expected
@@ -136,16 +138,16 @@ def test_outlier_steps_do_not_move_the_estimates_and_are_kept_in_seen():
 
 def test_heavy_tailed_step_times_keep_the_modes_the_h200_measured():
     """The H200's decode steps (2026-11-27, 8B, 8-32 rows): unmerged 6.2 ms, merged 0.83 of it,
-    mixed r1 ~1.2-1.5, and one host-measured step in ten 3-10x longer. At a 0.5 share merged
-    (which starves half the requests) is never held; at 0.9 mixed takes most steps."""
+    mixed 0.95-1.0 of it, and one host-measured step in ten 3-10x longer. At a 0.5 share merged
+    is never held; at 0.9 mixed "a" is, once measured 5% cheaper than unmerged."""
     rng = random.Random(0)
     def noisy(r1):
         clean = costs(0.83, r1, base=0.0062)
         return lambda mode, rows, others: clean(mode, rows, others) * (rng.uniform(3, 10) if rng.random() < 0.1 else 1)
-    modes, _, _ = simulate(CostPolicy(), lambda step: hot(0.5), noisy(1.2), 600)
+    modes, _, _ = simulate(CostPolicy(), lambda step: hot(0.5), noisy(1.0), 600)
     assert sum(mode.name == "merged" for mode in modes) < 20
-    modes, _, _ = simulate(CostPolicy(), lambda step: hot(0.9), noisy(1.5), 600)
-    assert sum(mode == Mode("mixed", "a") for mode in modes[100:]) > 400
+    modes, _, _ = simulate(CostPolicy(), lambda step: hot(0.9), noisy(0.95), 600, remaining=500)
+    assert sum(mode == Mode("mixed", "a") for mode in modes[100:]) > 450
 
 
 def test_balanced_load_stays_unmerged():
@@ -172,10 +174,10 @@ def test_costs_that_make_merged_worse_never_switch():
 def test_an_expensive_switch_is_not_worth_it():
     """A switch of 20 s never pays off; measured once (the prior said 10 ms), it is not made
     again: the policy stays with the merged adapter it paid for."""
-    modes, decider, _ = simulate(CostPolicy(switch_s=20.0), lambda step: hot(0.95), costs(0.7, 1.2), 200,
+    modes, decider, _ = simulate(CostPolicy(switch_s=20.0), lambda step: hot(0.95), costs(0.7, 0.9), 200,
                                  switch_s=20.0)
     assert set(modes) == {Mode("unmerged")}
-    modes, decider, _ = simulate(CostPolicy(), lambda step: hot(0.95), costs(0.7, 1.2), 200, switch_s=20.0)
+    modes, decider, _ = simulate(CostPolicy(), lambda step: hot(0.95), costs(0.7, 0.9), 200, switch_s=20.0)
     assert decider.switches == 1 and decider.switch_s > 1.0  # the measured switch replaced the prior
 
 
@@ -194,7 +196,7 @@ def test_alternating_load_does_not_flap():
 def test_step_costs_start_from_the_priors_and_follow_the_measurements():
     costs_ = StepCosts(CostPolicy(default_step_s=0.02, merged_ratio=0.8, mixed_ratio=1.2))
     assert costs_.step("unmerged", 16) == 0.02 and costs_.step("merged", 16) == pytest.approx(0.016)
-    assert costs_.step("mixed", 16, 0.5) == pytest.approx(0.02)
+    assert costs_.step("mixed", 16, 0.5) == pytest.approx(0.024)
     costs_.record("merged", 16, 0.001)  # no unmerged step measured yet: no ratio
     assert costs_.step("merged", 16) == pytest.approx(0.016)
     for _ in range(2):
@@ -209,13 +211,13 @@ def test_step_costs_start_from_the_priors_and_follow_the_measurements():
     for seconds in (0.02, 0.03, 0.02):
         costs_.record("merged", 16, seconds)
     assert costs_.ratios(16)[0] == pytest.approx(0.5) and costs_.has_merged(16) and not costs_.has_merged(64)
-    for _ in range(60):
-        costs_.record("mixed", 16, 0.04 * (0.5 * 0.5 + 0.5 * 1.4), 0.5)
+    for share in (0.1, 0.5, 0.9):  # a mixed step's ratio, whatever the share of other rows
+        costs_.record("mixed", 16, 0.04 * 1.05, share)
     r0, r1 = costs_.ratios(16)
-    assert r0 == pytest.approx(0.5) and r1 == pytest.approx(1.4)  # r0 measured: r1 from the mixed steps
-    for _ in range(60):  # a bucket without merged steps: r0 and r1 both move, the prediction fits
-        costs_.record("mixed", 128, 0.1 * 0.9, 0.5)
-    assert 0.5 * sum(costs_.ratios(128)) == pytest.approx(0.9, abs=1e-3)
+    assert r0 == pytest.approx(0.5) and r1 == pytest.approx(1.05)
+    assert costs_.step("mixed", 16, 0.3) == pytest.approx(0.042) and costs_.step("mixed", 16, 0.0) == 0.02
+    costs_.record("mixed", 16, 0.04 * 0.2, 0.0)  # no other rows: a merged step
+    assert costs_.samples["merged"] == 5 and costs_.ratios(16) == (pytest.approx(0.5), pytest.approx(1.05))
 
 
 def test_bad_cost_policies_are_refused():
@@ -225,11 +227,11 @@ def test_bad_cost_policies_are_refused():
             CostPolicy(**bad)
 
 
-def replay(share, decide, r1=1.1, seed=0, requests=32, rate=4.0):
+def replay(share, decide, r1=1.0, seed=0, requests=32, rate=4.0):
     """V-LoRA's skew trace in miniature: `requests` Poisson arrivals at `rate`/s, 50-450 output
     tokens each, adapter "a" on a `share` of them and seven others uniform on the rest; served step
     by step at the H200's 8B decode costs (2026-11-27: unmerged 6.2 ms flat in the batch, merged
-    0.83 of it, r1 1.1 unless given, a switch 9.4 ms) in the mode `decide(requests, mode)` picks, every live
+    0.83 of it, a mixed step r1 of it (1.0 unless given), a switch 9.4 ms) in the mode `decide(requests, mode)` picks, every live
     request in every step (decode only). Returns the mean milliseconds per generated token
     (sum of request latencies / tokens: `bench/serve.py --modes-skew`'s metric) and the switches."""
     rng = random.Random(seed)
@@ -264,30 +266,30 @@ def replay(share, decide, r1=1.1, seed=0, requests=32, rate=4.0):
     return 1e3 * latency / sum(n for _, _, n in arrivals), switches
 
 
-@pytest.mark.parametrize("r1", [1.1, 2.0])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("r1", [1.0, 1.1, 2.0])
 @pytest.mark.parametrize("share", [0.5, 0.6, 0.7, 0.8, 0.9, 1.0])
-def test_auto_is_within_3_percent_of_the_best_fixed_mode_on_the_skew_trace(share, r1):
+def test_auto_is_within_3_percent_of_the_best_fixed_mode_on_the_skew_trace(share, r1, seed):
     """Issue 38 item 1 on the CPU: the policy, fed the H200's step costs, serves the skew trace
     within 1.03x the mean ms per token of the better of unmerged and mixed on the hot adapter
     (merged alone starves the other adapters: seconds per token), with few switches; also where
     a mixed step is dear (r1 2.0, as the H200 measured at 256-512 tokens)."""
-    auto, switches = replay(share, CostPolicy(max_batch=256).start().choose, r1)
-    unmerged, _ = replay(share, lambda requests, mode: Mode(), r1)
+    auto, switches = replay(share, CostPolicy(max_batch=256).start().choose, r1, seed)
+    unmerged, _ = replay(share, lambda requests, mode: Mode(), r1, seed)
     mixed, _ = replay(share, lambda requests, mode: Mode("mixed", "a") if any(r.adapter == "a" for r in requests)
-                      else mode, r1)
+                      else mode, r1, seed)
     assert auto <= 1.03 * min(unmerged, mixed), (auto, unmerged, mixed)
-    assert switches <= 10
+    assert switches <= 16  # (V-LoRA's credit policy switched 24-56 times on the H200's 100-request trace)
 
 
-def test_each_option_is_priced_per_token_by_the_requests_that_wait_through_it():
-    """A step's cost per token: (step + amortised switch) x live requests / rows it serves. With
-    one request of "a" and three of others, merged "a" serves one row while four wait: 4x the
-    merged step; mixed and unmerged serve all four rows: their step."""
-    decider = CostPolicy(max_batch=256, default_step_s=0.006, merged_ratio=0.8, mixed_ratio=1.2,
-                         switch_s=0.0).start()
+def test_options_and_their_prices():
+    """Per token: the step (+ amortised switch) x requests / rows. One request of "a" and three of
+    others: unmerged and mixed "a" (r1), no merged "a" (it would leave three waiting); only "a"'s
+    requests: merged "a" (r0), no mixed. Past max_batch every option pays for the rows left out."""
+    decider = CostPolicy(max_batch=4, default_step_s=0.006, merged_ratio=0.8, mixed_ratio=1.2, switch_s=0.0).start()
     requests = [Pending("a", 0.0, 0, True, 100)] + [Pending(x, 0.0, i + 1, True, 100) for i, x in enumerate("bcd")]
     options = decider.predict(requests, Mode())
-    assert options[Mode("unmerged")] == pytest.approx(0.006)
-    assert options[Mode("merged", "a")] == pytest.approx(4 * 0.8 * 0.006)
-    assert options[Mode("mixed", "a")] == pytest.approx((0.25 * 0.8 + 0.75 * 1.2) * 0.006)
-    assert decider.choose(requests, Mode()) == Mode("unmerged")
+    assert options == {Mode(): pytest.approx(0.006), Mode("mixed", "a"): pytest.approx(1.2 * 0.006)}
+    assert decider.choose(requests, Mode()) == Mode()
+    alone = [Pending("a", 0.0, i, True, 100) for i in range(8)]
+    assert decider.predict(alone, Mode()) == {Mode(): pytest.approx(0.012), Mode("merged", "a"): pytest.approx(0.8 * 0.012)}
