@@ -179,7 +179,7 @@ def test_peft_adapter_on_the_vision_tower_equals_peft_and_is_refused_by_the_lang
     assert relative_error(_our_logits(model, tokens, pixels, lora), expected) > 1e-3  # the tower's part matters
     _close(got, expected)
     with pytest.raises(AdapterError, match=r"vision tower \(module model\.vision_model\.encoder\.layers\.0\."
-                                           r"self_attn\.q_proj\).*SigLIP"):
+                                           r"mlp\.fc2\).*SigLIP"):
         load_vlm_adapter(str(tmp_path / "tower"), model.config)
     _peft_adapter(directory, tmp_path / "connector", ["proj"])
     for load in (load_vlm_adapter, load_vlm_lora):
