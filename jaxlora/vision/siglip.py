@@ -2,7 +2,9 @@
 
 tiles [N, C, S, S] -> patches (one matmul over each patch's C*p*p pixels, plus the conv's bias)
 -> + position embeddings (for a full tile, patch (i, j) takes the bucket transformers computes
-from its fractional coordinates: `position_ids`) -> encoder layers (CLIP's layer:
+from its fractional coordinates: `position_ids`; row-major for the shipped checkpoints' 32, 27
+and 26 patches a side on the CPU; transformers' CUDA arange rounds its boundaries otherwise and
+gives other buckets at 26 and 27, so transformers itself differs by device there) -> encoder layers (CLIP's layer:
 `jaxlora.vision.clip.encoder_layer`, no mask, scanned over stacked weights) -> post LayerNorm ->
 pixel shuffle (each s x s block of patches concatenated along features) -> connector (one linear,
 no bias) -> [N, tokens_per_image, text hidden]. No CLS, no pre-LayerNorm.
@@ -44,14 +46,29 @@ def weight_shapes(config: Idefics3Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def torch_cpu_arange(start: float, end: float, step: float) -> np.ndarray:
+    """float32 `torch.arange(start, end, step)` as torch computes it on the CPU: ceil((end -
+    start) / step) elements; those in whole pairs of 8-lane vectors as a float32 base (start + step
+    * its first index, in double) plus lane * step in double, the rest as start + step * i in
+    double; each rounded to float32 (one rounding more than start + step * i for most)."""
+    size = max(0, int(np.ceil((end - start) / step)))
+    out = np.asarray(start + step * np.arange(size, dtype=np.float64), np.float32)
+    vectors = size // 16 * 16  # torch's CPU loop: two 8-float vectors at a time, the tail element-wise
+    if vectors:
+        bases = np.asarray(start + step * np.arange(0, vectors, 8, dtype=np.float64), np.float32)
+        lanes = np.arange(8, dtype=np.float64) * step
+        out[:vectors] = np.asarray(bases.astype(np.float64)[:, None] + lanes[None, :], np.float32).reshape(-1)
+    return out
+
+
 def position_ids(side: int) -> np.ndarray:
     """[side * side] int32: the position embedding row of each patch of a full tile, as
-    transformers' `Idefics3VisionEmbeddings` buckets them (float32 fractional coordinates i / side
-    against float32 boundaries 1/side .. (side-1)/side, `bucketize(right=True)`): i * side + j
-    unless float rounding moves a coordinate to the bucket below."""
-    count = int(np.ceil((1.0 - 1 / side) / (1 / side)))  # torch.arange(1/side, 1.0, 1/side)'s length
-    boundaries = (1 / side + np.arange(count, dtype=np.float64) * (1 / side)).astype(np.float32)
-    boundaries = boundaries[boundaries < 1.0] if count and boundaries[-1] >= 1.0 else boundaries
+    transformers' `Idefics3VisionEmbeddings` buckets them on the CPU: float32 fractional
+    coordinates i * (1 / side) against the boundaries `torch.arange(1/side, 1.0, 1/side)`,
+    `bucketize(right=True)`. Row-major i * side + j for most sides (every power of two; 26, 27);
+    float rounding moves some rows and columns to the bucket below for others (19, 25, 29, ...).
+    transformers on a GPU computes the boundaries in float32 and may differ (module doc)."""
+    boundaries = torch_cpu_arange(1 / side, 1.0, 1 / side)
     step = np.float32(1.0) / np.float32(side)
     coords = np.minimum(np.arange(side, dtype=np.float32) * step, np.float32(1.0 - 1e-6))
     buckets = np.searchsorted(boundaries, coords, side="right")

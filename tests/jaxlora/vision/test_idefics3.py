@@ -97,6 +97,28 @@ def test_preprocessing_equals_transformers_processor():
     assert [r for _, r, _ in ours] == [0] * len(images)  # without splitting: one tile an image
 
 
+def test_position_buckets_equal_transformers():
+    """Each patch's position embedding row, read from transformers' `Idefics3VisionEmbeddings`
+    (patch weights zero, position row k = k), equals `position_ids` at sides where float rounding
+    makes them row-major (6, 26, 27, 32) and where it does not (19, 25, 29)."""
+    import torch
+    from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
+    from transformers.models.idefics3.modeling_idefics3 import Idefics3VisionEmbeddings
+
+    from jaxlora.vision.siglip import position_ids
+
+    for side in (6, 19, 25, 26, 27, 29, 32):
+        embeddings = Idefics3VisionEmbeddings(Idefics3VisionConfig(hidden_size=1, image_size=2 * side, patch_size=2))
+        with torch.no_grad():
+            for param in embeddings.patch_embedding.parameters():
+                param.zero_()
+            embeddings.position_embedding.weight.copy_(torch.arange(side * side, dtype=torch.float32)[:, None])
+            rows = embeddings(torch.zeros(1, 3, 2 * side, 2 * side), torch.ones(1, side, side, dtype=torch.bool))
+        expected = rows[0, :, 0].numpy().astype(int)
+        assert expected.tolist() == position_ids(side).tolist(), side
+        assert (expected == np.arange(side * side)).all() == (side in (6, 26, 27, 32)), side
+
+
 @pytest.mark.parametrize("overrides", [{}, {"do_image_splitting": False}], ids=["split", "not split"])
 def test_prompt_layout_and_pixels_equal_processor(tiny, overrides):
     """Our ids (tokenise, then each `<image>` -> its tiles' layout) equal `Idefics3Processor`'s,
