@@ -176,6 +176,7 @@ def load_vlm(path: str, dtype=jnp.float32) -> tuple[Llava, Tokenizer, ImageProce
     config = read_vlm_config(path)
     model = load_idefics3(path, dtype) if isinstance(config, Idefics3Config) else load_llava(path, dtype)
     tokenizer = load_tokenizer(path)
+    tokenizer.image_placeholder = IMAGE_TOKEN  # a chat template reading typed parts gets them
     image_token = tokenizer.token_text(model.config.image_token_id)
     if image_token != IMAGE_TOKEN:
         raise WeightsError(f"{path}: the config's image token id {model.config.image_token_id} is "

@@ -283,6 +283,41 @@ def test_jaxlora_generate_cli_with_images(tiny, tmp_path, capsys):
     assert capsys.readouterr().out == f"> {ONE}\n{expected}\n\n"
 
 
+SMOLVLM_TEMPLATE = (  # HuggingFaceTB/SmolVLM-Instruct's chat template: it reads content as typed parts
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+
+
+def test_a_chat_template_that_reads_typed_parts_renders_as_the_processor(tiny):
+    """SmolVLM's template iterates a message's parts: our rendering of a chat whose image parts
+    are `<image>` placeholders (what the server and jaxlora-train render) equals
+    `Idefics3Processor.apply_chat_template` on the typed parts, so the ids and tiles do too."""
+    import dataclasses
+
+    directory, _, ours, _ = tiny
+    model, tokenizer, processor = ours
+    tokenizer = dataclasses.replace(tokenizer, chat_template=SMOLVLM_TEMPLATE)
+    hf = hf_processor(directory)
+    hf.chat_template = SMOLVLM_TEMPLATE
+    parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"},
+                                          {"type": "image"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "red"}]},
+             {"role": "user", "content": [{"type": "text", "text": "And now?"}]}]
+    ours_text = tokenizer.apply_chat_template([{"role": "user", "content": "<image>What is it?<image>"},
+                                               {"role": "assistant", "content": "red"},
+                                               {"role": "user", "content": "And now?"}])
+    expected = hf.apply_chat_template(parts, add_generation_prompt=True)
+    assert ours_text == expected and ours_text.count("<image>") == 2
+    inputs = _hf_inputs(hf, expected, _images())
+    tokens, _ = _our_inputs((model, tokenizer, processor), ours_text, _images())
+    assert tokens.tolist() == inputs["input_ids"].tolist()
+    plain = dataclasses.replace(tokenizer, image_placeholder=None)  # a text model's tokenizer: strings as they are
+    assert "What is it?" not in plain.apply_chat_template([{"role": "user", "content": "What is it?"}])
+
+
 def test_unsupported_configs_are_refused(tiny, tmp_path):
     import json
     import shutil
