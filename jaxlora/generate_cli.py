@@ -25,7 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--image", action="append", default=[], metavar="FILE",
-                        help="an image for a vision-language model (LLaVA-1.5 directory): each <image> of the "
+                        help="an image for a vision-language model (a LLaVA-1.5 or Idefics3 directory): each <image> of the "
                              "prompts takes the next one (repeat the option)")
     return parser
 
@@ -35,7 +35,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     if os.path.isdir(args.model) and is_vlm_dir(args.model):
         return _generate_vlm(args)
     if args.image:
-        print("error: --image needs a vision-language model directory (LLaVA-1.5)", file=sys.stderr)
+        print("error: --image needs a vision-language model directory (LLaVA-1.5, Idefics3)", file=sys.stderr)
         return 2
     try:
         params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.seed)

@@ -7,6 +7,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 from typing import Any, Mapping, Sequence
 
 import jinja2.sandbox
@@ -14,6 +15,9 @@ from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
+# A chat template that reads a message's content as a list of typed parts (VLM templates:
+# SmolVLM's `line['type']`, llava-hf's `selectattr('type', 'equalto', 'image')`).
+_PARTS_TEMPLATE = re.compile(r"""\[\s*['"]type['"]\s*\]|\.type\b|selectattr\(\s*['"]type['"]""")
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (
@@ -53,6 +57,9 @@ class Tokenizer:
     pad_token_id: int | None = None
     add_bos: bool = False
     chat_template: str | None = None
+    # A VLM's image placeholder (`jaxlora.vision.loading.load_vlm` sets "<image>"): string contents
+    # are given as typed parts to a template that reads parts (`content_parts`).
+    image_placeholder: str | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -79,6 +86,9 @@ class Tokenizer:
         if not self.chat_template:
             raise TokenizerError("this tokenizer has no chat template; send plain text instead")
         template = _compile_template(self.chat_template)
+        if self.image_placeholder and _PARTS_TEMPLATE.search(self.chat_template):
+            messages = [{**m, "content": content_parts(m["content"], self.image_placeholder)}
+                        if isinstance(m.get("content"), str) else m for m in messages]
         special = {
             "bos_token": self._text_of(self.bos_token_id),
             "eos_token": self._text_of(self.eos_token_ids[0] if self.eos_token_ids else None),
@@ -89,6 +99,19 @@ class Tokenizer:
 
     def _text_of(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
+
+
+def content_parts(text: str, placeholder: str) -> list[dict]:
+    """A message's text as the typed parts a VLM chat template reads: text parts, and an
+    `{"type": "image"}` part at each `placeholder` (the template renders it back: SmolVLM's
+    writes `<image>` where it was, llava-hf's all images first)."""
+    parts: list[dict] = []
+    for i, piece in enumerate(text.split(placeholder)):
+        if i:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts or [{"type": "text", "text": ""}]
 
 
 def _raise_exception(message: str):

@@ -331,7 +331,7 @@ def build_app(args):
     try:
         started = time.perf_counter()
         dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-        if is_vlm_dir(args.model):  # LLaVA-1.5: its language model served by the engine, its tower beside it
+        if is_vlm_dir(args.model):  # LLaVA-1.5, Idefics3: its language model served by the engine, its tower beside it
             if finetune is not None:
                 raise SystemExit("jaxlora-serve: fine-tuning inside the server (--data-dir) is not built for a "
                                  "vision-language model")
@@ -341,9 +341,9 @@ def build_app(args):
             from jaxlora.vision.loading import load_vlm
             from serve.vision import ImageServing
 
-            llava, tokenizer, processor = load_vlm(args.model, dtype)
-            images = ImageServing(llava, processor)
-            model = llava.language
+            vlm, tokenizer, processor = load_vlm(args.model, dtype)
+            images = ImageServing(vlm, processor)
+            model = vlm.language
         elif warm_start.applies(args, mesh, devices, collection, vlm=False):  # weights written once programs load
             (model, plan), tokenizer = warm_start.placeholder_model(args.model, dtype), load_tokenizer(args.model)
         else:

@@ -1,7 +1,10 @@
-"""Images in the serving engine (issue 39): a LLaVA's vision tower beside the engine's language model.
+"""Images in the serving engine (issue 39): a VLM's vision tower beside the engine's language model.
 
-`ImageServing` holds the tower (CLIP ViT + projector, `jaxlora.vision.clip.VisionTower`), the image
-processor's settings and the prompt layout (image token, tokens per image). A request with images
+`ImageServing` holds the tower (LLaVA: CLIP ViT + projector, `jaxlora.vision.clip.VisionTower`;
+Idefics3: SigLIP + pixel shuffle + connector, `jaxlora.vision.siglip.Idefics3Tower`), the
+processor (image settings and prompt layout: `jaxlora.vision.prompts`) and the image token. The
+tower's unit is an image for LLaVA and a tile for Idefics3 (an image of rows x cols tiles is
+rows * cols + 1 tower images): "images" below are the tower's. A request with images
 (`Engine.submit(..., images=ImageInput)`) carries its preprocessed pixel values [n, C, H, W] and a
 digest of them. At the step that first computes one of its image tokens (its first prefill chunk,
 after any cached prefix; or again after a preemption) the engine encodes the pixel values of every
@@ -26,10 +29,10 @@ import numpy as np
 
 from jaxlora.buckets import bucket
 from jaxlora.lora.adapter import LoraAdapter
-from jaxlora.vision.adapters import load_llava_adapter
+from jaxlora.vision.adapters import load_vlm_adapter
 from jaxlora.vision.loading import IMAGE_TOKEN
 from jaxlora.vision.llava import Llava, TowerEncoder, check_image_tokens, image_row_index
-from jaxlora.vision.preprocess import ImageProcessorConfig, expand_image_tokens, preprocess_images
+from jaxlora.vision.prompts import expand_prompt
 
 __all__ = ["IMAGE_TOKEN", "ImageInput", "ImageServing"]
 
@@ -53,10 +56,10 @@ class ImageInput:
 
 
 class ImageServing:
-    """A LLaVA's vision side for the engine (module doc): `Engine(llava.language, ...,
-    images=ImageServing(llava, processor))`."""
+    """A VLM's vision side for the engine (module doc): `Engine(model.language, ...,
+    images=ImageServing(model, processor))`, model and processor from `load_vlm`."""
 
-    def __init__(self, model: Llava, processor: ImageProcessorConfig):
+    def __init__(self, model: Llava, processor):
         self.config = model.config
         self.processor = processor
         self.image_token_id = int(model.config.image_token_id)
@@ -68,11 +71,11 @@ class ImageServing:
     # ---- requests -------------------------------------------------------------------------------
     def prompt(self, ids: list[int], images: list) -> tuple[list[int], ImageInput | None]:
         """A tokenised prompt with one image token per image (`<image>`) and its images (Pillow
-        images or uint8 arrays) -> the expanded ids and the `ImageInput` (None without images);
-        ValueError if the placeholders and the images do not match."""
-        expanded = expand_image_tokens(ids, self.image_token_id, self.tokens_per_image)
-        check_image_tokens(expanded, self.image_token_id, len(images), self.tokens_per_image)
-        return expanded, (ImageInput.of(preprocess_images(images, self.processor)) if images else None)
+        images or uint8 arrays) -> the ids with the family's image layout and the `ImageInput` (the
+        tower's images; None without images); ValueError if the placeholders and the images do
+        not match."""
+        expanded = expand_prompt(self.processor, self.image_token_id, self.tokens_per_image, ids, images)
+        return expanded.ids, (ImageInput.of(expanded.pixels) if images else None)
 
     def check(self, prompt: list[int], images: ImageInput | None) -> None:
         """ValueError unless the prompt holds exactly the images' image tokens."""
@@ -83,9 +86,9 @@ class ImageServing:
                 raise ValueError(f"pixel values of shape {tuple(images.pixels.shape[1:])}; this model takes {want}")
 
     def read_adapter(self, path: str, name: str) -> LoraAdapter:
-        """A PEFT adapter saved on the LLaVA model, as an adapter of its language model (stored
-        dtype kept; the tower's and projector's LoRA refused by name)."""
-        return load_llava_adapter(path, self.config, name, keep_dtype=True)
+        """A PEFT adapter saved on the VLM, as an adapter of its language model (stored dtype
+        kept; the tower's and projector's LoRA refused by name)."""
+        return load_vlm_adapter(path, self.config, name, keep_dtype=True)
 
     # ---- steps ----------------------------------------------------------------------------------
     def encode(self, pixels: list[np.ndarray]) -> list[jax.Array]:

@@ -1,7 +1,7 @@
 """The job file's `base_model`: "default" (the embedded SmolLM2-135M), a HF directory or a .gguf
 file, or `preset:NAME` for a named shape with random weights (`jaxlora.models.presets`; to
 measure speed and memory at a model's size without its weights), or a vision-language model's
-HF directory (LLaVA-1.5: its language model is trained, its tower and projector stay frozen,
+HF directory (LLaVA-1.5, Idefics3 / SmolVLM: its language model is trained, its tower and projector stay frozen,
 `train.images.VisionInputs`). The datasets are read with `tokenizer` when given, else the
 model's own (for a preset: the embedded model's)."""
 
@@ -30,12 +30,12 @@ def preset_config(base_model: str) -> LlamaConfig | None:
 
 def base_model_config(base_model: str) -> LlamaConfig:
     """The model's shape, read without loading its weights."""
-    from jaxlora.vision.loading import is_vlm_dir, read_llava_config
+    from jaxlora.vision.loading import is_vlm_dir, read_vlm_config
     from jaxlora.weights import load_config
 
     config = preset_config(base_model)
     if config is None and is_vlm_dir(str(base_model)):
-        return read_llava_config(base_model).text
+        return read_vlm_config(base_model).text
     return config or load_config(base_model)
 
 
@@ -63,8 +63,8 @@ def load_training_model(base_model: str, dtype, seed: int = 0, tokenizer_path: s
         if tokenizer_path is not None:
             raise ConfigError(f"tokenizer: a vision-language model ({base_model!r}) reads its datasets with its own "
                               "tokenizer (its image token); leave 'tokenizer' out")
-        llava, tokenizer, processor = load_vlm(base_model, dtype)
-        return llava.language, tokenizer, VisionInputs(llava.config, processor, TowerEncoder(llava.vision, dtype))
+        vlm, tokenizer, processor = load_vlm(base_model, dtype)
+        return vlm.language, tokenizer, VisionInputs(vlm.config, processor, TowerEncoder(vlm.vision, dtype))
 
     from jaxlora.models.llama import Llama
     from jaxlora.weights import load_llama, load_model, load_tokenizer

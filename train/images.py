@@ -10,8 +10,9 @@ An image's reference is a `data:` URL (PNG/JPEG) or a path relative to the datas
 directory (never outside it); remote URLs are refused (training fetches nothing). Each message
 renders as its text parts joined, each image as the model's placeholder (`<image>`) where it was,
 as the server renders a chat request (`serve.protocol.ChatMessage.text`), so a trained adapter
-sees the very prompts it is served with. `VisionInputs` holds a LLaVA's frozen tower and prompt
-layout for the trainer (`train.base_model.load_training_model`)."""
+sees the very prompts it is served with; each placeholder then becomes the family's image layout
+(`jaxlora.vision.prompts`: LLaVA's image tokens, Idefics3's tiles). `VisionInputs` holds a VLM's
+frozen tower and processor for the trainer (`train.base_model.load_training_model`)."""
 
 from __future__ import annotations
 
@@ -20,11 +21,10 @@ import os
 
 import numpy as np
 
-from jaxlora.vision.config import LlavaConfig
-from jaxlora.vision.llava import TowerEncoder, check_image_tokens
+from jaxlora.vision.llava import TowerEncoder
 from jaxlora.vision.loading import IMAGE_TOKEN
-from jaxlora.vision.preprocess import (ImageError, ImageProcessorConfig, decode_data_url, expand_image_tokens,
-                                       open_image, preprocess_images)
+from jaxlora.vision.preprocess import ImageError, decode_data_url, open_image
+from jaxlora.vision.prompts import expand_prompt
 from train.config import ConfigError
 
 MAX_IMAGES = 8  # images in one record (the server's default Limits.max_images)
@@ -35,11 +35,12 @@ IMAGE_PART_TYPES = ("image_url", "image")
 
 @dataclasses.dataclass(frozen=True)
 class VisionInputs:
-    """A LLaVA's vision side in training: its config (image token, tokens per image), image
-    processor settings and frozen tower (`TowerEncoder`: pixels [N, C, H, W] -> rows [N', P, d])."""
+    """A VLM's vision side in training: its config (image token, tokens per tower image; a
+    `LlavaConfig` or `Idefics3Config`), processor (`load_vlm`'s: image settings, prompt layout)
+    and frozen tower (`TowerEncoder`: pixels [N, C, H, W] -> rows [N', P, d])."""
 
-    config: LlavaConfig
-    processor: ImageProcessorConfig
+    config: object
+    processor: object
     encoder: TowerEncoder
 
     @property
@@ -154,23 +155,19 @@ def _read_file(path: str, base_dir: str) -> bytes:
 def with_images(tokens: list[int], mask: list[bool], images: list, vision: VisionInputs | None,
                 where: str) -> tuple[list[int], list[bool], np.ndarray | None]:
     """A rendered record's (tokens, loss mask) with each image placeholder token expanded to the
-    image's tokens (`expand_image_tokens`; no loss on them) and its pixel values [n, C, H, W]
-    (None without images); ConfigError for placeholders that do not match the images
-    (`check_image_tokens`). A text-only model (`vision` None): unchanged (`record_images`
+    family's image layout (`jaxlora.vision.prompts.expand_prompt`; no loss on any of its tokens)
+    and the tower's pixel values [n, C, H, W] (None without images); ConfigError for placeholders
+    that do not match the images. A text-only model (`vision` None): unchanged (`record_images`
     refused its images)."""
     if vision is None:
         return tokens, mask, None
-    image_id, per_image = vision.image_token_id, vision.tokens_per_image
-    expanded = expand_image_tokens(tokens, image_id, per_image)
-    try:
-        check_image_tokens(expanded, image_id, len(images), per_image)
-    except ValueError as err:
+    image_id = vision.image_token_id
+    if tokens.count(image_id) != len(images):
         raise ConfigError(f"{where}: {len(images)} image part(s) but the rendered prompt has "
-                          f"{tokens.count(image_id)} {IMAGE_TOKEN} placeholder(s) ({err})") from None
-    mask = [m and t != image_id for t, m in zip(tokens, mask) for _ in range(per_image if t == image_id else 1)]
-    if not images:
-        return expanded, mask, None
+                          f"{tokens.count(image_id)} {IMAGE_TOKEN} placeholder(s)")
     try:
-        return expanded, mask, preprocess_images(images, vision.processor)
+        expanded = expand_prompt(vision.processor, image_id, vision.tokens_per_image, tokens, images)
     except ImageError as err:
         raise ConfigError(f"{where}: {err}") from None
+    mask = [m and t != image_id for t, m, n in zip(tokens, mask, expanded.counts) for _ in range(n)]
+    return expanded.ids, mask, expanded.pixels

@@ -29,7 +29,7 @@ from jaxlora.models.packed import pack_projections
 from jaxlora.scheduler.core import IDLE, TRAIN, TRAINING_ONLY, WorkItem
 from jaxlora.scheduler.training.samples import Sample, TrainingData
 from jaxlora.scheduler.training.schedule import SchedulerConfig
-from jaxlora.vision.adapters import save_llava_adapter
+from jaxlora.vision.adapters import save_vlm_adapter
 from train.base_model import base_model_config, load_training_model
 from train.checkpoint import Checkpointer
 from train.config import ConfigError, TrainConfig
@@ -349,8 +349,8 @@ class Trainer:
             path = os.path.join(self.config.output_dir, adapter.name)
             if self.vision is None:
                 save_peft_adapter(adapter, path, base_model_name=str(self.config.base_model))
-            else:  # PEFT's names on the LLaVA model (what `jaxlora.vision.adapters` and PEFT read)
-                save_llava_adapter(adapter, path, base_model_name=str(self.config.base_model))
+            else:  # PEFT's names on the VLM (what `jaxlora.vision.adapters` and PEFT read)
+                save_vlm_adapter(adapter, path, self.vision.config, base_model_name=str(self.config.base_model))
 
 
 def _training_model(config: TrainConfig, model):

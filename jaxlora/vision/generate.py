@@ -1,4 +1,4 @@
-"""Generation with images in the prompt (LLaVA): the images are encoded in one batch, written
+"""Generation with images in the prompt (LLaVA, Idefics3): the images (Idefics3: their tiles) are encoded in one batch, written
 into the prefill's input embeddings at their image tokens, and `jaxlora.generate.generate` runs
 the language model (KV cache, sampling, LoRA adapters per prompt) from there."""
 
@@ -15,7 +15,7 @@ from flax import nnx
 from jaxlora.generate import generate
 from jaxlora.sampling import SamplingParams
 from jaxlora.vision.llava import Llava, check_image_tokens
-from jaxlora.vision.preprocess import ImageProcessorConfig, expand_image_tokens, preprocess_images
+from jaxlora.vision.prompts import expand_prompt
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -67,19 +67,20 @@ def generate_with_images(
                     embed_prompts=embed_prompts)
 
 
-def generate_text_with_images(model: Llava, tokenizer, processor: ImageProcessorConfig, prompts: Sequence[str],
+def generate_text_with_images(model: Llava, tokenizer, processor, prompts: Sequence[str],
                               images: Sequence[Sequence], params: SamplingParams = SamplingParams(),
                               chat: bool = False) -> list[str]:
     """String in, string out: each prompt's `<image>` placeholders take its images (Pillow
-    images or uint8 arrays) in order; `chat=True` wraps each prompt as a user message in the chat
-    template first."""
+    images or uint8 arrays) in order, laid out by the family's processor (`load_vlm`'s third
+    value: `jaxlora.vision.prompts.expand_prompt`); `chat=True` wraps each prompt as a user message
+    in the chat template first."""
     if len(images) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but images for {len(images)}")
     config = model.config
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in prompts]
-    ids = [expand_image_tokens(tokenizer.encode(text), config.image_token_id, config.tokens_per_image)
-           for text in texts]
-    flat = [image for group in images for image in group]
-    pixels = preprocess_images(flat, processor) if flat else None
-    outputs = generate_with_images(model, ids, pixels, params, tokenizer.eos_token_ids)
+    expanded = [expand_prompt(processor, config.image_token_id, config.tokens_per_image, tokenizer.encode(text), group)
+                for text, group in zip(texts, images)]
+    pixels = [e.pixels for e in expanded if e.pixels is not None]
+    outputs = generate_with_images(model, [e.ids for e in expanded], np.concatenate(pixels) if pixels else None,
+                                   params, tokenizer.eos_token_ids)
     return [tokenizer.decode(out) for out in outputs]

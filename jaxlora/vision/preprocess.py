@@ -106,9 +106,10 @@ def image_processor_from_hf(raw: Mapping[str, Any], source: str = "preprocessor_
         raise ImageError(f"{source}: {err}") from None
 
 
-def read_image_processor(path: str) -> ImageProcessorConfig:
+def read_image_processor(path: str, parse=image_processor_from_hf):
     """The image processor of a HF model directory: `preprocessor_config.json`, or the
-    `image_processor` entry of `processor_config.json`; CLIP's defaults at 224 if neither."""
+    `image_processor` entry of `processor_config.json`, read by `parse(raw dict, file)` (CLIP /
+    LLaVA settings by default; Idefics3's: `jaxlora.vision.idefics3_preprocess`)."""
     for name, key in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
         file = os.path.join(path, name)
         if not os.path.exists(file):
@@ -120,11 +121,11 @@ def read_image_processor(path: str) -> ImageProcessorConfig:
             raise ImageError(f"{file}: cannot read: {err}") from err
         raw = raw.get(key) if key else raw
         if isinstance(raw, Mapping):
-            return image_processor_from_hf(raw, file)
+            return parse(raw, file)
     raise ImageError(f"{path}: no preprocessor_config.json (the image processor's settings)")
 
 
-def _to_rgb_array(image: Image.Image | np.ndarray, convert_rgb: bool) -> np.ndarray:
+def to_rgb_array(image: Image.Image | np.ndarray, convert_rgb: bool) -> np.ndarray:
     """[C, H, W] uint8 (or the array's dtype): transformers' `convert_to_rgb` (alpha composited
     onto white) then channels first. Arrays are [H, W], or [H, W, C] with C in 1, 3, 4."""
     if isinstance(image, Image.Image):
@@ -185,7 +186,7 @@ def _resize_shape(height: int, width: int, config: ImageProcessorConfig) -> tupl
     return (new_long, new_short) if width <= height else (new_short, new_long)
 
 
-def _resize(image: np.ndarray, size: tuple[int, int], resample: int) -> np.ndarray:
+def resize_array(image: np.ndarray, size: tuple[int, int], resample: int) -> np.ndarray:
     """[C, H, W] uint8 resized by Pillow to size (height, width), as transformers' `resize`."""
     if image.dtype != np.uint8:
         raise ImageError(f"resizing needs a uint8 image (as Pillow holds it), got {image.dtype}")
@@ -215,20 +216,29 @@ def _center_crop(image: np.ndarray, size: tuple[int, int]) -> np.ndarray:
 def preprocess_image(image: Image.Image | np.ndarray, config: ImageProcessorConfig) -> np.ndarray:
     """One image (a Pillow image, or a uint8 [H, W(, C)] array) -> pixel values [C, H', W']
     float32, as the `transformers` processor computes them."""
-    array = _to_rgb_array(image, config.do_convert_rgb)
+    array = to_rgb_array(image, config.do_convert_rgb)
     if config.do_pad:
         array = _pad_to_square(array, config.image_mean)
     if config.do_resize:
-        array = _resize(array, _resize_shape(array.shape[1], array.shape[2], config), config.resample)
+        array = resize_array(array, _resize_shape(array.shape[1], array.shape[2], config), config.resample)
     if config.do_center_crop:
         array = _center_crop(array, config.crop_size)
-    if config.do_rescale:
-        array = (array.astype(np.float64) * config.rescale_factor).astype(np.float32)
-    if config.do_normalize:
+    return rescale_normalize(array, config.rescale_factor if config.do_rescale else None,
+                             (config.image_mean, config.image_std) if config.do_normalize else None)
+
+
+def rescale_normalize(array: np.ndarray, rescale_factor: float | None,
+                      mean_std: tuple[tuple[float, ...], tuple[float, ...]] | None) -> np.ndarray:
+    """[C, H, W] -> float32 [C, H, W]: times rescale_factor (in float64, then float32; None: not
+    rescaled), then (x - mean) / std per channel in float32 (None: not normalised), as transformers'
+    `rescale` and `normalize`."""
+    if rescale_factor is not None:
+        array = (array.astype(np.float64) * rescale_factor).astype(np.float32)
+    if mean_std is not None:
         if not np.issubdtype(array.dtype, np.floating):
             array = array.astype(np.float32)
-        mean = np.array(config.image_mean, dtype=array.dtype)
-        std = np.array(config.image_std, dtype=array.dtype)
+        mean = np.array(mean_std[0], dtype=array.dtype)
+        std = np.array(mean_std[1], dtype=array.dtype)
         if len(mean) != array.shape[0] or len(std) != array.shape[0]:
             raise ImageError(f"image_mean/std have {len(mean)}/{len(std)} values for {array.shape[0]} channels")
         array = ((array.T - mean) / std).T
