@@ -509,6 +509,17 @@ modes_and_scan() {  # 4 x H200, one call, pinned (PIN=1): GPUs 0-1 --modes-skew 
   tar czf $OUT/modes_and_scan.tgz -C $OUT ms && rm -rf $OUT/ms
 }
 
+guard() {  # one H200: the regression guard's serving trace (bench/regress.py --only serve; .jitcache and .whl
+  # carried), alone on the machine; then, with the time left, the disk-read benchmark (CPU work beside no engine)
+  nvidia-smi -L
+  python3 bench/jit_cache.py unpack .jitcache/jitcache /tmp/jaxlora_serve_jit_cache
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  timeout $((LIMIT - SECONDS - 5)) python3 bench/regress.py --only serve --out-dir "$OUT" 2>&1 \
+      | grep -v "cuda_timer\|Warning\|^W1127" | tail -n 40
+  rm -f "$OUT"/regress_serve.png
+}
+
 vision_serve() {  # one GPU, issue 39 item 4: bench/vision_serve.py (LLaVA-1.5 layout, ViT-L/14-336 + Llama-3.1-8B
   # shape, random bf16) serving one image+text trace on the base model and over 1, 8 and 64 adapters at the README's
   # engine sizes; ~5-6 min from an empty compile cache on an H200. Its compile cache comes back as jitcache_vision.partNN:
