@@ -75,6 +75,18 @@ write_slot_donated = jax.jit(_write_slot_impl, donate_argnums=(0,))
 POOL_KEYS = ("a", "b", "scale", "rank")
 
 
+@functools.partial(jax.jit, static_argnums=(1,))
+def pad_ranks(values: dict, max_rank: int) -> dict:
+    """`values` {module: {a [L, k, r], b [L, r, n], scale [L], rank [L]}} with A/B zero-padded to
+    `max_rank` (on the device: one small program per set of shapes, e.g. per adapter rank)."""
+    def pad(parts):
+        a, b = parts["a"], parts["b"]
+        return {**parts, "a": jnp.pad(a, ((0, 0), (0, 0), (0, max_rank - a.shape[2]))),
+                "b": jnp.pad(b, ((0, 0), (0, max_rank - b.shape[1]), (0, 0)))}
+
+    return {module: pad(parts) for module, parts in values.items()}
+
+
 @functools.lru_cache(maxsize=None)
 def _placed_pool_fns(base: LlamaConfig, num_slots: int, max_rank: int, modules: tuple, dtype_name: str,
                      mesh: "Mesh", rules: ShardingRules, donate: bool):
@@ -139,18 +151,23 @@ class AdapterPool:
         self.slot_writes = [0] * num_slots  # loads and evictions of each slot (copies of it go stale)
         self._empty: dict | None = None
         self._set_host_memory(pinned)
+        if mesh is None:
+            self.arrays = self.to_device(self.arrays)  # committed (no copy), as the update's outputs are
 
     def _set_host_memory(self, pinned: bool) -> None:
         """Where prepared adapters live on the host (module doc): `pinned` needs a pool on one device."""
         if pinned and self.mesh is not None:
             raise ValueError("pinned host adapters need a pool on one device (no mesh)")
         self.pinned = pinned
+        self._device_empty: dict | None = None  # `device_slot`'s arrays of a module the adapter does not target
         device = jax.devices()[0]
         self._device_sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=device.default_memory().kind)
         self._host_sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host") if pinned else None
 
     def to_device(self, values: dict) -> dict:
-        """`padded` slot arrays copied to the pool's device (asynchronously; pinned ones by DMA)."""
+        """`padded` slot arrays copied to the pool's device (asynchronously; pinned ones by DMA).
+        Committed to the device: jit keys its programs on that (a pool's arrays and the slot values
+        are committed alike, so one compiled update serves every write)."""
         return jax.device_put(values, self._device_sharding)
 
     def _hold(self, array: np.ndarray):
@@ -198,6 +215,23 @@ class AdapterPool:
         values = {} if prepared is None else prepared.values
         return {module: self._slot_values(values.get(module), module) for module in self.target_modules}
 
+    def device_slot(self, prepared: PreparedAdapter | None) -> dict:
+        """One slot's arrays for `write_padded`, as `padded` makes them but on the device: A/B
+        copied as they are held (own rank, own dtype: fewer bytes; pinned ones by DMA) and padded
+        there (`pad_ranks`), so the host pads and copies nothing per write. A pool with a mesh:
+        `padded` (its placed update splits host arrays itself)."""
+        if self.mesh is not None:
+            return self.padded(prepared)
+        values = {} if prepared is None else prepared.values
+        if self._device_empty is None:
+            self._device_empty = self.to_device(self.padded(None))
+        out = {module: self._device_empty[module] for module in self.target_modules if module not in values}
+        if not values:
+            return out
+        placed = self.to_device({module: values[module] for module in self.target_modules if module in values})
+        narrow = {module: parts for module, parts in placed.items() if parts["a"].shape[2] < self.max_rank}
+        return {**out, **placed, **(pad_ranks(narrow, self.max_rank) if narrow else {})}
+
     def load(self, adapter: LoraAdapter | PreparedAdapter, slot: int | None = None) -> int:
         """Puts `adapter` (or one `prepare`d for this pool) in `slot` (default: a free one) and
         returns the slot.
@@ -210,7 +244,7 @@ class AdapterPool:
             prepared = adapter
         else:
             prepared = self.prepare(adapter)
-        self.write_padded(slot, prepared.name, self.padded(prepared))
+        self.write_padded(slot, prepared.name, self.device_slot(prepared))
         return slot
 
     def write_padded(self, slot: int, name: str, values: dict) -> None:
@@ -224,10 +258,15 @@ class AdapterPool:
         """Empties `slot` (rank 0, zero weights)."""
         if not 0 <= slot < self.num_slots:
             raise AdapterError(f"slot {slot} is outside the pool (0..{self.num_slots - 1})")
-        if self._empty is None:
-            self._empty = self.padded(None)
-        self._write(slot, self._empty)
+        self._write(slot, self._empty_values())
         self.slot_names[slot] = None
+
+    def _empty_values(self) -> dict:
+        """An empty slot's arrays (zeros, rank 0), made once: on the device (`device_slot`), or on
+        the host for a pool with a mesh."""
+        if self._empty is None:
+            self._empty = self.device_slot(None)
+        return self._empty
 
     def window_source(self, slot: int) -> tuple[dict, int]:
         """(a pool holding `slot`'s adapter, its slot there) for the adapter window's copy: this one."""
@@ -235,15 +274,20 @@ class AdapterPool:
 
     def _on_device(self, values: dict) -> bool:
         """Whether every leaf of `values` is a jax array in the pool's device memory already (a
-        prefetched copy, `serve.adapter_copies`): written as it is, with no second `device_put`."""
+        prefetched copy, `serve.adapter_copies`, or `device_slot`'s): written as it is, with no
+        second `device_put`."""
         kind = self._device_sharding.memory_kind
         return all(isinstance(leaf, jax.Array) and leaf.sharding.memory_kind == kind
                    for leaf in jax.tree.leaves(values))
 
+    def _placed(self, values: dict) -> dict:
+        """`values` for the slot update: on a pool without a mesh, on the device (host arrays are
+        copied there first), so every write runs the one program compiled for device arrays (jit
+        compiles apart for host and device arguments)."""
+        return values if self.mesh is not None or self._on_device(values) else self.to_device(values)
+
     def _write(self, slot: int, values: dict) -> None:
-        if self.pinned and not self._on_device(values):
-            values = self.to_device(values)
-        self.arrays = self._update(self.arrays, np.int32(slot), values)
+        self.arrays = self._update(self.arrays, np.int32(slot), self._placed(values))
         self.slot_writes[slot] += 1
 
     def _choose_slot(self, adapter, slot: int | None) -> int:

@@ -187,3 +187,43 @@ def test_values_already_on_the_device_are_written_without_a_second_device_put(ro
     for module in MODULES:
         for key, value in reference.arrays[module].items():
             np.testing.assert_array_equal(np.asarray(pool.arrays[module][key]), np.asarray(value))
+
+
+@pytest.mark.parametrize("rows", [False, True])
+@pytest.mark.parametrize("pinned", [False, True])
+def test_lower_rank_adapters_are_padded_on_the_device(rows, pinned, monkeypatch):
+    """`device_slot` (what a load and a prefetched copy write) copies A/B as the host holds them and
+    pads them to the max rank on the device: the host pads nothing for an adapter (`_slot_values`
+    runs only for the empty slot, once); the slots equal those written from host-padded arrays,
+    for adapters of random ranks, modules and weights, in a bfloat16 pool."""
+    import ml_dtypes
+
+    from jaxlora.lora.rows import RowPool
+
+    def make(rank):
+        if rows:
+            return RowPool(CONFIG, 3, rank, 3 * rank, MODULES, dtype=jnp.bfloat16, pinned=pinned,
+                           rows_of=lambda slot: list(range(slot * rank, (slot + 1) * rank)))
+        return AdapterPool(CONFIG, 3, rank, MODULES, dtype=jnp.bfloat16, donate=True, pinned=pinned)
+
+    rng = np.random.default_rng()
+    max_rank = int(rng.integers(6, 12))
+    adapters = [random_adapter(f"r{i}", CONFIG, LoraConfig(r=int(rng.integers(1, max_rank + 1)), lora_alpha=16,
+                                                           target_modules=tuple(rng.permutation(MODULES)[:1 + i])),
+                               seed=int(rng.integers(1 << 30)), b_std=0.5) for i in range(3)]
+    device, host = make(max_rank), make(max_rank)
+    device.evict(0)  # the empty slot: made once
+    made = []
+    original = device._slot_values
+    monkeypatch.setattr(device, "_slot_values", lambda compact, module: made.append(module) or original(compact, module))
+    for slot, adapter in enumerate(adapters):
+        device.load(device.prepare(adapter), slot=slot)
+        host.write_padded(slot, adapter.name, host.padded(host.prepare(adapter)))
+    assert made == []
+    for module in MODULES:
+        for key, value in host.arrays[module].items():
+            np.testing.assert_array_equal(np.asarray(device.arrays[module][key]), np.asarray(value))
+    written = device.arrays["q_proj"]["a" if not rows else "a_rows"]
+    assert written.dtype == jnp.bfloat16 and np.asarray(written, np.float32).any()
+    assert device.device_slot(device.prepare(adapters[0]))[adapters[0].config.target_modules[0]]["a"].dtype == \
+        ml_dtypes.bfloat16
