@@ -616,6 +616,7 @@ class Engine:
         free = self.pool.free_slot()
         if free is not None:  # an empty slot written with zeros: compiles the update, changes nothing
             self.pool.evict(free)
+        self.pool.warm_pads()  # a lower-rank adapter's pad to the max rank, on the device
         if self.window_fill is not None:  # the window's fill: compiled, not run
             self.window_fill.program()
         if self.modes is not None:

@@ -13,7 +13,8 @@ no wider than the dtype it was stored in (a float32 adapter for a bfloat16 pool 
 not on every write; a bfloat16 adapter for a float32 pool stays bfloat16 on the host, half the
 bytes). `device_slot` makes a slot's arrays from it on a pool without a mesh: the compact A/B
 copied to the device as they are (own rank, own dtype) and padded to the max rank there
-(`pad_ranks`), so a load copies and pads nothing on the host, whatever the adapter's rank;
+(`pad_rank`, one small program per module shape and power-of-two width, compiled by `warm_pads`),
+so a load copies and pads nothing on the host for a power-of-two rank;
 `padded` makes them on the host (a pool with a mesh): the compact arrays themselves when they are
 at the pool's max rank and dtype, else padded with zeros and cast. So a host that holds many
 adapters holds their own bytes, not max-rank copies (issue 34: a per-load float32 -> bfloat16 cast
@@ -79,15 +80,18 @@ POOL_KEYS = ("a", "b", "scale", "rank")
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
-def pad_ranks(values: dict, max_rank: int) -> dict:
-    """`values` {module: {a [L, k, r], b [L, r, n], scale [L], rank [L]}} with A/B zero-padded to
-    `max_rank` (on the device: one small program per set of shapes, e.g. per adapter rank)."""
-    def pad(parts):
-        a, b = parts["a"], parts["b"]
-        return {**parts, "a": jnp.pad(a, ((0, 0), (0, 0), (0, max_rank - a.shape[2]))),
-                "b": jnp.pad(b, ((0, 0), (0, max_rank - b.shape[1]), (0, 0)))}
+def pad_rank(parts: dict, max_rank: int) -> dict:
+    """One module's {a [L, k, w], b [L, w, n]} zero-padded to `max_rank` on the device: one small
+    program per (shapes, dtype), i.e. per module shape and width (`AdapterPool.warm_pads`)."""
+    a, b = parts["a"], parts["b"]
+    return {"a": jnp.pad(a, ((0, 0), (0, 0), (0, max_rank - a.shape[2]))),
+            "b": jnp.pad(b, ((0, 0), (0, max_rank - b.shape[1]), (0, 0)))}
 
-    return {module: pad(parts) for module, parts in values.items()}
+
+def pad_width(rank: int, max_rank: int) -> int:
+    """The width a module of `rank` goes to the device at: the next power of two (ranks are almost
+    always one: no host copy), at most `max_rank`; so few device pads exist to compile."""
+    return min(max_rank, 1 << max(0, rank - 1).bit_length())
 
 
 @functools.lru_cache(maxsize=None)
@@ -223,8 +227,9 @@ class AdapterPool:
     def device_slot(self, prepared: PreparedAdapter | None) -> dict:
         """One slot's arrays for `write_padded`, as `padded` makes them but on the device: A/B
         copied as they are held (own rank, own dtype: fewer bytes; pinned ones by DMA) and padded
-        there (`pad_ranks`), so the host pads and copies nothing per write. A pool with a mesh:
-        `padded` (its placed update splits host arrays itself)."""
+        to the max rank there (`pad_rank`; a rank that is not a power of two is first padded to the
+        next one on the host, `pad_width`), so the host pads and copies nothing per write for the
+        usual ranks. A pool with a mesh: `padded` (its placed update splits host arrays itself)."""
         if self.mesh is not None:
             return self.padded(prepared)
         values = {} if prepared is None else prepared.values
@@ -233,9 +238,37 @@ class AdapterPool:
         out = {module: self._device_empty[module] for module in self.target_modules if module not in values}
         if not values:
             return out
-        placed = self.to_device({module: values[module] for module in self.target_modules if module in values})
-        narrow = {module: parts for module, parts in placed.items() if parts["a"].shape[2] < self.max_rank}
-        return {**out, **placed, **(pad_ranks(narrow, self.max_rank) if narrow else {})}
+        placed = self.to_device({module: self._bucketed(values[module]) for module in self.target_modules
+                                 if module in values})
+        for module, parts in placed.items():
+            if parts["a"].shape[2] < self.max_rank:
+                parts.update(pad_rank({"a": parts["a"], "b": parts["b"]}, self.max_rank))
+        return {**out, **placed}
+
+    def _bucketed(self, compact: dict) -> dict:
+        """`compact` with A/B padded on the host to `pad_width` of their width, if not at it already."""
+        width = compact["a"].shape[2]
+        bucket = pad_width(width, self.max_rank)
+        if bucket == width:
+            return dict(compact)
+        a = np.zeros(compact["a"].shape[:2] + (bucket,), compact["a"].dtype)
+        b = np.zeros((compact["b"].shape[0], bucket, compact["b"].shape[2]), compact["b"].dtype)
+        a[:, :, :width], b[:, :width] = np.asarray(compact["a"]), np.asarray(compact["b"])
+        return {**compact, "a": a, "b": b}
+
+    def warm_pads(self) -> None:
+        """Compiles `device_slot`'s device pads for the pool's dtype (each power-of-two width below
+        the max rank, per module shape), so that a load compiles nothing (adapters held in a
+        narrower dtype than the pool's compile theirs on first use)."""
+        if self.mesh is not None:
+            return
+        layers, dtype = self.base.num_layers, np.dtype(self.dtype)
+        for k, n in sorted({projection_shapes(self.base)[module] for module in self.target_modules}):
+            width = 1
+            while width < self.max_rank:
+                zeros = self.to_device({"a": np.zeros((layers, k, width), dtype), "b": np.zeros((layers, width, n), dtype)})
+                pad_rank(zeros, self.max_rank)
+                width *= 2
 
     def load(self, adapter: LoraAdapter | PreparedAdapter, slot: int | None = None) -> int:
         """Puts `adapter` (or one `prepare`d for this pool) in `slot` (default: a free one) and
