@@ -187,3 +187,53 @@ def test_values_already_on_the_device_are_written_without_a_second_device_put(ro
     for module in MODULES:
         for key, value in reference.arrays[module].items():
             np.testing.assert_array_equal(np.asarray(pool.arrays[module][key]), np.asarray(value))
+
+
+@pytest.mark.parametrize("rows", [False, True])
+@pytest.mark.parametrize("pinned", [False, True])
+def test_lower_rank_adapters_are_padded_on_the_device(rows, pinned, monkeypatch):
+    """`device_slot` (what a load and a prefetched copy write) copies A/B as the host holds them and
+    pads them to the max rank on the device: the per-write host pad (`_slot_values`) never runs for
+    an adapter, a power-of-two rank is not copied on the host at all and, once `warm_pads` ran,
+    compiles nothing; another rank is padded on the host to the next power of two only. The slots
+    equal those written from host-padded arrays (random ranks, modules, weights; bfloat16 pool)."""
+    from jaxlora.lora.pool import pad_rank, pad_width
+    from jaxlora.lora.rows import RowPool
+
+    def make(rank):
+        if rows:
+            return RowPool(CONFIG, 3, rank, 3 * rank, MODULES, dtype=jnp.bfloat16, pinned=pinned,
+                           rows_of=lambda slot: list(range(slot * rank, (slot + 1) * rank)))
+        return AdapterPool(CONFIG, 3, rank, MODULES, dtype=jnp.bfloat16, donate=True, pinned=pinned)
+
+    rng = np.random.default_rng()
+    max_rank = int(rng.choice([6, 8, 12, 16]))
+    ranks = [int(rng.integers(1, max_rank + 1)), 1 << int(rng.integers(0, max_rank.bit_length() - 1)),
+             int(rng.integers(1, max_rank + 1))]
+    adapters = [random_adapter(f"r{i}", CONFIG, LoraConfig(r=rank, lora_alpha=16,
+                                                           target_modules=tuple(rng.permutation(MODULES)[:1 + i])),
+                               seed=int(rng.integers(1 << 30)), b_std=0.5) for i, rank in enumerate(ranks)]
+    device, host = make(max_rank), make(max_rank)
+    device.evict(0)  # the empty slot: made once
+    device.warm_pads()
+    compiled = pad_rank._cache_size()
+    made, buckets = [], []
+    original, bucketed = device._slot_values, device._bucketed
+    monkeypatch.setattr(device, "_slot_values", lambda compact, module: made.append(module) or original(compact, module))
+    monkeypatch.setattr(device, "_bucketed", lambda compact: buckets.append((compact, bucketed(compact))) or
+                        buckets[-1][1])
+    for slot, adapter in enumerate(adapters):
+        device.load(device.prepare(adapter), slot=slot)
+        host.write_padded(slot, adapter.name, host.padded(host.prepare(adapter)))
+    assert made == []
+    for compact, sent in buckets:
+        width = compact["a"].shape[2]
+        assert sent["a"].shape[2] == pad_width(width, max_rank)
+        assert (sent["a"] is compact["a"]) == (pad_width(width, max_rank) == width)
+    if all(pad_width(r, max_rank) == r for r in ranks):
+        assert pad_rank._cache_size() == compiled  # warm_pads compiled every pad these loads ran
+    for module in MODULES:
+        for key, value in host.arrays[module].items():
+            np.testing.assert_array_equal(np.asarray(device.arrays[module][key]), np.asarray(value))
+    written = device.arrays["q_proj"]["a" if not rows else "a_rows"]
+    assert written.dtype == jnp.bfloat16 and np.asarray(written, np.float32).any()
