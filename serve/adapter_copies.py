@@ -77,12 +77,12 @@ class Staged:
 
 
 def start_copy(pool, prepared, stats) -> object:
-    """Starts copying `prepared`'s slot arrays (`pool.device_slot`: padded on the device) to the pool's device: a `_DeviceCopy`
+    """Starts copying `prepared`'s slot arrays (`pool.padded`) to the pool's device: a `_DeviceCopy`
     for a pinned pool (the DMA runs while this returns), else a Future on the prefetch thread; a
     `_FailedCopy` when it cannot start."""
     try:
         if pool.pinned:
-            return _DeviceCopy(pool.device_slot(prepared))
+            return _DeviceCopy(pool.to_device(pool.padded(prepared)))
         return _prefetch_thread().submit(_to_device, pool, prepared, stats)
     except Exception as err:
         log.exception("starting a prefetch copy failed")
@@ -159,8 +159,8 @@ def _prefetch_thread() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def _to_device(pool, adapter, stats) -> dict:
-    """`adapter`'s slot arrays (`pool.device_slot`) copied to the pool's device (on the prefetch thread)."""
+    """`adapter`'s slot arrays (`pool.padded`) copied to the pool's device (on the prefetch thread)."""
     started = time.perf_counter()
-    values = jax.block_until_ready(pool.device_slot(adapter))
+    values = jax.block_until_ready(pool.to_device(pool.padded(adapter)))
     stats.record_device_load(time.perf_counter() - started)
     return values

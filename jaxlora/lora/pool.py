@@ -11,15 +11,11 @@ are then invalid (read `pool.arrays` again after each). `prepare` validates an a
 keeps it compact (`PreparedAdapter`: each module at its own rank) in the pool's dtype when that is
 no wider than the dtype it was stored in (a float32 adapter for a bfloat16 pool is cast once, here,
 not on every write; a bfloat16 adapter for a float32 pool stays bfloat16 on the host, half the
-bytes). `device_slot` makes a slot's arrays from it on a pool without a mesh: the compact A/B
-copied to the device as they are (own rank, own dtype) and padded to the max rank there
-(`pad_rank`, one small program per module shape and power-of-two width, compiled by `warm_pads`),
-so a load copies and pads nothing on the host for a power-of-two rank;
-`padded` makes them on the host (a pool with a mesh): the compact arrays themselves when they are
-at the pool's max rank and dtype, else padded with zeros and cast. So a host that holds many
-adapters holds their own bytes, not max-rank copies (issue 34: a per-load float32 -> bfloat16 cast
-of 160 MB adapters had tripled the mixed steps of the distinct-adapter trace; a per-write numpy pad
-of rank-4/8 adapters sat on the engine thread of the disk trace).
+bytes). `padded` makes a slot's arrays from it: the compact arrays themselves when they are at the
+pool's max rank and dtype (no copy), else padded with zeros and cast. So a host that holds many
+adapters holds their own bytes, not max-rank copies, and a load on the serving path copies nothing
+on the host for a full-rank adapter (issue 34: a per-load float32 -> bfloat16 cast of 160 MB
+adapters had tripled the mixed steps of the distinct-adapter trace).
 
 With `pinned=True` a prepared adapter's A/B are jax arrays in the device's pinned (page-locked)
 host memory, and every write copies them to the device first (`to_device`): a DMA at PCIe speed
@@ -77,21 +73,6 @@ write_slot = jax.jit(_write_slot_impl)
 write_slot_donated = jax.jit(_write_slot_impl, donate_argnums=(0,))
 
 POOL_KEYS = ("a", "b", "scale", "rank")
-
-
-@functools.partial(jax.jit, static_argnums=(1,))
-def pad_rank(parts: dict, max_rank: int) -> dict:
-    """One module's {a [L, k, w], b [L, w, n]} zero-padded to `max_rank` on the device: one small
-    program per (shapes, dtype), i.e. per module shape and width (`AdapterPool.warm_pads`)."""
-    a, b = parts["a"], parts["b"]
-    return {"a": jnp.pad(a, ((0, 0), (0, 0), (0, max_rank - a.shape[2]))),
-            "b": jnp.pad(b, ((0, 0), (0, max_rank - b.shape[1]), (0, 0)))}
-
-
-def pad_width(rank: int, max_rank: int) -> int:
-    """The width a module of `rank` goes to the device at: the next power of two (ranks are almost
-    always one: no host copy), at most `max_rank`; so few device pads exist to compile."""
-    return min(max_rank, 1 << max(0, rank - 1).bit_length())
 
 
 @functools.lru_cache(maxsize=None)
@@ -158,30 +139,23 @@ class AdapterPool:
         self.slot_writes = [0] * num_slots  # loads and evictions of each slot (copies of it go stale)
         self._empty: dict | None = None
         self._set_host_memory(pinned)
-        if mesh is None:
-            self.arrays = self.to_device(self.arrays)  # committed (no copy), as the update's outputs are
 
     def _set_host_memory(self, pinned: bool) -> None:
         """Where prepared adapters live on the host (module doc): `pinned` needs a pool on one device."""
         if pinned and self.mesh is not None:
             raise ValueError("pinned host adapters need a pool on one device (no mesh)")
         self.pinned = pinned
-        self._device_empty: dict | None = None  # `device_slot`'s arrays of a module the adapter does not target
         device = jax.devices()[0]
         self._device_sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=device.default_memory().kind)
         self._host_sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host") if pinned else None
 
     def to_device(self, values: dict) -> dict:
-        """`padded` slot arrays copied to the pool's device (asynchronously; pinned ones by DMA).
-        Committed to the device: jit keys its programs on that (a pool's arrays and the slot values
-        are committed alike, so one compiled update serves every write)."""
+        """`padded` slot arrays copied to the pool's device (asynchronously; pinned ones by DMA)."""
         return jax.device_put(values, self._device_sharding)
 
-    def _hold(self, arrays: dict) -> dict:
-        """A prepared adapter's A/B ({module: {"a", "b"}}) as the host holds them: numpy, or copies
-        in pinned memory (one `device_put` for all: a reader thread beside the busy engine thread
-        pays per call that releases the GIL, `jaxlora.lora.safetensors_io`)."""
-        return arrays if self._host_sharding is None else jax.device_put(arrays, self._host_sharding)
+    def _hold(self, array: np.ndarray):
+        """A prepared adapter's A or B as the host holds it: numpy, or a copy in pinned memory."""
+        return array if self._host_sharding is None else jax.device_put(array, self._host_sharding)
 
     @property
     def layout(self) -> tuple:
@@ -202,11 +176,11 @@ class AdapterPool:
         checks themselves."""
         if check:
             self._validate(adapter)
-        held = self._hold({module: {"a": np.asarray(w.a, self.host_dtype(w.a.dtype)),
-                                    "b": np.asarray(w.b, self.host_dtype(w.a.dtype))}
-                           for module, w in adapter.modules.items()})
-        values = {module: {**held[module], "scale": np.asarray(w.scale, np.float32),
-                           "rank": np.asarray(w.rank, np.int32)} for module, w in adapter.modules.items()}
+        values = {}
+        for module, w in adapter.modules.items():
+            dtype = self.host_dtype(w.a.dtype)
+            values[module] = {"a": self._hold(np.asarray(w.a, dtype)), "b": self._hold(np.asarray(w.b, dtype)),
+                              "scale": np.asarray(w.scale, np.float32), "rank": np.asarray(w.rank, np.int32)}
         return PreparedAdapter(adapter.name, values, self.layout)
 
     def host_dtype(self, stored) -> np.dtype:
@@ -224,52 +198,6 @@ class AdapterPool:
         values = {} if prepared is None else prepared.values
         return {module: self._slot_values(values.get(module), module) for module in self.target_modules}
 
-    def device_slot(self, prepared: PreparedAdapter | None) -> dict:
-        """One slot's arrays for `write_padded`, as `padded` makes them but on the device: A/B
-        copied as they are held (own rank, own dtype: fewer bytes; pinned ones by DMA) and padded
-        to the max rank there (`pad_rank`; a rank that is not a power of two is first padded to the
-        next one on the host, `pad_width`), so the host pads and copies nothing per write for the
-        usual ranks. A pool with a mesh: `padded` (its placed update splits host arrays itself)."""
-        if self.mesh is not None:
-            return self.padded(prepared)
-        values = {} if prepared is None else prepared.values
-        if self._device_empty is None:
-            self._device_empty = self.to_device(self.padded(None))
-        out = {module: self._device_empty[module] for module in self.target_modules if module not in values}
-        if not values:
-            return out
-        placed = self.to_device({module: self._bucketed(values[module]) for module in self.target_modules
-                                 if module in values})
-        for module, parts in placed.items():
-            if parts["a"].shape[2] < self.max_rank:
-                parts.update(pad_rank({"a": parts["a"], "b": parts["b"]}, self.max_rank))
-        return {**out, **placed}
-
-    def _bucketed(self, compact: dict) -> dict:
-        """`compact` with A/B padded on the host to `pad_width` of their width, if not at it already."""
-        width = compact["a"].shape[2]
-        bucket = pad_width(width, self.max_rank)
-        if bucket == width:
-            return dict(compact)
-        a = np.zeros(compact["a"].shape[:2] + (bucket,), compact["a"].dtype)
-        b = np.zeros((compact["b"].shape[0], bucket, compact["b"].shape[2]), compact["b"].dtype)
-        a[:, :, :width], b[:, :width] = np.asarray(compact["a"]), np.asarray(compact["b"])
-        return {**compact, "a": a, "b": b}
-
-    def warm_pads(self) -> None:
-        """Compiles `device_slot`'s device pads for the pool's dtype (each power-of-two width below
-        the max rank, per module shape), so that a load compiles nothing (adapters held in a
-        narrower dtype than the pool's compile theirs on first use)."""
-        if self.mesh is not None:
-            return
-        layers, dtype = self.base.num_layers, np.dtype(self.dtype)
-        for k, n in sorted({projection_shapes(self.base)[module] for module in self.target_modules}):
-            width = 1
-            while width < self.max_rank:
-                zeros = self.to_device({"a": np.zeros((layers, k, width), dtype), "b": np.zeros((layers, width, n), dtype)})
-                pad_rank(zeros, self.max_rank)
-                width *= 2
-
     def load(self, adapter: LoraAdapter | PreparedAdapter, slot: int | None = None) -> int:
         """Puts `adapter` (or one `prepare`d for this pool) in `slot` (default: a free one) and
         returns the slot.
@@ -282,7 +210,7 @@ class AdapterPool:
             prepared = adapter
         else:
             prepared = self.prepare(adapter)
-        self.write_padded(slot, prepared.name, self.device_slot(prepared))
+        self.write_padded(slot, prepared.name, self.padded(prepared))
         return slot
 
     def write_padded(self, slot: int, name: str, values: dict) -> None:
@@ -296,15 +224,10 @@ class AdapterPool:
         """Empties `slot` (rank 0, zero weights)."""
         if not 0 <= slot < self.num_slots:
             raise AdapterError(f"slot {slot} is outside the pool (0..{self.num_slots - 1})")
-        self._write(slot, self._empty_values())
-        self.slot_names[slot] = None
-
-    def _empty_values(self) -> dict:
-        """An empty slot's arrays (zeros, rank 0), made once: on the device (`device_slot`), or on
-        the host for a pool with a mesh."""
         if self._empty is None:
-            self._empty = self.device_slot(None)
-        return self._empty
+            self._empty = self.padded(None)
+        self._write(slot, self._empty)
+        self.slot_names[slot] = None
 
     def window_source(self, slot: int) -> tuple[dict, int]:
         """(a pool holding `slot`'s adapter, its slot there) for the adapter window's copy: this one."""
@@ -312,20 +235,15 @@ class AdapterPool:
 
     def _on_device(self, values: dict) -> bool:
         """Whether every leaf of `values` is a jax array in the pool's device memory already (a
-        prefetched copy, `serve.adapter_copies`, or `device_slot`'s): written as it is, with no
-        second `device_put`."""
+        prefetched copy, `serve.adapter_copies`): written as it is, with no second `device_put`."""
         kind = self._device_sharding.memory_kind
         return all(isinstance(leaf, jax.Array) and leaf.sharding.memory_kind == kind
                    for leaf in jax.tree.leaves(values))
 
-    def _placed(self, values: dict) -> dict:
-        """`values` for the slot update: on a pool without a mesh, on the device (host arrays are
-        copied there first), so every write runs the one program compiled for device arrays (jit
-        compiles apart for host and device arguments)."""
-        return values if self.mesh is not None or self._on_device(values) else self.to_device(values)
-
     def _write(self, slot: int, values: dict) -> None:
-        self.arrays = self._update(self.arrays, np.int32(slot), self._placed(values))
+        if self.pinned and not self._on_device(values):
+            values = self.to_device(values)
+        self.arrays = self._update(self.arrays, np.int32(slot), values)
         self.slot_writes[slot] += 1
 
     def _choose_slot(self, adapter, slot: int | None) -> int:

@@ -104,7 +104,6 @@ class RowPool(AdapterPool):
         self.slot_writes = [0] * num_slots
         self._empty: dict | None = None
         self._set_host_memory(pinned)
-        self._modules, self._table = self.to_device((self._modules, self._table))  # committed, as the update's outputs
 
     @property
     def arrays(self) -> dict:
@@ -124,6 +123,11 @@ class RowPool(AdapterPool):
         self._write_rows(slot, [], self._empty_values())
         self.slot_names[slot] = None
 
+    def _empty_values(self) -> dict:
+        if self._empty is None:
+            self._empty = self.padded(None)
+        return self._empty
+
     def _write(self, slot: int, values: dict) -> None:
         """Writes `values` into the rows `rows_of(slot)` gives; none (the slot's adapter was evicted
         before a staged copy landed): the slot is emptied instead, so it never points at rows that
@@ -138,8 +142,9 @@ class RowPool(AdapterPool):
     def _write_rows(self, slot: int, rows, values: dict) -> None:
         padded_rows = np.full(self.max_rank, self.num_rows, np.int32)  # out of range: dropped
         padded_rows[:len(rows)] = rows
-        self._modules, self._table = write_rows(self._modules, self._table, np.int32(slot), padded_rows,
-                                                self._placed(values))
+        if self.pinned and not self._on_device(values):
+            values = self.to_device(values)
+        self._modules, self._table = write_rows(self._modules, self._table, np.int32(slot), padded_rows, values)
         self.slot_writes[slot] += 1
 
     def window_source(self, slot: int) -> tuple[dict, int]:
