@@ -27,4 +27,5 @@ def test_skew_table_shows_latencies_and_auto_against_the_best_fixed_mode():
     lines = skew_table(report).splitlines()
     assert lines[0].startswith("| share | mode | ms/token | TTFT p50 | TTFT p90 | TPOT p50 | TPOT p90 |")
     assert "| 0.90 | auto | 5.00 | 100 | 300 | 5.0 | 8.0 | 3 |" in lines
-    assert lines[-1] == "| 0.90 | auto / best fixed | 0.909 | | | | 1.143 | |"  # 5 / 5.5, 8 / 7
+    # the best fixed mode by ms per token (mixed): 5 / 5.5 and its TPOT p90 8 / 8; the lowest TPOT p90 of any: 8 / 7
+    assert lines[-1] == "| 0.90 | auto / best fixed (mixed) | 0.909 | | | | 1.000 (lowest of any: 1.143) | |"
