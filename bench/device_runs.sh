@@ -34,8 +34,12 @@ pipeline() {  # PP=4 on 4 GPUs: our schedule and 1F1B one adapter, 4 global batc
   # ours at 2 and 8 global batches, and ours with the old hand-over between GPUs (the last skipped first if
   # --time-budget runs short). ~6-7 min on 4 x H200.
   nvidia-smi -L
+  # carry .whl alone (its py312/highspy, 8 MB, and .jitcache together pass the 64 MiB carry limit); jobs importing
+  # train.data need the server wheels installed into /tmp/site first (gguf, via the vision loader)
   python3 -c "import highspy" 2>/dev/null || export PYTHONPATH=$PYTHONPATH:$PWD/.whl/py312  # carried: .whl/py312/highspy
   python3 -c "import highspy; print('highspy', highspy.__file__)"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
   timeout $((LIMIT - SECONDS - 5)) python3 bench/pipeline.py --stages 4 --workloads xsum mixed --batches 4 \
       --sweep-batches 2 8 --compare-copies --time-budget $((LIMIT - SECONDS - 40)) \
       --out "$OUT/pipeline_4xh200.json" 2>&1 | tee "$OUT/log_pp4.txt"
