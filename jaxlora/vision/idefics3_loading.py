@@ -17,6 +17,7 @@ from jaxlora.vision.clip import LAYER_LINEARS, LAYER_NORMS
 from jaxlora.vision.idefics3 import Idefics3
 from jaxlora.vision.idefics3_config import Idefics3Config, idefics3_config_from_hf, split_idefics3_name
 from jaxlora.vision.siglip import Idefics3Tower, weight_shapes
+from jaxlora.vision.tower_weights import stack_tower_weights
 from jaxlora.weights import WeightsError
 from jaxlora.weights.hf import read_hf_config, safetensors_files
 from jaxlora.weights.layout import stack_weights
@@ -76,46 +77,19 @@ def _mapped(part: str, inner: str) -> tuple[str, int | None, str] | None:
     return None
 
 
-def _laid_out(tensor: np.ndarray, how: str) -> np.ndarray:
-    if how == "transpose":
-        return tensor.T
-    if how == "patch":  # conv [D, C, p, p] -> [C*p*p, D]
-        return tensor.reshape(tensor.shape[0], -1).T
-    return tensor
-
-
 def _tower_weights(config: Idefics3Config, tensors: dict[str, tuple[str, str]], read, dtype, path: str) -> dict:
     """The tower's and connector's weights ({flat name: array}, `jaxlora.vision.siglip`) from
     tensors {checkpoint name: (part, inner name)}."""
-    shapes = weight_shapes(config)
-    singles: dict[str, np.ndarray] = {}
-    layers: dict[str, dict[int, np.ndarray]] = {}
+    mapped = []
     for name, (part, inner) in tensors.items():
-        mapped = _mapped(part, inner)
-        if mapped is None:
+        target = _mapped(part, inner)
+        if target is None:
             continue
-        weight, layer, how = mapped
-        if weight not in shapes or (layer is not None and layer >= config.vision.num_layers):
+        if target[1] is not None and target[1] >= config.vision.num_layers:
             raise WeightsError(f"{path}: tensor {name} is not part of this Idefics3 config")
-        tensor = _laid_out(read(name), how)
-        want = shapes[weight] if layer is None else shapes[weight][1:]
-        if tuple(tensor.shape) != tuple(want):
-            raise WeightsError(f"{path}: tensor {name} has shape {tuple(read(name).shape)}, but the config implies "
-                               f"{tuple(want)} once laid out ({how})")
-        if layer is None:
-            singles[weight] = tensor
-        else:
-            layers.setdefault(weight, {})[layer] = tensor
-    out = {name: jnp.asarray(tensor, dtype) for name, tensor in singles.items()}
-    for name, pieces in layers.items():
-        gaps = sorted(set(range(config.vision.num_layers)) - set(pieces))
-        if gaps:
-            raise WeightsError(f"{path}: missing vision weights {name} for layers {gaps[:5]}")
-        out[name] = jnp.asarray(np.stack([pieces[i] for i in range(config.vision.num_layers)]), dtype)
-    missing = sorted(set(shapes) - set(out))
-    if missing:
-        raise WeightsError(f"{path}: missing vision/connector weights: {', '.join(missing)}")
-    return out
+        mapped.append((name, target))
+    return stack_tower_weights(path, mapped, read, weight_shapes(config), config.vision.num_layers, dtype,
+                               "Idefics3 config", "vision/connector")
 
 
 def load_idefics3(path: str, dtype=jnp.float32) -> Idefics3:

@@ -16,7 +16,6 @@ import os
 import re
 
 import jax.numpy as jnp
-import numpy as np
 
 from jaxlora.jsonfile import read_json_file
 from jaxlora.models.llama import Llama
@@ -30,6 +29,7 @@ from jaxlora.vision.idefics3_preprocess import read_idefics3_image_config
 from jaxlora.vision.llava import Llava
 from jaxlora.vision.preprocess import ImageError, ImageProcessorConfig, read_image_processor
 from jaxlora.vision.prompts import IMAGE_TOKEN, Idefics3Processing, idefics3_processing
+from jaxlora.vision.tower_weights import stack_tower_weights
 from jaxlora.weights import WeightsError, load_tokenizer
 from jaxlora.weights.hf import read_hf_config
 from jaxlora.weights.layout import stack_weights
@@ -97,54 +97,24 @@ def _vision_model_name(inner: str, config: LlavaConfig) -> tuple[str, int | None
                                                                                        "as_is")
 
 
-def _laid_out(tensor: np.ndarray, how: str) -> np.ndarray:
-    if how == "transpose":
-        return tensor.T
-    if how == "patch":  # conv [D, C, p, p] -> [C*p*p, D]
-        return tensor.reshape(tensor.shape[0], -1).T
-    return tensor
-
-
 def _tower_weights(config: LlavaConfig, tensors: dict[str, tuple[str, str]], read, dtype, path: str) -> dict:
     """The tower's and projector's weights ({flat name: array}, `jaxlora.vision.clip`) from
     tensors {checkpoint name: (part, inner name)}."""
-    shapes = weight_shapes(config)
-    singles: dict[str, np.ndarray] = {}
-    layers: dict[str, dict[int, np.ndarray]] = {}
+    mapped = []
     for name, (part, inner) in tensors.items():
         if part == "projector":
             match = re.fullmatch(r"(linear_[12])\.(weight|bias)", inner)
             if not match:
                 raise WeightsError(f"{path}: unexpected projector tensor {name}")
-            mapped = (f"projector.{match.group(1)}.{'kernel' if match.group(2) == 'weight' else 'bias'}", None,
+            target = (f"projector.{match.group(1)}.{'kernel' if match.group(2) == 'weight' else 'bias'}", None,
                       "transpose" if match.group(2) == "weight" else "as_is")
         else:
-            mapped = _vision_model_name(inner, config)
-        if mapped is None:
-            continue
-        weight, layer, how = mapped
-        if weight not in shapes:
-            raise WeightsError(f"{path}: tensor {name} is not part of this LLaVA config (e.g. a projector bias "
-                               f"with multimodal_projector_bias=false)")
-        tensor = _laid_out(read(name), how)
-        want = shapes[weight] if layer is None else shapes[weight][1:]
-        if tuple(tensor.shape) != tuple(want):
-            raise WeightsError(f"{path}: tensor {name} has shape {tuple(read(name).shape)}, but the config implies "
-                               f"{tuple(want)} once laid out ({how})")
-        if layer is None:
-            singles[weight] = tensor
-        else:
-            layers.setdefault(weight, {})[layer] = tensor
-    out = {name: jnp.asarray(tensor, dtype) for name, tensor in singles.items()}
-    for name, pieces in layers.items():
-        gaps = sorted(set(range(config.vision.num_layers)) - set(pieces))
-        if gaps:
-            raise WeightsError(f"{path}: missing vision weights {name} for layers {gaps[:5]}")
-        out[name] = jnp.asarray(np.stack([pieces[i] for i in range(config.vision.num_layers)]), dtype)
-    missing = sorted(set(shapes) - set(out))
-    if missing:
-        raise WeightsError(f"{path}: missing vision/projector weights: {', '.join(missing)}")
-    return out
+            target = _vision_model_name(inner, config)
+        if target is not None:
+            mapped.append((name, target))
+    return stack_tower_weights(path, mapped, read, weight_shapes(config), config.vision.num_layers, dtype,
+                               "LLaVA config (e.g. a projector bias with multimodal_projector_bias=false)",
+                               "vision/projector")
 
 
 def load_llava(path: str, dtype=jnp.float32) -> Llava:
