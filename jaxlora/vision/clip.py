@@ -130,14 +130,7 @@ class VisionTower(nnx.Module):
                  rngs: nnx.Rngs | None = None, dtype=jnp.float32):
         self.config = config
         self.dtype = dtype
-        shapes = weight_shapes(config)
-        if weights is None:
-            rngs = rngs or nnx.Rngs(0)
-            weights = {name: _random_weight(rngs.params(), name, shape) for name, shape in shapes.items()}
-        missing = sorted(set(shapes) - set(weights))
-        if missing:
-            raise ValueError(f"vision weights missing: {missing}")
-        self.weights = nnx.Dict({name: nnx.Param(jnp.asarray(weights[name], dtype)) for name in shapes})
+        self.weights = tower_params(weight_shapes(config), weights, rngs, dtype)
 
     def _w(self, name: str) -> jax.Array:
         return self.weights[name][...]
@@ -187,6 +180,19 @@ class VisionTower(nnx.Module):
         if self.config.feature_strategy == "default":
             states = states[:, 1:]
         return self.project(states)
+
+
+def tower_params(shapes: dict[str, tuple[int, ...]], weights: dict[str, jax.Array] | None,
+                 rngs: nnx.Rngs | None, dtype) -> nnx.Dict:
+    """A tower's parameters (`nnx.Param` per name of `shapes`, in `dtype`): `weights` (ValueError
+    naming the missing ones), or random ones from `rngs` (default seed 0) when None."""
+    if weights is None:
+        rngs = rngs or nnx.Rngs(0)
+        weights = {name: _random_weight(rngs.params(), name, shape) for name, shape in shapes.items()}
+    missing = sorted(set(shapes) - set(weights))
+    if missing:
+        raise ValueError(f"vision weights missing: {missing}")
+    return nnx.Dict({name: nnx.Param(jnp.asarray(weights[name], dtype)) for name in shapes})
 
 
 def _random_weight(key: jax.Array, name: str, shape: tuple[int, ...]) -> jax.Array:

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from jaxlora.nn.layers import dense
-from jaxlora.vision.clip import LAYER_NORMS, _random_weight, encoder_layer, layer_norm, linear_shapes, patchify
+from jaxlora.vision.clip import LAYER_NORMS, encoder_layer, layer_norm, linear_shapes, patchify, tower_params
 from jaxlora.vision.idefics3_config import Idefics3Config
 
 
@@ -93,14 +93,7 @@ class Idefics3Tower(nnx.Module):
                  rngs: nnx.Rngs | None = None, dtype=jnp.float32):
         self.config = config
         self.dtype = dtype
-        shapes = weight_shapes(config)
-        if weights is None:
-            rngs = rngs or nnx.Rngs(0)
-            weights = {name: _random_weight(rngs.params(), name, shape) for name, shape in shapes.items()}
-        missing = sorted(set(shapes) - set(weights))
-        if missing:
-            raise ValueError(f"vision weights missing: {missing}")
-        self.weights = nnx.Dict({name: nnx.Param(jnp.asarray(weights[name], dtype)) for name in shapes})
+        self.weights = tower_params(weight_shapes(config), weights, rngs, dtype)
 
     def _w(self, name: str) -> jax.Array:
         return self.weights[name][...]
