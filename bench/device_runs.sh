@@ -513,6 +513,42 @@ modes_and_scan() {  # 4 x H200, one call, pinned (PIN=1): GPUs 0-1 --modes-skew 
   tar czf $OUT/modes_and_scan.tgz -C $OUT ms && rm -rf $OUT/ms
 }
 
+bisect_variants() {  # 4 x H200, one call, pinned (PIN=1): the guard's serving trace (regress.py --only serve) on
+  # this tree (GPU 0) and on copies of it overlaid with variants/<V>/ (untracked files of a branch: GPUs 1-3,
+  # VARIANTS="A B C"), side by side; then slora_disk n=2000 on this tree and on the variant SLORA names (GPUs
+  # 0 and 2). .jitcache and .whl carried; results come back as bisect.tgz
+  nvidia-smi -L
+  export PIN=${PIN:-1}
+  python3 bench/jit_cache.py unpack .jitcache/jitcache /tmp/jaxlora_serve_jit_cache
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  local work=/tmp/bisect t=$((LIMIT - 20)) gpu=1 slora=${SLORA:-B}
+  mkdir -p $work/main $work/main_slora $work/${slora}_slora
+  for v in ${VARIANTS:-A B C}; do
+    mkdir -p /tmp/tree_$v $work/$v
+    tar cf - --exclude=./.jitcache --exclude=./.whl --exclude=./variants . | tar xf - -C /tmp/tree_$v
+    cp -r variants/$v/. /tmp/tree_$v/
+    local then=""
+    [ "$v" = "$slora" ] && then="; python3 bench/regress.py ${TINY:+--tiny} --only slora_disk --out-dir $work/${v}_slora"
+    job guard_$v $gpu $t bash -c "cd /tmp/tree_$v && PYTHONPATH=/tmp/tree_$v:/tmp/site \
+        python3 bench/regress.py ${TINY:+--tiny} --only serve --out-dir $work/$v $then"
+    gpu=$((gpu + 1))
+  done
+  job guard_main 0 $t bash -c "python3 bench/regress.py ${TINY:+--tiny} --only serve --out-dir $work/main; \
+      python3 bench/regress.py ${TINY:+--tiny} --only slora_disk --out-dir $work/main_slora"
+  wait
+  rm -f $work/*/regress_*.png
+  collect_logs bisect
+  tar czf "$OUT/bisect.tgz" -C $work .
+  for d in $work/*/; do echo "== $d"; python3 -c "
+import json, glob, sys
+for f in sorted(glob.glob('$d/regress_*.json')):
+    r = json.load(open(f))
+    if 'figures' not in r: continue
+    for k, v in r['figures'].items():
+        print(f\"{k:55s} {v['value']:10.3f}  {r['verdicts'].get(k, {}).get('verdict', '')}\")"; done
+}
+
 guard() {  # one H200: the regression guard's serving trace (bench/regress.py --only serve; .jitcache and .whl
   # carried), alone on the machine; then, with the time left, the disk-read benchmark (CPU work beside no engine)
   nvidia-smi -L
