@@ -56,7 +56,9 @@ def legacy_stages(path: str, base, pool: AdapterPool) -> dict:
         now = time.perf_counter()
         times[stage], clock = now - clock, now
 
-    config = peft_io.read_adapter_config(path, base)
+    file = os.path.join(path, peft_io.CONFIG_FILE)
+    with open(file) as f:  # jaxlora.jsonfile.read_json_file before this change
+        config = peft_io.lora_config_from_peft(json.load(f), base, file)
     lap("config")
     with safe_open(os.path.join(path, peft_io.WEIGHTS_FILE), framework="numpy") as handle:
         tensors = {key: handle.get_tensor(key) for key in handle.keys()}
@@ -145,7 +147,8 @@ class EngineThread:
 
     @staticmethod
     def _calibrate(busy_ms: float) -> int:
-        started, loops = time.perf_counter(), 20000
+        EngineThread._work(20000)
+        started, loops = time.perf_counter(), 200000
         EngineThread._work(loops)
         return max(1, int(loops * busy_ms / 1e3 / (time.perf_counter() - started)))
 
@@ -163,14 +166,15 @@ class EngineThread:
             if self.wait_ms:
                 time.sleep(self.wait_ms / 1e3)
 
-    def stretch(self, since: int = 0) -> float:
-        """Mean busy-segment wall time over `busy_ms` (1.0: no loss), from segment `since`."""
-        segments = self.segments[since:] or [self.busy_ms / 1e3]
-        return float(np.mean(segments)) * 1e3 / self.busy_ms
+    def stretch(self, since: int) -> float:
+        """Mean busy-segment wall time from segment `since` over the median of those before it
+        (the thread alone, `__enter__`): 1.0 is no loss."""
+        alone = float(np.median(self.segments[:since]))
+        return float(np.mean(self.segments[since:] or [alone])) / alone
 
     def __enter__(self):
         self._thread.start()
-        time.sleep(0.03)
+        time.sleep(0.2)  # segments alone: the baseline of `stretch`
         return self
 
     def __exit__(self, *exc):

@@ -121,6 +121,7 @@ class AdapterStore:
         self._reserved: dict[int, int] = {}  # uid -> estimated bytes of a read in flight
         self._reader = concurrent.futures.ThreadPoolExecutor(readers, thread_name_prefix="jaxlora-adapter-reader")
         self._disk_count: tuple[float, int] | None = None
+        self.on_read: Callable[[], None] | None = None  # called when a read ends, ok or not (the engine's wake-up)
 
     # ---- registry -------------------------------------------------------------------------
     def add(self, name: str, prepared: PreparedAdapter | None = None, path: str | None = None,
@@ -300,6 +301,14 @@ class AdapterStore:
         return future
 
     def _read_entry(self, entry: Entry) -> PreparedAdapter:
+        """`_read_to_cache`, then tells `on_read` (the engine may be waiting for it, `Engine.stalled`)."""
+        try:
+            return self._read_to_cache(entry)
+        finally:
+            if self.on_read is not None:
+                self.on_read()
+
+    def _read_to_cache(self, entry: Entry) -> PreparedAdapter:
         """Reads `entry` from disk into the cache (reader thread); marks it failed on AdapterError."""
         started = time.perf_counter()
         try:
