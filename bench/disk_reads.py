@@ -15,7 +15,7 @@ the switch interval, 5 ms, before it runs again, and each time a reader takes th
 thread's work stretches ("engine stretch", 1.0 = no loss). Per stage: the median ms per adapter
 over the adapters (ranks mixed), the floor being `open(file, "rb").read()` of the same file.
 Then the store as the engine runs it: `AdapterStore` with 4 reader threads reading every adapter
-(cold), and the engine thread's per-write padding (`AdapterPool.padded`) of each rank. JSON at
+(cold), and the engine thread's start of a host -> device copy per rank (`copy_ms`). JSON at
 --out (device, date, all figures). GIL hand-offs depend on the OS's scheduling: the figures
 beside the engine thread move between runs (2x seen); compare before/after within one run."""
 
@@ -246,18 +246,29 @@ def store_run(paths: list, base, pool, readers: int, engine, legacy: bool) -> di
     return result
 
 
-def padding_ms(paths: list, base, pool, repeats: int) -> dict:
-    """{rank: ms} of `pool.padded` (the engine thread's pad to the pool's max rank, per write)."""
+def copy_ms(paths: list, base, repeats: int) -> dict:
+    """{rank: {way: ms}}: the engine thread's time to start one slot's host -> device copy of a
+    prepared adapter (pinned host memory, as on a GPU server), before this change (`padded`: the
+    host pads lower ranks with numpy, then `to_device`) and after (`device_slot`: A/B copied as
+    held, padded on the device), and the same until the copy is done ("+ done")."""
+    pool = AdapterPool(base, 1, 16, ("q_proj", "v_proj"), dtype=jnp.bfloat16, pinned=True)
     read, out = store_read(pool, base), {}
+    ways = {"before": lambda p: pool.to_device(pool.padded(p)), "after": pool.device_slot}
     for path in paths[:3]:
         prepared = read(path, os.path.basename(path))
         rank = int(next(iter(prepared.values.values()))["a"].shape[2])
-        times = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            pool.padded(prepared)
-            times.append(time.perf_counter() - started)
-        out[rank] = 1e3 * float(np.median(times))
+        out[rank] = {}
+        for way, copy in ways.items():
+            jax.block_until_ready(copy(prepared))  # compiled (the device pad) before timing
+            started, done = [], []
+            for _ in range(repeats):
+                clock = time.perf_counter()
+                values = copy(prepared)
+                started.append(time.perf_counter() - clock)
+                jax.block_until_ready(values)
+                done.append(time.perf_counter() - clock)
+            out[rank][way] = 1e3 * float(np.median(started))
+            out[rank][way + " + done"] = 1e3 * float(np.median(done))
     return out
 
 
@@ -296,13 +307,15 @@ def main(argv=None) -> None:
               "stages_ms": stage_table(paths, base, pool, args.repeats)}
     report["store"] = {f"{'before' if legacy else 'after'}, {label}": store_run(paths, base, pool, 4, engine, legacy)
                        for legacy in (True, False) for label, engine in ENGINES.items()}
-    report["padded_per_write_ms"] = padding_ms(paths, base, pool, args.repeats)
+    report["copy_start_ms"] = copy_ms(paths, base, max(5, args.repeats))
     print("\nstore, 4 reader threads, cold:")
     for label, run in report["store"].items():
         print(f"  {label:26} {run['ms_per_adapter']:7.2f} ms per adapter (wall), {run['ms_per_read']:7.2f} ms per "
               f"read (summed over threads)" + (f", engine stretch {run['engine_stretch']:.3f}" if "engine_stretch" in run
                                               else ""))
-    print(f"pool.padded per write (engine thread), ms by rank: {report['padded_per_write_ms']}")
+    print("host -> device copy of a prepared adapter (pinned), engine thread ms:")
+    for rank, ways in sorted(report["copy_start_ms"].items()):
+        print(f"  rank {rank:2d}: " + "  ".join(f"{way} {ms:.2f}" for way, ms in ways.items()))
     out = args.out or f"bench/results/disk_reads_cpu{'_tiny' if args.tiny else ''}.json"
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:

@@ -24,7 +24,8 @@ with that reason. `ensure`
 reads an adapter that has never been read (the HTTP handler awaits it before submitting, so a
 corrupt or mismatched adapter fails its request with the reason, before any response is sent).
 A read that fails marks the entry (`error`); the engine fails the requests naming it, and the
-next lookup of that name reads it from disk afresh.
+next lookup of that name reads it from disk afresh. The end of every read calls `on_read` (the
+engine's wake-up: an engine whose queue waits only for reads sleeps until then, `Engine.stalled`).
 
 The bound holds for what the cache holds, with the reads in flight (at most `readers`) on top;
 the size of an adapter not read yet is estimated from its safetensors file, so an adapter larger
