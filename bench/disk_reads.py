@@ -185,35 +185,48 @@ class EngineThread:
 ENGINES = {"alone": None, "engine 50% busy": (5.0, 5.0), "engine 100% busy": (5.0, 0.0)}
 
 
-def time_stages(stages, paths: list, base, pool, cold: bool) -> dict:
-    """{stage: median ms per adapter} of `stages` over `paths` (and "total")."""
+def time_stages(stages, paths: list, base, pool, cold: bool) -> list[dict]:
+    """[{stage: seconds, "total": seconds}] of `stages` over `paths`, one row per read."""
     rows = []
     for path in paths:
         if cold:
             drop_cache(os.path.join(path, peft_io.WEIGHTS_FILE))
         times, _ = stages(path, base, pool)
         rows.append({**times, "total": sum(times.values())})
+    return rows
+
+
+def medians(rows: list[dict]) -> dict:
+    """{stage: median ms} over `rows`."""
     return {stage: 1e3 * float(np.median([r[stage] for r in rows])) for stage in rows[0]}
 
 
-def stage_table(paths: list, base, pool, repeats: int) -> dict:
-    """{condition: {reader: {stage: ms}}} for cold/warm x `ENGINES`, and per condition the engine
-    thread's stretch while each reader ran ("engine stretch": 1.0 is no loss)."""
+def stage_table(paths: list, base, pool, repeats: int, trials: int) -> dict:
+    """{condition: {reader: {stage: ms}}} for cold/warm x `ENGINES`. Beside the engine thread each
+    reader runs `trials` times on a fresh thread (the GIL hand-offs fall into different regimes
+    from one thread to the next): the medians pool every read, "trial totals" are each trial's
+    median total, "engine stretch" the mean over trials of the engine thread's (1.0: no loss)."""
     table = {}
     for cold in (True, False):
         for engine_label, engine in ENGINES.items():
             label = f"{'cold' if cold else 'warm'}, {engine_label}"
             table[label] = {}
             for reader, stages in (("floor", floor_stages), ("before", legacy_stages), ("after", new_stages)):
-                use = paths[:12] if engine else paths  # ~0.1-0.7 s a legacy read beside the engine thread
+                use = paths[:8] if engine else paths  # up to ~0.7 s a legacy read beside the engine thread
                 use = use if cold else use * repeats
                 if engine is None:
-                    table[label][reader] = time_stages(stages, use, base, pool, cold)
+                    table[label][reader] = medians(time_stages(stages, use, base, pool, cold))
                     continue
-                with EngineThread(*engine) as thread:
-                    since = len(thread.segments)
-                    table[label][reader] = time_stages(stages, use, base, pool, cold)
-                    table[label][reader]["engine stretch"] = thread.stretch(since)
+                rows, totals, stretches = [], [], []
+                for _ in range(trials):
+                    with EngineThread(*engine) as thread:
+                        since = len(thread.segments)
+                        trial = time_stages(stages, use, base, pool, cold)
+                        stretches.append(thread.stretch(since))
+                    rows += trial
+                    totals.append(medians(trial)["total"])
+                table[label][reader] = {**medians(rows), "engine stretch": float(np.mean(stretches)),
+                                        "trial totals": totals}
             print_condition(label, table[label])
     return table
 
@@ -221,7 +234,9 @@ def stage_table(paths: list, base, pool, repeats: int) -> dict:
 def print_condition(label: str, readers: dict) -> None:
     print(f"\n{label}: ms per adapter (median)")
     for reader, stages in readers.items():
-        print(f"  {reader:7} " + "  ".join(f"{stage} {ms:.2f}" for stage, ms in stages.items()), flush=True)
+        print(f"  {reader:7} " + "  ".join(f"{stage} {ms:.2f}" if not isinstance(ms, list) else
+                                           f"{stage} {'/'.join(f'{t:.0f}' for t in ms)}"
+                                           for stage, ms in stages.items()), flush=True)
 
 
 def store_run(paths: list, base, pool, readers: int, engine, legacy: bool) -> dict:
@@ -290,6 +305,7 @@ def main(argv=None) -> None:
     parser.add_argument("--adapters", type=int, default=None, help="adapter folders (default 48; --tiny: 6)")
     parser.add_argument("--dir", default=None, help="default /tmp/disk_reads_adapters[_tiny]")
     parser.add_argument("--repeats", type=int, default=3, help="warm reads of each adapter alone")
+    parser.add_argument("--trials", type=int, default=3, help="engine threads per reader and condition")
     parser.add_argument("--out", default=None, help="JSON (default bench/results/disk_reads_cpu[_tiny].json)")
     args = parser.parse_args(argv)
     base = llama8b_config(2 if args.tiny else 32, args.tiny)
@@ -304,7 +320,7 @@ def main(argv=None) -> None:
               "cores": os.cpu_count(), "jax": jax.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "switch_interval_s":
               sys.getswitchinterval(), "adapters": count, "mean_file_bytes": disk["bytes_on_disk"] / count,
-              "stages_ms": stage_table(paths, base, pool, args.repeats)}
+              "stages_ms": stage_table(paths, base, pool, args.repeats, args.trials)}
     report["store"] = {f"{'before' if legacy else 'after'}, {label}": store_run(paths, base, pool, 4, engine, legacy)
                        for legacy in (True, False) for label, engine in ENGINES.items()}
     report["copy_start_ms"] = copy_ms(paths, base, max(5, args.repeats))
