@@ -78,7 +78,7 @@ import functools
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -94,11 +94,12 @@ from jaxlora.lora.rows import RowPool
 from jaxlora.models.llama import Llama
 from jaxlora.models.paged import PagedKVCache
 from jaxlora.sampling import SamplingParams
-from jaxlora.scheduler.core import TRAIN, CoSchedulePolicy, ServingLoad, WorkItem
+from jaxlora.scheduler.core import TRAIN, CoSchedulePolicy, ServingLoad
 from jaxlora.scheduler.serving import SchedulerConfig, Sequence, ServingScheduler, StepPlan, pages_for
 
 from serve.engine_config import (  # noqa: F401 (re-exported: the engine's public names)
-    EngineBusy, EngineConfig, Event, NoTaskHead, RequestError, UnknownAdapter, kv_page_bytes, kv_pages_that_fit,
+    EngineBusy, EngineConfig, Event, NoTaskHead, RequestError, TrainingSource, UnknownAdapter, kv_page_bytes,
+    kv_pages_that_fit,
 )
 from serve.modes import EngineModes
 from serve.placement import (  # noqa: F401 (check_mesh: re-exported)
@@ -800,13 +801,3 @@ class Engine:
     def snapshot(self) -> dict:
         """Counts for /metrics and /health (`serve.stats.engine_snapshot`; may be one step stale)."""
         return engine_snapshot(self)
-
-
-class TrainingSource(Protocol):
-    """Training work the engine runs in the steps serving leaves idle (`serve.finetune`)."""
-
-    def next_item(self) -> WorkItem | None:
-        """The next training step's work, None when there is none ready (must not block)."""
-
-    def run_next(self) -> None:
-        """Runs that step (errors are the source's to report: they must not stop serving)."""
