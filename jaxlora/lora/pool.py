@@ -11,14 +11,11 @@ are then invalid (read `pool.arrays` again after each). `prepare` validates an a
 keeps it compact (`PreparedAdapter`: each module at its own rank) in the pool's dtype when that is
 no wider than the dtype it was stored in (a float32 adapter for a bfloat16 pool is cast once, here,
 not on every write; a bfloat16 adapter for a float32 pool stays bfloat16 on the host, half the
-bytes). `device_slot` makes a slot's arrays from it on a pool without a mesh: the compact A/B
-copied to the device as they are (own rank, own dtype) and padded to the max rank there
-(`pad_ranks`), so a load copies and pads nothing on the host, whatever the adapter's rank;
-`padded` makes them on the host (a pool with a mesh): the compact arrays themselves when they are
-at the pool's max rank and dtype, else padded with zeros and cast. So a host that holds many
-adapters holds their own bytes, not max-rank copies (issue 34: a per-load float32 -> bfloat16 cast
-of 160 MB adapters had tripled the mixed steps of the distinct-adapter trace; a per-write numpy pad
-of rank-4/8 adapters sat on the engine thread of the disk trace).
+bytes). `padded` makes a slot's arrays from it: the compact arrays themselves when they are at the
+pool's max rank and dtype (no copy), else padded with zeros and cast. So a host that holds many
+adapters holds their own bytes, not max-rank copies, and a load on the serving path copies nothing
+on the host for a full-rank adapter (issue 34: a per-load float32 -> bfloat16 cast of 160 MB
+adapters had tripled the mixed steps of the distinct-adapter trace).
 
 With `pinned=True` a prepared adapter's A/B are jax arrays in the device's pinned (page-locked)
 host memory, and every write copies them to the device first (`to_device`): a DMA at PCIe speed
