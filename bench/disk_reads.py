@@ -263,18 +263,18 @@ def store_run(paths: list, base, pool, readers: int, engine, legacy: bool) -> di
 
 def copy_ms(paths: list, base, repeats: int) -> dict:
     """{rank: {way: ms}}: the engine thread's time to start one slot's host -> device copy of a
-    prepared adapter (pinned host memory, as on a GPU server), before this change (`padded`: the
-    host pads lower ranks with numpy, then `to_device`) and after (`device_slot`: A/B copied as
-    held, padded on the device), and the same until the copy is done ("+ done")."""
+    prepared adapter (pinned host memory, as on a GPU server: `padded`, where the host pads lower
+    ranks with numpy, then `to_device`), and the same until the copy is done ("+ done"). (A
+    device-side pad was tried and reverted: the guard's decode steps slowed with it, NOTES_serve.)"""
     pool = AdapterPool(base, 1, 16, ("q_proj", "v_proj"), dtype=jnp.bfloat16, pinned=True)
     read, out = store_read(pool, base), {}
-    ways = {"before": lambda p: pool.to_device(pool.padded(p)), "after": pool.device_slot}
+    ways = {"copy": lambda p: pool.to_device(pool.padded(p))}
     for path in paths[:3]:
         prepared = read(path, os.path.basename(path))
         rank = int(next(iter(prepared.values.values()))["a"].shape[2])
         out[rank] = {}
         for way, copy in ways.items():
-            jax.block_until_ready(copy(prepared))  # compiled (the device pad) before timing
+            jax.block_until_ready(copy(prepared))  # warm before timing
             started, done = [], []
             for _ in range(repeats):
                 clock = time.perf_counter()
