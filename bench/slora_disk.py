@@ -167,9 +167,12 @@ def run_trace(model, config: EngineConfig, trace, prompts: list, names: list) ->
         for holder in peak_pages:
             peak_pages[holder] = max(peak_pages[holder], split[holder])
         peak_rows = max(peak_rows, getattr(engine.scheduler.pages, "adapter_rows_used", 0))
-        if not busy and finished[0] < count:
-            time.sleep(0.001 if submitted >= count else
-                       max(0.0, min(0.05, start + trace.arrivals[submitted] - time.perf_counter())))
+        if (not busy or engine.stalled) and finished[0] < count:  # stalled: the queue waits for adapter reads
+            pause = 0.01 if engine.stalled else 0.001  # a stalled engine is woken when a read ends
+            if submitted < count:
+                pause = max(0.0, min(pause if engine.stalled else 0.05,
+                                     start + trace.arrivals[submitted] - time.perf_counter()))
+            engine.wait_for_work(pause)
     result = summarize(records, start, max(r.end for r in records))
     store, stats = engine.adapters, engine.stats
     result.update({

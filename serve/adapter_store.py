@@ -24,7 +24,8 @@ with that reason. `ensure`
 reads an adapter that has never been read (the HTTP handler awaits it before submitting, so a
 corrupt or mismatched adapter fails its request with the reason, before any response is sent).
 A read that fails marks the entry (`error`); the engine fails the requests naming it, and the
-next lookup of that name reads it from disk afresh.
+next lookup of that name reads it from disk afresh. The end of every read calls `on_read` (the
+engine's wake-up: an engine whose queue waits only for reads sleeps until then, `Engine.stalled`).
 
 The bound holds for what the cache holds, with the reads in flight (at most `readers`) on top;
 the size of an adapter not read yet is estimated from its safetensors file, so an adapter larger
@@ -121,6 +122,7 @@ class AdapterStore:
         self._reserved: dict[int, int] = {}  # uid -> estimated bytes of a read in flight
         self._reader = concurrent.futures.ThreadPoolExecutor(readers, thread_name_prefix="jaxlora-adapter-reader")
         self._disk_count: tuple[float, int] | None = None
+        self.on_read: Callable[[], None] | None = None  # called when a read ends, ok or not (the engine's wake-up)
 
     # ---- registry -------------------------------------------------------------------------
     def add(self, name: str, prepared: PreparedAdapter | None = None, path: str | None = None,
@@ -300,6 +302,14 @@ class AdapterStore:
         return future
 
     def _read_entry(self, entry: Entry) -> PreparedAdapter:
+        """`_read_to_cache`, then tells `on_read` (the engine may be waiting for it, `Engine.stalled`)."""
+        try:
+            return self._read_to_cache(entry)
+        finally:
+            if self.on_read is not None:
+                self.on_read()
+
+    def _read_to_cache(self, entry: Entry) -> PreparedAdapter:
         """Reads `entry` from disk into the cache (reader thread); marks it failed on AdapterError."""
         started = time.perf_counter()
         try:

@@ -78,7 +78,7 @@ import functools
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -94,11 +94,12 @@ from jaxlora.lora.rows import RowPool
 from jaxlora.models.llama import Llama
 from jaxlora.models.paged import PagedKVCache
 from jaxlora.sampling import SamplingParams
-from jaxlora.scheduler.core import TRAIN, CoSchedulePolicy, ServingLoad, WorkItem
+from jaxlora.scheduler.core import TRAIN, CoSchedulePolicy, ServingLoad
 from jaxlora.scheduler.serving import SchedulerConfig, Sequence, ServingScheduler, StepPlan, pages_for
 
 from serve.engine_config import (  # noqa: F401 (re-exported: the engine's public names)
-    EngineBusy, EngineConfig, Event, NoTaskHead, RequestError, UnknownAdapter, kv_page_bytes, kv_pages_that_fit,
+    EngineBusy, EngineConfig, Event, NoTaskHead, RequestError, TrainingSource, UnknownAdapter, kv_page_bytes,
+    kv_pages_that_fit,
 )
 from serve.modes import EngineModes
 from serve.placement import (  # noqa: F401 (check_mesh: re-exported)
@@ -117,6 +118,7 @@ if TYPE_CHECKING:
     from serve.vision import ImageInput, ImageServing
 
 log = logging.getLogger("jaxlora.serve")
+STALLED_WAIT_S = 0.01  # the longest a stalled engine waits before stepping again (woken sooner by news)
 
 
 class _InFlight(NamedTuple):
@@ -201,6 +203,7 @@ class Engine:
         self._requests: dict = {}
         self._num_waiting_submitted = 0
         self._wake = threading.Event()
+        self.stalled = False  # the last step ran nothing while requests wait (for their adapters' reads)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.stats = EngineStats(prefix=self.scheduler.prefix)
@@ -210,6 +213,7 @@ class Engine:
                                    self.scheduler, self.stats, self._page_bytes(), self.tensor_parallel,
                                    background_prefetch=mesh is None and jax.default_backend() != "cpu")
         self.adapters, self.copies = self.residency.store, self.residency.copies  # the store; prefetched copies
+        self.adapters.on_read = self._wake.set  # a stalled engine waits for reads, and steps when one ends
         if images is not None:  # PEFT adapters saved on the LLaVA model: its language model's part
             self.residency.load_adapter = images.read_adapter
         self.scheduler.adapter_pages = self.residency.adapter_pages
@@ -454,10 +458,12 @@ class Engine:
         self.residency.drop_removed()
         self._drop_late_requests()
         self._want_adapters()
+        self.stalled = False
         if not self.scheduler.has_work() and self._in_flight is None:
             return False
         launched = self._launch(phases)
         previous, self._in_flight = self._in_flight, launched
+        self.stalled = launched is None and previous is None  # nothing ran: the queue waits (for adapter reads)
         if previous is not None:
             self._finish(previous, phases)
         if launched is not None and not self.config.async_scheduling:
@@ -739,13 +745,12 @@ class Engine:
         while not self._stopping:
             self._wake.clear()
             try:
-                busy = self.step()
-                busy = self.train_step() or busy
+                busy, trained = self.step(), self.train_step()
             except Exception:
                 log.exception("engine loop error")
-                busy = False
-            if not busy:
-                self._wake.wait(0.05)
+                busy = trained = False
+            if not trained and (not busy or self.stalled):  # stalled: woken by a read's end, not spinning
+                self._wake.wait(STALLED_WAIT_S if busy else 0.05)
 
     def serving_load(self) -> ServingLoad:
         """The serving side's work now: sequences running, and waiting (queued commands included;
@@ -768,11 +773,19 @@ class Engine:
         self.stats.record_training(item.tokens, time.perf_counter() - started)
         return True
 
+    def wait_for_work(self, timeout: float) -> None:
+        """Waits up to `timeout` s for news a `step` can act on (a submit, a command, the end of an
+        adapter's disk read): for a caller that steps the engine itself, when `stalled`."""
+        self._wake.wait(timeout)
+        self._wake.clear()
+
     def run_until_idle(self, max_steps: int = 100_000) -> None:
         """Steps in the calling thread until no request is left (tests, offline use)."""
         for _ in range(max_steps):
             if not self.step() and not self._commands:
                 return
+            if self.stalled:
+                self.wait_for_work(STALLED_WAIT_S)
         raise RuntimeError(f"still busy after {max_steps} steps")
 
     # ---- introspection ----------------------------------------------------------------------
@@ -788,13 +801,3 @@ class Engine:
     def snapshot(self) -> dict:
         """Counts for /metrics and /health (`serve.stats.engine_snapshot`; may be one step stale)."""
         return engine_snapshot(self)
-
-
-class TrainingSource(Protocol):
-    """Training work the engine runs in the steps serving leaves idle (`serve.finetune`)."""
-
-    def next_item(self) -> WorkItem | None:
-        """The next training step's work, None when there is none ready (must not block)."""
-
-    def run_next(self) -> None:
-        """Runs that step (errors are the source's to report: they must not stop serving)."""

@@ -7,12 +7,13 @@ request errors. Kept apart from `serve.engine` (issue 40: rooms named for what t
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from jaxlora.lora import backends
 from jaxlora.nn.model_config import PROJECTIONS
+from jaxlora.scheduler.core import WorkItem
 from jaxlora.scheduler.serving import INFERENCE_MODES, CostPolicy, ModePolicy
 
 
@@ -205,3 +206,13 @@ def kv_page_bytes(model_config, page_size: int, dtype, tensor_parallel: int = 1)
     heads split over `tensor_parallel` devices."""
     return (2 * model_config.num_layers * page_size * model_config.num_kv_heads * model_config.head_dim
             * np.dtype(dtype).itemsize // tensor_parallel)
+
+
+class TrainingSource(Protocol):
+    """Training work the engine runs in the steps serving leaves idle (`serve.finetune`)."""
+
+    def next_item(self) -> WorkItem | None:
+        """The next training step's work, None when there is none ready (must not block)."""
+
+    def run_next(self) -> None:
+        """Runs that step (errors are the source's to report: they must not stop serving)."""

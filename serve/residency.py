@@ -110,7 +110,8 @@ class Residency:
         self.config = config
         self.model_config = model_config
         # reads an adapter folder (path, name) -> LoraAdapter, stored dtype kept (a VLM: `serve.vision`)
-        self.load_adapter = lambda path, name: load_peft_adapter(path, self.model_config, name, keep_dtype=True)
+        self.load_adapter = lambda path, name: load_peft_adapter(path, self.model_config, name, keep_dtype=True,
+                                                                 host_dtype=self.pool.host_dtype)
         self.dtype = dtype
         self.pool = pool
         self.compressed = compressed

@@ -12,12 +12,13 @@ import os
 import re
 
 import numpy as np
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxlora.lora.adapter import LoraAdapter, check_finite, empty_module
 from jaxlora.jsonfile import read_json_file
 from jaxlora.lora.adapter_config import AdapterError, LoraConfig, module_key
+from jaxlora.lora import safetensors_io
+from jaxlora.lora.safetensors_io import SafetensorsError, TensorFile
 from jaxlora.nn.model_config import FUSED_CHECKPOINT_PROJECTIONS, PROJECTIONS, LlamaConfig, fused_parts
 
 CONFIG_FILE = "adapter_config.json"
@@ -26,35 +27,48 @@ _KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.
 
 
 def load_peft_adapter(path: str, base: LlamaConfig, name: str | None = None,
-                      keep_dtype: bool = False) -> LoraAdapter:
+                      keep_dtype: bool = False, host_dtype=None) -> LoraAdapter:
     """Reads a PEFT LoRA adapter directory for the base model `base`; AdapterError if unusable.
     The weights are float32, or with `keep_dtype` in the dtype they are stored in (float16 or
-    bfloat16 stay so: a host cache of many adapters holds their own bytes) when all share one."""
+    bfloat16 stay so: a host cache of many adapters holds their own bytes) when all share one.
+    host_dtype: stored dtype -> the dtype to hold A/B in (a pool's `AdapterPool.host_dtype`;
+    implies keep_dtype): the cast happens while the tensors are placed, in the same pass.
+
+    The file is read in one call and its tensors placed from views of that buffer, one numpy
+    assignment per module, part and tensor shape (`_place_group`), and checked finite on its
+    sum (`TensorFile.maybe_nonfinite`): few calls that release the GIL, which is what a read
+    costs beside a busy engine thread (`jaxlora.lora.safetensors_io`)."""
     config = read_adapter_config(path, base)
-    tensors = _read_tensors(os.path.join(path, WEIGHTS_FILE), keep_dtype)
-    return adapter_from_peft(config, tensors, base, name or os.path.basename(os.path.normpath(path)), path, keep_dtype)
+    weights = read_weights(os.path.join(path, WEIGHTS_FILE))
+    return adapter_from_peft(config, weights.tensors(), base, name or os.path.basename(os.path.normpath(path)), path,
+                             keep_dtype, host_dtype, check_finite_values=weights.maybe_nonfinite())
 
 
 def adapter_from_peft(config: LoraConfig, tensors: dict[str, np.ndarray], base: LlamaConfig, name: str, path: str,
-                      keep_dtype: bool = False) -> LoraAdapter:
+                      keep_dtype: bool = False, host_dtype=None, check_finite_values: bool = True) -> LoraAdapter:
     """The adapter of a checked config and its tensors (PEFT's key names); `path` names the
     adapter in errors. (`jaxlora.vision.adapters` maps a vision-language model's names onto
-    these first.)"""
+    these first.) keep_dtype, host_dtype: as `load_peft_adapter`. check_finite_values=False: the
+    caller found every tensor finite (the placed arrays hold only their values and zeros)."""
     adapter = LoraAdapter(name, config, {})
-    dtype = _common_float_dtype(tensors) if keep_dtype else np.float32
+    dtype = _held_dtype(tensors, keep_dtype, host_dtype)
     for module in config.target_modules:
         adapter.modules[module] = empty_module(base, config, module, dtype)
-    seen = set()
-    for key, tensor in tensors.items():
-        layer, name, part = _parse_key(key, path, base)
-        for module, piece in _pieces(base, name, part, tensor, key, path):
-            if not (layer < base.num_layers and config.targets(layer, module)):
-                raise AdapterError(f"{path}: tensor {key} is for a module the adapter config does not target")
-            _place(adapter, layer, module, part, piece, key, path)
-            seen.add((layer, module, part))
-    _check_all_present(config, base, seen, path)
-    check_finite(adapter, path)
+    groups = _grouped(adapter, tensors, base, path)
+    _check_all_present(config, base, {(l, m, p) for (m, p, _), pieces in groups.items() for l, _ in pieces}, path)
+    for (module, part, _), pieces in groups.items():
+        _place_group(adapter.modules[module], part, pieces)
+    if check_finite_values:
+        check_finite(adapter, path)
     return adapter
+
+
+def _held_dtype(tensors: dict[str, np.ndarray], keep_dtype: bool, host_dtype) -> np.dtype:
+    """The dtype the adapter's A/B are placed in (see `load_peft_adapter`)."""
+    if not (keep_dtype or host_dtype is not None):
+        return np.dtype(np.float32)
+    stored = np.dtype(_common_float_dtype(tensors))
+    return stored if host_dtype is None else np.dtype(host_dtype(stored))
 
 
 def read_adapter_config(path: str, base: LlamaConfig) -> LoraConfig:
@@ -172,17 +186,17 @@ def _common_float_dtype(tensors: dict[str, np.ndarray]):
     return dtype if dtype.name in ("float16", "bfloat16", "float32") else np.float32
 
 
-def _read_tensors(file: str, keep_dtype: bool = False) -> dict[str, np.ndarray]:
-    if not os.path.exists(file):
+def read_weights(file: str) -> TensorFile:
+    """The adapter's safetensors file read whole (`jaxlora.lora.safetensors_io`); AdapterError if
+    it is missing, truncated or corrupt."""
+    try:
+        return safetensors_io.load(file)
+    except FileNotFoundError:
         other = os.path.join(os.path.dirname(file), "adapter_model.bin")
         hint = " (only safetensors is read, not adapter_model.bin)" if os.path.exists(other) else ""
-        raise AdapterError(f"{file}: not found{hint}")
-    try:
-        with safe_open(file, framework="numpy") as handle:
-            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
-    except Exception as err:
+        raise AdapterError(f"{file}: not found{hint}") from None
+    except (SafetensorsError, OSError) as err:
         raise AdapterError(f"{file}: cannot read safetensors (truncated or corrupt?): {err}") from err
-    return tensors if keep_dtype else {key: t.astype(np.float32) for key, t in tensors.items()}
 
 
 def _parse_key(key: str, path: str, base: LlamaConfig) -> tuple[int, str, str]:
@@ -209,18 +223,68 @@ def _pieces(base: LlamaConfig, name: str, part: str, tensor: np.ndarray, key: st
     return [(module, tensor[start:stop]) for (module, _), start, stop in zip(parts, bounds[:-1], bounds[1:])]
 
 
-def _place(adapter, layer, module, part, tensor, key, path) -> None:
-    weights = adapter.modules[module]
+def _grouped(adapter: LoraAdapter, tensors: dict[str, np.ndarray], base: LlamaConfig, path: str) -> dict:
+    """{(module, part, shape): [(layer, tensor)]} of every tensor (fused modules split), each
+    checked against the config's targets and the shape its layer's rank and the module give."""
+    groups: dict = {}
+    for key, tensor in tensors.items():
+        layer, name, part = _parse_key(key, path, base)
+        for module, piece in _pieces(base, name, part, tensor, key, path):
+            if not (layer < base.num_layers and adapter.config.targets(layer, module)):
+                raise AdapterError(f"{path}: tensor {key} is for a module the adapter config does not target")
+            _check_shape(adapter.modules[module], layer, module, part, piece, key, path)
+            groups.setdefault((module, part, piece.shape), []).append((layer, piece))
+    return groups
+
+
+def _check_shape(weights, layer, module, part, tensor, key, path) -> None:
     rank = int(weights.rank[layer])
     fan_in, fan_out = weights.a.shape[1], weights.b.shape[2]
     want = (rank, fan_in) if part == "A" else (fan_out, rank)
     if tensor.shape != want:
         raise AdapterError(f"{path}: tensor {key} has shape {tensor.shape}, expected {want} "
                            f"(rank {rank} from the adapter config; the base model's {module} is {fan_in}->{fan_out})")
-    if part == "A":
-        weights.a[layer, :, :rank] = tensor.T
-    else:
-        weights.b[layer, :rank, :] = tensor.T
+
+
+def _place_group(weights, part: str, pieces: list) -> None:
+    """Writes `pieces` [(layer, tensor)] of one shape (A [r, k] or B [n, r] as PEFT stores them)
+    transposed into a [L, k, r] or b [L, r, n]: one numpy assignment over a strided view of all of
+    them when they lie at equal steps in one buffer (`_stacked`; a safetensors file of uniform
+    layers), else one per layer."""
+    rank = pieces[0][1].shape[0 if part == "A" else 1]
+    dest = weights.a[:, :, :rank] if part == "A" else weights.b[:, :rank, :]
+    stacked = _stacked([tensor for _, tensor in pieces])
+    if stacked is None:
+        for layer, tensor in pieces:
+            dest[layer] = tensor.T
+        return
+    view, order = stacked
+    dest[np.array([pieces[i][0] for i in order])] = view.transpose(0, 2, 1)
+
+
+def _stacked(arrays: list[np.ndarray]):
+    """(a strided view [G, *shape] of `arrays` in memory order, their indices in that order), or
+    None unless they are views of one buffer with the same shape, dtype and strides at equal steps."""
+    first = arrays[0]
+    roots = {id(_root(a)) for a in arrays}
+    if len(roots) != 1 or any(a.strides != first.strides or a.dtype != first.dtype for a in arrays):
+        return None
+    addresses = [a.__array_interface__["data"][0] for a in arrays]
+    order = sorted(range(len(arrays)), key=addresses.__getitem__)
+    steps = {addresses[j] - addresses[i] for i, j in zip(order, order[1:])}
+    if len(steps) > 1 or (steps and steps.pop() <= 0):
+        return None
+    step = addresses[order[1]] - addresses[order[0]] if len(arrays) > 1 else 0
+    view = np.lib.stride_tricks.as_strided(arrays[order[0]], (len(arrays), *first.shape), (step, *first.strides),
+                                           writeable=False)
+    return view, order
+
+
+def _root(array: np.ndarray):
+    """The object that owns `array`'s memory (the end of its chain of bases)."""
+    while isinstance(array, np.ndarray) and array.base is not None:
+        array = array.base
+    return array
 
 
 def _check_all_present(config: LoraConfig, base: LlamaConfig, seen: set, path: str) -> None:

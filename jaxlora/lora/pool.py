@@ -153,9 +153,11 @@ class AdapterPool:
         """`padded` slot arrays copied to the pool's device (asynchronously; pinned ones by DMA)."""
         return jax.device_put(values, self._device_sharding)
 
-    def _hold(self, array: np.ndarray):
-        """A prepared adapter's A or B as the host holds it: numpy, or a copy in pinned memory."""
-        return array if self._host_sharding is None else jax.device_put(array, self._host_sharding)
+    def _hold(self, arrays: dict) -> dict:
+        """A prepared adapter's A/B ({module: {"a", "b"}}) as the host holds them: numpy, or copies
+        in pinned memory (one `device_put` for all: a reader thread beside the busy engine thread
+        pays per call that releases the GIL, `jaxlora.lora.safetensors_io`)."""
+        return arrays if self._host_sharding is None else jax.device_put(arrays, self._host_sharding)
 
     @property
     def layout(self) -> tuple:
@@ -176,11 +178,11 @@ class AdapterPool:
         checks themselves."""
         if check:
             self._validate(adapter)
-        values = {}
-        for module, w in adapter.modules.items():
-            dtype = self.host_dtype(w.a.dtype)
-            values[module] = {"a": self._hold(np.asarray(w.a, dtype)), "b": self._hold(np.asarray(w.b, dtype)),
-                              "scale": np.asarray(w.scale, np.float32), "rank": np.asarray(w.rank, np.int32)}
+        held = self._hold({module: {"a": np.asarray(w.a, self.host_dtype(w.a.dtype)),
+                                    "b": np.asarray(w.b, self.host_dtype(w.a.dtype))}
+                           for module, w in adapter.modules.items()})
+        values = {module: {**held[module], "scale": np.asarray(w.scale, np.float32),
+                           "rank": np.asarray(w.rank, np.int32)} for module, w in adapter.modules.items()}
         return PreparedAdapter(adapter.name, values, self.layout)
 
     def host_dtype(self, stored) -> np.dtype:

@@ -24,12 +24,11 @@ import os
 import re
 
 import numpy as np
-from safetensors import safe_open
 
 from jaxlora.lora.adapter import LoraAdapter
 from jaxlora.lora.adapter_config import AdapterError, module_key
 from jaxlora.lora.peft_io import (CONFIG_FILE, WEIGHTS_FILE, adapter_from_peft, lora_config_from_peft,
-                                  read_raw_adapter_config, save_peft_adapter)
+                                  read_raw_adapter_config, read_weights, save_peft_adapter)
 from jaxlora.nn.model_config import PROJECTIONS
 from jaxlora.vision.config import LlavaConfig, split_llava_name
 from jaxlora.vision.idefics3_config import Idefics3Config, split_idefics3_name
@@ -139,13 +138,9 @@ def _translated_config(raw: dict, config) -> dict:
 
 
 def _read_tensors(file: str, keep_dtype: bool) -> dict[str, np.ndarray]:
-    if not os.path.exists(file):
-        raise AdapterError(f"{file}: not found")
-    try:
-        with safe_open(file, framework="numpy") as handle:
-            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
-    except Exception as err:  # safetensors raises its own error types
-        raise AdapterError(f"{file}: cannot read safetensors (truncated or corrupt?): {err}") from err
+    """The file's tensors: views of the buffer it was read into in one call (`read_weights`), or
+    float32 copies without `keep_dtype`."""
+    tensors = read_weights(file).tensors()
     return tensors if keep_dtype else {key: t.astype(np.float32) for key, t in tensors.items()}
 
 

@@ -174,6 +174,45 @@ def test_request_waits_for_its_adapter_read_without_holding_others(tiny_model_di
     assert engine.adapters.stats.disk_reads == 2 and engine.snapshot()["adapters_on_host"] == 2
 
 
+def test_engine_waiting_only_for_reads_sleeps_and_wakes_when_a_read_ends(tiny_model_dir, adapter_dir, monkeypatch):
+    """The engine's own thread: while the only request waits for its adapter's read (held), the
+    engine is `stalled` and waits instead of stepping in a loop (a spinning engine thread holds the
+    GIL the reader threads need); the read's end wakes it (with the longest wait made 60 s here, the
+    request still finishes at once), with the same tokens as an engine that read it beforehand."""
+    import threading
+    import time
+
+    import serve.engine as engine_module
+    from jaxlora.sampling import SamplingParams
+    from jaxlora.weights import load_model
+    from serve.engine import Engine
+
+    model, tokenizer = load_model(tiny_model_dir)
+    engine = Engine(model, tokenizer.eos_token_ids, _engine_config(adapter_dir))
+    release, read, schedule = threading.Event(), engine.adapters._read, engine.scheduler.schedule
+    plans = []
+    engine.adapters._read = lambda path, name: (release.wait(60), read(path, name))[1]
+    engine.scheduler.schedule = lambda: (plans.append(1), schedule())[1]
+    monkeypatch.setattr(engine_module, "STALLED_WAIT_S", 60.0)
+    done, events = threading.Event(), []
+    prompt = tokenizer.encode("Once upon a time")
+    engine.start()
+    try:
+        engine.submit(0, prompt, adapter_name(3), SamplingParams(4),
+                      lambda event: (events.append(event), event.finish_reason and done.set()))
+        time.sleep(0.5)
+        assert engine.stalled and not events and len(plans) <= 3, len(plans)  # no spinning
+        release.set()
+        assert done.wait(30) and events[-1].finish_reason == "length"
+    finally:
+        engine.stop()
+    alone = Engine(model, tokenizer.eos_token_ids, _engine_config(adapter_dir))
+    again = []
+    alone.submit(0, prompt, adapter_name(3), SamplingParams(4), again.append)
+    alone.run_until_idle()
+    assert [e.token for e in events] == [e.token for e in again]
+
+
 def _engine_config(adapter_dir, **changes):
     from serve.engine import EngineConfig
 
