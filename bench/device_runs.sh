@@ -312,7 +312,7 @@ modes_skew() {  # one GPU, issue 38: bench/serve.py --modes-skew at the README's
   nvidia-smi -L
   [ -d .jitcache ] && python3 bench/jit_cache.py unpack .jitcache/jitcache /tmp/jaxlora_serve_jit_cache
   local sizes="--modes-skew --lora-backend hybrid --max-num-seqs 256 --token-budget 2048 --prefill-chunk 2048"
-  sizes="$sizes ${NUM_PAGES:+--num-pages $NUM_PAGES}"
+  sizes="$sizes"
   timeout $((LIMIT - 10)) python3 bench/serve.py $sizes --compile-only 2>&1 | grep -v cuda_timer | tail -n 3
   timeout $((LIMIT - SECONDS - 5)) python3 bench/serve.py $sizes --skews ${SKEWS:-0.5 0.6 0.7 0.8 0.9 1.0} \
       --requests ${REQUESTS:-32} --modes ${MODES:-auto merged unmerged mixed} --time-budget $((LIMIT - SECONDS - 90)) \
@@ -564,6 +564,23 @@ slora_pair() {  # one H200: the guard's slora_disk part (n=2000, alpha 1 and 0.3
       ${TINY:+--tiny} --only slora_disk --adapter-dir /tmp/slora_dirs --out-dir "$OUT/slora_old" 2>&1 \
       | grep -v "cuda_timer\|Warning\|^W11" | tail -n 16)
   rm -f "$OUT"/slora_*/regress_*.png
+}
+
+scan_cublas() {  # one GPU, issue 35 item 2: the decode32 profile with every layer scanned, its GEMMs on cuBLAS
+  # (XLA's Triton GEMMs off) with XLA's dynamic-slice fusion (cuBLAS reading each layer's weights in the stack
+  # in place, no copy); then cuBLAS alone; then the scanned default (the baseline, same machine)
+  nvidia-smi -L
+  local sizes="--lora-backend hybrid --max-num-seqs 256 --token-budget 2048 --prefill-chunk 2048"
+  local prof="bench/serve.py ${TINY:+--tiny} --profile $sizes --profile-steps decode32 --profile-variants base hybrid \
+      --scan-layers-from-tokens 1 --compile-cache ''"
+  local off="--xla_gpu_enable_triton_gemm=false"
+  XLA_FLAGS="$off --xla_gpu_enable_dynamic_slice_fusion=true" timeout $((LIMIT - SECONDS - 5)) python3 $prof \
+      --out "$OUT/scan_cublas_dsf.json" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 12
+  XLA_FLAGS="$off" timeout $((LIMIT - SECONDS - 5)) python3 $prof --out "$OUT/scan_cublas.json" 2>&1 \
+      | grep -v "cuda_timer\|Warning\|^W11" | tail -n 12
+  timeout $((LIMIT - SECONDS - 5)) python3 $prof --out "$OUT/scan_default.json" 2>&1 \
+      | grep -v "cuda_timer\|Warning\|^W11" | tail -n 12
+  rm -rf "$OUT"/serve_profile_traces
 }
 
 guard() {  # one H200: the regression guard's serving trace (bench/regress.py --only serve; .jitcache and .whl
