@@ -53,6 +53,13 @@ from jaxlora.scheduler.serving import StepPlan
 
 
 SAMPLERS = ("sample", "sample_state", "sample_masked", "sample_state_masked")  # the sampler programs
+# XLA options of a stand-in's compile on a GPU (`Programs`): GEMMs on cuBLAS, not Triton fusions
+STAND_IN_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+
+def _backend() -> str:
+    """The platform programs compile for (a function: tests stand in a GPU)."""
+    return jax.default_backend()
 
 
 class StepShape(NamedTuple):
@@ -237,7 +244,10 @@ class Programs:
 
     A program below `scan_from_tokens` may be compiled scanned as a stand-in (`compile(...,
     scan=True)`: the engine's start-up, so the server is ready sooner); it serves its steps until the
-    unrolled program replaces it (`stand_ins()`: what a background compile still owes)."""
+    unrolled program replaces it (`stand_ins()`: what a background compile still owes). On a GPU a
+    stand-in's GEMMs are cuBLAS calls (`STAND_IN_GPU_OPTIONS`), which read each layer's weights in
+    the stack in place, where XLA's Triton GEMMs need them copied out first: the scanned 8B decode32
+    step 8.4 ms instead of 18.9 (unrolled 7.0; H100, 2026-11-28, bench/NOTES_serve.md)."""
 
     def __init__(self, graphdef, backend: LoraBackend, max_rows: int, scan_from_tokens: int = 1):
         programs = {"forward": _forward, "sample": _sample, "sample_state": _sample_state}
@@ -264,6 +274,12 @@ class Programs:
     def stand_ins(self) -> list[StepShape]:
         """The shapes served by a scanned stand-in, their unrolled program not compiled yet."""
         return list(self._stand_ins)
+
+    @staticmethod
+    def compile_options(stand_in: bool) -> dict:
+        """XLA options of a program's compile: `STAND_IN_GPU_OPTIONS` for a stand-in on a GPU
+        (class doc), else none."""
+        return dict(STAND_IN_GPU_OPTIONS) if stand_in and _backend() == "gpu" else {}
 
     def _scanned(self, shape: StepShape, scan: bool | None) -> bool:
         """Whether `shape`'s forward runs its layers as a scan: `scan`, or by its tokens (class doc)."""
@@ -294,15 +310,17 @@ class Programs:
         (a scanned forward below `scan_from_tokens`: as a stand-in, class doc); with a `store`, loads
         it from there instead when it holds it (no trace), else stores what it compiled."""
         started = lowered_at = time.perf_counter()
-        key = None if self.store is None else self.store.key(shape.program, self._program(shape, scan)[1], args)
+        stand_in = shape.program == "forward" and self._scanned(shape, scan) and not self._scanned(shape, None)
+        options = self.compile_options(stand_in)
+        static = self._program(shape, scan)[1] + ((tuple(sorted(options.items())),) if options else ())
+        key = None if self.store is None else self.store.key(shape.program, static, args)
         program = None if key is None else self.store.load(key)
         if program is None:
             lowered = self.lower(shape, args, scan)
             lowered_at = time.perf_counter()
-            program = lowered.compile()
+            program = lowered.compile(compiler_options=options or None)
             if key is not None:
                 self.store.save(key, program)
-        stand_in = shape.program == "forward" and self._scanned(shape, scan) and not self._scanned(shape, None)
         with self._lock:
             self.lower_s += lowered_at - started
             self.compile_s += time.perf_counter() - lowered_at

@@ -6,10 +6,12 @@ give the tokens of unrolled ones."""
 import itertools
 import threading
 
+import jax
 import pytest
 
 from jaxlora.sampling import SamplingParams
 from serve.engine import Engine, EngineConfig
+import serve.step
 from serve.step import SAMPLERS
 
 # One block-table width (32 tokens = 4 pages) and three token buckets (8, 16, 32): few programs, and
@@ -66,8 +68,17 @@ def test_first_shapes_serve_every_variant_with_scanned_programs(smollm2, adapter
     assert len(first) < len(shapes)
 
 
-def test_steps_run_in_larger_compiled_buckets_until_their_own_is_compiled(smollm2, adapters8, expected):
+def test_steps_run_in_larger_compiled_buckets_until_their_own_is_compiled(smollm2, adapters8, expected, monkeypatch):
     model, tokenizer = smollm2
+    # as on a GPU, the stand-ins compile with cuBLAS GEMMs (XLA's CPU compiler takes the option too)
+    monkeypatch.setattr(serve.step, "_backend", lambda: "gpu")
+    options, compile_lowered = [], jax.stages.Lowered.compile
+
+    def spy(self, compiler_options=None, **kwargs):
+        options.append(compiler_options)
+        return compile_lowered(self, compiler_options=compiler_options, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", spy)
     config = EngineConfig(**TINY_ENGINE, scan_layers_from_tokens=16, background_compile=True)
     engine = Engine(model, tokenizer.eos_token_ids, config, {name: adapters8[name] for name in ("ad0", "ad1")})
     release, compile_rest = threading.Event(), engine._compile_rest
@@ -83,6 +94,7 @@ def test_steps_run_in_larger_compiled_buckets_until_their_own_is_compiled(smollm
     # background compiles them unrolled
     stand_ins = engine.programs.stand_ins()
     assert stand_ins and all(s.tokens < 16 and s.program == "forward" for s in stand_ins)
+    assert options.count(serve.step.STAND_IN_GPU_OPTIONS) == len(stand_ins)  # only they
     try:
         assert _serve(engine, tokenizer) == expected  # steps ran in stand-ins and larger compiled buckets
         assert engine.stats.step_compiles == 0
