@@ -29,7 +29,9 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
+import contextlib
 import os
+import sys
 import threading
 import time
 from typing import Callable
@@ -431,7 +433,13 @@ class StepBuilder:
         """`Engine.warmup`'s background compile: the forwards of each token bucket, smallest first, then
         the samplers over their rows, one program at a time, the scoring forwards last; stops once
         `stopping()`. First the samplers whose rows a compiled forward already serves (the masked
-        ones `first_shapes` leaves out: a request with a grammar waits for them at most seconds)."""
+        ones `first_shapes` leaves out: a request with a grammar waits for them at most seconds).
+        Runs with short GIL turns (`short_gil_turns`), so serving steps wait less on its lowering."""
+        with short_gil_turns():
+            self._compile_rest(shapes, args, stopping)
+
+    def _compile_rest(self, shapes: list[StepShape], args: Callable[[StepShape], tuple],
+                      stopping: Callable[[], bool]) -> None:
         started = time.perf_counter()
         ready = [shape for shape in shapes
                  if shape.program != "forward" and self.programs.logits_sharding(shape.rows) is not None]
@@ -453,6 +461,23 @@ class StepBuilder:
         if left and not stopping():
             self.compile(left, 1, args)
         log.info("background compile done: %d programs in %.1f s", len(shapes), time.perf_counter() - started)
+
+
+# The GIL's switch interval while the background compile runs (Python's default: 5 ms). Lowering
+# a program is seconds of Python holding the GIL; the engine thread, whose step releases it at
+# every device call, then waits up to a whole interval to take it back each time.
+BACKGROUND_SWITCH_S = 0.0005
+
+
+@contextlib.contextmanager
+def short_gil_turns(interval: float = BACKGROUND_SWITCH_S):
+    """Within: the GIL switch interval at most `interval` (process-wide), restored after."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(min(before, interval))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 def progress_log(started: float) -> Callable[[str], Callable[[int, int], None]]:

@@ -153,3 +153,21 @@ def test_masked_samplers_lead_the_background_compile_and_a_grammar_step_compiles
     assert leading and {s.program for s in leading} == {name for name in SAMPLERS if name.endswith("_masked")}
     compiled = set(engine.programs.shapes())
     assert all(shape in compiled for shape in engine.step_shapes() if shape.program != "forward")
+
+
+def test_background_compile_takes_short_gil_turns():
+    import sys
+    import types
+
+    from serve.step_builder import BACKGROUND_SWITCH_S, StepBuilder, short_gil_turns
+
+    before, seen = sys.getswitchinterval(), []
+    fake = types.SimpleNamespace(_compile_rest=lambda *args: seen.append(sys.getswitchinterval()))
+    StepBuilder.compile_rest(fake, [], None, lambda: False)
+    assert seen == [min(before, BACKGROUND_SWITCH_S)] and seen[0] < 0.005
+    assert sys.getswitchinterval() == before  # restored
+    with pytest.raises(RuntimeError):
+        with short_gil_turns(1e-4):
+            assert sys.getswitchinterval() == pytest.approx(1e-4)
+            raise RuntimeError
+    assert sys.getswitchinterval() == before
