@@ -572,7 +572,7 @@ scan_cublas() {  # one GPU, issue 35 item 2: the decode32 profile with every lay
   nvidia-smi -L
   local sizes="--lora-backend hybrid --max-num-seqs 256 --token-budget 2048 --prefill-chunk 2048"
   local prof="bench/serve.py ${TINY:+--tiny} --profile $sizes --profile-steps decode32 --profile-variants base hybrid \
-      --scan-layers-from-tokens 1 --compile-cache ''"
+      --scan-layers-from-tokens 1 --compile-cache="
   local off="--xla_gpu_enable_triton_gemm=false"
   XLA_FLAGS="$off --xla_gpu_enable_dynamic_slice_fusion=true" timeout $((LIMIT - SECONDS - 5)) python3 $prof \
       --out "$OUT/scan_cublas_dsf.json" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 12
