@@ -549,8 +549,9 @@ for f in sorted(glob.glob('$d/regress_*.json')):
         print(f\"{k:55s} {v['value']:10.3f}  {r['verdicts'].get(k, {}).get('verdict', '')}\")"; done
 }
 
-slora_pair() {  # one H200: the guard's slora_disk part (n=2000, alpha 1 and 0.3, 400 requests) on this tree,
-  # then on a copy overlaid with variants/old/ (the files before a change), the same adapter folders
+slora_pair() {  # one H200: the guard's slora_disk part (n=2000, alpha 1 and 0.3, 400 requests) on this tree and
+  # on a copy overlaid with variants/old/ (the files before a change), the same adapter folders, written (and
+  # synced to disk) before either run; ORDER="old new" (default) or "new old"
   nvidia-smi -L
   python3 bench/jit_cache.py unpack .jitcache/jitcache /tmp/jaxlora_serve_jit_cache
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
@@ -558,11 +559,16 @@ slora_pair() {  # one H200: the guard's slora_disk part (n=2000, alpha 1 and 0.3
   mkdir -p /tmp/tree_old "$OUT/slora_new" "$OUT/slora_old"
   tar cf - --exclude=./.jitcache --exclude=./.whl --exclude=./variants . | tar xf - -C /tmp/tree_old
   cp -r variants/old/. /tmp/tree_old/
-  timeout $((LIMIT - SECONDS - 5)) python3 bench/regress.py ${TINY:+--tiny} --only slora_disk \
-      --adapter-dir /tmp/slora_dirs --out-dir "$OUT/slora_new" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 16
-  (cd /tmp/tree_old && PYTHONPATH=/tmp/tree_old:/tmp/site timeout $((LIMIT - SECONDS - 5)) python3 bench/regress.py \
-      ${TINY:+--tiny} --only slora_disk --adapter-dir /tmp/slora_dirs --out-dir "$OUT/slora_old" 2>&1 \
-      | grep -v "cuda_timer\|Warning\|^W11" | tail -n 16)
+  python3 bench/slora_disk.py ${TINY:+--tiny} --dir /tmp/slora_dirs --write-only \
+      2>&1 | tail -n 2
+  sync
+  local which tree
+  for which in ${ORDER:-old new}; do
+    tree=$PWD; [ "$which" = old ] && tree=/tmp/tree_old
+    (cd $tree && PYTHONPATH=$tree:/tmp/site timeout $((LIMIT - SECONDS - 5)) python3 bench/regress.py \
+        ${TINY:+--tiny} --only slora_disk --adapter-dir /tmp/slora_dirs --out-dir "$OUT/slora_$which" 2>&1 \
+        | grep -v "cuda_timer\|Warning\|^W11" | tail -n 16)
+  done
   rm -f "$OUT"/slora_*/regress_*.png
 }
 
