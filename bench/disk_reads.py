@@ -47,14 +47,21 @@ from serve.adapter_store import AdapterStore
 
 # ---- the two readers, stage by stage ----------------------------------------------------------------
 
+def stage_timer(times: dict):
+    """`lap(stage)`: records in `times` the seconds since the previous lap (or since this call)."""
+    clock = [time.perf_counter()]
+
+    def lap(stage: str) -> None:
+        now = time.perf_counter()
+        times[stage], clock[0] = now - clock[0], now
+
+    return lap
+
+
 def legacy_stages(path: str, base, pool: AdapterPool) -> dict:
     """The read before this change (peft_io at 74eb595), timed per stage: {stage: seconds}."""
-    times, clock = {}, time.perf_counter()
-
-    def lap(stage):
-        nonlocal clock
-        now = time.perf_counter()
-        times[stage], clock = now - clock, now
+    times = {}
+    lap = stage_timer(times)
 
     file = os.path.join(path, peft_io.CONFIG_FILE)
     with open(file) as f:  # jaxlora.jsonfile.read_json_file before this change
@@ -85,12 +92,8 @@ def legacy_stages(path: str, base, pool: AdapterPool) -> dict:
 
 def new_stages(path: str, base, pool: AdapterPool) -> dict:
     """Today's read (`load_peft_adapter` with the pool's host dtype, then `prepare`), per stage."""
-    times, clock = {}, time.perf_counter()
-
-    def lap(stage):
-        nonlocal clock
-        now = time.perf_counter()
-        times[stage], clock = now - clock, now
+    times = {}
+    lap = stage_timer(times)
 
     config = peft_io.read_adapter_config(path, base)
     lap("config")

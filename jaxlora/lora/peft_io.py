@@ -271,10 +271,10 @@ def _stacked(arrays: list[np.ndarray]):
         return None
     addresses = [a.__array_interface__["data"][0] for a in arrays]
     order = sorted(range(len(arrays)), key=addresses.__getitem__)
-    steps = {addresses[j] - addresses[i] for i, j in zip(order, order[1:])}
-    if len(steps) > 1 or (steps and steps.pop() <= 0):
+    steps = {addresses[j] - addresses[i] for i, j in zip(order, order[1:])} or {0}
+    step = steps.pop()
+    if steps or (len(arrays) > 1 and step <= 0):
         return None
-    step = addresses[order[1]] - addresses[order[0]] if len(arrays) > 1 else 0
     view = np.lib.stride_tricks.as_strided(arrays[order[0]], (len(arrays), *first.shape), (step, *first.strides),
                                            writeable=False)
     return view, order

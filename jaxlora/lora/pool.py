@@ -178,8 +178,8 @@ class AdapterPool:
         checks themselves."""
         if check:
             self._validate(adapter)
-        held = self._hold({module: {"a": np.asarray(w.a, self.host_dtype(w.a.dtype)),
-                                    "b": np.asarray(w.b, self.host_dtype(w.a.dtype))}
+        dtypes = {module: self.host_dtype(w.a.dtype) for module, w in adapter.modules.items()}
+        held = self._hold({module: {"a": np.asarray(w.a, dtypes[module]), "b": np.asarray(w.b, dtypes[module])}
                            for module, w in adapter.modules.items()})
         values = {module: {**held[module], "scale": np.asarray(w.scale, np.float32),
                            "rank": np.asarray(w.rank, np.int32)} for module, w in adapter.modules.items()}
