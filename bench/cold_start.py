@@ -144,6 +144,8 @@ def launch(args, model_dir: str, adapter_dir: str, cache_dir: str, label: str) -
                "--compile-cache", cache_dir, "--max-tokens-limit", "16", *args.server_args.split()]
     if label == "warm-lowered":  # the programs traced and lowered to find them in JAX's cache (no executables)
         command.append("--no-executable-cache")
+    if label == "cold-inprocess":  # the background compile on the server's own process (the baseline)
+        command += ["--compile-worker", "off"]
     started, lines = time.perf_counter(), []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
            "PYTHONUNBUFFERED": "1"}
@@ -157,6 +159,7 @@ def launch(args, model_dir: str, adapter_dir: str, cache_dir: str, label: str) -
         result["first_completion_s"], result["completion"] = first_completion(port, started)
         if args.after_ready:
             result["after_ready"] = serve_after_ready(port, started, lines, args.after_ready)
+            result["after_ready_summary"] = after_ready_summary(result["after_ready"], result["ready_s"])
     except Exception as err:  # report what happened, keep the log
         result["error"] = f"{type(err).__name__}: {err}"
     finally:
@@ -208,6 +211,22 @@ def serve_after_ready(port: int, started: float, lines: list, seconds: float) ->
     return times
 
 
+def after_ready_summary(times: list, ready_s: float, window: float = 30.0) -> dict:
+    """Issue 35 item 2's figure from `serve_after_ready`'s [(t, latency, done)]: the mean completion
+    latency in the first `window` s after ready against the steady one (the completions once the
+    background compile is done; while it still runs, those of the last `window` s, `steady_from`
+    says which), and their ratio (target <= 1.2)."""
+    first = [lat for t, lat, _ in times if t < ready_s + window]
+    done = [lat for _, lat, finished in times if finished]
+    last = [lat for t, lat, _ in times if times and t >= times[-1][0] - window]
+    steady, source = (done, "background done") if done else (last, f"last {window:.0f} s, background running")
+    mean = lambda xs: sum(xs) / len(xs) if xs else None
+    out = {"first_window_mean_s": mean(first), "first_window_completions": len(first),
+           "steady_mean_s": mean(steady), "steady_completions": len(steady), "steady_from": source}
+    out["ratio"] = out["first_window_mean_s"] / out["steady_mean_s"] if first and steady else None
+    return out
+
+
 def wait_ready(port: int, process, started: float, timeout: float) -> float:
     while time.perf_counter() - started < timeout:
         if process.poll() is not None:
@@ -242,7 +261,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 32; --tiny: 2)")
     parser.add_argument("--dir", default=None, help="checkpoint and adapters (default /tmp/jaxlora_cold_start[_tiny])")
     parser.add_argument("--adapters", type=int, default=4)
-    parser.add_argument("--runs", nargs="+", default=["cold", "warm"], choices=("cold", "warm", "warm-lowered"),
+    parser.add_argument("--runs", nargs="+", default=["cold", "warm"],
+                        choices=("cold", "cold-inprocess", "warm", "warm-lowered"),
                         help="warm-lowered: warm, without the server's stored executables (--no-executable-cache)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for /health per run")
     parser.add_argument("--server-args", default=None, help="extra jaxlora-serve options (default: the README's sizes)")
@@ -279,6 +299,9 @@ def main() -> None:
     cache_dir = tempfile.mkdtemp(prefix="jaxlora_cold_cache_")
     try:
         for label in args.runs:
+            if label.startswith("cold") and os.listdir(cache_dir):  # a cold run after another: a cache of its own
+                shutil.rmtree(cache_dir, ignore_errors=True)
+                cache_dir = tempfile.mkdtemp(prefix="jaxlora_cold_cache_")
             result = launch(args, model_dir, adapter_dir, cache_dir, label)
             report["runs"].append(result)
             print(f"{label:5}: " + ", ".join(f"{k} {v:.1f}" for k, v in result["phases"].items()
@@ -287,6 +310,9 @@ def main() -> None:
                   f"{result['weights_loaded_s'] or float('nan'):6.1f} s, ready {result.get('ready_s', float('nan')):6.1f} s,"
                   f" first completion {result.get('first_completion_s', float('nan')):6.1f} s"
                   f"{'  ERROR ' + result['error'] if 'error' in result else ''}", flush=True)
+            if "after_ready_summary" in result:
+                print(f"{label:5}: after ready {result['after_ready_summary']}, background done "
+                      f"{result['background_done_s']}", flush=True)
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1)

@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on: /health turns ready once the step programs that can serve any step are compiled, the "
                         "rest compile while serving (steps meanwhile run in larger compiled buckets); off: compile "
                         "every step program first; auto: on for a GPU/TPU")
+    p.add_argument("--compile-worker", choices=("auto", "on", "off"), default="auto",
+                   help="on: the background compile runs in a child process (its Python and CPU off the serving "
+                        "process), in-process wherever the child fails; auto: on for a GPU")
     p.add_argument("--scan-layers-from-tokens", type=int, default=None,
                    help="steps of at least this many tokens run the layers as one compiled scan body (5-10x faster "
                         "to compile), smaller ones unrolled (default: 512 on a GPU/TPU, 1 on a CPU; the server's first "
@@ -418,7 +421,8 @@ def engine_config(args, max_rank: int, context: int, host_bound: int | None):
         reserve_output_kv=not args.grow_kv, inference_mode=args.inference_mode,
         unified_paging=args.unified_paging, adapter_rows=args.adapter_rows, prefix_caching=args.prefix_caching,
         scan_layers_from_tokens=args.scan_layers_from_tokens,
-        background_compile={"auto": None, "on": True, "off": False}[args.background_compile])
+        background_compile={"auto": None, "on": True, "off": False}[args.background_compile],
+        compile_worker={"auto": None, "on": True, "off": False}[args.compile_worker])
 
 
 def read_compressed(args):

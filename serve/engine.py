@@ -97,6 +97,7 @@ from jaxlora.sampling import SamplingParams
 from jaxlora.scheduler.core import TRAIN, CoSchedulePolicy, ServingLoad
 from jaxlora.scheduler.serving import SchedulerConfig, Sequence, ServingScheduler, StepPlan, pages_for
 
+from serve.compile_worker import CompileWorker
 from serve.engine_config import (  # noqa: F401 (re-exported: the engine's public names)
     EngineBusy, EngineConfig, Event, NoTaskHead, RequestError, TrainingSource, UnknownAdapter, kv_page_bytes,
     kv_pages_that_fit,
@@ -185,6 +186,7 @@ class Engine:
         self.handoff: Callable[[Handoff], None] | None = None  # set by a replica set (module doc)
         self.programs = Programs(self._graphdef, config.backend, self.max_rows, config.scan_layers_from_tokens)
         self._background: threading.Thread | None = None  # `warmup`'s background compile
+        self._worker: CompileWorker | None = None  # its child process (`config.compile_worker`)
         self._early_warmup = None  # `start_warmup`'s programs (a Future)
         self._lowering_state = None  # while `start_warmup`'s programs compile: the weights' shapes
         self.sampler_slots = SamplerSlots(config.max_num_seqs, model.config.vocab_size,
@@ -611,6 +613,8 @@ class Engine:
             started, before, rest = early.result()
         else:
             background = self.config.background_compile if background is None else background
+            if background and shapes is None:
+                self._start_worker()
             started, before, rest = self.builder.compile_first(shapes, threads, background, self._padding_args)
         self._lowering_state = None  # the weights are written by now: lower over them
         free = self.pool.free_slot()
@@ -624,7 +628,10 @@ class Engine:
         log.info("step programs ready: %d compiled in %.1f s (summed over threads: lowering %.1f s, compiling or "
                  "loading from the cache %.1f s)", len(self.programs) - before, seconds, self.programs.lower_s,
                  self.programs.compile_s)
+        if self._worker is not None and not rest:
+            self._worker.close()
         if rest:
+            self._start_worker()
             self._background = self.builder.background = threading.Thread(
                 target=self._compile_rest, args=(rest,), daemon=True, name="jaxlora-compile-background")
             self._background.start()
@@ -635,7 +642,15 @@ class Engine:
         (`abstract_state`): the caller may meanwhile replace each weight array by one of the same
         shape, dtype and placement (`serve.warm_start`); `warmup()` then waits for them."""
         self._lowering_state = abstract_state(self._state)
+        if self.config.background_compile:
+            self._start_worker()
         self._early_warmup = self.builder.start_first(self.config.background_compile, self._padding_args)
+
+    def _start_worker(self) -> None:
+        """Starts the background compile's child process (`config.compile_worker`) if not yet: it
+        imports jax and opens the devices while the first programs compile."""
+        if self.config.compile_worker and self._worker is None:
+            self._worker = CompileWorker.start()
 
     def _padding_args(self, shape: StepShape) -> tuple:
         """Dynamic arguments of the program `shape` for a step of padding only (writes nothing)."""
@@ -643,8 +658,13 @@ class Engine:
         return self.builder.padding_args(shape, state, self.cache, self._last_tokens)
 
     def _compile_rest(self, shapes: list[StepShape]) -> None:
-        """The background thread of `warmup` (`StepBuilder.compile_rest`); stops with the engine."""
-        self.builder.compile_rest(shapes, self._padding_args, lambda: self._stopping)
+        """The background thread of `warmup` (`StepBuilder.compile_rest`, in the compile worker where
+        the config has one); stops with the engine, and ends the worker."""
+        try:
+            self.builder.compile_rest(shapes, self._padding_args, lambda: self._stopping, self._worker)
+        finally:
+            if self._worker is not None:
+                self._worker.close()
 
     # ---- a step's results (engine thread) -----------------------------------------------------
     def _complete(self, step: Step, next_tokens: np.ndarray, seconds: float, logprobs: tuple | None = None,
@@ -733,6 +753,8 @@ class Engine:
     def stop(self) -> None:
         self._stopping = True
         self._wake.set()
+        if self._worker is not None:  # a compile there is abandoned: the background thread returns
+            self._worker.close()
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None

@@ -75,9 +75,12 @@ class EngineConfig:
     # the server turns ready, and the rest, with the unrolled programs of those below
     # `scan_layers_from_tokens`, compile on a background thread, smallest buckets first; until a
     # step's own bucket is compiled it runs in the smallest compiled larger one (a request never
-    # waits on a compile). None: on a GPU/TPU, off on a CPU.
+    # waits on a compile). None: on a GPU/TPU, off on a CPU. `compile_worker`: the background compile
+    # runs in a child process (`serve.compile_worker`: its lowering off the server's GIL, its CPU at a
+    # lower priority), in-process wherever the child fails. None: on a GPU (a TPU opens to one process).
     scan_layers_from_tokens: int | None = None
     background_compile: bool | None = None
+    compile_worker: bool | None = None
     # The adapter window (`jaxlora.models.packed.add_adapter_window`): a step whose rows use at most
     # this many adapters runs them as extra columns of the packed base GEMMs and one expand GEMM per
     # group, no LoRA kernel (bench/NOTES_serve.md). None: 8 on a GPU/TPU, 4 on a CPU; 0: off. Capped
@@ -170,6 +173,8 @@ class EngineConfig:
         defaults = self.CPU_STEP if platform == "cpu" else self.ACCELERATOR_STEP
         sizes = {name: defaults[name] for name in defaults if getattr(self, name) is None}
         config = dataclasses.replace(self, **sizes)
+        if config.compile_worker is None:
+            config = dataclasses.replace(config, compile_worker=platform == "gpu")
         if config.prefill_chunk is None:
             config = dataclasses.replace(config, prefill_chunk=config.token_budget)
         return config

@@ -231,6 +231,11 @@ def _pad_rows(tokens: jax.Array, max_rows: int) -> jax.Array:
     return jnp.pad(tokens, (0, max_rows - tokens.shape[0]))
 
 
+# The jitted function of each program by name (a sampler's masked variant is the same function with
+# a mask): `Programs`, and the compile worker's child (`serve.compile_worker`), which finds it by name.
+PROGRAMS = {"forward": _forward, "sample": _sample, "sample_state": _sample_state}
+
+
 class Programs:
     """The compiled forward and sampler programs of one engine, by `StepShape`.
 
@@ -250,8 +255,7 @@ class Programs:
     step 8.4 ms instead of 18.9 (unrolled 7.0; H100, 2026-11-28, bench/NOTES_serve.md)."""
 
     def __init__(self, graphdef, backend: LoraBackend, max_rows: int, scan_from_tokens: int = 1):
-        programs = {"forward": _forward, "sample": _sample, "sample_state": _sample_state}
-        self._static = {name: (programs[name.removesuffix("_masked")], (max_rows,)) for name in SAMPLERS}
+        self._static = {name: (PROGRAMS[name.removesuffix("_masked")], (max_rows,)) for name in SAMPLERS}
         self._static["forward"] = (_forward, (graphdef, backend, max_rows))
         self.scan_from_tokens = scan_from_tokens
         self._compiled: dict[StepShape, Callable] = {}
@@ -305,16 +309,23 @@ class Programs:
         fn, static = self._program(shape, scan)
         return fn.lower(*static, *args)
 
-    def compile(self, shape: StepShape, args: tuple, scan: bool | None = None) -> Callable:
+    def compile(self, shape: StepShape, args: tuple, scan: bool | None = None, worker=None) -> Callable:
         """Compiles the program `shape` for `args` (arrays or `jax.ShapeDtypeStruct`s) and keeps it
         (a scanned forward below `scan_from_tokens`: as a stand-in, class doc); with a `store`, loads
-        it from there instead when it holds it (no trace), else stores what it compiled."""
+        it from there instead when it holds it (no trace), else stores what it compiled. With a
+        `worker` (`serve.compile_worker.CompileWorker`) the child process lowers and compiles it
+        (in-process where it cannot)."""
         started = lowered_at = time.perf_counter()
         stand_in = shape.program == "forward" and self._scanned(shape, scan) and not self._scanned(shape, None)
         options = self.compile_options(stand_in)
-        static = self._program(shape, scan)[1] + ((tuple(sorted(options.items())),) if options else ())
+        lowering_static = self._program(shape, scan)[1]
+        static = lowering_static + ((tuple(sorted(options.items())),) if options else ())
         key = None if self.store is None else self.store.key(shape.program, static, args)
         program = None if key is None else self.store.load(key)
+        if program is None and worker is not None:
+            program = worker.compile(shape.program.removesuffix("_masked"), lowering_static, args, options)
+            if program is not None and key is not None:
+                self.store.save(key, program)
         if program is None:
             lowered = self.lower(shape, args, scan)
             lowered_at = time.perf_counter()
@@ -340,15 +351,17 @@ class Programs:
         return None
 
     def compile_all(self, shape_args: list[tuple[StepShape, tuple]], threads: int,
-                    progress: Callable[[int, int], None] | None = None, scan: bool | None = None) -> None:
+                    progress: Callable[[int, int], None] | None = None, scan: bool | None = None,
+                    worker=None) -> None:
         """Compiles every (shape, args) pair not compiled yet (or, with `scan` None, served by a
-        stand-in), `threads` at a time; `progress(done, total)` after each (start-up logs)."""
+        stand-in), `threads` at a time (`compile`'s `worker`: one at a time there); `progress(done,
+        total)` after each (start-up logs)."""
         todo = [(shape, args) for shape, args in shape_args
                 if shape not in self._compiled or (scan is None and shape in self._stand_ins)]
         done, lock = [0], threading.Lock()
 
         def compile_one(item) -> None:
-            self.compile(*item, scan=scan)
+            self.compile(*item, scan=scan, worker=worker)
             with lock:
                 done[0] += 1
                 if progress is not None:

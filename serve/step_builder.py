@@ -382,13 +382,14 @@ class StepBuilder:
         return (state, cache, batch, lora, last_tokens, no_rows) + scoring
 
     def compile(self, shapes: list[StepShape], threads: int, args: Callable[[StepShape], tuple], progress=None,
-                scan: bool | None = None) -> None:
+                scan: bool | None = None, worker=None) -> None:
         """Compiles `shapes` (forwards first: the samplers take the forwards' logits sharding) over the
-        dynamic arguments `args(shape)` (`padding_args`), `threads` at a time; `scan`: see `Programs.compile`."""
+        dynamic arguments `args(shape)` (`padding_args`), `threads` at a time; `scan`, `worker`: see
+        `Programs.compile`."""
         for program in ("forward",) + SAMPLERS:
             todo = [shape for shape in shapes if shape.program == program]
             self.programs.compile_all([(shape, args(shape)) for shape in todo], threads,
-                                      None if progress is None else progress(program), scan=scan)
+                                      None if progress is None else progress(program), scan=scan, worker=worker)
 
     def compile_first(self, shapes: list[StepShape] | None, threads: int | None, background: bool,
                       args: Callable[[StepShape], tuple]) -> tuple[float, int, list[StepShape]]:
@@ -429,22 +430,25 @@ class StepBuilder:
         return future
 
     def compile_rest(self, shapes: list[StepShape], args: Callable[[StepShape], tuple],
-                     stopping: Callable[[], bool]) -> None:
+                     stopping: Callable[[], bool], worker=None) -> None:
         """`Engine.warmup`'s background compile: the forwards of each token bucket, smallest first, then
         the samplers over their rows, one program at a time, the scoring forwards last; stops once
         `stopping()`. First the samplers whose rows a compiled forward already serves (the masked
         ones `first_shapes` leaves out: a request with a grammar waits for them at most seconds).
-        Runs with short GIL turns (`short_gil_turns`), so serving steps wait less on its lowering."""
+        With a `worker` (`serve.compile_worker.CompileWorker`) a child process lowers and compiles
+        them, off this process's GIL and CPU; what it does not, runs here with short GIL turns
+        (`short_gil_turns`), so serving steps wait less on its lowering."""
         with short_gil_turns():
-            self._compile_rest(shapes, args, stopping)
+            self._compile_rest(shapes, args, stopping, worker)
 
     def _compile_rest(self, shapes: list[StepShape], args: Callable[[StepShape], tuple],
-                      stopping: Callable[[], bool]) -> None:
+                      stopping: Callable[[], bool], worker) -> None:
         started = time.perf_counter()
         ready = [shape for shape in shapes
                  if shape.program != "forward" and self.programs.logits_sharding(shape.rows) is not None]
+        progress = progress_log(started, "background: ")
         try:
-            self.compile(ready, 1, args)
+            self.compile(ready, 1, args, progress, worker=worker)
         except Exception:  # the step compiles it when it needs it (and raises there)
             log.exception("background compile of the samplers failed")
         for tokens in sorted({shape.tokens for shape in shapes if shape.program == "forward"}):
@@ -454,13 +458,14 @@ class StepBuilder:
                         if shape.program == "forward" and shape.tokens == tokens and not shape.score]
             samplers = [shape for shape in shapes if shape.program != "forward" and shape.rows == self.rows(tokens)]
             try:
-                self.compile(forwards + samplers, 1, args)
+                self.compile(forwards + samplers, 1, args, progress, worker=worker)
             except Exception:  # the step compiles it when it needs it (and raises there)
                 log.exception("background compile of the %d-token programs failed", tokens)
         left = [shape for shape in shapes if shape not in self.programs or shape in self.programs.stand_ins()]
         if left and not stopping():
-            self.compile(left, 1, args)
-        log.info("background compile done: %d programs in %.1f s", len(shapes), time.perf_counter() - started)
+            self.compile(left, 1, args, progress, worker=worker)
+        log.info("background compile done: %d programs in %.1f s%s", len(shapes), time.perf_counter() - started,
+                 "" if worker is None else f" ({worker.compiled} in the compile worker)")
 
 
 # The GIL's switch interval while the background compile runs (Python's default: 5 ms). Lowering
@@ -480,7 +485,7 @@ def short_gil_turns(interval: float = BACKGROUND_SWITCH_S):
         sys.setswitchinterval(before)
 
 
-def progress_log(started: float) -> Callable[[str], Callable[[int, int], None]]:
+def progress_log(started: float, prefix: str = "") -> Callable[[str], Callable[[int, int], None]]:
     """`Programs.compile_all`'s progress callbacks by program name: one log line per compiled program."""
-    return lambda program: lambda done, total: log.info("compiled %s program %d/%d (%.1f s)", program, done, total,
-                                                        time.perf_counter() - started)
+    return lambda program: lambda done, total: log.info("%scompiled %s program %d/%d (%.1f s)", prefix, program,
+                                                        done, total, time.perf_counter() - started)

@@ -41,9 +41,11 @@ def expected(smollm2, adapters8):
 
 
 def test_platform_defaults_and_bounds():
-    gpu, cpu = EngineConfig().for_platform("gpu"), EngineConfig().for_platform("cpu")
-    assert (gpu.scan_layers_from_tokens, gpu.background_compile) == (512, True)
-    assert (cpu.scan_layers_from_tokens, cpu.background_compile) == (1, False)
+    gpu, cpu, tpu = (EngineConfig().for_platform(p) for p in ("gpu", "cpu", "tpu"))
+    assert (gpu.scan_layers_from_tokens, gpu.background_compile, gpu.compile_worker) == (512, True, True)
+    assert (cpu.scan_layers_from_tokens, cpu.background_compile, cpu.compile_worker) == (1, False, False)
+    assert (tpu.background_compile, tpu.compile_worker) == (True, False)  # a TPU opens to one process
+    assert EngineConfig(compile_worker=False).for_platform("gpu").compile_worker is False
     with pytest.raises(ValueError, match="scan_layers_from_tokens"):
         EngineConfig(scan_layers_from_tokens=-1)
 
@@ -139,9 +141,9 @@ def test_masked_samplers_lead_the_background_compile_and_a_grammar_step_compiles
     engine = Engine(model, tokenizer.eos_token_ids, config)
     order, compile_one = [], engine.programs.compile
 
-    def recording(shape, args, scan=None):
+    def recording(shape, args, scan=None, worker=None):
         order.append((threading.current_thread().name, shape))
-        return compile_one(shape, args, scan)
+        return compile_one(shape, args, scan, worker)
 
     engine.programs.compile = recording
     engine.warmup()

@@ -155,3 +155,8 @@ def test_start_up_compile_options_reach_the_engine_config():
         assert (config.background_compile, config.scan_layers_from_tokens) == (expected, 512)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--background-compile", "maybe"])
+    for value, expected in (("auto", None), ("on", True), ("off", False)):
+        args = build_parser().parse_args(["--compile-worker", value, "--lora-backend", "gather"])
+        assert engine_config(args, 16, 2048, None).compile_worker is expected
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--compile-worker", "maybe"])
