@@ -43,6 +43,10 @@ CHILD_ENVIRONMENT = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 CHILD_MAIN = "from serve.compile_worker import main; main()"
 
 
+class WorkerClosed(Exception):
+    """`CompileWorker.compile` after (or during) `close`: the compile is abandoned, not moved in-process."""
+
+
 class NotPortable(Exception):
     """An argument the child cannot rebuild (a sharding of a kind `abstract` does not describe)."""
 
@@ -148,13 +152,16 @@ class CompileWorker:
     def compile(self, name: str, static: tuple, args: tuple, options: dict):
         """The program `name` (a `serve.step.PROGRAMS` key) over `static` and `args` (arrays or
         `jax.ShapeDtypeStruct`s), compiled with XLA `options` in the child and loaded here; None if
-        the child failed now or before (logged once) or this program does not go there."""
+        the child failed now or before (logged once) or this program does not go there; WorkerClosed
+        once `close` was called (the engine stopping)."""
         try:
             request = pickle.dumps((name, static, abstract(args), options))
         except (NotPortable, pickle.PicklingError, TypeError, AttributeError) as err:
             log.info("program %s compiled in-process: %s is not portable (%s)", name, type(err).__name__, err)
             return None
         with self._lock:
+            if self.closed and self.failed is None:
+                raise WorkerClosed
             if not self.alive:
                 if self.failed is None and not self.closed:
                     self._fail(f"the child ended (exit code {self._process.poll()})")
@@ -165,6 +172,8 @@ class CompileWorker:
                 self._process.stdin.flush()
                 payload, error = pickle.load(self._process.stdout)
             except (OSError, EOFError, pickle.UnpicklingError) as err:
+                if self.closed and self.failed is None:  # closed meanwhile
+                    raise WorkerClosed from err
                 self._fail(f"the child ended ({type(err).__name__}: {err}; exit code {self._process.poll()})")
                 return None
             self.seconds += time.perf_counter() - started

@@ -46,6 +46,7 @@ from jaxlora.models.llama import LoraInputs
 from jaxlora.models.paged import PagedBatch, PagedKVCache
 from jaxlora.scheduler.serving import PENDING, Sequence, StepPlan, pages_for
 
+from serve.compile_worker import WorkerClosed
 from serve.engine_config import EngineConfig
 from serve.modes import EngineModes
 from serve.requests import prompt_k
@@ -331,9 +332,11 @@ class StepBuilder:
 
     def first_shapes(self, shapes: list[StepShape]) -> list[StepShape]:
         """The programs of `shapes` that serve any step until the rest are compiled: per forward
-        variant (LoRA or not, decode-only, window, table width) its largest token bucket and its
-        smallest one that holds a decode step of every row (`Engine.warmup` compiles them
-        scanned: fast), and the samplers over their rows but the masked ones (structured outputs: only
+        variant (LoRA or not, decode-only, window, table width) its largest token bucket, its
+        smallest one that holds a decode step of every row, and its smallest one (a decode step of a
+        few rows in the 256-row bucket took 2x its own bucket's time: the first 100 s of a cold
+        8B server on an H100, bench/NOTES_serve.md; `Engine.warmup` compiles them scanned: fast),
+        and the samplers over their rows but the masked ones (structured outputs: only
         a request with a grammar needs them; they lead the background compile, `compile_rest`, and
         cost a cold start ~2 s on an H200 when compiled first)."""
         forwards = [shape for shape in shapes if shape.program == "forward"]
@@ -342,7 +345,7 @@ class StepBuilder:
             tokens = sorted(s.tokens for s in forwards if (s.width, s.lora, s.decode_only, s.window) == variant)
             fits = [t for t in tokens if t >= all_rows]
             first |= {s for s in forwards if (s.width, s.lora, s.decode_only, s.window) == variant
-                      and s.tokens in (tokens[-1], fits[0] if fits else tokens[-1])}
+                      and s.tokens in (tokens[0], tokens[-1], fits[0] if fits else tokens[-1])}
         rows = {shape.rows for shape in first}
         return [shape for shape in shapes if shape in first or (
             shape.program != "forward" and not shape.program.endswith("_masked") and shape.rows in rows)]
@@ -439,7 +442,10 @@ class StepBuilder:
         them, off this process's GIL and CPU; what it does not, runs here with short GIL turns
         (`short_gil_turns`), so serving steps wait less on its lowering."""
         with short_gil_turns():
-            self._compile_rest(shapes, args, stopping, worker)
+            try:
+                self._compile_rest(shapes, args, stopping, worker)
+            except WorkerClosed:  # the engine stopped
+                log.info("background compile stopped")
 
     def _compile_rest(self, shapes: list[StepShape], args: Callable[[StepShape], tuple],
                       stopping: Callable[[], bool], worker) -> None:
@@ -449,6 +455,8 @@ class StepBuilder:
         progress = progress_log(started, "background: ")
         try:
             self.compile(ready, 1, args, progress, worker=worker)
+        except WorkerClosed:
+            raise
         except Exception:  # the step compiles it when it needs it (and raises there)
             log.exception("background compile of the samplers failed")
         for tokens in sorted({shape.tokens for shape in shapes if shape.program == "forward"}):
@@ -459,6 +467,8 @@ class StepBuilder:
             samplers = [shape for shape in shapes if shape.program != "forward" and shape.rows == self.rows(tokens)]
             try:
                 self.compile(forwards + samplers, 1, args, progress, worker=worker)
+            except WorkerClosed:
+                raise
             except Exception:  # the step compiles it when it needs it (and raises there)
                 log.exception("background compile of the %d-token programs failed", tokens)
         left = [shape for shape in shapes if shape not in self.programs or shape in self.programs.stand_ins()]

@@ -60,14 +60,21 @@ def test_first_shapes_serve_every_variant_with_scanned_programs(smollm2, adapter
     variants = {(s.width, s.lora, s.decode_only, s.window) for s in forwards}
     assert len(variants) >= 3  # base, LoRA, window (and the decode-only LoRA variant where it exists)
     for variant in variants:
-        largest = max(s.tokens for s in forwards if (s.width, s.lora, s.decode_only, s.window) == variant)
-        assert any((s.width, s.lora, s.decode_only, s.window, s.tokens) == (*variant, largest) for s in first)
+        tokens = [s.tokens for s in forwards if (s.width, s.lora, s.decode_only, s.window) == variant]
+        for end in (min(tokens), max(tokens)):  # the smallest (a decode step of few rows) and the largest
+            assert any((s.width, s.lora, s.decode_only, s.window, s.tokens) == (*variant, end) for s in first)
     fits_all_rows = min(s.tokens for s in forwards if s.tokens >= engine.max_rows)
-    assert {s.tokens for s in first if s.program == "forward"} <= {fits_all_rows, max(s.tokens for s in forwards)}
+    assert {s.tokens for s in first if s.program == "forward"} <= {fits_all_rows, max(s.tokens for s in forwards),
+                                                                   min(s.tokens for s in forwards)}
     assert {s.rows for s in first if s.program != "forward"} == {s.rows for s in first if s.program == "forward"}
     masked = {name for name in SAMPLERS if name.endswith("_masked")}
     assert masked and {s.program for s in first} == {"forward", *SAMPLERS} - masked  # grammars' samplers: later
     assert len(first) < len(shapes)
+    # more rows than the smallest bucket: the smallest (a decode step of few rows) and the one of all rows
+    wide = Engine(model, tokenizer.eos_token_ids, EngineConfig(**dict(TINY_ENGINE, max_num_seqs=16, token_budget=64),
+                                                               scan_layers_from_tokens=16))
+    base = {s.tokens for s in wide.builder.first_shapes(wide.step_shapes()) if s.program == "forward" and not s.lora}
+    assert base == {8, 16, 64}  # not 32
 
 
 def test_steps_run_in_larger_compiled_buckets_until_their_own_is_compiled(smollm2, adapters8, expected, monkeypatch):
