@@ -589,6 +589,20 @@ scan_cublas() {  # one GPU, issue 35 item 2: the decode32 profile with every lay
   rm -rf "$OUT"/serve_profile_traces
 }
 
+standin_profile() {  # one GPU, issue 35 item 2: the stand-ins' decode32 step (every layer scanned, cuBLAS
+  # GEMMs) against the unrolled program that replaces it, base rows and rows on one adapter in the window
+  # (what a cold server's first completions run); .whl carried (the server's packages)
+  nvidia-smi -L
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || return 1
+  local prof="bench/serve.py --profile --lora-backend hybrid --max-num-seqs 256 --token-budget 2048 --prefill-chunk 2048 \
+      --profile-steps decode32 --profile-variants base window1 --profile-windows 1 --compile-cache="
+  XLA_FLAGS="--xla_gpu_enable_triton_gemm=false" PYTHONPATH=$PYTHONPATH:/tmp/site timeout $((LIMIT - SECONDS - 5)) \
+      python3 $prof --scan-layers-from-tokens 1 --out "$OUT/standin_scanned.json" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 14
+  PYTHONPATH=$PYTHONPATH:/tmp/site timeout $((LIMIT - SECONDS - 5)) python3 $prof --out "$OUT/standin_unrolled.json" 2>&1 \
+      | grep -v "cuda_timer\|Warning\|^W11" | tail -n 14
+  rm -rf "$OUT"/serve_profile_traces
+}
+
 guard() {  # one H200: the regression guard's serving trace (bench/regress.py --only serve; .jitcache and .whl
   # carried), alone on the machine; then, with the time left, the disk-read benchmark (CPU work beside no engine)
   nvidia-smi -L
