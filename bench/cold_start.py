@@ -158,8 +158,10 @@ def launch(args, model_dir: str, adapter_dir: str, cache_dir: str, label: str) -
         result["ready_s"] = wait_ready(port, process, started, args.timeout)
         result["first_completion_s"], result["completion"] = first_completion(port, started)
         if args.after_ready:
-            result["after_ready"] = serve_after_ready(port, started, lines, args.after_ready)
+            scrapes = []
+            result["after_ready"] = serve_after_ready(port, started, lines, args.after_ready, scrapes)
             result["after_ready_summary"] = after_ready_summary(result["after_ready"], result["ready_s"])
+            result["step_windows"] = step_windows(scrapes)
     except Exception as err:  # report what happened, keep the log
         result["error"] = f"{type(err).__name__}: {err}"
     finally:
@@ -195,19 +197,56 @@ def phases(lines: list, result: dict) -> dict:
     return out
 
 
-def serve_after_ready(port: int, started: float, lines: list, seconds: float) -> list:
+def scrape_steps(port: int) -> dict:
+    """The server's step counters from /metrics: {"steps": {kind: n}, "seconds": {kind: s},
+    "phases": {phase: s}}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    out = {"steps": {}, "seconds": {}, "phases": {}}
+    names = {"jaxlora_engine_steps{": "steps", "jaxlora_engine_step_seconds_sum{": "seconds",
+             "jaxlora_engine_step_phase_seconds_sum{": "phases"}
+    for line in text.splitlines():
+        for prefix, key in names.items():
+            if line.startswith(prefix):
+                out[key][line.split('"')[1]] = float(line.split()[-1])
+    return out
+
+
+def step_windows(scrapes: list) -> list:
+    """Per interval between two scrapes [(t, counters)]: each kind's steps and mean ms, and the host
+    ms per step of each phase (what the engine spent where, stand-in period against later)."""
+    windows = []
+    for (t0, a), (t1, b) in zip(scrapes, scrapes[1:]):
+        steps = {k: b["steps"][k] - a["steps"].get(k, 0) for k in b["steps"]}
+        total = sum(steps.values())
+        windows.append({"from_s": round(t0, 1), "to_s": round(t1, 1), "steps": total, "kinds": {
+            k: {"steps": n, "mean_ms": round(1e3 * (b["seconds"][k] - a["seconds"].get(k, 0.0)) / n, 3)}
+            for k, n in steps.items() if n},
+            "phase_ms_per_step": {p: round(1e3 * (v - a["phases"].get(p, 0.0)) / total, 3)
+                                  for p, v in b["phases"].items()} if total else {}})
+    return windows
+
+
+def serve_after_ready(port: int, started: float, lines: list, seconds: float, scrapes: list | None = None,
+                      scrape_every: float = 15.0) -> list:
     """One completion after another for up to `seconds` while the server compiles in the background,
     then 5 more once its log says the background compile is done: [(seconds since launch, latency
-    seconds, background done)] (how much slower serving is until every program is compiled)."""
+    seconds, background done)] (how much slower serving is until every program is compiled). With
+    `scrapes`, the server's step counters every `scrape_every` s are appended there (`scrape_steps`)."""
     done_line = lambda: any("background compile done" in line for _, line in list(lines))
-    times, after = [], 0
+    times, after, next_scrape = [], 0, time.perf_counter()
     deadline = time.perf_counter() + seconds
     while after < 5 and time.perf_counter() < deadline:
+        if scrapes is not None and time.perf_counter() >= next_scrape:
+            scrapes.append((time.perf_counter() - started, scrape_steps(port)))
+            next_scrape += scrape_every
         done = done_line()
         t0 = time.perf_counter()
         first_completion(port, started)
         times.append((round(t0 - started, 2), round(time.perf_counter() - t0, 4), done))
         after += done
+    if scrapes is not None:
+        scrapes.append((time.perf_counter() - started, scrape_steps(port)))
     return times
 
 

@@ -80,6 +80,12 @@ class Metrics:
         self.step_compiles = Gauge("jaxlora_step_compiles", "Step programs compiled by serving steps (shapes the "
                                    "warm-up did not cover): each one stalls the steps while it compiles",
                                    registry=registry)
+        self.steps = Gauge("jaxlora_engine_steps", "Engine steps so far, per kind (base/lora decode/mixed)", ["kind"],
+                           registry=registry)
+        self.step_seconds = Gauge("jaxlora_engine_step_seconds_sum", "Seconds of those steps (dispatch to sampled "
+                                  "tokens on the host), per kind", ["kind"], registry=registry)
+        self.phase_seconds = Gauge("jaxlora_engine_step_phase_seconds_sum", "Host seconds of each phase of the "
+                                   "engine's steps so far (schedule, batch, dispatch, ...)", ["phase"], registry=registry)
         self.prefix_queries = Gauge("jaxlora_prefix_cache_queries", "Prompt tokens of admitted requests looked up in "
                                     "the prefix cache so far (vLLM's prefix_cache_queries)", registry=registry)
         self.prefix_hits = Gauge("jaxlora_prefix_cache_hits", "Of those, tokens whose KV came from cached blocks "
@@ -127,7 +133,16 @@ class Metrics:
         self.train_tokens.set(getattr(stats, "train_tokens", 0))
         self.train_seconds.set(getattr(stats, "train_seconds", 0.0))
         self.step_compiles.set(getattr(stats, "step_compiles", 0))
+        self._render_steps(stats)
         return generate_latest(self.registry)
+
+    def _render_steps(self, stats) -> None:
+        """Steps and their seconds per kind, host seconds per phase (`EngineStats`)."""
+        for kind, (count, seconds, _tokens) in dict(stats.kind_steps).items():
+            self.steps.labels(kind).set(count)
+            self.step_seconds.labels(kind).set(seconds)
+        for phase, seconds in dict(stats.phase_seconds).items():
+            self.phase_seconds.labels(phase).set(seconds)
 
     def _render_prefix_cache(self, cache: dict) -> None:
         """The prefix cache's gauges (`EngineStats.prefix_cache`; zeros when it is off)."""

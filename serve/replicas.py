@@ -359,4 +359,14 @@ class _SummedStats:
 
     def __getattr__(self, name: str):
         values = [getattr(engine.stats, name) for engine in self._engines]
-        return max(values) if name.endswith("_max_s") else sum(values)
+        return max(values) if name.endswith("_max_s") else _summed(values)
+
+
+def _summed(values: list):
+    """Numbers summed; dicts (`kind_steps`, `phase_seconds`) summed by key, lists in them by position."""
+    if values and isinstance(values[0], dict):
+        keys = dict.fromkeys(key for value in values for key in value)
+        return {key: _summed([value[key] for value in values if key in value]) for key in keys}
+    if values and isinstance(values[0], (list, tuple)):
+        return [sum(column) for column in zip(*values)]
+    return sum(values)

@@ -165,3 +165,18 @@ def test_requests_wait_for_a_replica_with_room_in_arrival_order(model, adapters,
     replicas.run_until_idle()
     assert [_tokens(events[i]) for i in range(6)] == unmigrated
     assert sorted(finished[:2]) == [0, 1] and sorted(finished[2:4]) == [2, 3]  # FCFS: two replicas, one row each
+
+
+def test_summed_stats_add_counters_dicts_and_lists_and_take_the_largest_maximum():
+    import types
+
+    from serve.replicas import _SummedStats
+
+    a = types.SimpleNamespace(steps=3, adapter_load_max_s=0.5, phase_seconds={"schedule": 1.0},
+                              kind_steps={"lora decode": [2, 0.5, 64]})
+    b = types.SimpleNamespace(steps=4, adapter_load_max_s=0.2, phase_seconds={"schedule": 2.0, "dispatch": 1.5},
+                              kind_steps={"lora decode": [1, 0.25, 32], "base mixed": [1, 1.0, 256]})
+    summed = _SummedStats([types.SimpleNamespace(stats=a), types.SimpleNamespace(stats=b)])
+    assert (summed.steps, summed.adapter_load_max_s) == (7, 0.5)
+    assert summed.phase_seconds == {"schedule": 3.0, "dispatch": 1.5}
+    assert summed.kind_steps == {"lora decode": [3, 0.75, 96], "base mixed": [1, 1.0, 256]}

@@ -106,3 +106,12 @@ def test_health_and_metrics(live_server, client):
                  "jaxlora_request_latency_seconds_count", "jaxlora_kv_pages_free"):
         assert name in text
     assert 'jaxlora_requests_total{endpoint="completions",status="ok"}' in text
+    # the engine's steps per kind and host seconds per phase, as its stats count them
+    steps = {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+             if line.startswith("jaxlora_engine_steps{")}
+    assert steps and all(count >= 1 for count in steps.values())
+    assert any(line.startswith('jaxlora_engine_step_seconds_sum{kind="') for line in text.splitlines())
+    phases = {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith("jaxlora_engine_step_phase_seconds_sum{")}
+    assert {"schedule", "dispatch"} <= set(phases) and all(seconds >= 0 for seconds in phases.values())
+    assert sum(steps.values()) <= live_server.engine.stats.steps  # read before the later steps
