@@ -140,8 +140,12 @@ class CompileWorker:
         process = subprocess.Popen([sys.executable, "-c", CHILD_MAIN], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, env=env, cwd=ROOT)
         worker = cls(process)
-        pickle.dump(_config_values(), process.stdin)
-        process.stdin.flush()
+        try:
+            pickle.dump(_config_values(), process.stdin)
+            process.stdin.flush()
+        except OSError as err:  # the child ended at once
+            worker._fail(f"the child ended at start ({type(err).__name__}: {err})")
+            return worker
         log.info("compile worker started (pid %d)", process.pid)
         return worker
 

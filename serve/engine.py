@@ -650,7 +650,10 @@ class Engine:
         """Starts the background compile's child process (`config.compile_worker`) if not yet: it
         imports jax and opens the devices while the first programs compile."""
         if self.config.compile_worker and self._worker is None:
-            self._worker = CompileWorker.start()
+            try:
+                self._worker = CompileWorker.start()
+            except OSError as err:  # no child process here: the background compile runs in-process
+                log.warning("compile worker not started (%s: %s); compiling in-process", type(err).__name__, err)
 
     def _padding_args(self, shape: StepShape) -> tuple:
         """Dynamic arguments of the program `shape` for a step of padding only (writes nothing)."""

@@ -108,3 +108,17 @@ def test_abstract_arguments_keep_shapes_dtypes_and_shardings():
     assert rebuilt[0]["b"].sharding is None  # uncommitted: lands on the default device, as in the call
     assert rebuilt[1][0] == spec
     assert rebuilt[1][1] == jax.ShapeDtypeStruct((3,), np.int16) and rebuilt[2:] == (3, None)
+
+
+def test_a_worker_that_cannot_start_leaves_the_compile_in_process(smollm2, monkeypatch, caplog):
+    import serve.engine
+
+    def fail():
+        raise OSError("no processes here")
+
+    monkeypatch.setattr(serve.engine.CompileWorker, "start", staticmethod(fail))
+    model, tokenizer = smollm2
+    engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(**ENGINE, compile_worker=True))
+    with caplog.at_level(logging.WARNING, logger="jaxlora.serve"):
+        engine._start_worker()
+    assert engine._worker is None and "compile worker not started (OSError: no processes here)" in caplog.text
