@@ -137,10 +137,12 @@ class Metrics:
         return generate_latest(self.registry)
 
     def _render_steps(self, stats) -> None:
-        """Steps and their seconds per kind, host seconds per phase (`EngineStats`)."""
+        """Steps and their seconds per kind ("lora_decode": the kind's words joined by "_", no spaces in a
+        label), host seconds per phase (`EngineStats`)."""
         for kind, (count, seconds, _tokens) in dict(stats.kind_steps).items():
-            self.steps.labels(kind).set(count)
-            self.step_seconds.labels(kind).set(seconds)
+            label = kind.replace(" ", "_")
+            self.steps.labels(label).set(count)
+            self.step_seconds.labels(label).set(seconds)
         for phase, seconds in dict(stats.phase_seconds).items():
             self.phase_seconds.labels(phase).set(seconds)
 

@@ -109,7 +109,8 @@ def test_health_and_metrics(live_server, client):
     # the engine's steps per kind and host seconds per phase, as its stats count them
     steps = {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
              if line.startswith("jaxlora_engine_steps{")}
-    assert steps and all(count >= 1 for count in steps.values())
+    assert steps and all(count >= 1 for count in steps.values()) and not any(" " in kind for kind in steps)
+    assert all(len(line.split(" ")) == 2 for line in text.splitlines() if line and not line.startswith("#"))
     assert any(line.startswith('jaxlora_engine_step_seconds_sum{kind="') for line in text.splitlines())
     phases = {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
               if line.startswith("jaxlora_engine_step_phase_seconds_sum{")}
