@@ -21,6 +21,18 @@ TINY_ENGINE = dict(page_size=8, num_pages=16, max_model_len=32, max_num_seqs=4, 
 PROMPTS = ["The capital of France is", "Once upon a time", "Water boils at", "Dear diary, today"]
 
 
+def hold_background(engine) -> threading.Event:
+    """Makes `engine`'s background compile wait (once `warmup` starts it) until the returned event is set."""
+    release, compile_rest = threading.Event(), engine._compile_rest
+
+    def held(shapes):
+        release.wait(timeout=300)
+        compile_rest(shapes)
+
+    engine._compile_rest = held
+    return release
+
+
 def _serve(engine, tokenizer):
     """Greedy tokens of four requests (two on ad0, one on ad1, one on the base model)."""
     got = {i: [] for i in range(len(PROMPTS))}
@@ -90,13 +102,7 @@ def test_steps_run_in_larger_compiled_buckets_until_their_own_is_compiled(smollm
     monkeypatch.setattr(jax.stages.Lowered, "compile", spy)
     config = EngineConfig(**TINY_ENGINE, scan_layers_from_tokens=16, background_compile=True)
     engine = Engine(model, tokenizer.eos_token_ids, config, {name: adapters8[name] for name in ("ad0", "ad1")})
-    release, compile_rest = threading.Event(), engine._compile_rest
-
-    def held(shapes):  # the background thread waits until the first requests are served
-        release.wait(timeout=300)
-        compile_rest(shapes)
-
-    engine._compile_rest = held
+    release = hold_background(engine)  # the background thread waits until the first requests are served
     info = engine.warmup()
     assert info["background"] > 0 and len(engine.programs) < len(engine.step_shapes())
     # the first programs below scan_layers_from_tokens were compiled scanned: stand-ins until the

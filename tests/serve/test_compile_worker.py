@@ -4,40 +4,24 @@ and the child's arguments are rebuilt with their shapes, dtypes and shardings.""
 
 import logging
 import pickle
-import threading
 
 import jax
 import numpy as np
-import pytest
 
 from serve.compile_worker import CompileWorker, abstract, concrete
 from serve.engine import Engine, EngineConfig
-from tests.serve.test_background_compile import PROMPTS, TINY_ENGINE, _serve
+from tests.serve.test_background_compile import (  # noqa: F401 (expected: the fixture, in-process tokens)
+    PROMPTS, TINY_ENGINE, _serve, expected, hold_background,
+)
 
 ENGINE = dict(TINY_ENGINE, scan_layers_from_tokens=16, background_compile=True)
-
-
-@pytest.fixture(scope="module")
-def expected(smollm2, adapters8):
-    """Tokens of an engine that compiled everything first, in-process."""
-    model, tokenizer = smollm2
-    engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(**TINY_ENGINE),
-                    {name: adapters8[name] for name in ("ad0", "ad1")})
-    engine.warmup()
-    return _serve(engine, tokenizer)
 
 
 def test_background_compile_in_the_worker_serves_the_same_tokens(smollm2, adapters8, expected):
     model, tokenizer = smollm2
     config = EngineConfig(**ENGINE, compile_worker=True)
     engine = Engine(model, tokenizer.eos_token_ids, config, {name: adapters8[name] for name in ("ad0", "ad1")})
-    release, compile_rest = threading.Event(), engine._compile_rest
-
-    def held(shapes):  # the background thread waits until the first requests are served
-        release.wait(timeout=300)
-        compile_rest(shapes)
-
-    engine._compile_rest = held
+    release = hold_background(engine)  # the background thread waits until the first requests are served
     info = engine.warmup()
     worker = engine._worker
     assert info["background"] > 0 and worker is not None and worker.alive
@@ -84,8 +68,7 @@ def test_worker_errors_and_death_fall_back_to_compiling_in_process(smollm2, capl
 def test_engine_stop_ends_the_worker(smollm2):
     model, tokenizer = smollm2
     engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(**ENGINE, compile_worker=True))
-    release, compile_rest = threading.Event(), engine._compile_rest
-    engine._compile_rest = lambda shapes: (release.wait(timeout=300), compile_rest(shapes))
+    release = hold_background(engine)
     engine.warmup()
     worker = engine._worker
     engine.start()
