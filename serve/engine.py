@@ -631,7 +631,6 @@ class Engine:
         if self._worker is not None and not rest:
             self._worker.close()
         if rest:
-            self._start_worker()
             self._background = self.builder.background = threading.Thread(
                 target=self._compile_rest, args=(rest,), daemon=True, name="jaxlora-compile-background")
             self._background.start()

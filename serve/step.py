@@ -322,14 +322,13 @@ class Programs:
         static = lowering_static + ((tuple(sorted(options.items())),) if options else ())
         key = None if self.store is None else self.store.key(shape.program, static, args)
         program = None if key is None else self.store.load(key)
-        if program is None and worker is not None:
-            program = worker.compile(shape.program.removesuffix("_masked"), lowering_static, args, options)
-            if program is not None and key is not None:
-                self.store.save(key, program)
         if program is None:
-            lowered = self.lower(shape, args, scan)
-            lowered_at = time.perf_counter()
-            program = lowered.compile(compiler_options=options or None)
+            if worker is not None:
+                program = worker.compile(shape.program.removesuffix("_masked"), lowering_static, args, options)
+            if program is None:
+                lowered = self.lower(shape, args, scan)
+                lowered_at = time.perf_counter()
+                program = lowered.compile(compiler_options=options or None)
             if key is not None:
                 self.store.save(key, program)
         with self._lock:
