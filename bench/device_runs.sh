@@ -414,6 +414,15 @@ final_x4() {  # 4 x H200, one call, pinned (PIN=1): GPU 0 the guard's serving tr
   tar czf $OUT/final_x4.tgz -C $OUT final && rm -rf $OUT/final
 }
 
+dispatch_probe() {  # one GPU, issue 35 item 2 / 34 item 3: does a step's call return before its device work is
+  # done? bench/dispatch_probe.py: the window1 decode32 forward unrolled and scanned, with and without XLA's
+  # command buffers (WHILE too); .whl carried
+  nvidia-smi -L
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || return 1
+  PYTHONPATH=$PYTHONPATH:/tmp/site timeout $((LIMIT - SECONDS - 5)) python3 bench/dispatch_probe.py \
+      --out "$OUT/dispatch_probe_${TAG:-gpu}.json" ${PROBE_ARGS:-} 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 40
+}
+
 modes_table_and_guard() {  # 4 x H200, one call, pinned (PIN=1): GPUs 0-2 bench/serve.py --modes-skew at the
   # README's sizes, two shares each, all four modes, 32 requests (issue 38's table); GPU 3 the guard's serving
   # trace on this tree, then on the tree in old_guard/ (an older commit, untracked: a same-machine comparison).

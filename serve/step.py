@@ -53,8 +53,14 @@ from jaxlora.scheduler.serving import StepPlan
 
 
 SAMPLERS = ("sample", "sample_state", "sample_masked", "sample_state_masked")  # the sampler programs
-# XLA options of a stand-in's compile on a GPU (`Programs`): GEMMs on cuBLAS, not Triton fusions
-STAND_IN_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+# XLA options of a stand-in's compile on a GPU (`Programs`): GEMMs on cuBLAS, not Triton fusions, and
+# the layer loop inside XLA's command buffers (CUDA graphs): XLA's default list (jax 0.11/0.12) plus WHILE
+# and CONDITIONAL. Outside a command buffer the scan's cuBLAS calls on in-place weight slices
+# (dynamic-slice fusions) wait for the device each layer, so the step's call returned only when the
+# device was done: 12.3 ms for a decode32 call against 4.0 ms with the loop captured (H100, 2026-11-28,
+# bench/dispatch_probe.py)
+STAND_IN_COMMAND_BUFFERS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
+STAND_IN_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_command_buffer": STAND_IN_COMMAND_BUFFERS}
 
 
 def _backend() -> str:
@@ -252,7 +258,9 @@ class Programs:
     unrolled program replaces it (`stand_ins()`: what a background compile still owes). On a GPU a
     stand-in's GEMMs are cuBLAS calls (`STAND_IN_GPU_OPTIONS`), which read each layer's weights in
     the stack in place, where XLA's Triton GEMMs need them copied out first: the scanned 8B decode32
-    step 8.4 ms instead of 18.9 (unrolled 7.0; H100, 2026-11-28, bench/NOTES_serve.md)."""
+    step 8.4 ms instead of 18.9 (unrolled 7.0; H100, 2026-11-28, bench/NOTES_serve.md); and its layer
+    loop runs as one command buffer, so its call returns before the device is done (without, the
+    host waited for every layer: no next step was built while one ran)."""
 
     def __init__(self, graphdef, backend: LoraBackend, max_rows: int, scan_from_tokens: int = 1):
         self._static = {name: (PROGRAMS[name.removesuffix("_masked")], (max_rows,)) for name in SAMPLERS}
