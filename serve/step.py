@@ -358,18 +358,17 @@ class Programs:
         return None
 
     def compile_all(self, shape_args: list[tuple[StepShape, tuple]], threads: int,
-                    progress: Callable[[int, int], None] | None = None,
-                    scan: bool | None | Callable[[StepShape], bool | None] = None, worker=None) -> None:
-        """Compiles every (shape, args) pair not compiled yet (or, with its `scan` None, served by a
-        stand-in), `threads` at a time (`compile`'s `worker`: one at a time there); `scan`: `compile`'s,
-        or a function of the shape giving it; `progress(done, total)` after each (start-up logs)."""
-        scan_of = scan if callable(scan) else lambda shape: scan
+                    progress: Callable[[int, int], None] | None = None, scan: bool | None = None,
+                    worker=None) -> None:
+        """Compiles every (shape, args) pair not compiled yet (or, with `scan` None, served by a
+        stand-in), `threads` at a time (`compile`'s `worker`: one at a time there); `progress(done,
+        total)` after each (start-up logs)."""
         todo = [(shape, args) for shape, args in shape_args
-                if shape not in self._compiled or (scan_of(shape) is None and shape in self._stand_ins)]
+                if shape not in self._compiled or (scan is None and shape in self._stand_ins)]
         done, lock = [0], threading.Lock()
 
         def compile_one(item) -> None:
-            self.compile(*item, scan=scan_of(item[0]), worker=worker)
+            self.compile(*item, scan=scan, worker=worker)
             with lock:
                 done[0] += 1
                 if progress is not None:

@@ -350,22 +350,6 @@ class StepBuilder:
         return [shape for shape in shapes if shape in first or (
             shape.program != "forward" and not shape.program.endswith("_masked") and shape.rows in rows)]
 
-    @staticmethod
-    def unrolled_first(first: list[StepShape]) -> set[StepShape]:
-        """The forwards of `first` (`first_shapes`) compiled by their own tokens (unrolled below
-        `scan_layers_from_tokens`), not as stand-ins: per variant its smallest token bucket, where an
-        idle server's requests run (a one-row decode step, a short prompt). A cold 8B server's
-        8-token completions in the first 30 s after ready took 1.23x the steady ones with every
-        first program a stand-in (H100, 2026-11-28; bench/NOTES_serve.md, tenth session); the
-        first unrolled program came from the background ~65 s after ready."""
-        forwards = [shape for shape in first if shape.program == "forward"]
-        smallest = {}
-        for shape in forwards:
-            variant = (shape.width, shape.lora, shape.decode_only, shape.window, shape.score)
-            smallest[variant] = min(smallest.get(variant, shape.tokens), shape.tokens)
-        return {shape for shape in forwards
-                if shape.tokens == smallest[(shape.width, shape.lora, shape.decode_only, shape.window, shape.score)]}
-
     def score_shapes(self, shapes: list[StepShape]) -> list[StepShape]:
         """The scoring variants of `shapes`' base and LoRA (not decode-only, not window) forwards over
         buckets of scanned layers (where a scoring step runs: `batch_arrays`)."""
@@ -413,10 +397,9 @@ class StepBuilder:
     def compile_first(self, shapes: list[StepShape] | None, threads: int | None, background: bool,
                       args: Callable[[StepShape], tuple]) -> tuple[float, int, list[StepShape]]:
         """`Engine.warmup`'s programs compiled before serving: `shapes` (None: every `step_shapes()`,
-        or with `background` only `first_shapes`, scanned but each variant's smallest bucket:
-        `unrolled_first`), `threads` at a time (None: one per CPU core, at most 8), over `args(shape)`.
-        Returns (when it started, programs compiled before, the shapes left to the background
-        compile: the others, the scoring ones, the stand-ins)."""
+        or with `background` only `first_shapes`, scanned), `threads` at a time (None: one per CPU
+        core, at most 8), over `args(shape)`. Returns (when it started, programs compiled before,
+        the shapes left to the background compile: the others, the scoring ones, the stand-ins)."""
         started = time.perf_counter()
         rest: list[StepShape] = []
         if shapes is None:
@@ -430,14 +413,8 @@ class StepBuilder:
         log.info("compiling %d step programs (%d threads)%s", len(shapes), threads,
                  f"; {len(rest)} more in the background once serving" if rest else "")
         # with a background compile the first programs are scanned (fast to compile); those that run
-        # unrolled in the end are compiled again in the background (`Programs` stand-ins); the smallest
-        # buckets' are unrolled now, first (the longest compiles)
-        scan = None
-        if rest:
-            unrolled = self.unrolled_first(shapes)
-            shapes = sorted(shapes, key=lambda shape: shape not in unrolled)
-            scan = lambda shape: None if shape in unrolled else True
-        self.compile(shapes, threads, args, progress_log(started), scan=scan)
+        # unrolled in the end are compiled again in the background (`Programs` stand-ins)
+        self.compile(shapes, threads, args, progress_log(started), scan=True if rest else None)
         rest += [shape for shape in self.programs.stand_ins() if shape not in rest]
         return started, before, rest
 
