@@ -150,8 +150,19 @@ def launch(args, model_dir: str, adapter_dir: str, cache_dir: str, label: str) -
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
            "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    reader = threading.Thread(target=lambda: [lines.append((time.perf_counter() - started, line.rstrip()))
-                                              for line in process.stdout], daemon=True)
+    # the server's log also goes to a file beside --out as it comes: a run killed from outside (a device
+    # call's time limit) leaves it (2026-11-28 09:08: a cold run that never turned ready left nothing)
+    live = open(f"{os.path.splitext(args.out)[0]}_{label}_server.log", "w")
+
+    def read() -> None:
+        for line in process.stdout:
+            lines.append((time.perf_counter() - started, line.rstrip()))
+            if not any(a in line for a in ("GET /health", "POST /v1/completions", "GET /metrics")):
+                live.write(f"{lines[-1][0]:8.2f} s  {lines[-1][1]}\n")
+                live.flush()
+        live.close()
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     result = {"cache": label, "command": command}
     try:
@@ -322,6 +333,7 @@ def main() -> None:
     suffix = "_small" if args.small else "_tiny" if tiny else ""
     args.dir = args.dir or f"/tmp/jaxlora_cold_start{suffix}"
     args.out = args.out or f"bench/results/cold_start{'_cpu_small' if args.small else '_cpu' if tiny else ''}.json"
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     if args.server_args is None:
         args.server_args = ("--max-adapters-on-device 4 --max-model-len 256 --background-compile on" if args.small
                             else "--max-adapters-on-device 4 --max-model-len 256" if tiny else
