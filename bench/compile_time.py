@@ -82,7 +82,7 @@ def program_shape(engine: Engine, name: str) -> StepShape:
 def measure(engine: Engine, name: str, runs: int) -> dict:
     """Lower, compile, memory analysis and run time of the program `name`."""
     shape = program_shape(engine, name)
-    args = engine._padding_args(shape)
+    args = engine.startup.padding_args(shape)
     started = time.perf_counter()
     lowered = engine.programs.lower(shape, args)
     lowered_s = time.perf_counter() - started

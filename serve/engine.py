@@ -97,14 +97,13 @@ from jaxlora.sampling import SamplingParams
 from jaxlora.scheduler.core import TRAIN, CoSchedulePolicy, ServingLoad
 from jaxlora.scheduler.serving import SchedulerConfig, Sequence, ServingScheduler, StepPlan, pages_for
 
-from serve.compile_worker import CompileWorker
 from serve.engine_config import (  # noqa: F401 (re-exported: the engine's public names)
     EngineBusy, EngineConfig, Event, NoTaskHead, RequestError, TrainingSource, UnknownAdapter, kv_page_bytes,
     kv_pages_that_fit,
 )
 from serve.modes import EngineModes
 from serve.placement import (  # noqa: F401 (check_mesh: re-exported)
-    abstract_state, check_mesh, new_kv_cache, serving_model,
+    check_mesh, new_kv_cache, serving_model,
 )
 from serve.requests import Handoff, Request, check_request, classified, collect_scores, prompt_k, row_logprobs
 from serve.residency import Residency, adapter_pool, place_compressed, slot_rows
@@ -113,6 +112,7 @@ from serve.stats import EngineStats, _PhaseClock, engine_snapshot
 from serve.step import Programs, Step, StepShape
 from serve.step_builder import StepBuilder, scores_prompt, segments
 from serve.structured import GrammarRows
+from serve.warmup import Warmup
 from serve.window import WindowFill
 
 if TYPE_CHECKING:
@@ -185,10 +185,7 @@ class Engine:
             self.scheduler.prefix_root = self.modes.prefix_root
         self.handoff: Callable[[Handoff], None] | None = None  # set by a replica set (module doc)
         self.programs = Programs(self._graphdef, config.backend, self.max_rows, config.scan_layers_from_tokens)
-        self._background: threading.Thread | None = None  # `warmup`'s background compile
-        self._worker: CompileWorker | None = None  # its child process (`config.compile_worker`)
-        self._early_warmup = None  # `start_warmup`'s programs (a Future)
-        self._lowering_state = None  # while `start_warmup`'s programs compile: the weights' shapes
+        self.startup = Warmup(self)  # the start-up compile: `warmup`, `start_warmup` (`serve.warmup`)
         self.sampler_slots = SamplerSlots(config.max_num_seqs, model.config.vocab_size,
                                           None if mesh is None else NamedSharding(mesh, jax.sharding.PartitionSpec()))
         self.grammars = GrammarRows(model.config.vocab_size, self.eos_ids)  # structured outputs' matchers
@@ -603,70 +600,17 @@ class Engine:
         slot copy and the inference modes' switch; changes nothing the engine serves from (nothing
         runs but an update of an empty slot with zeros). With `background` (None: the config's
         `background_compile`; only for the default shapes) it compiles now only the programs that
-        can serve any step (`first_shapes`) and the rest on a background thread (`_compile_rest`).
+        can serve any step (`first_shapes`) and the rest on a background thread (`serve.warmup.Warmup.compile_rest`).
         After `start_warmup`, a call with the defaults waits for the programs it compiles instead.
         Returns {"programs": compiled now, "seconds": wall time, "background": programs left to the
         background thread}."""
-        early = self._early_warmup if (shapes, threads, background) == (None, None, None) else None
-        if early is not None:
-            self._early_warmup = None
-            started, before, rest = early.result()
-        else:
-            background = self.config.background_compile if background is None else background
-            if background and shapes is None:
-                self._start_worker()
-            started, before, rest = self.builder.compile_first(shapes, threads, background, self._padding_args)
-        self._lowering_state = None  # the weights are written by now: lower over them
-        free = self.pool.free_slot()
-        if free is not None:  # an empty slot written with zeros: compiles the update, changes nothing
-            self.pool.evict(free)
-        if self.window_fill is not None:  # the window's fill: compiled, not run
-            self.window_fill.program()
-        if self.modes is not None:
-            self.modes.warmup(self)
-        seconds = time.perf_counter() - started
-        log.info("step programs ready: %d compiled in %.1f s (summed over threads: lowering %.1f s, compiling or "
-                 "loading from the cache %.1f s)", len(self.programs) - before, seconds, self.programs.lower_s,
-                 self.programs.compile_s)
-        if self._worker is not None and not rest:
-            self._worker.close()
-        if rest:
-            self._background = self.builder.background = threading.Thread(
-                target=self._compile_rest, args=(rest,), daemon=True, name="jaxlora-compile-background")
-            self._background.start()
-        return {"programs": len(self.programs) - before, "seconds": seconds, "background": len(rest)}
+        return self.startup.run(shapes, threads, background)
 
     def start_warmup(self) -> None:
         """Starts `warmup`'s programs on a thread now, lowered over the weights' shapes alone
         (`abstract_state`): the caller may meanwhile replace each weight array by one of the same
         shape, dtype and placement (`serve.warm_start`); `warmup()` then waits for them."""
-        self._lowering_state = abstract_state(self._state)
-        if self.config.background_compile:
-            self._start_worker()
-        self._early_warmup = self.builder.start_first(self.config.background_compile, self._padding_args)
-
-    def _start_worker(self) -> None:
-        """Starts the background compile's child process (`config.compile_worker`) if not yet: it
-        imports jax and opens the devices while the first programs compile."""
-        if self.config.compile_worker and self._worker is None:
-            try:
-                self._worker = CompileWorker.start()
-            except OSError as err:  # no child process here: the background compile runs in-process
-                log.warning("compile worker not started (%s: %s); compiling in-process", type(err).__name__, err)
-
-    def _padding_args(self, shape: StepShape) -> tuple:
-        """Dynamic arguments of the program `shape` for a step of padding only (writes nothing)."""
-        state = self._state if self._lowering_state is None else self._lowering_state
-        return self.builder.padding_args(shape, state, self.cache, self._last_tokens)
-
-    def _compile_rest(self, shapes: list[StepShape]) -> None:
-        """The background thread of `warmup` (`StepBuilder.compile_rest`, in the compile worker where
-        the config has one); stops with the engine, and ends the worker."""
-        try:
-            self.builder.compile_rest(shapes, self._padding_args, lambda: self._stopping, self._worker)
-        finally:
-            if self._worker is not None:
-                self._worker.close()
+        self.startup.start()
 
     # ---- a step's results (engine thread) -----------------------------------------------------
     def _complete(self, step: Step, next_tokens: np.ndarray, seconds: float, logprobs: tuple | None = None,
@@ -755,8 +699,7 @@ class Engine:
     def stop(self) -> None:
         self._stopping = True
         self._wake.set()
-        if self._worker is not None:  # a compile there is abandoned: the background thread returns
-            self._worker.close()
+        self.startup.stop()  # a compile in the worker is abandoned: the background thread returns
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None

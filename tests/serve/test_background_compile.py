@@ -23,13 +23,13 @@ PROMPTS = ["The capital of France is", "Once upon a time", "Water boils at", "De
 
 def hold_background(engine) -> threading.Event:
     """Makes `engine`'s background compile wait (once `warmup` starts it) until the returned event is set."""
-    release, compile_rest = threading.Event(), engine._compile_rest
+    release, compile_rest = threading.Event(), engine.startup.compile_rest
 
     def held(shapes):
         release.wait(timeout=300)
         compile_rest(shapes)
 
-    engine._compile_rest = held
+    engine.startup.compile_rest = held
     return release
 
 
@@ -115,7 +115,7 @@ def test_steps_run_in_larger_compiled_buckets_until_their_own_is_compiled(smollm
         assert engine.stats.step_compiles == 0
     finally:
         release.set()
-        engine._background.join(timeout=300)
+        engine.startup.background.join(timeout=300)
     assert set(engine.step_shapes()) <= set(engine.programs.shapes())
     assert not engine.programs.stand_ins()  # replaced by their unrolled programs
     assert _serve(engine, tokenizer) == expected  # now in their own (unrolled) 8-token programs
@@ -127,7 +127,7 @@ def test_explicit_shapes_compile_in_the_foreground(smollm2):
     engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(**TINY_ENGINE, background_compile=True))
     shapes = [s for s in engine.step_shapes() if not s.lora][:2]
     info = engine.warmup(shapes, threads=1)
-    assert info["background"] == 0 and engine._background is None
+    assert info["background"] == 0 and engine.startup.background is None
     assert set(shapes) <= set(engine.programs.shapes())
 
 
@@ -136,7 +136,7 @@ def test_background_compile_ends_with_the_scoring_programs(smollm2):
     config = EngineConfig(**TINY_ENGINE, scan_layers_from_tokens=16, background_compile=True)
     engine = Engine(model, tokenizer.eos_token_ids, config)
     engine.warmup()
-    engine._background.join(timeout=300)
+    engine.startup.background.join(timeout=300)
     scoring = [s for s in engine.programs.shapes() if s.score]
     assert scoring and all(s.tokens >= 16 and not s.window and not s.decode_only for s in scoring)
     got = []  # a scoring request (its prompt spans both buckets) compiles nothing now
@@ -160,7 +160,7 @@ def test_masked_samplers_lead_the_background_compile_and_a_grammar_step_compiles
 
     engine.programs.compile = recording
     engine.warmup()
-    engine._background.join(timeout=300)
+    engine.startup.background.join(timeout=300)
     foreground = [shape for thread, shape in order if not thread.startswith("jaxlora-compile-background")]
     background = [shape for thread, shape in order if thread.startswith("jaxlora-compile-background")]
     assert foreground and not any(s.program.endswith("_masked") for s in foreground)

@@ -23,13 +23,13 @@ def test_background_compile_in_the_worker_serves_the_same_tokens(smollm2, adapte
     engine = Engine(model, tokenizer.eos_token_ids, config, {name: adapters8[name] for name in ("ad0", "ad1")})
     release = hold_background(engine)  # the background thread waits until the first requests are served
     info = engine.warmup()
-    worker = engine._worker
+    worker = engine.startup.worker
     assert info["background"] > 0 and worker is not None and worker.alive
     try:
         assert _serve(engine, tokenizer) == expected  # in the stand-ins and larger buckets meanwhile
     finally:
         release.set()
-        engine._background.join(timeout=600)
+        engine.startup.background.join(timeout=600)
     assert worker.failed is None
     assert worker.compiled == info["background"]  # every program of the background compile, none in-process
     assert not engine.programs.stand_ins() and set(engine.step_shapes()) <= set(engine.programs.shapes())
@@ -47,12 +47,12 @@ def test_worker_errors_and_death_fall_back_to_compiling_in_process(smollm2, capl
         with caplog.at_level(logging.WARNING, logger="jaxlora.serve"):
             assert worker.compile("no_such_program", (), (), {}) is None  # the child's error, logged
         assert "could not compile program no_such_program (KeyError" in caplog.text and worker.alive
-        engine.programs.compile(shapes[0], engine._padding_args(shapes[0]), worker=worker)
+        engine.programs.compile(shapes[0], engine.startup.padding_args(shapes[0]), worker=worker)
         assert worker.compiled == 1 and shapes[0] in engine.programs
         worker._process.kill()
         worker._process.wait()
         with caplog.at_level(logging.WARNING, logger="jaxlora.serve"):
-            engine.programs.compile(shapes[1], engine._padding_args(shapes[1]), worker=worker)
+            engine.programs.compile(shapes[1], engine.startup.padding_args(shapes[1]), worker=worker)
         assert shapes[1] in engine.programs and worker.compiled == 1  # compiled here
         assert worker.failed and "the child ended" in worker.failed and not worker.alive
         assert "compile worker stopped" in caplog.text
@@ -70,12 +70,12 @@ def test_engine_stop_ends_the_worker(smollm2):
     engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(**ENGINE, compile_worker=True))
     release = hold_background(engine)
     engine.warmup()
-    worker = engine._worker
+    worker = engine.startup.worker
     engine.start()
     engine.stop()
     release.set()
-    engine._background.join(timeout=300)
-    assert not engine._background.is_alive() and not worker.alive
+    engine.startup.background.join(timeout=300)
+    assert not engine.startup.background.is_alive() and not worker.alive
     assert worker.compiled == 0 and engine.programs.stand_ins()  # stopped before compiling anything
 
 
@@ -94,14 +94,14 @@ def test_abstract_arguments_keep_shapes_dtypes_and_shardings():
 
 
 def test_a_worker_that_cannot_start_leaves_the_compile_in_process(smollm2, monkeypatch, caplog):
-    import serve.engine
+    import serve.warmup
 
     def fail():
         raise OSError("no processes here")
 
-    monkeypatch.setattr(serve.engine.CompileWorker, "start", staticmethod(fail))
+    monkeypatch.setattr(serve.warmup.CompileWorker, "start", staticmethod(fail))
     model, tokenizer = smollm2
     engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(**ENGINE, compile_worker=True))
     with caplog.at_level(logging.WARNING, logger="jaxlora.serve"):
-        engine._start_worker()
-    assert engine._worker is None and "compile worker not started (OSError: no processes here)" in caplog.text
+        engine.startup.start_worker()
+    assert engine.startup.worker is None and "compile worker not started (OSError: no processes here)" in caplog.text

@@ -89,7 +89,7 @@ def test_the_warm_start_serves_the_same_tokens_and_compiles_nothing_while_servin
         assert engine.stats.step_compiles == 0
     finally:
         engine.stop()
-        engine._background.join(timeout=600)
+        engine.startup.background.join(timeout=600)
     assert engine.stats.step_compiles == 0
 
 
@@ -112,7 +112,7 @@ def test_jaxlora_serve_takes_the_warm_start_and_names_a_bad_file(tmp_path, caplo
     engine = app.state.server.engine
     engine.warmup()
     engine.stop()
-    engine._background.join(timeout=600)  # no compile left running at the interpreter's exit
+    engine.startup.background.join(timeout=600)  # no compile left running at the interpreter's exit
     weights = os.path.join(directory, "model.safetensors")
     with open(weights, "r+b") as f:
         f.truncate(os.path.getsize(weights) // 2)
