@@ -17,6 +17,8 @@ Variants for comparing what the compile costs (one process each; XLA flags from 
     PYTHONPATH=. python bench/compile_time.py --tiny                      # CPU smoke test
     PYTHONPATH=. python bench/compile_time.py --out $OUT/default.jsonl   # on a GPU
     XLA_FLAGS=--xla_gpu_autotune_level=0 PYTHONPATH=. python bench/compile_time.py --out ...
+    PYTHONPATH=. python bench/compile_time.py --layers-as unrolled --threads 4 --programs base_decode32 \
+        lora_decode64 window_decode64 base_decode64 --out ...   # four unrolled compiles at once
 """
 
 from __future__ import annotations
@@ -79,23 +81,31 @@ def program_shape(engine: Engine, name: str) -> StepShape:
     return StepShape("forward", tokens, min(tokens, engine.config.max_num_seqs), width, lora, decode_only, window)
 
 
-def measure(engine: Engine, name: str, runs: int) -> dict:
-    """Lower, compile, memory analysis and run time of the program `name`."""
+def compile_program(engine: Engine, name: str, options: dict | None = None) -> tuple[dict, object, tuple]:
+    """Lowers and compiles the program `name` (XLA `options` per compile): (its info with the
+    seconds and XLA's memory analysis, the compiled program, its padding arguments)."""
     shape = program_shape(engine, name)
     args = engine.startup.padding_args(shape)
     started = time.perf_counter()
     lowered = engine.programs.lower(shape, args)
     lowered_s = time.perf_counter() - started
     started = time.perf_counter()
-    compiled = lowered.compile()
+    compiled = lowered.compile(compiler_options=options or None)
     compile_s = time.perf_counter() - started
     memory = compiled.memory_analysis()
-    info = {"program": name, "shape": shape._asdict(), "lower_s": round(lowered_s, 2), "compile_s": round(compile_s, 2)}
+    info = {"program": name, "shape": shape._asdict(), "lower_s": round(lowered_s, 2), "compile_s": round(compile_s, 2),
+            "options": options or {}}
     if memory is not None:
         for key in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
                     "generated_code_size_in_bytes"):
             info[key] = getattr(memory, key, None)
+    return info, compiled, args
+
+
+def run_ms(engine: Engine, compiled, args: tuple, runs: int) -> float:
+    """Median ms of one padding-only run of `compiled` (after one warm-up run)."""
     times = []
+    args = (args[0], engine.cache) + args[2:]  # the pool of now (an earlier program's run donated the old one)
     for i in range(runs + 1):
         started = time.perf_counter()
         out = compiled(*args)
@@ -104,8 +114,30 @@ def measure(engine: Engine, name: str, runs: int) -> dict:
             times.append((time.perf_counter() - started) * 1e3)
         engine.cache = out[2]  # donated: the next run takes the returned pool
         args = (args[0], engine.cache) + args[2:]
-    info["run_ms"] = round(statistics.median(times), 3)
+    return round(statistics.median(times), 3)
+
+
+def measure(engine: Engine, name: str, runs: int, options: dict | None = None) -> dict:
+    """Lower, compile, memory analysis and run time of the program `name`."""
+    info, compiled, args = compile_program(engine, name, options)
+    info["run_ms"] = run_ms(engine, compiled, args, runs)
     return info
+
+
+def measure_together(engine: Engine, names: list[str], runs: int, threads: int, options: dict | None = None) -> list:
+    """`names` lowered and compiled `threads` at a time (as the server's start-up does), each one's
+    seconds and the wall time of them all ("together_s"); then each one's run time, one at a time."""
+    import concurrent.futures
+
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        done = list(pool.map(lambda name: compile_program(engine, name, options), names))
+    together_s = round(time.perf_counter() - started, 2)
+    infos = []
+    for info, compiled, args in done:
+        info.update(threads=threads, together_s=together_s, run_ms=run_ms(engine, compiled, args, runs))
+        infos.append(info)
+    return infos
 
 
 def main() -> None:
@@ -119,6 +151,10 @@ def main() -> None:
     parser.add_argument("--memory", type=float, default=0.9, help="--gpu-memory-utilization (sizes the KV pool)")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--label", default="default")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="compile the programs this many at a time (threads of this process), then time each")
+    parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                        help="an XLA option for each compile (e.g. xla_gpu_autotune_level=0); repeatable")
     parser.add_argument("--out", default="bench/results/compile_time.jsonl")
     args = parser.parse_args()
     args.layers = args.layers or (2 if args.tiny else 32)
@@ -135,11 +171,27 @@ def main() -> None:
     with open(args.out, "a") as f:
         f.write(json.dumps(head) + "\n")
     print(json.dumps(head), flush=True)
-    for name in args.programs:
-        info = {"label": args.label, **measure(engine, name, args.runs)}
+    options = dict(parse_option(option) for option in args.option)
+    if args.threads > 1:
+        results = measure_together(engine, args.programs, args.runs, args.threads, options)
+    else:
+        results = (measure(engine, name, args.runs, options) for name in args.programs)
+    for result in results:
+        info = {"label": args.label, **result}
         with open(args.out, "a") as f:
             f.write(json.dumps(info) + "\n")
         print(json.dumps(info), flush=True)
+
+
+def parse_option(text: str) -> tuple[str, object]:
+    """"name=value" -> (name, value as a bool, int or string)."""
+    name, _, value = text.partition("=")
+    if value.lower() in ("true", "false"):
+        return name, value.lower() == "true"
+    try:
+        return name, int(value)
+    except ValueError:
+        return name, value
 
 
 if __name__ == "__main__":

@@ -612,6 +612,19 @@ standin_profile() {  # one GPU, issue 35 item 2: the stand-ins' decode32 step (e
   rm -rf "$OUT"/serve_profile_traces
 }
 
+unrolled_together() {  # one GPU, issue 35: why the 4 smallest buckets compiled unrolled before ready did not
+  # finish (09:08 UTC, 2026-11-28): one unrolled program's compile alone, then four at once (threads of one
+  # process, as the server's start-up), then four at once with autotuning off; each step capped in time
+  nvidia-smi -L
+  local ct="python3 bench/compile_time.py --layers-as unrolled --runs 5 --out $OUT/unrolled_together.jsonl"
+  local four="base_decode32 lora_decode64 window_decode64 base_decode64"
+  timeout 150 $ct --label alone --programs window_decode64 2>&1 | grep -v "cuda_timer\|Warning" | tail -n 5
+  timeout 220 $ct --label four --threads 4 --programs $four 2>&1 | grep -iv "cuda_timer\|^W11" | grep -i \
+      "memory\|error\|{" | tail -n 12
+  timeout $((LIMIT - SECONDS - 5)) $ct --label four_autotune0 --threads 4 --option xla_gpu_autotune_level=0 \
+      --programs $four 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 6
+}
+
 guard() {  # one H200: the regression guard's serving trace (bench/regress.py --only serve; .jitcache and .whl
   # carried), alone on the machine; then, with the time left, the disk-read benchmark (CPU work beside no engine)
   nvidia-smi -L
