@@ -166,11 +166,12 @@ def launch(args, model_dir: str, adapter_dir: str, cache_dir: str, label: str) -
     reader.start()
     result = {"cache": label, "command": command}
     try:
-        result["ready_s"] = wait_ready(port, process, started, args.timeout)
+        result["ready_s"] = wait_ready(port, process, started, min(args.timeout, time_left(args, 40)))
         result["first_completion_s"], result["completion"] = first_completion(port, started)
-        if args.after_ready:
+        after_ready = min(args.after_ready, time_left(args, 40))
+        if after_ready > 0:
             scrapes = []
-            result["after_ready"] = serve_after_ready(port, started, lines, args.after_ready, scrapes)
+            result["after_ready"] = serve_after_ready(port, started, lines, after_ready, scrapes)
             result["after_ready_summary"] = after_ready_summary(result["after_ready"], result["ready_s"])
             result["step_windows"] = step_windows(scrapes)
     except Exception as err:  # report what happened, keep the log
@@ -277,6 +278,13 @@ def after_ready_summary(times: list, ready_s: float, window: float = 30.0) -> di
     return out
 
 
+def time_left(args, margin: float) -> float:
+    """Seconds until --deadline less `margin` (the server's stop and the JSON): inf without one."""
+    if args.deadline is None:
+        return float("inf")
+    return args.deadline - (time.perf_counter() - args.script_started) - margin
+
+
 def wait_ready(port: int, process, started: float, timeout: float) -> float:
     while time.perf_counter() - started < timeout:
         if process.poll() is not None:
@@ -319,8 +327,13 @@ def main() -> None:
     parser.add_argument("--after-ready", type=float, default=0.0,
                         help="seconds of one completion after another after the first (latency while the server "
                              "compiles in the background, then steady)")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds from this script's start by which it must have written its JSON (a device "
+                             "call's limit): a run's wait for /health and its --after-ready are cut to fit, and "
+                             "a server not ready in time is reported as such")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    args.script_started = time.perf_counter()
     tiny = args.tiny
     tiny = tiny or args.small
     layers = args.layers or (4 if args.small else 2 if tiny else 32)

@@ -219,7 +219,7 @@ cold_start() {  # one GPU: bench/cold_start.py (the real server: cold and warm c
   # server's wheels carried in .whl (bench/server_wheels.txt); extra arguments go to cold_start.py
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       .whl/*.whl || return 1
-  PYTHONPATH=.:/tmp/site timeout $((LIMIT - 10)) python3 bench/cold_start.py --after-ready 60 \
+  PYTHONPATH=.:/tmp/site timeout $((LIMIT - 10)) python3 bench/cold_start.py --after-ready 60 --deadline $((LIMIT - 25)) \
       --out "$OUT/cold_start_$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | awk '{print tolower($2)}').json" \
       "$@" 2>&1 | tail -n 20
 }

@@ -112,9 +112,10 @@ def main() -> None:
     parser.add_argument("--step", default="decode32", choices=sorted(PROFILE_STEPS))
     parser.add_argument("--variant", default="window1", help="bench/serve.py's profile variant (base, window1, ...)")
     parser.add_argument("--ways", nargs="*", default=list(WAYS), choices=list(WAYS))
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 32; --tiny: 2)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    layers = 2 if args.tiny else 32
+    layers = args.layers or (2 if args.tiny else 32)
     config = llama8b_config(layers, args.tiny)
     model = Llama(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     factory = AdapterFactory(config, 2)
