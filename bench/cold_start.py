@@ -166,7 +166,7 @@ def launch(args, model_dir: str, adapter_dir: str, cache_dir: str, label: str) -
     reader.start()
     result = {"cache": label, "command": command}
     try:
-        result["ready_s"] = wait_ready(port, process, started, min(args.timeout, time_left(args, 40)))
+        result["ready_s"] = wait_ready(port, process, started, max(0.0, min(args.timeout, time_left(args, 40))))
         result["first_completion_s"], result["completion"] = first_completion(port, started)
         after_ready = min(args.after_ready, time_left(args, 40))
         if after_ready > 0:
