@@ -33,10 +33,14 @@ class Warmup:
 
     def __init__(self, engine: "Engine"):
         self.engine = engine
-        self.background: threading.Thread | None = None  # the background compile
         self.worker: CompileWorker | None = None  # its child process (`config.compile_worker`)
         self.early = None  # `start`'s first programs (a Future)
         self.lowering_state = None  # while `start`'s programs compile: the weights' shapes
+
+    @property
+    def background(self) -> threading.Thread | None:
+        """The background compile's thread (held by the step builder, whose bucket choice asks it)."""
+        return self.engine.builder.background
 
     def run(self, shapes: list[StepShape] | None = None, threads: int | None = None,
             background: bool | None = None) -> dict:
@@ -67,9 +71,9 @@ class Warmup:
         if self.worker is not None and not rest:
             self.worker.close()
         if rest:
-            self.background = engine.builder.background = threading.Thread(
+            engine.builder.background = threading.Thread(
                 target=self.compile_rest, args=(rest,), daemon=True, name="jaxlora-compile-background")
-            self.background.start()
+            engine.builder.background.start()
         return {"programs": len(programs) - before, "seconds": seconds, "background": len(rest)}
 
     def start(self) -> None:
