@@ -628,12 +628,14 @@ unrolled_together() {  # one GPU, issue 35: why the 4 smallest buckets compiled 
 guard() {  # one H200: the regression guard's serving trace (bench/regress.py --only serve; .jitcache and .whl
   # carried), alone on the machine; then, with the time left, the disk-read benchmark (CPU work beside no engine)
   nvidia-smi -L
-  python3 bench/jit_cache.py unpack .jitcache/jitcache /tmp/jaxlora_serve_jit_cache
+  local cache=/tmp/jaxlora_serve_jit_cache
+  if [ -e .jitcache/jitcache.part00 ]; then python3 bench/jit_cache.py unpack .jitcache/jitcache $cache; fi
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=$PYTHONPATH:/tmp/site
-  timeout $((LIMIT - SECONDS - 5)) python3 bench/regress.py --only serve --out-dir "$OUT" 2>&1 \
-      | grep -v "cuda_timer\|Warning\|^W1127" | tail -n 40
+  timeout $((LIMIT - SECONDS - 25)) python3 bench/regress.py --only serve --out-dir "$OUT" --compile-cache $cache 2>&1 \
+      | grep -v "cuda_timer\|Warning\|^W11" | tail -n 40
   rm -f "$OUT"/regress_serve.png
+  if [ ! -e .jitcache/jitcache.part00 ]; then timeout 20 python3 bench/jit_cache.py pack $cache "$OUT/jitcache"; fi
 }
 
 vision_serve() {  # one GPU, issue 39 item 4: bench/vision_serve.py (LLaVA-1.5 layout, ViT-L/14-336 + Llama-3.1-8B
