@@ -625,6 +625,21 @@ unrolled_together() {  # one GPU, issue 35: why the 4 smallest buckets compiled 
       --programs $four 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 6
 }
 
+remat_probe() {  # one GPU, issue 35: is XLA's rematerialization pass the unrolled compile's time? (12:37 UTC
+  # 2026-11-28, H200: one unrolled window_decode64 compile alone 51 s, four at once 138 s, each warning "Can't
+  # reduce memory use below 87.7GiB by rematerialization": the donated KV pool counted twice.) The same programs
+  # with the pass off, then with XLA's memory limit raised; the step's device time checked in each
+  nvidia-smi -L
+  local ct="python3 bench/compile_time.py --layers-as unrolled --runs 5 --out $OUT/remat_probe.jsonl"
+  local off="--option xla_disable_hlo_passes=rematerialization"
+  local four="base_decode32 lora_decode64 window_decode64 base_decode64"
+  timeout 130 $ct --label remat_off $off --programs window_decode64 base_decode32 2>&1 | grep -i "remat\|{" | tail -n 5
+  timeout 100 $ct --label slop400 --option xla_gpu_memory_limit_slop_factor=400 --programs window_decode64 2>&1 \
+      | grep -i "remat\|{" | tail -n 4
+  timeout $((LIMIT - SECONDS - 5)) $ct --label four_remat_off --threads 4 $off --programs $four 2>&1 \
+      | grep -i "remat\|{" | tail -n 6
+}
+
 guard() {  # one H200: the regression guard's serving trace (bench/regress.py --only serve; .jitcache and .whl
   # carried), alone on the machine; then, with the time left, the disk-read benchmark (CPU work beside no engine)
   nvidia-smi -L
