@@ -13,6 +13,8 @@ Variants for comparing what the compile costs (one process each; XLA flags from 
                        each layer's weights are sliced out of the stacked arrays);
   --layers-as unrolled every program's layers unrolled (default: the engine's choice by tokens,
                        `EngineConfig.scan_layers_from_tokens`).
+  --split-layers       the layers' weights one array a layer, not stacked (unrolled only: a Python
+                       loop over them): every layer's GEMM fusions equal, one autotuning key.
 
     PYTHONPATH=. python bench/compile_time.py --tiny                      # CPU smoke test
     PYTHONPATH=. python bench/compile_time.py --out $OUT/default.jsonl   # on a GPU
@@ -38,7 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlora.lora import backends
-from jaxlora.models.llama import Llama
+from jaxlora.models.llama import Llama, split_layers
 from jaxlora.models.packed import pack_projections
 from jaxlora.models.presets import llama8b_config
 from serve.cli import build_parser, engine_config
@@ -70,6 +72,15 @@ def build_engine(args) -> Engine:
     jax.block_until_ready(nnx.state(model))
     cli.lora_backend = backends.resolve(cli.lora_backend, jax.default_backend(), 1)
     return Engine(model, [2], engine_config(cli, 16, min(cli.max_model_len, config.max_position_embeddings), None))
+
+
+def split_engine_layers(engine: Engine) -> None:
+    """The engine's model, adapter window included, with its layers' weights one array a layer
+    (`split_layers`; the stacked arrays freed), and its forward programs traced over them (bench only)."""
+    model = split_layers(nnx.merge(engine._graphdef, engine._state))
+    engine._graphdef, engine._state = nnx.split(model)
+    forward, (_, backend, rows) = engine.programs._static["forward"]
+    engine.programs._static["forward"] = (forward, (engine._graphdef, backend, rows))
 
 
 def program_shape(engine: Engine, name: str) -> StepShape:
@@ -155,16 +166,21 @@ def main() -> None:
                         help="compile the programs this many at a time (threads of this process), then time each")
     parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                         help="an XLA option for each compile (e.g. xla_gpu_autotune_level=0); repeatable")
+    parser.add_argument("--split-layers", action="store_true",
+                        help="the layers' weights one array a layer (jaxlora.models.llama.split_layers), not stacked")
     parser.add_argument("--out", default="bench/results/compile_time.jsonl")
     args = parser.parse_args()
     args.layers = args.layers or (2 if args.tiny else 32)
     started = time.perf_counter()
     engine = build_engine(args)
+    if args.split_layers:
+        split_engine_layers(engine)
     if args.layers_as != "auto":  # every forward's layers unrolled, or one scan body
         engine.programs.scan_from_tokens = 1 << 30 if args.layers_as == "unrolled" else 0
     head = {"program": "setup", "label": args.label, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "layers": args.layers, "layers_as": args.layers_as,
+            "split_layers": args.split_layers,
             "memory": args.memory, "num_pages": engine.cache.num_pages, "lora_backend": engine.config.lora_backend,
             "setup_s": round(time.perf_counter() - started, 1), "step_programs": len(engine.step_shapes())}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

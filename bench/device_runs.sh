@@ -640,6 +640,16 @@ remat_probe() {  # one GPU, issue 35: is XLA's rematerialization pass the unroll
       | grep -i "remat\|{" | tail -n 6
 }
 
+split_probe() {  # one GPU, issue 35: the unrolled decode programs' compile with the layers' weights one
+  # array a layer (bench/compile_time.py --split-layers: one autotuning key for 32 equal layers, per-layer
+  # operands) against the stacked weights, both at --memory 0.7 (the split copies the weights once)
+  nvidia-smi -L
+  local ct="python3 bench/compile_time.py --layers-as unrolled --runs 5 --memory 0.7 --out $OUT/split_probe.jsonl"
+  timeout $((LIMIT / 2)) $ct --label split --split-layers --programs window_decode64 base_decode32 2>&1 \
+      | grep -i "error\|{" | tail -n 4
+  timeout $((LIMIT - SECONDS - 5)) $ct --label stacked --programs window_decode64 2>&1 | grep -i "error\|{" | tail -n 3
+}
+
 guard() {  # one H200: the regression guard's serving trace (bench/regress.py --only serve; .jitcache and .whl
   # carried), alone on the machine; then, with the time left, the disk-read benchmark (CPU work beside no engine)
   nvidia-smi -L

@@ -206,6 +206,36 @@ class Llama(nnx.Module):
         return out, (None if cache is None else KVCache(*new_cache))
 
 
+class SplitLayersLlama(Llama):
+    """A `Llama` whose decoder layers' weights are one array a layer (`layer_<i>.<name>`), not stacked
+    (`split_layers`): `layer_weights` is a list of per-layer dicts and the paged forward loops over
+    them in Python. Every layer's GEMMs then read a whole argument, not a slice of a stack, so XLA's
+    autotuner sees 32 equal fusions, not 32 different ones (issue 35; a probe, `bench/compile_time.py
+    --split-layers`)."""
+
+    def layer_weights(self) -> list[dict[str, jax.Array]]:
+        """[{name: weight of layer i}] for i in range(num_layers)."""
+        layers = [{} for _ in range(self.config.num_layers)]
+        for name in self.weights:
+            if name.startswith("layer_"):
+                index, _, rest = name[len("layer_"):].partition(".")
+                layers[int(index)][rest] = self._w(name)
+        return layers
+
+
+def split_layers(model: Llama) -> SplitLayersLlama:
+    """`model`, changed in place into a `SplitLayersLlama`: each stacked `layers.<name>` [L, ...] becomes
+    L arrays `layer_<i>.<name>` (copies; the stack is dropped)."""
+    for name in [n for n in model.weights if n.startswith("layers.")]:
+        stacked = model.weights[name][...]
+        del model.weights[name]
+        for index in range(stacked.shape[0]):
+            model.weights[f"layer_{index}.{name[len('layers.'):]}"] = nnx.Param(stacked[index])
+        del stacked
+    model.__class__ = SplitLayersLlama
+    return model
+
+
 def embed_tokens(config: LlamaConfig, table: jax.Array, tokens: jax.Array) -> jax.Array:
     """tokens [B, T] int -> hidden [B, T, d]: rows of table [vocab, d], times `embed_scale` in the
     table's dtype (Gemma; as HF rounds it)."""

@@ -194,6 +194,13 @@ def paged_hidden(
         picked = jnp.take(rows, jnp.clip(index, 0, rows.shape[0] - 1), axis=0).astype(embeds.dtype)
         embeds = jnp.where((index >= 0)[None, :, None], picked[None], embeds)
     carry = (embeds, cache.k, cache.v)
-    per_layer = (model.layer_weights(), per_layer_pool, jnp.arange(config.num_layers))
-    (hidden, k, v), _ = jax.lax.scan(layer, carry, per_layer, unroll=config.num_layers if unroll else 1)
+    weights = model.layer_weights()
+    if isinstance(weights, (list, tuple)):  # one dict of arrays a layer (not stacked): a Python loop over them
+        for index, layer_weights in enumerate(weights):
+            pool = None if per_layer_pool is None else jax.tree.map(lambda a, i=index: a[i], per_layer_pool)
+            carry, _ = layer(carry, (layer_weights, pool, jnp.asarray(index, jnp.int32)))
+        hidden, k, v = carry
+    else:
+        per_layer = (weights, per_layer_pool, jnp.arange(config.num_layers))
+        (hidden, k, v), _ = jax.lax.scan(layer, carry, per_layer, unroll=config.num_layers if unroll else 1)
     return (hidden[0] if every_token else hidden[0, batch.logit_indices]), PagedKVCache(k, v)

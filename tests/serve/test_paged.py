@@ -3,24 +3,32 @@ one-token (decode-shaped) steps, gives the logits of the contiguous-cache forwar
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from jaxlora.nn.model_config import LlamaConfig
-from jaxlora.models.llama import KVCache, Llama
+from jaxlora.models.llama import KVCache, Llama, SplitLayersLlama, split_layers
 from jaxlora.models.paged import PagedBatch, PagedKVCache, paged_forward
 
 CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=8, max_position_embeddings=64)
 
 
-def test_paged_steps_equal_contiguous_forward():
-    model = Llama(CONFIG, rngs=nnx.Rngs(3))
+@pytest.mark.parametrize("split", [False, True], ids=["stacked", "split_layers"])
+def test_paged_steps_equal_contiguous_forward(split):
+    """Also with the layers' weights one array a layer (`split_layers`: a Python loop over them)."""
+    stacked = Llama(CONFIG, rngs=nnx.Rngs(3))
+    model = split_layers(Llama(CONFIG, rngs=nnx.Rngs(3))) if split else stacked
+    if split:  # the class survives nnx's split and merge (what a jitted engine step does)
+        assert isinstance(nnx.merge(*nnx.split(model)), SplitLayersLlama)
+        assert len(model.layer_weights()) == CONFIG.num_layers
+        assert not any(name.startswith("layers.") for name in model.weights)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 64, 11), rng.integers(0, 64, 6)]
     # contiguous reference: full-prompt logits at every position
     reference = []
     for prompt in prompts:
-        logits, _ = model(jnp.asarray(prompt)[None], jnp.arange(len(prompt))[None],
+        logits, _ = stacked(jnp.asarray(prompt)[None], jnp.arange(len(prompt))[None],
                           cache=KVCache.zeros(CONFIG, 1, 16))
         reference.append(np.asarray(logits[0]))
     page_size, tables = 4, np.array([[7, 2, 5, 0], [3, 6, 1, 0]], np.int32)  # scattered pages
