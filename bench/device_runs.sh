@@ -650,6 +650,20 @@ split_probe() {  # one GPU, issue 35: the unrolled decode programs' compile with
   timeout $((LIMIT - SECONDS - 5)) $ct --label stacked --programs window_decode64 2>&1 | grep -i "error\|{" | tail -n 3
 }
 
+split_check() {  # one H200, issue 35: the engine on split layers (EngineConfig.split_layers), measured twice: the
+  # guard's serving trace (every program unrolled over per-layer arrays; must not be slower than the README),
+  # then a cold start with --split-layers (ready, first completion, the first 30 s after ready against steady)
+  nvidia-smi -L
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || return 1
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  timeout $((LIMIT / 2)) python3 bench/regress.py --only serve --out-dir "$OUT" --compile-cache /tmp/split_cache \
+      --serve-args="--split-layers" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 32
+  rm -f "$OUT"/regress_serve.png
+  timeout $((LIMIT - SECONDS - 10)) python3 bench/cold_start.py --runs cold --after-ready 150 \
+      --deadline $((LIMIT - SECONDS - 25)) --out "$OUT/cold_start_split.json" --server-args "--max-adapters-on-device 64 \
+      --max-lora-rank 16 --max-num-seqs 256 --max-num-batched-tokens 2048 --max-model-len 1024 --split-layers" 2>&1 | tail -n 8
+}
+
 guard() {  # one H200: the regression guard's serving trace (bench/regress.py --only serve; .jitcache and .whl
   # carried), alone on the machine; then, with the time left, the disk-read benchmark (CPU work beside no engine)
   nvidia-smi -L

@@ -863,6 +863,8 @@ def main() -> None:
                         help="EngineConfig.adapter_window: adapters a step may hold in the window (default: the "
                              "engine's, 8 on a GPU/TPU; 0: off)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="EngineConfig.prefix_caching off")
+    parser.add_argument("--split-layers", action="store_true",
+                        help="EngineConfig.split_layers: each layer's weights arrays of their own, every program unrolled")
     parser.add_argument("--scan-layers-from-tokens", type=int, default=None,
                         help="EngineConfig.scan_layers_from_tokens: steps of this many tokens or more run the layers "
                              "as one scan body (default: the engine's; 1: every step scanned)")
@@ -910,6 +912,8 @@ def main() -> None:
         window_mixed_adapters=args.window_mixed_adapters, prefix_caching=not args.no_prefix_caching)
     if args.scan_layers_from_tokens is not None:
         engine_config = dataclasses.replace(engine_config, scan_layers_from_tokens=args.scan_layers_from_tokens)
+    if args.split_layers:
+        engine_config = dataclasses.replace(engine_config, split_layers=True)
     if args.unified_paging and (args.profile or args.modes_skew):
         raise SystemExit("--unified-paging serves traces only: --profile loads pool slots directly, --modes-skew "
                          "needs the merged modes (padded slots)")

@@ -91,7 +91,7 @@ from jaxlora.lora.head import TaskHead
 from jaxlora.buckets import bucket
 from jaxlora.lora.pool import PreparedAdapter
 from jaxlora.lora.rows import RowPool
-from jaxlora.models.llama import Llama
+from jaxlora.models.llama import Llama, split_layers
 from jaxlora.models.paged import PagedKVCache
 from jaxlora.sampling import SamplingParams
 from jaxlora.scheduler.core import TRAIN, CoSchedulePolicy, ServingLoad
@@ -160,6 +160,10 @@ class Engine:
         self.mesh = mesh
         # packed projections (or a copy placed over the mesh); window: its layout (`AdapterWindow`), None: off
         model, self.window, window = serving_model(model, config, mesh, compressed)
+        if config.split_layers:  # each layer's weights arrays of their own (EngineConfig); a scan needs a stack
+            if mesh is not None or images is not None:
+                raise ValueError("split_layers serves a text model on one device (no tensor parallel, no images)")
+            model = split_layers(nnx.merge(*nnx.split(model)))  # a new module over the same arrays: the caller's stays
         self._graphdef, self._state = nnx.split(model)
         self._dtype = model.dtype
         self.modes = EngineModes.for_config(config, self.model_config, self._state["weights"], self.window, mesh,
@@ -184,7 +188,8 @@ class Engine:
         if self.modes is not None:  # merged weights compute other bits: blocks keyed by the step's mode too
             self.scheduler.prefix_root = self.modes.prefix_root
         self.handoff: Callable[[Handoff], None] | None = None  # set by a replica set (module doc)
-        self.programs = Programs(self._graphdef, config.backend, self.max_rows, config.scan_layers_from_tokens)
+        self.programs = Programs(self._graphdef, config.backend, self.max_rows, config.scan_layers_from_tokens,
+                                 layers_split=config.split_layers)
         self.startup = Warmup(self)  # the start-up compile: `warmup`, `start_warmup` (`serve.warmup`)
         self.sampler_slots = SamplerSlots(config.max_num_seqs, model.config.vocab_size,
                                           None if mesh is None else NamedSharding(mesh, jax.sharding.PartitionSpec()))

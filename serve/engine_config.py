@@ -79,6 +79,12 @@ class EngineConfig:
     # runs in a child process (`serve.compile_worker`: its lowering off the server's GIL, its CPU at a
     # lower priority), in-process wherever the child fails. None: on a GPU (a TPU opens to one process).
     scan_layers_from_tokens: int | None = None
+    # `split_layers`: the engine holds each decoder layer's weights as arrays of their own
+    # (`jaxlora.models.llama.split_layers`), every step program unrolled over them (no scans, no
+    # stand-ins): the 32 layers' GEMM fusions are then equal and XLA autotunes them once, so an
+    # unrolled decode program compiles ~5x faster (9.0 s against 45.5 s, H200, bench/NOTES_serve.md).
+    # Opt-in until the serving trace is measured with it; unmerged inference, one device.
+    split_layers: bool = False
     background_compile: bool | None = None
     compile_worker: bool | None = None
     # The adapter window (`jaxlora.models.packed.add_adapter_window`): a step whose rows use at most
@@ -153,6 +159,8 @@ class EngineConfig:
             raise ValueError(f"adapter_window must be in [0, 64] (0: off), got {self.adapter_window}")
         if self.window_mixed_adapters is not None and self.window_mixed_adapters < 0:
             raise ValueError(f"window_mixed_adapters must be >= 0 (None: no bound), got {self.window_mixed_adapters}")
+        if self.split_layers and self.inference_mode != "unmerged":
+            raise ValueError(f"split_layers serves unmerged inference only, got inference_mode {self.inference_mode!r}")
         if self.inference_mode not in INFERENCE_MODES:
             raise ValueError(f"inference_mode must be one of {', '.join(INFERENCE_MODES)}, got {self.inference_mode!r}")
         if self.lora_target_modules is not None and not set(self.lora_target_modules) <= set(PROJECTIONS):

@@ -235,6 +235,8 @@ def check_engine(engine) -> None:
         raise ValueError("fine-tuning needs --inference-mode unmerged (merged modes change the base weights)")
     if engine.config.adapter_dir is None:
         raise ValueError("fine-tuning needs --adapter-dir: finished jobs' adapters are served from there")
+    if engine.config.split_layers:
+        raise ValueError("fine-tuning trains on the stacked layers: not with --split-layers")
 
 
 def public_job(job: dict) -> dict:

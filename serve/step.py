@@ -262,10 +262,14 @@ class Programs:
     loop runs as one command buffer, so its call returns before the device is done (without, the
     host waited for every layer: no next step was built while one ran)."""
 
-    def __init__(self, graphdef, backend: LoraBackend, max_rows: int, scan_from_tokens: int = 1):
+    def __init__(self, graphdef, backend: LoraBackend, max_rows: int, scan_from_tokens: int = 1,
+                 layers_split: bool = False):
         self._static = {name: (PROGRAMS[name.removesuffix("_masked")], (max_rows,)) for name in SAMPLERS}
         self._static["forward"] = (_forward, (graphdef, backend, max_rows))
-        self.scan_from_tokens = scan_from_tokens
+        # split layers (`EngineConfig.split_layers`): every forward unrolled over per-layer arrays, none
+        # scanned and no stand-ins
+        self.layers_split = layers_split
+        self.scan_from_tokens = 1 << 30 if layers_split else scan_from_tokens
         self._compiled: dict[StepShape, Callable] = {}
         self._stand_ins: set[StepShape] = set()
         self._lock = threading.Lock()
@@ -294,7 +298,10 @@ class Programs:
         return dict(STAND_IN_GPU_OPTIONS) if stand_in and _backend() == "gpu" else {}
 
     def _scanned(self, shape: StepShape, scan: bool | None) -> bool:
-        """Whether `shape`'s forward runs its layers as a scan: `scan`, or by its tokens (class doc)."""
+        """Whether `shape`'s forward runs its layers as a scan: `scan`, or by its tokens (class doc);
+        never with split layers."""
+        if self.layers_split:
+            return False
         return shape.tokens >= self.scan_from_tokens if scan is None else scan
 
     def run(self, shape: StepShape, *args):

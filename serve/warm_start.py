@@ -28,10 +28,11 @@ def applies(args, mesh, devices, collection, vlm: bool) -> bool:
     """Whether the server's arguments take this start-up: a HF directory (not a GGUF file, not a
     vision-language model), one engine on one device (no tensor parallel, replicas or compressed
     collection), the unmerged inference mode (merged modes keep a copy of the base weights made
-    when the engine is built)."""
+    when the engine is built), layers stacked (the weight writes address the stacks: with
+    `--split-layers` the weights are read first, then split)."""
     path = resolve_model_path(args.model)
     return (os.path.isdir(path) and not vlm and mesh is None and devices is None and collection is None
-            and args.inference_mode == "unmerged")
+            and args.inference_mode == "unmerged" and not getattr(args, "split_layers", False))
 
 
 def placeholder_model(path: str, dtype) -> tuple[Llama, dict[str, Planned]]:

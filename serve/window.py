@@ -115,7 +115,7 @@ class WindowFill:
         if pool_slot < 0:  # the -ΔW branch: the pool's scales negated
             args = (args[0], {name: {**arrays, "scale": -arrays["scale"]} for name, arrays in args[1].items()}, *args[2:])
         filled = self.program()(*args)
-        for key in window_keys(self.layout):
+        for key in self.weight_keys():
             weights[key].set_value(filled[key])
         self.stats.window_fills += 1
 
@@ -123,8 +123,17 @@ class WindowFill:
         """`fill_window_slot`'s dynamic arguments: the window's weights, the pool, the two slots."""
         weights = self.state["weights"]
         pool, pool_slot = self.pool.window_source(pool_slot)
-        return ({key: weights[key][...] for key in window_keys(self.layout)}, pool, np.int32(window_slot),
+        return ({key: weights[key][...] for key in self.weight_keys()}, pool, np.int32(window_slot),
                 np.int32(pool_slot))
+
+    def weight_keys(self) -> list[str]:
+        """The weights a fill writes (`window_keys`): stacked, or one array a layer (`split_layers`)."""
+        weights = self.state["weights"]
+        stacked = window_keys(self.layout)
+        if stacked[0] in weights:
+            return stacked
+        suffix = stacked[0].removeprefix("layers")
+        return window_keys(self.layout, sum(1 for key in weights if key.startswith("layer_") and key.endswith(suffix)))
 
     def program(self):
         """`fill_window_slot` compiled for this window (once; `Engine.warmup` compiles it ahead)."""

@@ -213,6 +213,10 @@ class SplitLayersLlama(Llama):
     autotuner sees 32 equal fusions, not 32 different ones (issue 35; a probe, `bench/compile_time.py
     --split-layers`)."""
 
+    def __call__(self, *args, **kwargs):
+        raise NotImplementedError("a split-layers model runs through the paged forward only "
+                                  "(jaxlora.models.paged); training and the contiguous cache scan the stacked layers")
+
     def layer_weights(self) -> list[dict[str, jax.Array]]:
         """[{name: weight of layer i}] for i in range(num_layers)."""
         layers = [{} for _ in range(self.config.num_layers)]

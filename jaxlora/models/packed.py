@@ -109,15 +109,32 @@ def add_adapter_window(model: Llama, window: AdapterWindow) -> None:
         weights[f"layers.{group}.window_b"] = nnx.Param(jnp.zeros(shape, kernel.dtype))
 
 
-def window_keys(window: AdapterWindow) -> list[str]:
-    """The weights `fill_window_slot` writes."""
-    return [f"layers.{group}.{part}" for group, _, _ in window.groups for part in ("kernel", "window_b")]
+def window_keys(window: AdapterWindow, split_layers: int = 0) -> list[str]:
+    """The weights `fill_window_slot` writes: `layers.<group>.<part>` of the stacked model, or with
+    `split_layers` = L (`jaxlora.models.llama.split_layers`) `layer_<i>.<group>.<part>` for i < L."""
+    prefixes = [f"layer_{i}" for i in range(split_layers)] if split_layers else ["layers"]
+    return [f"{prefix}.{group}.{part}" for prefix in prefixes for group, _, _ in window.groups
+            for part in ("kernel", "window_b")]
+
+
+def _fill_group(kernel, window_b, a, b, scale, column: int, row, offset: int, batched: bool, p: int):
+    """`kernel` [(L,) k, n] with `a` [(L,) k, r] in its columns from `column`; `window_b` with `b`
+    [(L,) r, n_p] times `scale` [(L,)] at rows `row` (a batched group's block p; else columns from
+    `offset`)."""
+    lead = (0,) * (kernel.ndim - 2)  # the layer axis of a stacked model, none for one layer's arrays
+    kernel = jax.lax.dynamic_update_slice(kernel, a.astype(kernel.dtype), (*lead, 0, column))
+    b = (b.astype(jnp.float32) * scale[..., None, None]).astype(window_b.dtype)
+    if batched:  # [(L,) P, W*r, n_p]: projection p's block, rows of the slot
+        window_b = jax.lax.dynamic_update_slice(window_b, jnp.expand_dims(b, len(lead)), (*lead, p, row, 0))
+    else:  # [(L,) P*W*r, n]: rows of (p, slot), p's output columns
+        window_b = jax.lax.dynamic_update_slice(window_b, b, (*lead, row, offset))
+    return kernel, window_b
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
 def fill_window_slot(window: AdapterWindow, weights: dict, pool: dict, window_slot, pool_slot) -> dict:
-    """`weights` (the `window_keys` arrays, donated: written in place) with window slot
-    `window_slot` holding the adapter in slot `pool_slot` of the adapter pool `pool`
+    """`weights` (the `window_keys` arrays, donated: written in place; stacked or one array a layer)
+    with window slot `window_slot` holding the adapter in slot `pool_slot` of the adapter pool `pool`
     (`jaxlora.lora.pool` arrays: a [L, slots, k, r], b [L, slots, r, n], scale [L, slots]):
     its A into the kernels' window columns, its B scaled by its per-layer scale into the
     block-diagonal `window_b`. The pool's rank padding is zeros, so an adapter of lower rank
@@ -125,20 +142,22 @@ def fill_window_slot(window: AdapterWindow, weights: dict, pool: dict, window_sl
     weights = dict(weights)
     w, r = window.slots, window.rank
     for group, placed, batched in window.groups:
-        kernel_key, b_key = f"layers.{group}.kernel", f"layers.{group}.window_b"
-        kernel, window_b = weights[kernel_key], weights[b_key]
-        base_width = kernel.shape[-1] - window.columns(group)
-        for p, (name, offset, _) in enumerate(placed):
-            module = pool[name]
-            a = jax.lax.dynamic_index_in_dim(module["a"], pool_slot, axis=1, keepdims=False)  # [L, k, r]
-            b = jax.lax.dynamic_index_in_dim(module["b"], pool_slot, axis=1, keepdims=False)  # [L, r, n_p]
-            scale = jax.lax.dynamic_index_in_dim(module["scale"], pool_slot, axis=1, keepdims=False)
-            column = base_width + (p * w + window_slot) * r
-            kernel = jax.lax.dynamic_update_slice(kernel, a.astype(kernel.dtype), (0, 0, column))
-            b = (b.astype(jnp.float32) * scale[:, None, None]).astype(window_b.dtype)
-            if batched:  # [L, P, W*r, n_p]: projection p's block, rows of the slot
-                window_b = jax.lax.dynamic_update_slice(window_b, b[:, None], (0, p, window_slot * r, 0))
-            else:  # [L, P*W*r, n]: rows of (p, slot), p's output columns
-                window_b = jax.lax.dynamic_update_slice(window_b, b, (0, (p * w + window_slot) * r, offset))
-        weights[kernel_key], weights[b_key] = kernel, window_b
+        stacked = f"layers.{group}.kernel" in weights
+        layers = [None] if stacked else range(len([k for k in weights if k.endswith(f".{group}.kernel")]))
+        for layer in layers:
+            prefix = "layers" if stacked else f"layer_{layer}"
+            kernel_key, b_key = f"{prefix}.{group}.kernel", f"{prefix}.{group}.window_b"
+            kernel, window_b = weights[kernel_key], weights[b_key]
+            base_width = kernel.shape[-1] - window.columns(group)
+            for p, (name, offset, _) in enumerate(placed):
+                module = pool[name]
+                a = jax.lax.dynamic_index_in_dim(module["a"], pool_slot, axis=1, keepdims=False)  # [L, k, r]
+                b = jax.lax.dynamic_index_in_dim(module["b"], pool_slot, axis=1, keepdims=False)  # [L, r, n_p]
+                scale = jax.lax.dynamic_index_in_dim(module["scale"], pool_slot, axis=1, keepdims=False)
+                if not stacked:
+                    a, b, scale = a[layer], b[layer], scale[layer]
+                row = (window_slot * r) if batched else (p * w + window_slot) * r
+                kernel, window_b = _fill_group(kernel, window_b, a, b, scale, base_width + (p * w + window_slot) * r,
+                                               row, offset, batched, p)
+            weights[kernel_key], weights[b_key] = kernel, window_b
     return weights

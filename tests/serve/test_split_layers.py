@@ -1,0 +1,51 @@
+"""`EngineConfig.split_layers` (issue 35): an engine whose decoder layers' weights are arrays of their own
+(`jaxlora.models.llama.split_layers`, every forward unrolled over them) gives the greedy tokens of the
+stacked engine, adapter window included, and says no to what it does not serve."""
+import pytest
+
+from jaxlora.models.llama import SplitLayersLlama
+from serve.engine import Engine, EngineConfig
+from tests.serve.test_background_compile import TINY_ENGINE, _serve
+
+
+def _engine(smollm2, adapters8, **config):
+    model, tokenizer = smollm2
+    return Engine(model, tokenizer.eos_token_ids, EngineConfig(**TINY_ENGINE, **config),
+                  {name: adapters8[name] for name in ("ad0", "ad1")})
+
+
+def test_split_layers_engine_gives_the_stacked_engines_tokens(smollm2, adapters8):
+    model, tokenizer = smollm2
+    stacked = _engine(smollm2, adapters8, adapter_window=2)
+    split = _engine(smollm2, adapters8, adapter_window=2, split_layers=True)
+    assert isinstance(split.model_view(), SplitLayersLlama) and type(model) is not SplitLayersLlama  # the caller's stays
+    names = set(split.weight_variables())
+    assert not any(name.startswith("layers.") for name in names)
+    assert any(name.startswith("layer_0.") and name.endswith("window_b") for name in names)  # the window, split
+    assert not split.programs.stand_ins()
+    assert _serve(split, tokenizer) == _serve(stacked, tokenizer)
+    assert split.stats.window_fills > 0  # the window's fills wrote the per-layer arrays
+
+
+def test_split_layers_rejects_what_it_does_not_serve(smollm2, adapters8):
+    with pytest.raises(ValueError, match="unmerged"):
+        EngineConfig(split_layers=True, inference_mode="merged")
+    split = _engine(smollm2, adapters8, split_layers=True)
+    with pytest.raises(NotImplementedError, match="paged forward"):
+        split.model_view()(None, None)
+
+
+def test_split_layers_refuses_fine_tuning(smollm2, adapters8, tmp_path):
+    from serve.finetune import check_engine
+
+    split = _engine(smollm2, adapters8, split_layers=True, adapter_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="split-layers"):
+        check_engine(split)
+
+
+def test_cli_flag_reaches_the_engine_config():
+    from serve.cli import build_parser, engine_config
+
+    for argv, split in (([], False), (["--split-layers"], True)):
+        args = build_parser().parse_args(["--model", "unused", "--lora-backend", "gather", *argv])
+        assert engine_config(args, 16, 256, None).split_layers is split
