@@ -223,8 +223,7 @@ class StepBuilder:
         widest = max(pages_for(row.start + row.count, self.config.page_size) for row in plan.rows)
         width = self.table_width(widest)
         if scoring:  # a scoring step: a scanned program (fast to compile)
-            num_tokens = max(num_tokens, min(bucket(self.programs.scan_from_tokens, self.min_tokens),
-                                             bucket(self.config.token_budget, self.min_tokens)))
+            num_tokens = max(num_tokens, self.scoring_tokens())
         else:
             num_tokens = self.compiled_tokens(num_tokens, width, plan, in_window)
         rows = self.rows(num_tokens)  # a function of the tokens bucket: no variants of its own
@@ -350,11 +349,16 @@ class StepBuilder:
         return [shape for shape in shapes if shape in first or (
             shape.program != "forward" and not shape.program.endswith("_masked") and shape.rows in rows)]
 
+    def scoring_tokens(self) -> int:
+        """The smallest token bucket a scoring step runs in: the smallest of scanned layers, at most the
+        largest bucket (with split layers, where none is scanned, the largest)."""
+        return min(bucket(self.programs.scan_from_tokens, self.min_tokens), bucket(self.config.token_budget, self.min_tokens))
+
     def score_shapes(self, shapes: list[StepShape]) -> list[StepShape]:
         """The scoring variants of `shapes`' base and LoRA (not decode-only, not window) forwards over
-        buckets of scanned layers (where a scoring step runs: `batch_arrays`)."""
+        buckets from `scoring_tokens` (where a scoring step runs: `batch_arrays`)."""
         return [shape._replace(score=True) for shape in shapes if shape.program == "forward" and not shape.window
-                and not shape.decode_only and shape.tokens >= self.programs.scan_from_tokens]
+                and not shape.decode_only and shape.tokens >= self.scoring_tokens()]
 
     def padding_args(self, shape: StepShape, state, cache: PagedKVCache, last_tokens) -> tuple:
         """Dynamic arguments of the program `shape` for a step of padding only (writes nothing),

@@ -49,3 +49,24 @@ def test_cli_flag_reaches_the_engine_config():
     for argv, split in (([], False), (["--split-layers"], True)):
         args = build_parser().parse_args(["--model", "unused", "--lora-backend", "gather", *argv])
         assert engine_config(args, 16, 256, None).split_layers is split
+
+
+def test_split_layers_scores_prompts_as_the_stacked_engine(smollm2, adapters8):
+    """Prompt log-probabilities (a scoring step: no scanned bucket exists with split layers, so it runs in
+    the largest) equal the stacked engine's."""
+    from jaxlora.sampling import SamplingParams
+
+    model, tokenizer = smollm2
+    prompt = tokenizer.encode("The capital of France is")
+
+    def scored(engine):
+        events = []
+        engine.submit(0, prompt, "ad0", SamplingParams(2, prompt_logprobs=2), events.append)
+        engine.run_until_idle()
+        return [e.prompt_logprobs for e in events if e.prompt_logprobs is not None]
+
+    split, stacked = scored(_engine(smollm2, adapters8, split_layers=True)), scored(_engine(smollm2, adapters8))
+    assert split and len(split[0]) == len(stacked[0]) == len(prompt) - 1
+    for (token, logprob, top), (want_token, want_logprob, want_top) in zip(split[0], stacked[0]):
+        assert token == want_token and [i for i, _ in top] == [i for i, _ in want_top]
+        assert abs(logprob - want_logprob) < 1e-4
