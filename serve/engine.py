@@ -224,7 +224,8 @@ class Engine:
         self.scheduler.adapter_rows = self.residency.adapter_rows
         self.scheduler.is_ready = self._adapter_ready  # admit a request once its adapter is on the host
         self.window_fill = None if self.window is None else WindowFill(
-            self.window, window, self.pool, self._state, self.stats, config.window_mixed_adapters)
+            self.window, window, self.pool, self._state, self.stats, config.window_mixed_adapters,
+            self.model_config.num_layers if config.split_layers else 0)
         self.builder = StepBuilder(config, self.model_config, self.programs, self.residency.lora_arrays,
                                    self.stats, self.grammars, self.sampler_slots, self.eos_ids, self.window_fill,
                                    self.modes, self.max_rows, self._num_segments)

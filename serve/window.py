@@ -75,8 +75,10 @@ class WindowFill:
     mixed_adapters: `EngineConfig.window_mixed_adapters`."""
 
     def __init__(self, layout: AdapterWindow, num_slots: int, pool: AdapterPool, state, stats: EngineStats,
-                 mixed_adapters: int | None):
+                 mixed_adapters: int | None, split_layers: int = 0):
         self.layout = layout
+        self.split_layers = split_layers  # the model's layers with weights of their own (`split_layers`), or 0
+        self.keys = window_keys(layout, split_layers)  # the weights a fill writes
         self.window_slots = WindowSlots(num_slots)  # which pool slot each window slot holds
         self.pool = pool
         self.state = state
@@ -115,7 +117,7 @@ class WindowFill:
         if pool_slot < 0:  # the -ΔW branch: the pool's scales negated
             args = (args[0], {name: {**arrays, "scale": -arrays["scale"]} for name, arrays in args[1].items()}, *args[2:])
         filled = self.program()(*args)
-        for key in self.weight_keys():
+        for key in self.keys:
             weights[key].set_value(filled[key])
         self.stats.window_fills += 1
 
@@ -123,20 +125,11 @@ class WindowFill:
         """`fill_window_slot`'s dynamic arguments: the window's weights, the pool, the two slots."""
         weights = self.state["weights"]
         pool, pool_slot = self.pool.window_source(pool_slot)
-        return ({key: weights[key][...] for key in self.weight_keys()}, pool, np.int32(window_slot),
-                np.int32(pool_slot))
-
-    def weight_keys(self) -> list[str]:
-        """The weights a fill writes (`window_keys`): stacked, or one array a layer (`split_layers`)."""
-        weights = self.state["weights"]
-        stacked = window_keys(self.layout)
-        if stacked[0] in weights:
-            return stacked
-        suffix = stacked[0].removeprefix("layers")
-        return window_keys(self.layout, sum(1 for key in weights if key.startswith("layer_") and key.endswith(suffix)))
+        return ({key: weights[key][...] for key in self.keys}, pool, np.int32(window_slot), np.int32(pool_slot))
 
     def program(self):
         """`fill_window_slot` compiled for this window (once; `Engine.warmup` compiles it ahead)."""
         if self._program is None:
-            self._program = fill_window_slot.lower(self.layout, *self.fill_args(0, 0)).compile()
+            self._program = fill_window_slot.lower(self.layout, *self.fill_args(0, 0),
+                                                   split_layers=self.split_layers).compile()
         return self._program

@@ -227,6 +227,11 @@ class SplitLayersLlama(Llama):
         return layers
 
 
+def layer_key(index: int, name: str) -> str:
+    """The weight name of layer `index`'s `name` in a `SplitLayersLlama` (`layers.<name>` stacked)."""
+    return f"layer_{index}.{name}"
+
+
 def split_layers(model: Llama) -> SplitLayersLlama:
     """`model`, changed in place into a `SplitLayersLlama`: each stacked `layers.<name>` [L, ...] becomes
     L arrays `layer_<i>.<name>` (copies; the stack is dropped)."""
@@ -234,7 +239,7 @@ def split_layers(model: Llama) -> SplitLayersLlama:
         stacked = model.weights[name][...]
         del model.weights[name]
         for index in range(stacked.shape[0]):
-            model.weights[f"layer_{index}.{name[len('layers.'):]}"] = nnx.Param(stacked[index])
+            model.weights[layer_key(index, name[len("layers."):])] = nnx.Param(stacked[index])
         del stacked
     model.__class__ = SplitLayersLlama
     return model

@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from jaxlora.nn.model_config import PACKED_PROJECTIONS, LlamaConfig, projection_shapes
-from jaxlora.models.llama import Llama
+from jaxlora.models.llama import Llama, layer_key
 
 
 def pack_projections(model: Llama) -> Llama:
@@ -109,11 +109,21 @@ def add_adapter_window(model: Llama, window: AdapterWindow) -> None:
         weights[f"layers.{group}.window_b"] = nnx.Param(jnp.zeros(shape, kernel.dtype))
 
 
+def window_key(group: str, part: str, layer: int | None = None) -> str:
+    """The name of a window weight: `layers.<group>.<part>` stacked, or layer `layer`'s own
+    (`jaxlora.models.llama.layer_key`)."""
+    return f"layers.{group}.{part}" if layer is None else layer_key(layer, f"{group}.{part}")
+
+
+def window_layers(split_layers: int) -> list[int | None]:
+    """The layers a window fill addresses one by one: [None] (the stacks) or range(split_layers)."""
+    return list(range(split_layers)) if split_layers else [None]
+
+
 def window_keys(window: AdapterWindow, split_layers: int = 0) -> list[str]:
     """The weights `fill_window_slot` writes: `layers.<group>.<part>` of the stacked model, or with
-    `split_layers` = L (`jaxlora.models.llama.split_layers`) `layer_<i>.<group>.<part>` for i < L."""
-    prefixes = [f"layer_{i}" for i in range(split_layers)] if split_layers else ["layers"]
-    return [f"{prefix}.{group}.{part}" for prefix in prefixes for group, _, _ in window.groups
+    `split_layers` = L (`jaxlora.models.llama.split_layers`) each layer's own, for L layers."""
+    return [window_key(group, part, layer) for layer in window_layers(split_layers) for group, _, _ in window.groups
             for part in ("kernel", "window_b")]
 
 
@@ -131,10 +141,11 @@ def _fill_group(kernel, window_b, a, b, scale, column: int, row, offset: int, ba
     return kernel, window_b
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
-def fill_window_slot(window: AdapterWindow, weights: dict, pool: dict, window_slot, pool_slot) -> dict:
-    """`weights` (the `window_keys` arrays, donated: written in place; stacked or one array a layer)
-    with window slot `window_slot` holding the adapter in slot `pool_slot` of the adapter pool `pool`
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("split_layers",), donate_argnums=(1,))
+def fill_window_slot(window: AdapterWindow, weights: dict, pool: dict, window_slot, pool_slot,
+                     split_layers: int = 0) -> dict:
+    """`weights` (the `window_keys(window, split_layers)` arrays, donated: written in place; stacked,
+    or one array a layer with `split_layers` = L) with window slot `window_slot` holding the adapter in slot `pool_slot` of the adapter pool `pool`
     (`jaxlora.lora.pool` arrays: a [L, slots, k, r], b [L, slots, r, n], scale [L, slots]):
     its A into the kernels' window columns, its B scaled by its per-layer scale into the
     block-diagonal `window_b`. The pool's rank padding is zeros, so an adapter of lower rank
@@ -142,11 +153,8 @@ def fill_window_slot(window: AdapterWindow, weights: dict, pool: dict, window_sl
     weights = dict(weights)
     w, r = window.slots, window.rank
     for group, placed, batched in window.groups:
-        stacked = f"layers.{group}.kernel" in weights
-        layers = [None] if stacked else range(len([k for k in weights if k.endswith(f".{group}.kernel")]))
-        for layer in layers:
-            prefix = "layers" if stacked else f"layer_{layer}"
-            kernel_key, b_key = f"{prefix}.{group}.kernel", f"{prefix}.{group}.window_b"
+        for layer in window_layers(split_layers):
+            kernel_key, b_key = window_key(group, "kernel", layer), window_key(group, "window_b", layer)
             kernel, window_b = weights[kernel_key], weights[b_key]
             base_width = kernel.shape[-1] - window.columns(group)
             for p, (name, offset, _) in enumerate(placed):
@@ -154,7 +162,7 @@ def fill_window_slot(window: AdapterWindow, weights: dict, pool: dict, window_sl
                 a = jax.lax.dynamic_index_in_dim(module["a"], pool_slot, axis=1, keepdims=False)  # [L, k, r]
                 b = jax.lax.dynamic_index_in_dim(module["b"], pool_slot, axis=1, keepdims=False)  # [L, r, n_p]
                 scale = jax.lax.dynamic_index_in_dim(module["scale"], pool_slot, axis=1, keepdims=False)
-                if not stacked:
+                if layer is not None:
                     a, b, scale = a[layer], b[layer], scale[layer]
                 row = (window_slot * r) if batched else (p * w + window_slot) * r
                 kernel, window_b = _fill_group(kernel, window_b, a, b, scale, base_width + (p * w + window_slot) * r,
