@@ -664,6 +664,31 @@ split_check() {  # one H200, issue 35: the engine on split layers (EngineConfig.
       --max-lora-rank 16 --max-num-seqs 256 --max-num-batched-tokens 2048 --max-model-len 1024 --split-layers" 2>&1 | tail -n 8
 }
 
+split_x4() {  # 4 x H200, one call, pinned (PIN=1), issue 35 with split layers: GPU 0 the guard's serving trace
+  # with --split-layers (no cache: its programs differ), GPU 1 the same trace stacked (.jitcache carried: the
+  # baseline in the same run), GPU 2 a cold start with --split-layers and a long --after-ready (item 2's ratio
+  # with the background done), GPU 3 cold then warm starts with --split-layers (item 1); .whl carried
+  nvidia-smi -L
+  export PIN=1
+  [ -e .jitcache/jitcache.part00 ] && python3 bench/jit_cache.py unpack .jitcache/jitcache /tmp/jc_stacked
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || return 1
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  mkdir -p $OUT/split
+  local t=$((LIMIT - 20)) sizes="--max-adapters-on-device 64 --max-lora-rank 16 --max-num-seqs 256 \
+--max-num-batched-tokens 2048 --max-model-len 1024 --split-layers"
+  job guard_split 0 $t python3 bench/regress.py --only serve --out-dir $OUT/split/g_split --compile-cache /tmp/jc_split \
+      --serve-args="--split-layers"
+  job guard_stacked 1 $t python3 bench/regress.py --only serve --out-dir $OUT/split/g_stacked --compile-cache /tmp/jc_stacked
+  job cold_long 2 $t python3 bench/cold_start.py --runs cold --after-ready 400 --deadline $((t - 15)) \
+      --out $OUT/split/cold_start_split_after_ready.json --server-args "$sizes"
+  job cold_warm 3 $t python3 bench/cold_start.py --runs cold warm --after-ready 20 --deadline $((t - 15)) \
+      --out $OUT/split/cold_start_split.json --server-args "$sizes"
+  wait
+  rm -f $OUT/split/*/regress_serve.png $OUT/split/*/regress_log.txt
+  collect_logs split_x4
+  tar czf $OUT/split_x4.tgz -C $OUT split && rm -rf $OUT/split
+}
+
 guard() {  # one H200: the regression guard's serving trace (bench/regress.py --only serve; .jitcache and .whl
   # carried), alone on the machine; then, with the time left, the disk-read benchmark (CPU work beside no engine)
   nvidia-smi -L
