@@ -21,6 +21,7 @@ handful of steps.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -134,6 +135,11 @@ def paged_forward(
     return model.unembed(hidden), cache
 
 
+def _with_step(layer, step, carry, per_layer):
+    """`layer(carry, per_layer, step)` as a scan body (the step's arrays closed over)."""
+    return layer(carry, per_layer, step)
+
+
 def paged_hidden(
     model: Llama,
     batch: PagedBatch,
@@ -176,13 +182,14 @@ def paged_hidden(
     write_page, write_offset = write_slots(batch, cache.page_size, cache.num_pages)
     starts = row_starts(batch)
 
-    def layer(carry, per_layer):
+    def layer(carry, per_layer, step):
         hidden, k_pages, v_pages = carry
         weights, layer_pool, layer_index = per_layer
-        kv = PagedCacheAttention(k_pages, v_pages, layer_index, write_page, write_offset, batch.block_tables,
-                                 starts, batch.positions, attention)
-        lora_context = layer_lora(lora, layer_pool, backend, layer_index)
-        hidden, kv = decoder_layer(config, weights, hidden, positions, layer_index, kv, lora_context)
+        lora_inputs, write_page, write_offset, block_tables, starts, token_positions, rope_positions = step
+        kv = PagedCacheAttention(k_pages, v_pages, layer_index, write_page, write_offset, block_tables,
+                                 starts, token_positions, attention)
+        lora_context = layer_lora(lora_inputs, layer_pool, backend, layer_index)
+        hidden, kv = decoder_layer(config, weights, hidden, rope_positions, layer_index, kv, lora_context)
         return (hidden, kv.k_pages, kv.v_pages), None
 
     # A ServingPlan's kernels take the pool stack whole (layer_pool None); the XLA backends get
@@ -195,12 +202,17 @@ def paged_hidden(
         embeds = jnp.where((index >= 0)[None, :, None], picked[None], embeds)
     carry = (embeds, cache.k, cache.v)
     weights = model.layer_weights()
-    if isinstance(weights, (list, tuple)):  # one dict of arrays a layer (not stacked): a Python loop over them
+    step = (lora, write_page, write_offset, batch.block_tables, starts, batch.positions, positions)
+    if isinstance(weights, (list, tuple)):  # one dict of arrays a layer (not stacked): a Python loop over them,
+        # each layer one call of the same jitted function: traced and lowered once, not once a layer
+        # (the layers' arrays have equal shapes); XLA inlines the calls
+        one_layer = jax.jit(layer)
         for index, layer_weights in enumerate(weights):
             pool = None if per_layer_pool is None else jax.tree.map(lambda a, i=index: a[i], per_layer_pool)
-            carry, _ = layer(carry, (layer_weights, pool, jnp.asarray(index, jnp.int32)))
+            carry, _ = one_layer(carry, (layer_weights, pool, jnp.asarray(index, jnp.int32)), step)
         hidden, k, v = carry
     else:
         per_layer = (weights, per_layer_pool, jnp.arange(config.num_layers))
-        (hidden, k, v), _ = jax.lax.scan(layer, carry, per_layer, unroll=config.num_layers if unroll else 1)
+        (hidden, k, v), _ = jax.lax.scan(functools.partial(_with_step, layer, step), carry, per_layer,
+                                         unroll=config.num_layers if unroll else 1)
     return (hidden[0] if every_token else hidden[0, batch.logit_indices]), PagedKVCache(k, v)
