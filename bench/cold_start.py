@@ -240,15 +240,16 @@ def step_windows(scrapes: list) -> list:
 
 
 def serve_after_ready(port: int, started: float, lines: list, seconds: float, scrapes: list | None = None,
-                      scrape_every: float = 15.0) -> list:
+                      scrape_every: float = 15.0, steady_s: float = 30.0) -> list:
     """One completion after another for up to `seconds` while the server compiles in the background,
-    then 5 more once its log says the background compile is done: [(seconds since launch, latency
-    seconds, background done)] (how much slower serving is until every program is compiled). With
-    `scrapes`, the server's step counters every `scrape_every` s are appended there (`scrape_steps`)."""
+    then `steady_s` more once its log says the background compile is done (the steady reference,
+    every program compiled): [(seconds since launch, latency seconds, background done)] (how much
+    slower serving is until every program is compiled). With `scrapes`, the server's step counters
+    every `scrape_every` s are appended there (`scrape_steps`)."""
     done_line = lambda: any("background compile done" in line for _, line in list(lines))
-    times, after, next_scrape = [], 0, time.perf_counter()
+    times, done_at, next_scrape = [], None, time.perf_counter()
     deadline = time.perf_counter() + seconds
-    while after < 5 and time.perf_counter() < deadline:
+    while time.perf_counter() < deadline and (done_at is None or time.perf_counter() - done_at < steady_s):
         if scrapes is not None and time.perf_counter() >= next_scrape:
             scrapes.append((time.perf_counter() - started, scrape_steps(port)))
             next_scrape += scrape_every
@@ -256,7 +257,8 @@ def serve_after_ready(port: int, started: float, lines: list, seconds: float, sc
         t0 = time.perf_counter()
         first_completion(port, started)
         times.append((round(t0 - started, 2), round(time.perf_counter() - t0, 4), done))
-        after += done
+        if done and done_at is None:
+            done_at = t0
     if scrapes is not None:
         scrapes.append((time.perf_counter() - started, scrape_steps(port)))
     return times

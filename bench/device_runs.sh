@@ -689,6 +689,32 @@ split_x4() {  # 4 x H200, one call, pinned (PIN=1), issue 35 with split layers: 
   tar czf $OUT/split_x4.tgz -C $OUT split && rm -rf $OUT/split
 }
 
+split_final() {  # 4 x H200, one call, pinned (PIN=1), issue 35 with split layers after the one-jit-a-layer
+  # lowering and 16 compile threads: GPU 0 cold then warm with a long --after-ready (the cold run serves
+  # until 30 s past its background compile: item 2's steady reference), GPU 1 cold then warm (item 1),
+  # GPU 2 the stacked engine cold then warm (the baseline in the same run), GPU 3 the guard's serving
+  # trace with --split-layers; .whl carried
+  nvidia-smi -L
+  export PIN=1
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || return 1
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  mkdir -p $OUT/split
+  local t=$((LIMIT - 20)) sizes="--max-adapters-on-device 64 --max-lora-rank 16 --max-num-seqs 256 \
+--max-num-batched-tokens 2048 --max-model-len 1024"
+  job cold_steady 0 $t python3 bench/cold_start.py --runs cold warm --after-ready 300 --deadline $((t - 15)) \
+      --out $OUT/split/cold_start_split_steady.json --server-args "$sizes --split-layers"
+  job cold_warm 1 $t python3 bench/cold_start.py --runs cold warm --after-ready 30 --deadline $((t - 15)) \
+      --out $OUT/split/cold_start_split.json --server-args "$sizes --split-layers"
+  job cold_stacked 2 $t python3 bench/cold_start.py --runs cold warm --after-ready 30 --deadline $((t - 15)) \
+      --out $OUT/split/cold_start_stacked.json --server-args "$sizes"
+  job guard_split 3 $t python3 bench/regress.py --only serve --out-dir $OUT/split/g_split --compile-cache /tmp/jc_split \
+      --serve-args="--split-layers"
+  wait
+  rm -f $OUT/split/*/regress_serve.png $OUT/split/*/regress_log.txt $OUT/split/*_server.log
+  collect_logs split_final
+  tar czf $OUT/split_final.tgz -C $OUT split && rm -rf $OUT/split
+}
+
 guard() {  # one H200: the regression guard's serving trace (bench/regress.py --only serve; .jitcache and .whl
   # carried), alone on the machine; then, with the time left, the disk-read benchmark (CPU work beside no engine)
   nvidia-smi -L

@@ -401,8 +401,8 @@ class StepBuilder:
     def compile_first(self, shapes: list[StepShape] | None, threads: int | None, background: bool,
                       args: Callable[[StepShape], tuple]) -> tuple[float, int, list[StepShape]]:
         """`Engine.warmup`'s programs compiled before serving: `shapes` (None: every `step_shapes()`,
-        or with `background` only `first_shapes`, scanned), `threads` at a time (None: one per CPU
-        core, at most 8), over `args(shape)`. Returns (when it started, programs compiled before,
+        or with `background` only `first_shapes`, scanned), `threads` at a time (None:
+        `compile_threads`), over `args(shape)`. Returns (when it started, programs compiled before,
         the shapes left to the background compile: the others, the scoring ones, the stand-ins)."""
         started = time.perf_counter()
         rest: list[StepShape] = []
@@ -413,7 +413,7 @@ class StepBuilder:
                 rest = [shape for shape in shapes if shape not in first] + self.score_shapes(shapes)
                 shapes = first
         before = len(self.programs)
-        threads = min(8, os.cpu_count() or 1) if threads is None else threads
+        threads = self.compile_threads() if threads is None else threads
         log.info("compiling %d step programs (%d threads)%s", len(shapes), threads,
                  f"; {len(rest)} more in the background once serving" if rest else "")
         # with a background compile the first programs are scanned (fast to compile); those that run
@@ -421,6 +421,13 @@ class StepBuilder:
         self.compile(shapes, threads, args, progress_log(started), scan=True if rest else None)
         rest += [shape for shape in self.programs.stand_ins() if shape not in rest]
         return started, before, rest
+
+    def compile_threads(self) -> int:
+        """Threads for the programs compiled before serving: one per CPU core this process may use, at
+        most 8 (scanned first programs compile in seconds), with split layers at most 16 (every first
+        program unrolled: ~10 s of XLA each, the cold start's largest part; H200, bench/NOTES_serve.md)."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, min(16 if self.programs.layers_split else 8, cores))
 
     def start_first(self, background: bool, args: Callable[[StepShape], tuple]) -> concurrent.futures.Future:
         """`compile_first` of the default shapes on a daemon thread (an exit meanwhile, e.g. a bad

@@ -14,7 +14,7 @@ def _engine(smollm2, adapters8, **config):
                   {name: adapters8[name] for name in ("ad0", "ad1")})
 
 
-def test_split_layers_engine_gives_the_stacked_engines_tokens(smollm2, adapters8):
+def test_split_layers_engine_gives_the_stacked_engines_tokens(smollm2, adapters8, monkeypatch):
     model, tokenizer = smollm2
     stacked = _engine(smollm2, adapters8, adapter_window=2)
     split = _engine(smollm2, adapters8, adapter_window=2, split_layers=True)
@@ -25,6 +25,11 @@ def test_split_layers_engine_gives_the_stacked_engines_tokens(smollm2, adapters8
     assert not split.programs.stand_ins()
     assert _serve(split, tokenizer) == _serve(stacked, tokenizer)
     assert split.stats.window_fills > 0  # the window's fills wrote the per-layer arrays
+    # the first programs (all unrolled with split layers) compile on up to 16 threads, the stacked on 8;
+    # never more than the cores this process may use
+    for cores, want_split, want_stacked in ((64, 16, 8), (12, 12, 8), (2, 2, 2)):
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid, n=cores: set(range(n)), raising=False)
+        assert (split.builder.compile_threads(), stacked.builder.compile_threads()) == (want_split, want_stacked)
 
 
 def test_split_layers_rejects_what_it_does_not_serve(smollm2, adapters8):
