@@ -28,11 +28,10 @@ def applies(args, mesh, devices, collection, vlm: bool) -> bool:
     """Whether the server's arguments take this start-up: a HF directory (not a GGUF file, not a
     vision-language model), one engine on one device (no tensor parallel, replicas or compressed
     collection), the unmerged inference mode (merged modes keep a copy of the base weights made
-    when the engine is built), layers stacked (the weight writes address the stacks: with
-    `--split-layers` the weights are read first, then split)."""
+    when the engine is built); with `--split-layers` too (the writes address the per-layer arrays)."""
     path = resolve_model_path(args.model)
     return (os.path.isdir(path) and not vlm and mesh is None and devices is None and collection is None
-            and args.inference_mode == "unmerged" and not getattr(args, "split_layers", False))
+            and args.inference_mode == "unmerged")
 
 
 def placeholder_model(path: str, dtype) -> tuple[Llama, dict[str, Planned]]:
@@ -47,6 +46,6 @@ def load_into(engine, plan: dict[str, Planned], started: float, dtype: str) -> N
     """Starts the engine's step programs, then writes `plan`'s weights into the engine's arrays
     (module doc); logs "model loaded in" (seconds since `started`) once they are on the device."""
     engine.start_warmup()
-    fill_weights(plan, engine.weight_variables())
+    fill_weights(plan, engine.weight_variables(), split_layers=engine.config.split_layers)
     log.info("model loaded in %.1f s (%d layers, %s; the step programs loading meanwhile)",
              time.perf_counter() - started, engine.model_config.num_layers, dtype)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlora.models.llama import weight_shapes
+from jaxlora.models.llama import layer_key, weight_shapes
 from jaxlora.nn.model_config import PACKED_PROJECTIONS, LlamaConfig
 from jaxlora.weights.layout import Planned
 from jaxlora.weights.parallel_read import READ_THREADS, BufferReader, buffer_layout
@@ -58,32 +58,49 @@ def targets(plan: Mapping[str, Planned]) -> dict[str, tuple[str, int]]:
     return out
 
 
-def fill_weights(plan: Mapping[str, Planned], weights: Mapping, threads: int = 4) -> None:
+def fill_weights(plan: Mapping[str, Planned], weights: Mapping, threads: int = 4, split_layers: bool = False) -> None:
     """Writes every planned weight (`layout.plan_weights` over `TensorRef`s) into `weights`
     (name -> an nnx Variable: `set_value` of the written array; the old one donated) at
-    its `targets` place, transposed where the plan says, cast to the target's dtype. KeyError for
-    a target `weights` lacks, ValueError for a piece that does not fit it; WeightsError when a file
-    ends early. `threads`: those compiling the write programs meanwhile."""
+    its `targets` place, transposed where the plan says, cast to the target's dtype; with
+    `split_layers` a stacked weight's layer i goes into `layer_key(i, name)` (a `SplitLayersLlama`'s
+    arrays) instead of the stack's row i. KeyError for a target `weights` lacks, ValueError for a
+    piece that does not fit it; WeightsError when a file ends early. `threads`: those compiling the
+    write programs meanwhile."""
     started = time.perf_counter()
-    places = targets(plan)
+    places = _places(plan, split_layers)
     programs = _WritePrograms(plan, places, weights, threads)
     with BufferReader(dict(plan)) as reader:
         for name, buffer in reader:
-            key, offset = places[name]
-            variable, transpose = weights[key], plan[name].transpose
-            width = buffer.shape[-2] if transpose else buffer.shape[-1]
-            if offset + width > variable[...].shape[-1]:
-                raise ValueError(f"{name}: columns [{offset}, {offset + width}) past {key}'s {variable[...].shape}")
+            place, offset = places[name]
+            transpose = plan[name].transpose
             pieces = enumerate(buffer) if plan[name].stacked else [(None, buffer)]
             for layer, piece in pieces:
+                key, row = place(layer)
+                variable = weights[key]
+                width = piece.shape[-2] if transpose else piece.shape[-1]
+                if offset + width > variable[...].shape[-1]:
+                    raise ValueError(f"{name}: columns [{offset}, {offset + width}) past {key}'s {variable[...].shape}")
                 target = variable[...]
-                write = programs(target, piece, layer, transpose)
-                variable.set_value(write(target, jax.device_put(piece), np.int32(layer or 0), np.int32(offset)))
+                write = programs(target, piece, row, transpose)
+                variable.set_value(write(target, jax.device_put(piece), np.int32(row or 0), np.int32(offset)))
                 del target  # donated
-        jax.block_until_ready([weights[key][...] for key, _ in set(places.values())])
+        jax.block_until_ready([weights[key][...] for key in programs.targets])
     log.info("weights: %.2f GB read in %.1f s by %d threads (%.2f GB/s), written on the device at %.1f s",
              reader.bytes / 1e9, reader.read_s, READ_THREADS, reader.bytes / 1e9 / max(reader.read_s, 1e-9),
              time.perf_counter() - started)
+
+
+def _places(plan: Mapping[str, Planned], split_layers: bool) -> dict:
+    """{planned name: (place(layer) -> (target array's name, its row: the layer in a stack, None in
+    an array of its own), first column)}, from `targets`."""
+    def place(key: str, stacked: bool):
+        if split_layers and stacked:
+            if not key.startswith("layers."):
+                raise ValueError(f"{key}: a stacked weight outside the decoder layers cannot be split")
+            return lambda layer: (layer_key(layer, key[len("layers."):]), None)
+        return lambda layer: (key, layer)
+
+    return {name: (place(key, plan[name].stacked), offset) for name, (key, offset) in targets(plan).items()}
 
 
 class _WritePrograms:
@@ -91,11 +108,15 @@ class _WritePrograms:
     made, on `threads` threads (abstract shapes); called as programs(target, piece, layer, transpose)."""
 
     def __init__(self, plan: Mapping[str, Planned], places: dict, weights: Mapping, threads: int):
-        keys = set()
+        keys, self.targets = set(), set()
         for name, planned in plan.items():
-            target = weights[places[name][0]][...]
+            place, _ = places[name]
+            layers = range(len(planned.pieces)) if planned.stacked else [None]
+            self.targets |= {place(layer)[0] for layer in layers}  # the arrays written
+            key, row = place(0 if planned.stacked else None)
+            target = weights[key][...]
             piece = jax.ShapeDtypeStruct(tuple(planned.pieces[0].shape), buffer_layout(planned)[1])  # a layer's
-            keys.add(self._key(target, piece, planned.stacked, planned.transpose))
+            keys.add(self._key(target, piece, row is not None, planned.transpose))
         pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jaxlora-write")
         self._compiled = {key: pool.submit(self._compile, *key) for key in keys}
         pool.shutdown(wait=False)

@@ -60,6 +60,25 @@ def test_the_written_weights_are_the_loaded_ones(tmp_path, family):
             np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=key)
 
 
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_split_layers_are_written_as_the_loaded_engines(tmp_path, family):
+    """With `EngineConfig.split_layers` each stacked weight's layer goes into its own array: the same
+    bits as the split engine built on the loaded model."""
+    directory = str(tmp_path / "model")
+    save_random_model(CONFIGS[family](), directory)
+    config = EngineConfig(**ENGINE, background_compile=False, split_layers=True)
+    model, plan = warm_start.placeholder_model(directory, jnp.bfloat16)
+    after = Engine(pack_projections(model), (2,), config)
+    fill_weights(plan, after.weight_variables(), split_layers=True)
+    old, new = loaded_engine(directory, jnp.bfloat16, config).weight_variables(), after.weight_variables()
+    assert set(old) == set(new) and any(key.startswith("layer_1.") for key in new)
+    for key in old:
+        np.testing.assert_array_equal(np.asarray(old[key][...]).view(np.uint8), np.asarray(new[key][...]).view(np.uint8),
+                                      err_msg=key)
+    with pytest.raises(KeyError):  # the stacked names are not there to write
+        fill_weights(plan, after.weight_variables())
+
+
 def serve(engine: Engine, vocab: int) -> list[list[int]]:
     """Greedy tokens of four requests (two on ad0, one on ad1, one on the base model)."""
     rng = np.random.default_rng(0)
@@ -80,17 +99,19 @@ def test_the_warm_start_serves_the_same_tokens_and_compiles_nothing_while_servin
     reference = loaded_engine(directory, jnp.float32, EngineConfig(**ENGINE), adapters)
     reference.warmup()
     expected = serve(reference, model_config.vocab_size)
-    config = EngineConfig(**ENGINE, scan_layers_from_tokens=16, background_compile=True)  # the GPU's start-up
-    engine = warm_engine(directory, jnp.float32, config, adapters)
-    info = engine.warmup()  # waits for the programs `load_into` started
-    assert info["programs"] > 0 and info["background"] > 0
-    try:
-        assert serve(engine, model_config.vocab_size) == expected
+    for split in (False, True):  # stacked layers (the default) and split ones (`--split-layers`)
+        config = EngineConfig(**ENGINE, scan_layers_from_tokens=16, background_compile=True,  # the GPU's start-up
+                              split_layers=split)
+        engine = warm_engine(directory, jnp.float32, config, adapters)
+        info = engine.warmup()  # waits for the programs `load_into` started
+        assert info["programs"] > 0 and info["background"] > 0
+        try:
+            assert serve(engine, model_config.vocab_size) == expected
+            assert engine.stats.step_compiles == 0
+        finally:
+            engine.stop()
+            engine.startup.background.join(timeout=600)
         assert engine.stats.step_compiles == 0
-    finally:
-        engine.stop()
-        engine.startup.background.join(timeout=600)
-    assert engine.stats.step_compiles == 0
 
 
 def test_jaxlora_serve_takes_the_warm_start_and_names_a_bad_file(tmp_path, caplog):
