@@ -30,8 +30,8 @@ def applies(args, mesh, devices, collection, vlm: bool) -> bool:
     collection), the unmerged inference mode (merged modes keep a copy of the base weights made
     when the engine is built), layers stacked. `fill_weights` can write split layers' arrays
     (`split_layers=True`, CPU-tested), but `--split-layers` still reads the weights first: on an
-    H200 at the README's sizes its warm start sized the KV pool too large and a step ran out of
-    memory (2026-11-28 16:48; bench/NOTES_serve.md)."""
+    H200 at the README's sizes its first step ran out of memory for the KV pool's 30 GiB (fragmented
+    beside the per-layer copies; 2026-11-28 16:48, bench/NOTES_serve.md)."""
     path = resolve_model_path(args.model)
     return (os.path.isdir(path) and not vlm and mesh is None and devices is None and collection is None
             and args.inference_mode == "unmerged" and not getattr(args, "split_layers", False))
