@@ -21,7 +21,6 @@ handful of steps.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -135,11 +134,6 @@ def paged_forward(
     return model.unembed(hidden), cache
 
 
-def _with_step(layer, step, carry, per_layer):
-    """`layer(carry, per_layer, step)` as a scan body (the step's arrays closed over)."""
-    return layer(carry, per_layer, step)
-
-
 def paged_hidden(
     model: Llama,
     batch: PagedBatch,
@@ -213,6 +207,6 @@ def paged_hidden(
         hidden, k, v = carry
     else:
         per_layer = (weights, per_layer_pool, jnp.arange(config.num_layers))
-        (hidden, k, v), _ = jax.lax.scan(functools.partial(_with_step, layer, step), carry, per_layer,
+        (hidden, k, v), _ = jax.lax.scan(lambda c, p: layer(c, p, step), carry, per_layer,
                                          unroll=config.num_layers if unroll else 1)
     return (hidden[0] if every_token else hidden[0, batch.logit_indices]), PagedKVCache(k, v)

@@ -67,15 +67,15 @@ def fill_weights(plan: Mapping[str, Planned], weights: Mapping, threads: int = 4
     piece that does not fit it; WeightsError when a file ends early. `threads`: those compiling the
     write programs meanwhile."""
     started = time.perf_counter()
-    places = _places(plan, split_layers)
-    programs = _WritePrograms(plan, places, weights, threads)
+    places = targets(plan)
+    programs = _WritePrograms(plan, places, weights, threads, split_layers)
     with BufferReader(dict(plan)) as reader:
         for name, buffer in reader:
             place, offset = places[name]
             transpose = plan[name].transpose
             pieces = enumerate(buffer) if plan[name].stacked else [(None, buffer)]
             for layer, piece in pieces:
-                key, row = place(layer)
+                key, row = _target(place, layer, split_layers)
                 variable = weights[key]
                 width = piece.shape[-2] if transpose else piece.shape[-1]
                 if offset + width > variable[...].shape[-1]:
@@ -90,30 +90,29 @@ def fill_weights(plan: Mapping[str, Planned], weights: Mapping, threads: int = 4
              time.perf_counter() - started)
 
 
-def _places(plan: Mapping[str, Planned], split_layers: bool) -> dict:
-    """{planned name: (place(layer) -> (target array's name, its row: the layer in a stack, None in
-    an array of its own), first column)}, from `targets`."""
-    def place(key: str, stacked: bool):
-        if split_layers and stacked:
-            if not key.startswith("layers."):
-                raise ValueError(f"{key}: a stacked weight outside the decoder layers cannot be split")
-            return lambda layer: (layer_key(layer, key[len("layers."):]), None)
-        return lambda layer: (key, layer)
-
-    return {name: (place(key, plan[name].stacked), offset) for name, (key, offset) in targets(plan).items()}
+def _target(place: str, layer: int | None, split_layers: bool) -> tuple[str, int | None]:
+    """(the array that layer `layer` (None: a weight without layers) of the `targets` place `place`
+    is written into, its row there: the layer in a stack, None in an array of its own)."""
+    if layer is None or not split_layers:
+        return place, layer
+    if not place.startswith("layers."):
+        raise ValueError(f"{place}: a stacked weight outside the decoder layers cannot be split")
+    return layer_key(layer, place[len("layers."):]), None
 
 
 class _WritePrograms:
     """`_write` compiled once per distinct (target, piece, transpose, stacked) from the moment it is
-    made, on `threads` threads (abstract shapes); called as programs(target, piece, layer, transpose)."""
+    made, on `threads` threads (abstract shapes); called as programs(target, piece, layer, transpose).
+    `targets`: the names of the arrays written."""
 
-    def __init__(self, plan: Mapping[str, Planned], places: dict, weights: Mapping, threads: int):
+    def __init__(self, plan: Mapping[str, Planned], places: dict, weights: Mapping, threads: int,
+                 split_layers: bool):
         keys, self.targets = set(), set()
         for name, planned in plan.items():
             place, _ = places[name]
             layers = range(len(planned.pieces)) if planned.stacked else [None]
-            self.targets |= {place(layer)[0] for layer in layers}  # the arrays written
-            key, row = place(0 if planned.stacked else None)
+            self.targets |= {_target(place, layer, split_layers)[0] for layer in layers}
+            key, row = _target(place, 0 if planned.stacked else None, split_layers)
             target = weights[key][...]
             piece = jax.ShapeDtypeStruct(tuple(planned.pieces[0].shape), buffer_layout(planned)[1])  # a layer's
             keys.add(self._key(target, piece, row is not None, planned.transpose))
