@@ -312,6 +312,7 @@ def build_app(args):
     from serve.app import ServerSettings, create_app
     from serve.protocol import Limits
     from serve.engine import Engine
+    from serve.placement import Handover
     from serve.replicas import ReplicaSet
 
     check_engine_options(args)
@@ -379,7 +380,10 @@ def build_app(args):
         else:
             if mesh is None:  # packed here so that the separate kernels are freed before the KV cache is sized
                 model = pack_projections(model)
-            engine = first = Engine(model, tokenizer.eos_token_ids, config, mesh=mesh, compressed=shared, images=images)
+            # zero placeholders (the warm start): the engine remakes its arrays side by side and frees ours
+            handover = Handover.KEEP if plan is None else Handover.ZEROS
+            engine = first = Engine(model, tokenizer.eos_token_ids, config, mesh=mesh, compressed=shared, images=images,
+                                    handover=handover)
         prepared = {name: first.prepare_adapter(adapter) for name, adapter in adapters.items()}
         largest = None if args.adapter_dir is None else largest_adapter_bytes(first.pool, model.dtype)
         check_host_bound(host_bound, {name: p.nbytes for name, p in prepared.items()}, largest)

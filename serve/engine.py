@@ -103,7 +103,7 @@ from serve.engine_config import (  # noqa: F401 (re-exported: the engine's publi
 )
 from serve.modes import EngineModes
 from serve.placement import (  # noqa: F401 (check_mesh: re-exported)
-    check_mesh, new_kv_cache, serving_model,
+    Handover, check_mesh, hand_over, new_kv_cache, serving_model,
 )
 from serve.requests import Handoff, Request, check_request, classified, collect_scores, prompt_k, row_logprobs
 from serve.residency import Residency, adapter_pool, place_compressed, slot_rows
@@ -140,14 +140,17 @@ class Engine:
     def __init__(self, model: Llama, eos_ids=(), config: EngineConfig = EngineConfig(),
                  adapters: dict[str, LoraAdapter] | None = None, mesh: Mesh | None = None,
                  step_fn: Callable[[Step, PagedKVCache], tuple] | None = None,
-                 compressed: SharedBasisSet | None = None, images: "ImageServing | None" = None):
+                 compressed: SharedBasisSet | None = None, images: "ImageServing | None" = None,
+                 handover: Handover = Handover.KEEP):
         """mesh: serve tensor parallel over `mesh`'s `tensor` axis (see the module doc).
         step_fn(step, cache) -> (sampled tokens: row r's at index r, the cache): runs each step in
         place of `device_step` (e.g. a host-only stub for benchmarks); a public attribute.
         `self.config` is `config` with its unset sizes filled (see `EngineConfig`).
         compressed: a compressed collection to serve (see the module doc).
         images: a vision-language model's vision side (`serve.vision.ImageServing`; `model` is its
-        language model): requests may carry images (`submit(images=)`). None: text only."""
+        language model): requests may carry images (`submit(images=)`). None: text only.
+        handover: what the engine may do with `model`'s arrays (`serve.placement.Handover`): KEEP
+        them usable, TAKE (free those it replaces before sizing the KV pages), ZEROS (placeholders)."""
         devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
         if images is not None and (mesh is not None or compressed is not None):
             raise ValueError("a vision-language model is served by one engine on one device (no tensor parallel, "
@@ -159,11 +162,14 @@ class Engine:
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         self.mesh = mesh
         # packed projections (or a copy placed over the mesh); window: its layout (`AdapterWindow`), None: off
+        given = model
         model, self.window, window = serving_model(model, config, mesh, compressed)
         if config.split_layers:  # each layer's weights arrays of their own (EngineConfig); a scan needs a stack
             if mesh is not None or images is not None:
                 raise ValueError("split_layers serves a text model on one device (no tensor parallel, no images)")
             model = split_layers(nnx.merge(*nnx.split(model)))  # a new module over the same arrays: the caller's stays
+        hand_over(given, model, handover)  # before the pool and the KV pages take the free memory
+        del given
         self._graphdef, self._state = nnx.split(model)
         self._dtype = model.dtype
         self.modes = EngineModes.for_config(config, self.model_config, self._state["weights"], self.window, mesh,

@@ -13,6 +13,7 @@ registry's `partitionable`, `jaxlora.lora.backends`) are accepted (`check_mesh`)
 
 from __future__ import annotations
 
+import enum
 import functools
 
 import jax
@@ -27,8 +28,40 @@ from jaxlora.nn.model_config import PROJECTIONS
 from jaxlora.models.llama import Llama
 from jaxlora.models.packed import AdapterWindow, add_adapter_window, pack_projections, window_layout
 from jaxlora.models.paged import PagedKVCache
+from jaxlora.weights.fill import remake_zeros
 
 from serve.engine_config import EngineConfig
+
+
+class Handover(enum.Enum):
+    """What an `Engine` may do with the model it is given (decided by its caller, once).
+
+    KEEP: the caller's model stays usable (tests and benchmarks build several engines on one model).
+    TAKE: the caller drops it; the arrays the engine replaces (the packed kernels the adapter
+      window widens, the stacks split layers copy, a tensor-parallel copy's sources) are deleted as
+      soon as the engine's layout is final, before the KV pages are sized from the free memory
+      (`jaxlora-serve`: 9.1 GB of an 8B model's kernels otherwise stay with the caller).
+    ZEROS: TAKE, and every weight is a zero placeholder to be written later (`serve.warm_start`):
+      the engine's arrays are made again side by side once its layout is final, so that the holes
+      the copies left do not split the free memory the KV pool's few large arrays need."""
+
+    KEEP = "keep"
+    TAKE = "take"
+    ZEROS = "zeros"
+
+
+def hand_over(given: Llama, served: Llama, handover: Handover) -> None:
+    """Applies `handover` (see `Handover`) once `served`, the engine's model made from `given`, is
+    final: deletes `given`'s arrays that `served` does not hold (TAKE, ZEROS) and remakes `served`'s
+    weights as zeros after deleting them all (ZEROS)."""
+    if handover is Handover.KEEP:
+        return
+    kept = {id(array) for array in jax.tree.leaves(nnx.state(served))}
+    for array in jax.tree.leaves(nnx.state(given)):
+        if isinstance(array, jax.Array) and id(array) not in kept and not array.is_deleted():
+            array.delete()
+    if handover is Handover.ZEROS:
+        remake_zeros(served.weights)
 
 
 def check_mesh(mesh: Mesh, model_config, lora_backend: LoraBackend | str) -> None:

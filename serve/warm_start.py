@@ -28,13 +28,13 @@ def applies(args, mesh, devices, collection, vlm: bool) -> bool:
     """Whether the server's arguments take this start-up: a HF directory (not a GGUF file, not a
     vision-language model), one engine on one device (no tensor parallel, replicas or compressed
     collection), the unmerged inference mode (merged modes keep a copy of the base weights made
-    when the engine is built), layers stacked. `fill_weights` can write split layers' arrays
-    (`split_layers=True`, CPU-tested), but `--split-layers` still reads the weights first: on an
-    H200 at the README's sizes its first step ran out of memory for the KV pool's 30 GiB (fragmented
-    beside the per-layer copies; 2026-11-28 16:48, bench/NOTES_serve.md)."""
+    when the engine is built); layers stacked or split (`fill_weights(split_layers=True)`). The
+    engine takes the placeholder over (`Handover.ZEROS`): its arrays are remade side by side before
+    the KV pages are sized (split layers' copies left the KV pool's 30 GiB arrays without room on
+    an H200 otherwise; 2026-11-28 16:48, bench/NOTES_serve.md)."""
     path = resolve_model_path(args.model)
     return (os.path.isdir(path) and not vlm and mesh is None and devices is None and collection is None
-            and args.inference_mode == "unmerged" and not getattr(args, "split_layers", False))
+            and args.inference_mode == "unmerged")
 
 
 def placeholder_model(path: str, dtype) -> tuple[Llama, dict[str, Planned]]:

@@ -42,6 +42,25 @@ def _zeros(shapes: tuple, dtype) -> dict[str, jax.Array]:
     return {name: jnp.zeros(shape, dtype) for name, shape in shapes}
 
 
+def remake_zeros(variables: Mapping) -> None:
+    """Deletes the arrays of `variables` (name -> an nnx Variable holding zeros, a placeholder's
+    weight on one device, uncommitted) and sets each to new zeros of its shape and dtype, made by one
+    program once all are deleted: the new arrays lie side by side in device memory, where packing,
+    the adapter window and split layers left the old ones between the holes of the arrays they
+    replaced. ValueError for an array placed on a mesh (committed): placeholders are not."""
+    arrays = {name: variable[...] for name, variable in variables.items()}
+    if any(getattr(array, "_committed", False) for array in arrays.values()):
+        raise ValueError("remake_zeros takes a placeholder's uncommitted arrays, not ones placed on devices")
+    by_dtype: dict = {}
+    for name, array in arrays.items():
+        by_dtype.setdefault(np.dtype(array.dtype), []).append((name, tuple(array.shape)))
+        array.delete()
+    del arrays
+    for dtype, shapes in by_dtype.items():
+        for name, zeros in _zeros(tuple(sorted(shapes)), dtype).items():
+            variables[name].set_value(zeros)
+
+
 def targets(plan: Mapping[str, Planned]) -> dict[str, tuple[str, int]]:
     """{planned weight name: (the name of the array it is written into, its first column there)}:
     a projection of `PACKED_PROJECTIONS` goes into the packed kernel (bias) after the parts before

@@ -10,6 +10,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxlora.lora.adapter import random_adapter
 from jaxlora.lora.adapter_config import LoraConfig
@@ -19,6 +20,7 @@ from jaxlora.weights import load_llama
 from jaxlora.weights.fill import fill_weights
 from serve import warm_start
 from serve.engine import Engine, EngineConfig
+from serve.placement import Handover
 from tests.jaxlora.hf_checkpoints import save_random_model, tiny_llama_config, tiny_phi3_config, tiny_qwen2_config
 
 ENGINE = dict(page_size=8, num_pages=16, max_model_len=32, max_num_seqs=4, token_budget=32, prefill_chunk=16,
@@ -34,7 +36,7 @@ def loaded_engine(directory: str, dtype, config: EngineConfig, adapters=None) ->
 def warm_engine(directory: str, dtype, config: EngineConfig, adapters=None) -> Engine:
     """The engine built on zero weights, its programs started, the checkpoint written in."""
     model, plan = warm_start.placeholder_model(directory, dtype)
-    engine = Engine(pack_projections(model), (2,), config, adapters)
+    engine = Engine(pack_projections(model), (2,), config, adapters, handover=Handover.ZEROS)  # as jaxlora-serve
     warm_start.load_into(engine, plan, time.perf_counter(), jnp.dtype(dtype).name)
     return engine
 
@@ -79,6 +81,42 @@ def test_split_layers_are_written_as_the_loaded_engines(tmp_path, family):
         fill_weights(plan, after.weight_variables())
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_the_engine_frees_the_placeholder_it_takes_and_remakes_its_zeros(tmp_path, split):
+    """`Handover.ZEROS`: once the engine's layout is final, the caller's placeholder arrays it does not
+    hold are deleted (the adapter window's widened kernels and split layers' copies replace them), so
+    the device holds what an engine holds whose caller dropped its model; the engine's weights are
+    zeros of the same shapes and dtypes, written by `fill_weights` as before (tests above)."""
+    import gc
+
+    import jax
+
+    directory = str(tmp_path / "model")
+    save_random_model(tiny_llama_config(), directory)
+    config = EngineConfig(**ENGINE, background_compile=False, split_layers=split)
+
+    def live_bytes() -> int:
+        gc.collect()
+        return sum(array.nbytes for array in jax.live_arrays())
+
+    before = live_bytes()
+    given = pack_projections(warm_start.placeholder_model(directory, jnp.bfloat16)[0])
+    kept = Engine(given, (2,), config)
+    held = live_bytes() - before  # the caller's model still holds the kernels the engine replaced
+    del given
+    dropped = live_bytes() - before
+    assert dropped < held
+    shapes = {key: (v[...].shape, v[...].dtype) for key, v in kept.weight_variables().items()}
+    del kept
+    given = pack_projections(warm_start.placeholder_model(directory, jnp.bfloat16)[0])
+    taken = Engine(given, (2,), config, handover=Handover.ZEROS)
+    assert live_bytes() - before == dropped  # though `given` is still referenced here
+    assert any(array.is_deleted() for array in jax.tree.leaves(nnx.state(given)))
+    weights = taken.weight_variables()
+    assert {key: (v[...].shape, v[...].dtype) for key, v in weights.items()} == shapes
+    assert all(not np.asarray(v[...]).any() for v in weights.values())
+
+
 def serve(engine: Engine, vocab: int) -> list[list[int]]:
     """Greedy tokens of four requests (two on ad0, one on ad1, one on the base model)."""
     rng = np.random.default_rng(0)
@@ -114,7 +152,8 @@ def test_the_warm_start_serves_the_same_tokens_and_compiles_nothing_while_servin
         assert engine.stats.step_compiles == 0
 
 
-def test_jaxlora_serve_takes_the_warm_start_and_names_a_bad_file(tmp_path, caplog):
+@pytest.mark.parametrize("split", [False, True])
+def test_jaxlora_serve_takes_the_warm_start_and_names_a_bad_file(tmp_path, caplog, split):
     from serve.cli import build_app, build_parser
 
     directory = str(tmp_path / "model")
@@ -124,13 +163,14 @@ def test_jaxlora_serve_takes_the_warm_start_and_names_a_bad_file(tmp_path, caplo
     Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "</s>": 2}, unk_token="<unk>")).save(
         os.path.join(directory, "tokenizer.json"))
     argv = ["--model", directory, "--compile-cache", "", "--max-model-len", "32", "--max-num-seqs", "4",
-            "--max-num-batched-tokens", "32", "--background-compile", "on"]
+            "--max-num-batched-tokens", "32", "--background-compile", "on"] + (["--split-layers"] if split else [])
     with caplog.at_level("INFO", logger="jaxlora.serve"):
         app = build_app(build_parser().parse_args(argv))
     messages = [record.getMessage() for record in caplog.records]
     assert any(m.startswith("model planned (headers read, zero weights)") for m in messages)
     assert any(m.startswith("model loaded in") for m in messages)
     engine = app.state.server.engine
+    assert engine.config.split_layers is split
     engine.warmup()
     engine.stop()
     engine.startup.background.join(timeout=600)  # no compile left running at the interpreter's exit
