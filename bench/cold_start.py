@@ -137,6 +137,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cache_listing(cache_dir: str) -> dict:
+    """{sub-folder of the compile cache ("." its top): [files, bytes]} as a run finds it (a warm run that
+    misses every stored program: were the files there? bench/NOTES_serve.md, twelfth session)."""
+    listing: dict = {}
+    for folder, _, files in os.walk(cache_dir):
+        entry = listing.setdefault(os.path.relpath(folder, cache_dir), [0, 0])
+        for name in files:
+            entry[0] += 1
+            entry[1] += os.path.getsize(os.path.join(folder, name))
+    return listing
+
+
 def launch(args, model_dir: str, adapter_dir: str, cache_dir: str, label: str) -> dict:
     """Starts the server, waits for /health and one completion; the phase times and the log."""
     port = free_port()
@@ -368,7 +380,9 @@ def main() -> None:
             if label.startswith("cold") and os.listdir(cache_dir):  # a cold run after another: a cache of its own
                 shutil.rmtree(cache_dir, ignore_errors=True)
                 cache_dir = tempfile.mkdtemp(prefix="jaxlora_cold_cache_")
+            before = cache_listing(cache_dir)
             result = launch(args, model_dir, adapter_dir, cache_dir, label)
+            result["cache_before"] = before
             report["runs"].append(result)
             print(f"{label:5}: " + ", ".join(f"{k} {v:.1f}" for k, v in result["phases"].items()
                                               if isinstance(v, float)), flush=True)

@@ -715,6 +715,32 @@ split_final() {  # 4 x H200, one call, pinned (PIN=1), issue 35 with split layer
   tar czf $OUT/split_final.tgz -C $OUT split && rm -rf $OUT/split
 }
 
+split_fill() {  # 4 x H200, one call, pinned (PIN=1), issue 35: the warm start with split layers (the weights
+  # written into the engine's arrays while the programs load; Handover.ZEROS remakes the placeholder side by
+  # side): GPU 0 split cold then warm; GPU 1 split cold with a long --after-ready (item 2's steady reference)
+  # then warm (the cache listed before it: the twelfth session's warm miss); GPU 2 the stacked engine cold then
+  # warm (the baseline in the same run); GPU 3 the guard's serving trace with --split-layers; .whl carried
+  nvidia-smi -L
+  export PIN=1
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || return 1
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  mkdir -p $OUT/fill
+  local t=$((LIMIT - 20)) sizes="--max-adapters-on-device 64 --max-lora-rank 16 --max-num-seqs 256 \
+--max-num-batched-tokens 2048 --max-model-len 1024"
+  job split 0 $t python3 bench/cold_start.py --runs cold warm --after-ready 30 --deadline $((t - 15)) \
+      --out $OUT/fill/cold_start_split.json --server-args "$sizes --split-layers"
+  job split_steady 1 $t python3 bench/cold_start.py --runs cold warm --after-ready 300 --deadline $((t - 15)) \
+      --out $OUT/fill/cold_start_split_steady.json --server-args "$sizes --split-layers"
+  job stacked 2 $t python3 bench/cold_start.py --runs cold warm --after-ready 30 --deadline $((t - 15)) \
+      --out $OUT/fill/cold_start_stacked.json --server-args "$sizes"
+  job guard_split 3 $t python3 bench/regress.py --only serve --out-dir $OUT/fill/g_split --compile-cache /tmp/jc_split \
+      --serve-args="--split-layers"
+  wait
+  rm -f $OUT/fill/*/regress_serve.png $OUT/fill/*/regress_log.txt
+  collect_logs split_fill
+  tar czf $OUT/split_fill.tgz -C $OUT fill && rm -rf $OUT/fill
+}
+
 guard() {  # one H200: the regression guard's serving trace (bench/regress.py --only serve; .jitcache and .whl
   # carried), alone on the machine; then, with the time left, the disk-read benchmark (CPU work beside no engine)
   nvidia-smi -L
