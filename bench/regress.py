@@ -216,7 +216,8 @@ def updated_entry(entry: dict | None, figures: dict, parts, meta: dict, tiny: bo
 def stream(command: list, log_path: str) -> int:
     """Runs `command` from the repository root (PYTHONPATH = root, unbuffered), printing its output
     and appending it to `log_path`; returns its exit status."""
-    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+           "PYTHONUNBUFFERED": "1"}
     print("$ " + shlex.join(command), flush=True)
     with open(log_path, "a") as log, subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                                       stderr=subprocess.STDOUT, text=True) as proc:

@@ -153,12 +153,13 @@ class StepBuilder:
         in_window = None if scoring or self.window is None else self.window.place(
             sorted({row.slot for row in plan.rows if row.slot >= 0}), delora,
             prefill=any(row.count > 1 for row in plan.rows))
-        batch, token_slot, one_token = self.batch_arrays(plan, in_window is not None, scoring)
+        decode_variant = self.decode_variant(plan)  # once a step: the background compile may finish meanwhile
+        batch, token_slot, one_token = self.batch_arrays(plan, in_window is not None, scoring, decode_variant)
         targets = score_targets(plan, len(batch.tokens)) if scoring else None
         images = None if image_rows is None else image_rows(len(batch.tokens))
         phases.mark("batch")
         decode_only = bool(one_token[: plan.num_tokens].all())
-        lora = self._lora_inputs(plan, batch, token_slot, one_token, decode_only, in_window, delora)
+        lora = self._lora_inputs(plan, batch, token_slot, one_token, decode_variant, in_window, delora)
         phases.mark("lora_plan")
         rows, width = batch.block_tables.shape
         forward = StepShape("forward", len(batch.tokens), rows, width, lora is not None,
@@ -216,16 +217,18 @@ class StepBuilder:
         bgmv_rows = self.max_rows if self.max_rows < token_slot.size else None
         return build_serving_plan(token_slot, one_token, 0 if decode_only else self.num_segments, bgmv_rows)
 
-    def batch_arrays(self, plan: StepPlan, in_window: bool = False, scoring: bool = False):
+    def batch_arrays(self, plan: StepPlan, in_window: bool = False, scoring: bool = False,
+                     decode_variant: bool | None = None):
         """(PagedBatch, token_slot [T], one_token [T]) of the step's rows in their order (a window
-        step: any token bucket; a scoring step: at least the smallest bucket of scanned layers)."""
-        num_tokens = bucket(plan.num_tokens, self.min_tokens) if in_window else self.padded_tokens(plan)
-        widest = max(pages_for(row.start + row.count, self.config.page_size) for row in plan.rows)
-        width = self.table_width(widest)
+        step: any token bucket; a scoring step: at least the smallest bucket of scanned layers;
+        `decode_variant`: the step runs the decode-only LoRA variant, None: `decode_variant(plan)`)."""
+        decode_variant = self.decode_variant(plan) if decode_variant is None else decode_variant
+        num_tokens = bucket(plan.num_tokens, self.min_tokens) if in_window else self.padded_tokens(plan, decode_variant)
+        width = self.plan_width(plan)
         if scoring:  # a scoring step: a scanned program (fast to compile)
             num_tokens = max(num_tokens, self.scoring_tokens())
         else:
-            num_tokens = self.compiled_tokens(num_tokens, width, plan, in_window)
+            num_tokens = self.compiled_tokens(num_tokens, width, plan, in_window, decode_variant)
         rows = self.rows(num_tokens)  # a function of the tokens bucket: no variants of its own
         if len(plan.rows) > rows:
             raise ValueError(f"a step of this engine has at most {rows} rows ({num_tokens} tokens, max_num_seqs "
@@ -277,31 +280,51 @@ class StepBuilder:
         # the mixed minimum applies where decode steps have a variant of their own
         return not lora or not self.has_decode_variant() or tokens >= self.min_lora_mixed
 
-    def padded_tokens(self, plan: StepPlan) -> int:
+    def plan_width(self, plan: StepPlan) -> int:
+        """The block-table width of a step over `plan` (`table_width` of its longest row)."""
+        return self.table_width(max(pages_for(row.start + row.count, self.config.page_size) for row in plan.rows))
+
+    def decode_variant(self, plan: StepPlan) -> bool:
+        """Whether a step over `plan` runs the decode-only LoRA variant (when it has LoRA rows): its
+        rows are one token each, the backend's plan has the variant, and while the background compile
+        runs one of the variant's programs that holds the step is compiled (with split layers the
+        variant is left to the background, `first_shapes`: meanwhile such a step runs the mixed LoRA
+        variant, the same tokens)."""
+        if not (self.has_decode_variant() and all(row.count == 1 for row in plan.rows)):
+            return False
+        if self.background is None or not self.background.is_alive():
+            return True
+        tokens, width = bucket(plan.num_tokens, self.min_tokens), self.plan_width(plan)
+        return any(s.program == "forward" and s.decode_only and not s.window and s.width == width and s.tokens >= tokens
+                   and self._samplers_ready(s.rows) for s in self.programs.shapes())
+
+    def _samplers_ready(self, rows: int) -> bool:
+        """Whether the samplers of `rows` rows are compiled."""
+        return StepShape("sample", 0, rows) in self.programs and StepShape("sample_state", 0, rows) in self.programs
+
+    def padded_tokens(self, plan: StepPlan, decode_variant: bool | None = None) -> int:
         """Padded tokens of a step: the bucket of its token count, at least `min_step_tokens`, and
         at least `min_lora_mixed_tokens` for a LoRA step with a prefill row (or a decode-only LoRA
-        step too large for the decode variant)."""
+        step too large for the decode variant, or without it: `decode_variant`, None: asked here)."""
         tokens = bucket(plan.num_tokens, self.min_tokens)
         lora = any(row.slot >= 0 for row in plan.rows)
-        decode_only = all(row.count == 1 for row in plan.rows) and self.has_decode_variant()
+        decode_only = self.decode_variant(plan) if decode_variant is None else decode_variant
         if lora and not self.has_bucket(tokens, lora, decode_only):
             tokens = max(tokens, self.min_lora_mixed)
         return tokens
 
-    def compiled_tokens(self, tokens: int, width: int, plan: StepPlan, window: bool) -> int:
+    def compiled_tokens(self, tokens: int, width: int, plan: StepPlan, window: bool, decode_variant: bool) -> int:
         """`tokens`, or while the background compile runs and that bucket's forward (or its samplers)
-        is not compiled yet, the smallest larger bucket of the step's variant that is."""
+        is not compiled yet, the smallest larger bucket of the step's variant that is
+        (`decode_variant`: see `decode_variant`)."""
         if self.background is None or not self.background.is_alive():
             return tokens
         lora = window or any(row.slot >= 0 for row in plan.rows)
-        decode_only = (lora and not window and all(row.count == 1 for row in plan.rows)
-                       and self.has_decode_variant())
-        variant = (width, lora, decode_only, window)
+        variant = (width, lora, lora and not window and decode_variant, window)
 
         def ready(t: int) -> bool:
             rows = self.rows(t)
-            return (StepShape("forward", t, rows, *variant) in self.programs
-                    and StepShape("sample", 0, rows) in self.programs and StepShape("sample_state", 0, rows) in self.programs)
+            return StepShape("forward", t, rows, *variant) in self.programs and self._samplers_ready(rows)
 
         if ready(tokens):
             return tokens
@@ -337,8 +360,11 @@ class StepBuilder:
         8B server on an H100, bench/NOTES_serve.md; `Engine.warmup` compiles them scanned: fast),
         and the samplers over their rows but the masked ones (structured outputs: only
         a request with a grammar needs them; they lead the background compile, `compile_rest`, and
-        cost a cold start ~2 s on an H200 when compiled first)."""
-        forwards = [shape for shape in shapes if shape.program == "forward"]
+        cost a cold start ~2 s on an H200 when compiled first). With split layers (every program
+        unrolled) not the decode-only LoRA variant: its steps run the mixed LoRA variant meanwhile
+        (`decode_variant`), 2 of 10 forwards fewer before ready."""
+        forwards = [shape for shape in shapes if shape.program == "forward"
+                     and not (shape.decode_only and self.programs.layers_split)]
         first, all_rows = set(), bucket(self.max_rows, self.min_tokens)
         for variant in {(s.width, s.lora, s.decode_only, s.window) for s in forwards}:
             tokens = sorted(s.tokens for s in forwards if (s.width, s.lora, s.decode_only, s.window) == variant)

@@ -83,6 +83,16 @@ class Warmup:
         if engine.config.background_compile:
             self.start_worker()
         self.early = engine.builder.start_first(engine.config.background_compile, self.padding_args)
+        if engine.window_fill is not None:  # its fill beside them (split layers: 14 x 32 arguments, ~5 s on an H200)
+            threading.Thread(target=self._window_program, daemon=True, name="jaxlora-window-fill").start()
+
+    def _window_program(self) -> None:
+        """The adapter window's fill program compiled on `start`'s thread; an error here is raised again
+        where `run` compiles it."""
+        try:
+            self.engine.window_fill.program()
+        except Exception:  # noqa: BLE001 (`run` compiles it again and raises)
+            log.debug("the window fill's early compile failed", exc_info=True)
 
     def start_worker(self) -> None:
         """Starts the background compile's child process (`config.compile_worker`) if not yet: it

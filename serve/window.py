@@ -11,10 +11,13 @@ loaded, or evicted) no longer matches and its stale window entry is replaced in 
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from jaxlora.lora.pool import AdapterPool
 from jaxlora.models.packed import AdapterWindow, fill_window_slot, window_keys
+from serve.placement import abstract_state
 from serve.stats import EngineStats
 
 
@@ -85,6 +88,7 @@ class WindowFill:
         self.stats = stats
         self.mixed_adapters = mixed_adapters
         self._program = None  # `fill_window_slot`, compiled by `program` (`Engine.warmup` or first use)
+        self._compiling = threading.Lock()  # `program` on the start-up's thread and the engine's
 
     def place(self, slots: list[int], extra: tuple | None = None, prefill: bool = False) -> dict[int, int] | None:
         """{pool slot: window slot} for a step whose rows use the pool slots `slots` (and the window
@@ -128,8 +132,11 @@ class WindowFill:
         return ({key: weights[key][...] for key in self.keys}, pool, np.int32(window_slot), np.int32(pool_slot))
 
     def program(self):
-        """`fill_window_slot` compiled for this window (once; `Engine.warmup` compiles it ahead)."""
-        if self._program is None:
-            self._program = fill_window_slot.lower(self.layout, *self.fill_args(0, 0),
-                                                   split_layers=self.split_layers).compile()
-        return self._program
+        """`fill_window_slot` compiled for this window (once, lowered over the arguments' shapes:
+        `Warmup.start` compiles it beside the first step programs while the weights are written;
+        a second caller waits for the first's compile)."""
+        with self._compiling:
+            if self._program is None:
+                args = abstract_state(self.fill_args(0, 0)[:2]) + self.fill_args(0, 0)[2:]
+                self._program = fill_window_slot.lower(self.layout, *args, split_layers=self.split_layers).compile()
+            return self._program

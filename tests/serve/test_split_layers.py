@@ -75,3 +75,41 @@ def test_split_layers_scores_prompts_as_the_stacked_engine(smollm2, adapters8):
     for (token, logprob, top), (want_token, want_logprob, want_top) in zip(split[0], stacked[0]):
         assert token == want_token and [i for i, _ in top] == [i for i, _ in want_top]
         assert abs(logprob - want_logprob) < 1e-4
+
+
+def test_split_layers_leave_the_decode_variant_to_the_background(tmp_path):
+    """With split layers the decode-only LoRA programs are not among the first (every program is
+    unrolled: each costs seconds of a cold start): while the background compile runs, a decode step of
+    LoRA rows runs the mixed LoRA variant (the same tokens, nothing compiled while serving)."""
+    from jaxlora.lora.adapter import random_adapter
+    from jaxlora.lora.adapter_config import LoraConfig
+    from jaxlora.weights import load_llama
+    from tests.jaxlora.hf_checkpoints import save_random_model, tiny_llama_config
+    from tests.serve.test_background_compile import hold_background
+    from tests.serve.test_warm_start import ENGINE, serve
+
+    directory = str(tmp_path / "model")
+    save_random_model(tiny_llama_config(), directory)
+    model = load_llama(directory)
+    adapters = {f"ad{i}": random_adapter(f"ad{i}", model.config, LoraConfig(r=8, target_modules=("q_proj", "v_proj")),
+                                         seed=i, b_std=0.2) for i in range(2)}
+    kernels = dict(ENGINE, lora_backend="hybrid", adapter_window=0)  # LoRA steps on the kernels: a decode-only variant
+    expected = serve(Engine(model, (2,), EngineConfig(**kernels), adapters), model.config.vocab_size)
+    split = Engine(model, (2,), EngineConfig(**kernels, split_layers=True, background_compile=True), adapters)
+    release = hold_background(split)
+    split.warmup()
+    decode_variant = {s for s in split.step_shapes() if s.program == "forward" and s.decode_only}
+    assert decode_variant and not decode_variant & set(split.programs.shapes())
+    seen, step_fn = [], split.step_fn
+    split.step_fn = lambda step, cache: (seen.append(step.shapes[0]), step_fn(step, cache))[1]
+    try:
+        assert serve(split, model.config.vocab_size) == expected
+        assert split.stats.step_compiles == 0
+        lora = [s for s in seen if s.lora]
+        assert lora and not any(s.decode_only for s in lora)
+    finally:
+        split.stop()  # the background compile ends between two programs
+        release.set()
+        split.startup.background.join(timeout=600)
+    # once the background is done, decode steps take the decode-only variant again (`decode_variant`:
+    # the stacked engine's path, tests/serve/test_engine.py::test_accelerator_token_buckets_...)
