@@ -741,6 +741,26 @@ split_fill() {  # 4 x H200, one call, pinned (PIN=1), issue 35: the warm start w
   tar czf $OUT/split_fill.tgz -C $OUT fill && rm -rf $OUT/fill
 }
 
+split_cold3() {  # 4 x H200, one call, pinned (PIN=1), issue 35 item 1: three split-layers cold+warm starts (GPUs 0-2;
+  # the spread of the cold figure) beside the stacked engine's (GPU 3, the baseline in the same run); .whl carried
+  nvidia-smi -L
+  export PIN=1
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || return 1
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  mkdir -p $OUT/cold3
+  local t=$((LIMIT - 20)) sizes="--max-adapters-on-device 64 --max-lora-rank 16 --max-num-seqs 256 \
+--max-num-batched-tokens 2048 --max-model-len 1024"
+  for g in 0 1 2; do
+    job split$g $g $t python3 bench/cold_start.py --runs cold warm --after-ready 30 --deadline $((t - 15)) \
+        --out $OUT/cold3/cold_start_split_$g.json --server-args "$sizes --split-layers"
+  done
+  job stacked 3 $t python3 bench/cold_start.py --runs cold warm --after-ready 30 --deadline $((t - 15)) \
+      --out $OUT/cold3/cold_start_stacked.json --server-args "$sizes"
+  wait
+  collect_logs split_cold3
+  tar czf $OUT/split_cold3.tgz -C $OUT cold3 && rm -rf $OUT/cold3
+}
+
 guard() {  # one H200: the regression guard's serving trace (bench/regress.py --only serve; .jitcache and .whl
   # carried), alone on the machine; then, with the time left, the disk-read benchmark (CPU work beside no engine)
   nvidia-smi -L

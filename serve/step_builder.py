@@ -416,13 +416,69 @@ class StepBuilder:
 
     def compile(self, shapes: list[StepShape], threads: int, args: Callable[[StepShape], tuple], progress=None,
                 scan: bool | None = None, worker=None) -> None:
-        """Compiles `shapes` (forwards first: the samplers take the forwards' logits sharding) over the
-        dynamic arguments `args(shape)` (`padding_args`), `threads` at a time; `scan`, `worker`: see
-        `Programs.compile`."""
+        """Compiles `shapes` (a sampler after a forward over its rows: it takes that forward's logits
+        sharding) over the dynamic arguments `args(shape)` (`padding_args`), `threads` at a time;
+        `scan`, `worker`: see `Programs.compile`. On several threads each sampler starts as soon as a
+        forward over its rows is compiled (the largest forwards finish last: ~4 s of a split-layers
+        cold start on an H200 went to samplers waiting for them)."""
+        if threads > 1 and worker is None:
+            return self._compile_overlapped(shapes, threads, args, progress, scan)
         for program in ("forward",) + SAMPLERS:
             todo = [shape for shape in shapes if shape.program == program]
             self.programs.compile_all([(shape, args(shape)) for shape in todo], threads,
                                       None if progress is None else progress(program), scan=scan, worker=worker)
+
+    def _compile_overlapped(self, shapes: list[StepShape], threads: int, args: Callable[[StepShape], tuple],
+                            progress, scan: bool | None) -> None:
+        """`compile` on `threads` threads: the forwards at once, each sampler once a forward over its
+        rows is compiled (or at once where one already is); the first error is raised at the end."""
+        waiting: dict[int, list[StepShape]] = {}
+        for shape in shapes:
+            if shape.program != "forward":
+                waiting.setdefault(shape.rows, []).append(shape)
+        counters = {program: [0, sum(s.program == program for s in shapes)] for program in ("forward",) + SAMPLERS}
+        lock, futures = threading.Lock(), []
+        pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jaxlora-compile")
+
+        def submit(shape: StepShape) -> None:
+            futures.append(pool.submit(one, shape))
+
+        def samplers_of(rows: int) -> None:  # under `lock`
+            for sampler in waiting.pop(rows, []):
+                submit(sampler)
+
+        def one(shape: StepShape) -> None:
+            self.programs.compile_all([(shape, args(shape))], 1, scan=scan)
+            with lock:
+                done = counters[shape.program]
+                done[0] += 1
+                if progress is not None:
+                    progress(shape.program)(done[0], done[1])
+                if shape.program == "forward":
+                    samplers_of(shape.rows)
+
+        with lock:
+            for rows in [rows for rows in waiting if self.programs.logits_sharding(rows) is not None]:
+                samplers_of(rows)
+            for shape in shapes:
+                if shape.program == "forward":
+                    submit(shape)
+        try:
+            while True:
+                with lock:
+                    pending = [future for future in futures if not future.done()]
+                if not pending:
+                    break
+                concurrent.futures.wait(pending)
+            for future in futures:
+                future.result()  # the first error
+        finally:
+            pool.shutdown(wait=True)
+        if waiting:  # samplers of rows no forward serves: compiled as before (they raise there if they cannot)
+            for program in SAMPLERS:
+                todo = [shape for rows in waiting.values() for shape in rows if shape.program == program]
+                self.programs.compile_all([(shape, args(shape)) for shape in todo], threads,
+                                          None if progress is None else progress(program), scan=scan)
 
     def compile_first(self, shapes: list[StepShape] | None, threads: int | None, background: bool,
                       args: Callable[[StepShape], tuple]) -> tuple[float, int, list[StepShape]]:
@@ -450,10 +506,10 @@ class StepBuilder:
 
     def compile_threads(self) -> int:
         """Threads for the programs compiled before serving: one per CPU core this process may use, at
-        most 8 (scanned first programs compile in seconds), with split layers at most 16 (every first
-        program unrolled: ~10 s of XLA each, the cold start's largest part; H200, bench/NOTES_serve.md)."""
+        most 8 (scanned first programs compile in seconds; with split layers, every first program
+        unrolled, 16 threads were slower than 8 on an H200's 16 cores: bench/NOTES_serve.md)."""
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return max(1, min(16 if self.programs.layers_split else 8, cores))
+        return max(1, min(8, cores))
 
     def start_first(self, background: bool, args: Callable[[StepShape], tuple]) -> concurrent.futures.Future:
         """`compile_first` of the default shapes on a daemon thread (an exit meanwhile, e.g. a bad

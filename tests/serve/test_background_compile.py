@@ -186,3 +186,34 @@ def test_background_compile_takes_short_gil_turns():
             assert sys.getswitchinterval() == pytest.approx(1e-4)
             raise RuntimeError
     assert sys.getswitchinterval() == before
+
+
+def test_samplers_compile_as_soon_as_a_forward_over_their_rows_is(smollm2, monkeypatch):
+    """On several threads a sampler (which takes its forward's logits sharding) starts once a forward
+    over its rows is compiled, not after the slowest forward (the largest bucket's)."""
+    import time
+
+    model, tokenizer = smollm2
+    engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(**TINY_ENGINE))
+    shapes = engine.step_shapes()
+    largest = max(s.tokens for s in shapes if s.program == "forward")
+    events, lock = [], threading.Lock()
+
+    def compile_all(shape_args, threads, progress=None, scan=None, worker=None):
+        for shape, _ in shape_args:
+            with lock:
+                events.append(("start", shape, time.perf_counter()))
+            time.sleep(1.0 if shape.program == "forward" and shape.tokens == largest else 0.02)
+            with lock:
+                events.append(("end", shape, time.perf_counter()))
+
+    monkeypatch.setattr(engine.programs, "compile_all", compile_all)
+    engine.builder.compile(shapes, 4, lambda shape: ())
+    started = [shape for kind, shape, _ in events if kind == "start"]
+    assert sorted(started) == sorted(shapes)  # each once
+    at = {(kind, shape): t for kind, shape, t in events}
+    slowest = max(at[("end", s)] for s in shapes if s.program == "forward")
+    for sampler in (s for s in shapes if s.program != "forward"):
+        assert any(at[("end", f)] <= at[("start", sampler)] for f in shapes
+                   if f.program == "forward" and f.rows == sampler.rows)
+        assert at[("end", sampler)] < slowest

@@ -25,9 +25,9 @@ def test_split_layers_engine_gives_the_stacked_engines_tokens(smollm2, adapters8
     assert not split.programs.stand_ins()
     assert _serve(split, tokenizer) == _serve(stacked, tokenizer)
     assert split.stats.window_fills > 0  # the window's fills wrote the per-layer arrays
-    # the first programs (all unrolled with split layers) compile on up to 16 threads, the stacked on 8;
-    # never more than the cores this process may use
-    for cores, want_split, want_stacked in ((64, 16, 8), (12, 12, 8), (2, 2, 2)):
+    # the first programs compile on up to 8 threads (split layers too: 16 were slower on an H200's 16
+    # cores); never more than the cores this process may use
+    for cores, want_split, want_stacked in ((64, 8, 8), (12, 8, 8), (2, 2, 2)):
         monkeypatch.setattr("os.sched_getaffinity", lambda pid, n=cores: set(range(n)), raising=False)
         assert (split.builder.compile_threads(), stacked.builder.compile_threads()) == (want_split, want_stacked)
 
