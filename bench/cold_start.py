@@ -156,6 +156,8 @@ def launch(args, model_dir: str, adapter_dir: str, cache_dir: str, label: str) -
                "--compile-cache", cache_dir, "--max-tokens-limit", "16", *args.server_args.split()]
     if label == "warm-lowered":  # the programs traced and lowered to find them in JAX's cache (no executables)
         command.append("--no-executable-cache")
+    if label == "steady":  # every program compiled before ready: the steady state's reference (issue 35 item 2)
+        command += ["--background-compile", "off"]
     if label == "cold-inprocess":  # the background compile on the server's own process (the baseline)
         command += ["--compile-worker", "off"]
     started, lines = time.perf_counter(), []
@@ -292,6 +294,21 @@ def after_ready_summary(times: list, ready_s: float, window: float = 30.0) -> di
     return out
 
 
+def first_window_vs_steady(runs: list) -> dict:
+    """{"first_window_vs_steady": the cold run's first-window mean latency / the "steady" run's mean
+    over its whole after-ready window (every program compiled before it turned ready)}, {} unless
+    both ran."""
+    cold = next((r for r in runs if r["cache"] == "cold" and "after_ready_summary" in r), None)
+    steady = next((r for r in runs if r["cache"] == "steady" and r.get("after_ready")), None)
+    if cold is None or steady is None or not cold["after_ready_summary"]["first_window_mean_s"]:
+        return {}
+    latencies = [lat for _, lat, _ in steady["after_ready"]]
+    mean = sum(latencies) / len(latencies)
+    return {"first_window_vs_steady": {"cold_first_window_mean_s": cold["after_ready_summary"]["first_window_mean_s"],
+                                       "steady_mean_s": mean, "steady_completions": len(latencies),
+                                       "ratio": cold["after_ready_summary"]["first_window_mean_s"] / mean}}
+
+
 def time_left(args, margin: float) -> float:
     """Seconds until --deadline less `margin` (the server's stop and the JSON): inf without one."""
     if args.deadline is None:
@@ -334,8 +351,11 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="checkpoint and adapters (default /tmp/jaxlora_cold_start[_tiny])")
     parser.add_argument("--adapters", type=int, default=4)
     parser.add_argument("--runs", nargs="+", default=["cold", "warm"],
-                        choices=("cold", "cold-inprocess", "warm", "warm-lowered"),
-                        help="warm-lowered: warm, without the server's stored executables (--no-executable-cache)")
+                        choices=("cold", "cold-inprocess", "warm", "warm-lowered", "steady"),
+                        help="warm-lowered: warm, without the server's stored executables (--no-executable-cache); "
+                             "steady: the cache of the run before, every program compiled before ready "
+                             "(--background-compile off): its after-ready latency is the steady reference of "
+                             "the cold run's first window (`first_window_vs_steady` in the JSON)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for /health per run")
     parser.add_argument("--server-args", default=None, help="extra jaxlora-serve options (default: the README's sizes)")
     parser.add_argument("--after-ready", type=float, default=0.0,
@@ -393,6 +413,7 @@ def main() -> None:
             if "after_ready_summary" in result:
                 print(f"{label:5}: after ready {result['after_ready_summary']}, background done "
                       f"{result['background_done_s']}", flush=True)
+            report.update(first_window_vs_steady(report["runs"]))
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1)

@@ -761,6 +761,18 @@ split_cold3() {  # 4 x H200, one call, pinned (PIN=1), issue 35 item 1: three sp
   tar czf $OUT/split_cold3.tgz -C $OUT cold3 && rm -rf $OUT/cold3
 }
 
+stacked_steady() {  # one H200, issue 35 item 2 for the default (stacked) engine: a cold start's first 30 s after
+  # ready, then the same cache with every program compiled before ready (cold_start.py's "steady" run,
+  # --background-compile off): its latency is the steady reference (`first_window_vs_steady`); .whl carried
+  nvidia-smi -L
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || return 1
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  timeout $((LIMIT - SECONDS - 10)) python3 bench/cold_start.py --runs cold steady --after-ready 30 \
+      --deadline $((LIMIT - SECONDS - 25)) --timeout 520 --out $OUT/cold_start_stacked_steady.json \
+      --server-args "--max-adapters-on-device 64 --max-lora-rank 16 --max-num-seqs 256 --max-num-batched-tokens 2048 \
+--max-model-len 1024" 2>&1 | grep -v "cuda_timer\|hlo_remat" | tail -n 30
+}
+
 guard() {  # one H200: the regression guard's serving trace (bench/regress.py --only serve; .jitcache and .whl
   # carried), alone on the machine; then, with the time left, the disk-read benchmark (CPU work beside no engine)
   nvidia-smi -L
