@@ -73,6 +73,7 @@ KV pages placed over the mesh's `tensor` axis, the same jitted step under GSPMD 
 from __future__ import annotations
 
 import collections
+import gc
 import dataclasses
 import functools
 import logging
@@ -179,6 +180,10 @@ class Engine:
         compressed_arrays = place_compressed(compressed, mesh, config.backend, self.model_config, self._dtype,
                                              self.pool)  # before the KV pages are sized
         if config.num_pages is None:  # sized now: after the weights and the pool are on the devices
+            # arrays only a reference cycle still holds (e.g. a caller's model before `pack_projections`:
+            # 9 GB of an 8B model's zeros in the warm start) are freed first, or the pages vary by 4k on
+            # an H200 with when Python's collector last ran (2026-11-28 20:00-20:31)
+            gc.collect()
             config = self.config = dataclasses.replace(config, num_pages=self._pages_that_fit(devices))
         self.cache = self._new_cache()
         self.max_rows = bucket(min(config.max_num_seqs, config.token_budget), 8)  # most rows of a step

@@ -82,18 +82,19 @@ def test_split_layers_are_written_as_the_loaded_engines(tmp_path, family):
 
 
 @pytest.mark.parametrize("split", [False, True])
-def test_the_engine_frees_the_placeholder_it_takes_and_remakes_its_zeros(tmp_path, split):
+def test_the_engine_frees_the_placeholder_it_takes_and_remakes_its_zeros(tmp_path, split, monkeypatch):
     """`Handover.ZEROS`: once the engine's layout is final, the caller's placeholder arrays it does not
     hold are deleted (the adapter window's widened kernels and split layers' copies replace them), so
     the device holds what an engine holds whose caller dropped its model; the engine's weights are
     zeros of the same shapes and dtypes, written by `fill_weights` as before (tests above)."""
     import gc
+    import weakref
 
     import jax
 
     directory = str(tmp_path / "model")
     save_random_model(tiny_llama_config(), directory)
-    config = EngineConfig(**ENGINE, background_compile=False, split_layers=split)
+    config = EngineConfig(**{**ENGINE, "num_pages": None}, background_compile=False, split_layers=split)
 
     def live_bytes() -> int:
         gc.collect()
@@ -108,8 +109,19 @@ def test_the_engine_frees_the_placeholder_it_takes_and_remakes_its_zeros(tmp_pat
     assert dropped < held
     shapes = {key: (v[...].shape, v[...].dtype) for key, v in kept.weight_variables().items()}
     del kept
-    given = pack_projections(warm_start.placeholder_model(directory, jnp.bfloat16)[0])
-    taken = Engine(given, (2,), config, handover=Handover.ZEROS)
+    placeholder = warm_start.placeholder_model(directory, jnp.bfloat16)[0]
+    unpacked = [weakref.ref(array) for array in jax.tree.leaves(nnx.state(placeholder))]
+    sized = []
+    monkeypatch.setattr("serve.engine.kv_pages_that_fit", lambda *args: sized.append(
+        sum(ref() is not None and not ref().is_deleted() for ref in unpacked)))  # None: the CPU's default pages
+    gc.disable()  # the collector's own timing decides nothing here (on an H200 it moved the pages by 4k)
+    try:
+        given = pack_projections(placeholder)  # as jaxlora-serve: the unpacked model is left to the collector
+        del placeholder
+        taken = Engine(given, (2,), config, handover=Handover.ZEROS)
+    finally:
+        gc.enable()
+    assert sized == [0]  # the pages are sized with no array of the unpacked placeholder left
     assert live_bytes() - before == dropped  # though `given` is still referenced here
     assert any(array.is_deleted() for array in jax.tree.leaves(nnx.state(given)))
     weights = taken.weight_variables()
