@@ -773,6 +773,15 @@ stacked_steady() {  # one H200, issue 35 item 2 for the default (stacked) engine
 --max-model-len 1024" 2>&1 | grep -v "cuda_timer\|hlo_remat" | tail -n 30
 }
 
+packed_check() {  # one H200, issue 34 item 3: the guard (`guard`: .jitcache and .whl carried), then the decode
+  # steps' per-kernel profile, base vs hybrid (did the packed BGMV expand take the 5 slice copies a layer out?)
+  guard
+  timeout $((LIMIT - SECONDS - 10)) python3 bench/serve.py --profile --lora-backend hybrid --profile-windows \
+      --profile-steps decode32 decode64 --compile-cache /tmp/jaxlora_serve_jit_cache \
+      --out "$OUT/serve_profile_packed_h200.json" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 40
+  rm -rf "$OUT/serve_profile_traces"
+}
+
 guard() {  # one H200: the regression guard's serving trace (bench/regress.py --only serve; .jitcache and .whl
   # carried), alone on the machine; then, with the time left, the disk-read benchmark (CPU work beside no engine)
   nvidia-smi -L

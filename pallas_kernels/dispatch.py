@@ -13,6 +13,7 @@ passes the whole stack (no per-layer slice copied for the kernels) and no per-ca
 """
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -418,6 +419,43 @@ def bgmv_lora_grouped(ys, x, lora_as, lora_bs, row_slot, slot_ranks, slot_scales
                                             [scale.astype(jnp.float32) for scale in slot_scales], expand_cfg,
                                             interpret)
     return tuple(out[:, :n] for out, n in zip(outs, widths))
+
+
+def bgmv_lora_packed(y, widths, x, lora_as, lora_bs, row_slot, slot_ranks, slot_scales, slot_offset,
+                     *, impl=None, tiles=None):
+    """`bgmv_lora_grouped` on the G projections' outputs side by side in one array (a packed
+    kernel's output, `jaxlora.models.packed`): y [B, sum(widths)] -> y with each projection's LoRA
+    added in its columns. On GPU, when every width is a multiple of the expand's column group, the
+    expand writes y in place (`bgmv_expand_packed_gpu`: no projection's columns copied out of y);
+    else (other styles, odd widths) the projections are cut apart, `bgmv_lora_grouped`, and joined.
+    x [B, k]; lora_as, lora_bs, slot_ranks, slot_scales, slot_offset, tiles: `bgmv_lora_grouped`'s."""
+    style, interpret = resolve_impl(impl)
+    widths = [int(n) for n in widths]
+    if style == "gpu":
+        batch, k = x.shape
+        r_max = lora_as[0].shape[-1]
+        shrink_tiles, expand_tiles = tiles if tiles is not None else (None, None)
+        shrink_cfg = choose_tiles("bgmv_shrink", "gpu", batch, k, len(widths) * r_max, r_max, shrink_tiles)
+        expand_cfg = choose_tiles("bgmv_expand", "gpu", batch, len(widths) * r_max, min(widths), r_max, expand_tiles)
+        while expand_cfg.col_blocks > 1 and any(n % (expand_cfg.block_n * expand_cfg.col_blocks) for n in widths):
+            expand_cfg = dataclasses.replace(expand_cfg, col_blocks=expand_cfg.col_blocks // 2)
+        if not any(n % expand_cfg.block_n for n in widths):
+            x_p = pad_to(x, (None, shrink_cfg.block_k))
+            a_p = [pad_to(a, (None, shrink_cfg.block_k, shrink_cfg.rank_chunk)) for a in lora_as]
+            ranks = [rank.astype(jnp.int32) for rank in slot_ranks]
+            partials = bgmv_gpu.bgmv_shrink_grouped_gpu(x_p, a_p, row_slot.astype(jnp.int32), slot_offset, ranks,
+                                                        shrink_cfg, interpret)
+            r_pad = a_p[0].shape[-1]
+            b_p = [pad_to(b, (None, expand_cfg.rank_chunk, None)) for b in lora_bs]
+            if b_p[0].shape[1] != r_pad:  # rank padded differently for the expand: re-cut each group's columns
+                partials = jnp.concatenate([_fit_axis(partials[..., g * r_pad:(g + 1) * r_pad], 2, b_p[0].shape[1])
+                                            for g in range(len(widths))], axis=2)
+            return bgmv_gpu.bgmv_expand_packed_gpu(y, widths, partials, b_p, row_slot.astype(jnp.int32), slot_offset,
+                                                   ranks, [scale.astype(jnp.float32) for scale in slot_scales],
+                                                   expand_cfg, interpret)
+    ys = jnp.split(y, list(itertools.accumulate(widths))[:-1], axis=-1)
+    return jnp.concatenate(bgmv_lora_grouped(ys, x, lora_as, lora_bs, row_slot, slot_ranks, slot_scales, slot_offset,
+                                             impl=impl, tiles=tiles), axis=-1)
 
 
 # The fused decode kernel's default tiles (bgmv_fused_gpu: one program per row and column group of

@@ -55,6 +55,8 @@ class LoraBackend:
       nothing itself (hybrid routes, the fused backends work inside the projection).
     in_place, in_place_group: with a `ServingPlan`, `ops.pallas_accumulate` and its grouped form
       (the delta added in place into the projection's output); None: y + delta.
+    in_place_packed: the grouped form on projections' outputs side by side in one array
+      (`ops.pallas_accumulate_packed`; decode-only plans), or None: cut apart, `in_place_group`.
     fused_linear: the fused projection (`ops.fused_linear`), or None.
     route: plan -> the backend that computes that plan (hybrid), or None: itself.
     shared_basis: it serves the adapters of a compressed collection (`jaxlora.lora.compressed`).
@@ -74,6 +76,7 @@ class LoraBackend:
     row_delta: Callable | None = None
     in_place: Callable | None = None
     in_place_group: Callable | None = None
+    in_place_packed: Callable | None = None
     fused_linear: Callable | None = None
     route: Callable | None = None
     shared_basis: bool = False
@@ -115,6 +118,16 @@ class LoraBackend:
             return backend.in_place(y, x, module_pool, plan)
         return y + backend.delta(x, module_pool, plan).astype(_F32)
 
+    def accumulate_packed(self, y: jax.Array, widths, x: jax.Array, module_pools, plan) -> jax.Array | None:
+        """`accumulate_group` for projections whose outputs lie side by side in y [..., sum(widths)]
+        (a packed kernel's), in place on y (`in_place_packed`: no projection's columns cut out of y);
+        None where the backend has no such kernel for `plan` (the caller cuts y apart and takes
+        `accumulate_group`)."""
+        backend = self.for_plan(plan)
+        if backend.in_place_packed is None or not isinstance(plan, ServingPlan):
+            return None
+        return backend.in_place_packed(y, widths, x, module_pools, plan)
+
     def accumulate_group(self, ys, x: jax.Array, module_pools, plan) -> tuple:
         """`accumulate` for several projections of one input x [..., k] (q/k/v, gate/up): ys their
         float32 outputs [..., n_g], module_pools their pools; grouped kernels where the backend
@@ -134,7 +147,8 @@ def _pallas(name: str, style: str | None) -> LoraBackend:
     return LoraBackend(name, ServingPlan, partitionable=False, custom_kernel=True, serves=True, trains=True,
                        row_delta=functools.partial(ops.pallas_delta, style=style),
                        in_place=functools.partial(ops.pallas_accumulate, style=style),
-                       in_place_group=functools.partial(ops.pallas_accumulate_group, style=style))
+                       in_place_group=functools.partial(ops.pallas_accumulate_group, style=style),
+                       in_place_packed=functools.partial(ops.pallas_accumulate_packed, style=style))
 
 
 def _fused(name: str, style: str | None) -> LoraBackend:

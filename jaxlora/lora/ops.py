@@ -191,6 +191,23 @@ def pallas_accumulate_group(ys, x: jax.Array, module_pools, plan: ServingPlan, s
     return tuple(out.reshape(y.shape) for out, y in zip(outs, ys))
 
 
+def pallas_accumulate_packed(y, widths, x: jax.Array, module_pools, plan: ServingPlan, style: str | None = None):
+    """`pallas_accumulate_group` for projections whose outputs lie side by side in y [..., sum(widths)]
+    (a packed kernel's output: q/k/v, gate/up), in place on y with one grouped shrink and one expand
+    (`pallas_kernels.bgmv_lora_packed`: no projection's columns copied out of y for the kernel);
+    x [..., k]. Decode-only plans over stacked pools only: None otherwise (the caller takes
+    `pallas_accumulate_group` on y cut apart)."""
+    if plan.seg_starts is not None or plan.decode_rows is not None or any(
+            isinstance(pool, PagedModulePool) for pool in module_pools):
+        return None
+    entries = [_entries(pool) for pool in module_pools]
+    lora_as, lora_bs, ranks, scales = ([e[i] for e in entries] for i in range(4))
+    out = pallas_kernels.bgmv_lora_packed(y.reshape(-1, y.shape[-1]), widths, x.reshape(-1, x.shape[-1]), lora_as,
+                                          lora_bs, plan.decode_slot, ranks, scales, entries[0][4],
+                                          impl=pallas_kernels.kernel_style(style))
+    return out.reshape(y.shape)
+
+
 def _grouped_bgmv(entries, style: str):
     """(outs, rows, row_slot) -> outs plus the LoRA of the rows with slot >= 0: the grouped BGMV
     kernels of the projections whose stacked pools' `_entries` are `entries` (one: the plain pair)."""

@@ -131,8 +131,14 @@ def _project_packed(x: jax.Array, weights: dict[str, jax.Array], names: tuple, p
         ys = dict(zip(names, jnp.split(y + delta, np.cumsum(sizes)[:-1].tolist(), axis=-1)))
     if grouped and window is None:
         pools = [layer_lora.pool[name] for name in grouped]
-        deltas = layer_lora.backend.accumulate_group([ys[name] for name in grouped], x, pools, layer_lora.inputs.plan)
-        ys.update(zip(grouped, deltas))
+        plan = layer_lora.inputs.plan
+        packed_y = None  # every projection with an adapter: in place on the packed output where the backend can
+        if grouped == list(names):
+            packed_y = layer_lora.backend.accumulate_packed(y, sizes, x, pools, plan)
+        if packed_y is not None:
+            ys = dict(zip(names, jnp.split(packed_y, np.cumsum(sizes)[:-1].tolist(), axis=-1)))
+        else:
+            ys.update(zip(grouped, layer_lora.backend.accumulate_group([ys[name] for name in grouped], x, pools, plan)))
     return [ys[name].astype(x.dtype) for name in names]
 
 

@@ -131,3 +131,34 @@ def test_bgmv_expand_column_groups(col_blocks):
         assert rel_err(out - y, expected - y) <= 1e-5, g
         np.testing.assert_array_equal(np.asarray(out)[np.asarray(row_slot < 0)], np.asarray(y)[np.asarray(row_slot < 0)])
     assert rel_err(single - ys[2], expected - ys[2]) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("widths", [(64, 32, 32), (48, 16, 96), (32,)])
+def test_bgmv_packed(impl, dtype, widths):
+    """`bgmv_lora_packed`: the projections' outputs side by side in one array (a packed kernel's),
+    each projection's LoRA added in its own columns, equals `bgmv_lora_grouped` on them cut apart.
+    Widths that are multiples of the expand's 16-wide blocks take the in-place packed kernel on GPU
+    (col_blocks cut to divide them: 2 for (64, 32, 32), 1 for (48, 16, 96)); one projection too."""
+    import dataclasses
+
+    x, _, _, _ = arrays(141, 12, K, N, R_MAX, 1, dtype)
+    pools = [stacked(142 + g, dtype) for g in range(len(widths))]
+    lora_bs = [arrays(150 + g, 1, 1, n, R_MAX, LAYERS * SLOTS, dtype)[2] for g, n in enumerate(widths)]
+    y = arrays(160, 12, 1, sum(widths), 1, 1, dtype)[3]
+    row_slot = jnp.array([0, 4, -1, 3, 3, 2, -1, 1, 4, 0, 2, 2], jnp.int32)
+    offset = jnp.int32(1 * SLOTS)
+    expand = dataclasses.replace(SMALL_TILES, block_n=16, col_blocks=2)
+    tiles = (SMALL_TILES, expand) if impl == "gpu" else None
+    args = ([p[0] for p in pools], lora_bs, row_slot, [p[2] for p in pools], [p[3] for p in pools], offset)
+    out = jax.jit(lambda y: pk.bgmv_lora_packed(y, widths, x, *args, impl=impl, tiles=tiles))(y)
+    ys = jnp.split(y.astype(jnp.float32), np.cumsum(widths)[:-1].tolist(), axis=-1)
+    f32 = [[a.astype(jnp.float32) for a in arg] if isinstance(arg, list) else arg for arg in args]
+    f32[0] = [a.astype(jnp.float32) for a in args[0]]
+    expected = jnp.concatenate(pk.bgmv_lora_grouped(ys, x.astype(jnp.float32), *f32, impl="reference"), axis=-1)
+    assert out.shape == y.shape and out.dtype == y.dtype
+    assert float(jnp.abs(expected - y.astype(jnp.float32)).max()) > 0.1
+    assert rel_err(out.astype(jnp.float32) - y, expected - y) <= TOL[dtype]
+    untouched = np.asarray(row_slot < 0)
+    np.testing.assert_array_equal(np.asarray(out)[untouched], np.asarray(y)[untouched])
