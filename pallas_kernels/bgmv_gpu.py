@@ -272,27 +272,37 @@ def bgmv_shrink_grouped_gpu(x, lora_as, row_slot, slot_offset, slot_ranks, cfg: 
     )(row_slot, offset, *slot_ranks, x, *lora_as)
 
 
-def _grouped_expand_kernel(*refs, cfg: TileConfig, num_chunks: int, block_starts: tuple):
-    groups = len(block_starts) - 1
-    slot_ref, offset_ref, *refs = refs
-    rank_refs, scale_refs = refs[:groups], refs[groups:2 * groups]
-    y_refs, v_ref = refs[2 * groups:3 * groups], refs[3 * groups]
-    b_refs, out_refs = refs[3 * groups + 1:4 * groups + 1], refs[4 * groups + 1:]
+def _expand_groups(slot_ref, offset_ref, rank_refs, scale_refs, v_ref, b_refs, target, cfg: TileConfig,
+                   num_chunks: int, block_starts: tuple):
+    """The body of a grouped expand program (row, column group): projection g's columns (the one
+    whose column groups this program covers) of y + scale_g * v_g @ B_g[entry]; target(g) -> (its
+    y ref, its out ref, their first column)."""
     row, col_group = pl.program_id(0), pl.program_id(1)
     r_max = b_refs[0].shape[1]
     entry, _, _ = _row(row, slot_ref, offset_ref, rank_refs[0], r_max, True)
 
     def expand(g):
         rank = jnp.clip(rank_refs[g][entry], 0, r_max)
+        y_ref, out_ref, y_offset = target(g)
 
         @pl.when((slot_ref[row] >= 0) & (rank > 0))
         def _():
-            _expand_columns(v_ref, b_refs[g], y_refs[g], out_refs[g], row, entry, rank, scale_refs[g][entry],
-                            g * r_max, (col_group - block_starts[g]) * cfg.col_blocks, cfg, num_chunks)
+            _expand_columns(v_ref, b_refs[g], y_ref, out_ref, row, entry, rank, scale_refs[g][entry],
+                            g * r_max, (col_group - block_starts[g]) * cfg.col_blocks, cfg, num_chunks, y_offset)
 
-    for g in range(groups):  # the projection whose column groups this program covers
+    for g in range(len(block_starts) - 1):
         pl.when((col_group >= block_starts[g]) & (col_group < block_starts[g + 1]))(
             functools.partial(expand, g))
+
+
+def _grouped_expand_kernel(*refs, cfg: TileConfig, num_chunks: int, block_starts: tuple):
+    groups = len(block_starts) - 1
+    slot_ref, offset_ref, *refs = refs
+    rank_refs, scale_refs = refs[:groups], refs[groups:2 * groups]
+    y_refs, v_ref = refs[2 * groups:3 * groups], refs[3 * groups]
+    b_refs, out_refs = refs[3 * groups + 1:4 * groups + 1], refs[4 * groups + 1:]
+    _expand_groups(slot_ref, offset_ref, rank_refs, scale_refs, v_ref, b_refs,
+                   lambda g: (y_refs[g], out_refs[g], 0), cfg, num_chunks, block_starts)
 
 
 def bgmv_expand_grouped_gpu(ys, v, lora_bs, row_slot, slot_offset, slot_ranks, slot_scales,
@@ -333,21 +343,8 @@ def _packed_expand_kernel(*refs, cfg: TileConfig, num_chunks: int, block_starts:
     rank_refs, scale_refs = refs[:groups], refs[groups:2 * groups]
     y_ref, v_ref = refs[2 * groups], refs[2 * groups + 1]
     b_refs, out_ref = refs[2 * groups + 2:3 * groups + 2], refs[3 * groups + 2]
-    row, col_group = pl.program_id(0), pl.program_id(1)
-    r_max = b_refs[0].shape[1]
-    entry, _, _ = _row(row, slot_ref, offset_ref, rank_refs[0], r_max, True)
-
-    def expand(g):
-        rank = jnp.clip(rank_refs[g][entry], 0, r_max)
-
-        @pl.when((slot_ref[row] >= 0) & (rank > 0))
-        def _():
-            _expand_columns(v_ref, b_refs[g], y_ref, out_ref, row, entry, rank, scale_refs[g][entry],
-                            g * r_max, (col_group - block_starts[g]) * cfg.col_blocks, cfg, num_chunks, offsets[g])
-
-    for g in range(groups):  # the projection whose column groups this program covers
-        pl.when((col_group >= block_starts[g]) & (col_group < block_starts[g + 1]))(
-            functools.partial(expand, g))
+    _expand_groups(slot_ref, offset_ref, rank_refs, scale_refs, v_ref, b_refs,
+                   lambda g: (y_ref, out_ref, offsets[g]), cfg, num_chunks, block_starts)
 
 
 def bgmv_expand_packed_gpu(y, widths, v, lora_bs, row_slot, slot_offset, slot_ranks, slot_scales,

@@ -394,31 +394,48 @@ def bgmv_lora_grouped(ys, x, lora_as, lora_bs, row_slot, slot_ranks, slot_scales
     if style != "gpu":
         return tuple(bgmv_lora_stacked(y, x, a, b, row_slot, rank, scale, slot_offset, impl=impl, tiles=tiles)
                      for y, a, b, rank, scale in zip(ys, lora_as, lora_bs, slot_ranks, slot_scales))
+    widths = [y.shape[1] for y in ys]
+    shrink_cfg, expand_cfg = _grouped_tiles(x, lora_as, widths, tiles)
+    partials, b_p, ranks = _grouped_shrink(x, lora_as, lora_bs, row_slot, slot_offset, slot_ranks, shrink_cfg,
+                                           expand_cfg, interpret)
+    ys_p = [pad_to(y, (None, expand_cfg.block_n)) for y in ys]
+    b_p = [pad_axis(b, 2, expand_cfg.block_n) for b in b_p]
+    outs = bgmv_gpu.bgmv_expand_grouped_gpu(ys_p, partials, b_p, row_slot.astype(jnp.int32), slot_offset, ranks,
+                                            [scale.astype(jnp.float32) for scale in slot_scales], expand_cfg,
+                                            interpret)
+    return tuple(out[:, :n] for out, n in zip(outs, widths))
+
+
+def _grouped_tiles(x, lora_as, widths, tiles) -> tuple:
+    """(shrink, expand) tiles of a grouped BGMV of x [B, k] into outputs of `widths` (`tiles`: a
+    pair, or None: the table's), keyed by the grouped width G*r_max (the shrink's output, the
+    expand's input: q/k/v, gate/up and a single projection each get their own table entries);
+    the expand's col_blocks cut until it divides every width's blocks."""
     shrink_tiles, expand_tiles = tiles if tiles is not None else (None, None)
     (batch, k), r_max = x.shape, lora_as[0].shape[-1]
-    widths = [y.shape[1] for y in ys]
-    # keyed by the grouped width G*r_max (the shrink's output, the expand's input): q/k/v, gate/up
-    # and a single projection each get their own table entries
-    shrink_cfg = choose_tiles("bgmv_shrink", "gpu", batch, k, len(ys) * r_max, r_max, shrink_tiles)
-    expand_cfg = choose_tiles("bgmv_expand", "gpu", batch, len(ys) * r_max, min(widths), r_max, expand_tiles)
+    shrink_cfg = choose_tiles("bgmv_shrink", "gpu", batch, k, len(widths) * r_max, r_max, shrink_tiles)
+    expand_cfg = choose_tiles("bgmv_expand", "gpu", batch, len(widths) * r_max, min(widths), r_max, expand_tiles)
     while expand_cfg.col_blocks > 1 and any(round_up(n, expand_cfg.block_n) // expand_cfg.block_n
                                             % expand_cfg.col_blocks for n in widths):
         expand_cfg = dataclasses.replace(expand_cfg, col_blocks=expand_cfg.col_blocks // 2)
+    return shrink_cfg, expand_cfg
+
+
+def _grouped_shrink(x, lora_as, lora_bs, row_slot, slot_offset, slot_ranks, shrink_cfg, expand_cfg, interpret):
+    """The grouped BGMV shrink of x [B, k] (one launch: split-K partials [parts, B, G*r]) and the B
+    pools padded along the rank for the expand (each group's partial columns re-cut where the
+    expand pads the rank otherwise): (partials, [P, r, n_g] each, the ranks as int32)."""
     x_p = pad_to(x, (None, shrink_cfg.block_k))
     a_p = [pad_to(a, (None, shrink_cfg.block_k, shrink_cfg.rank_chunk)) for a in lora_as]
     ranks = [rank.astype(jnp.int32) for rank in slot_ranks]
     partials = bgmv_gpu.bgmv_shrink_grouped_gpu(x_p, a_p, row_slot.astype(jnp.int32), slot_offset, ranks,
                                                 shrink_cfg, interpret)
     r_pad = a_p[0].shape[-1]
-    ys_p = [pad_to(y, (None, expand_cfg.block_n)) for y in ys]
-    b_p = [pad_to(b, (None, expand_cfg.rank_chunk, expand_cfg.block_n)) for b in lora_bs]
+    b_p = [pad_axis(b, 1, expand_cfg.rank_chunk) for b in lora_bs]
     if b_p[0].shape[1] != r_pad:  # rank padded differently for the expand: re-cut each group's columns
         partials = jnp.concatenate([_fit_axis(partials[..., g * r_pad:(g + 1) * r_pad], 2, b_p[0].shape[1])
-                                    for g in range(len(ys))], axis=2)
-    outs = bgmv_gpu.bgmv_expand_grouped_gpu(ys_p, partials, b_p, row_slot.astype(jnp.int32), slot_offset, ranks,
-                                            [scale.astype(jnp.float32) for scale in slot_scales], expand_cfg,
-                                            interpret)
-    return tuple(out[:, :n] for out, n in zip(outs, widths))
+                                    for g in range(len(lora_as))], axis=2)
+    return partials, b_p, ranks
 
 
 def bgmv_lora_packed(y, widths, x, lora_as, lora_bs, row_slot, slot_ranks, slot_scales, slot_offset,
@@ -432,24 +449,10 @@ def bgmv_lora_packed(y, widths, x, lora_as, lora_bs, row_slot, slot_ranks, slot_
     style, interpret = resolve_impl(impl)
     widths = [int(n) for n in widths]
     if style == "gpu":
-        batch, k = x.shape
-        r_max = lora_as[0].shape[-1]
-        shrink_tiles, expand_tiles = tiles if tiles is not None else (None, None)
-        shrink_cfg = choose_tiles("bgmv_shrink", "gpu", batch, k, len(widths) * r_max, r_max, shrink_tiles)
-        expand_cfg = choose_tiles("bgmv_expand", "gpu", batch, len(widths) * r_max, min(widths), r_max, expand_tiles)
-        while expand_cfg.col_blocks > 1 and any(n % (expand_cfg.block_n * expand_cfg.col_blocks) for n in widths):
-            expand_cfg = dataclasses.replace(expand_cfg, col_blocks=expand_cfg.col_blocks // 2)
+        shrink_cfg, expand_cfg = _grouped_tiles(x, lora_as, widths, tiles)
         if not any(n % expand_cfg.block_n for n in widths):
-            x_p = pad_to(x, (None, shrink_cfg.block_k))
-            a_p = [pad_to(a, (None, shrink_cfg.block_k, shrink_cfg.rank_chunk)) for a in lora_as]
-            ranks = [rank.astype(jnp.int32) for rank in slot_ranks]
-            partials = bgmv_gpu.bgmv_shrink_grouped_gpu(x_p, a_p, row_slot.astype(jnp.int32), slot_offset, ranks,
-                                                        shrink_cfg, interpret)
-            r_pad = a_p[0].shape[-1]
-            b_p = [pad_to(b, (None, expand_cfg.rank_chunk, None)) for b in lora_bs]
-            if b_p[0].shape[1] != r_pad:  # rank padded differently for the expand: re-cut each group's columns
-                partials = jnp.concatenate([_fit_axis(partials[..., g * r_pad:(g + 1) * r_pad], 2, b_p[0].shape[1])
-                                            for g in range(len(widths))], axis=2)
+            partials, b_p, ranks = _grouped_shrink(x, lora_as, lora_bs, row_slot, slot_offset, slot_ranks, shrink_cfg,
+                                                   expand_cfg, interpret)
             return bgmv_gpu.bgmv_expand_packed_gpu(y, widths, partials, b_p, row_slot.astype(jnp.int32), slot_offset,
                                                    ranks, [scale.astype(jnp.float32) for scale in slot_scales],
                                                    expand_cfg, interpret)
