@@ -24,6 +24,15 @@ job() {  # job NAME GPUS SECONDS COMMAND...: one background job, its output in $
    echo "[$name exit $?]" >>"$OUT/log_$name.txt") &
 }
 
+# The README's engine sizes for jaxlora-serve (bench/cold_start.py's --server-args)
+README_SIZES="--max-adapters-on-device 64 --max-lora-rank 16 --max-num-seqs 256 --max-num-batched-tokens 2048 \
+--max-model-len 1024"
+
+server_wheels() {  # the server's wheels (.whl, carried) into /tmp/site, on PYTHONPATH
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || return 1
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+}
+
 collect_logs() {  # the logs as one file (what comes back from the machine is limited in files)
   for f in "$OUT"/log_*.txt; do echo "=== $f"; cat "$f"; done >"$OUT/logs_$1.txt"
   rm -f "$OUT"/log_*.txt
@@ -654,8 +663,7 @@ split_check() {  # one H200, issue 35: the engine on split layers (EngineConfig.
   # guard's serving trace (every program unrolled over per-layer arrays; must not be slower than the README),
   # then a cold start with --split-layers (ready, first completion, the first 30 s after ready against steady)
   nvidia-smi -L
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || return 1
-  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  server_wheels || return 1
   timeout $((LIMIT / 2)) python3 bench/regress.py --only serve --out-dir "$OUT" --compile-cache /tmp/split_cache \
       --serve-args="--split-layers" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 32
   rm -f "$OUT"/regress_serve.png
@@ -671,8 +679,7 @@ split_x4() {  # 4 x H200, one call, pinned (PIN=1), issue 35 with split layers: 
   nvidia-smi -L
   export PIN=1
   [ -e .jitcache/jitcache.part00 ] && python3 bench/jit_cache.py unpack .jitcache/jitcache /tmp/jc_stacked
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || return 1
-  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  server_wheels || return 1
   mkdir -p $OUT/split
   local t=$((LIMIT - 20)) sizes="--max-adapters-on-device 64 --max-lora-rank 16 --max-num-seqs 256 \
 --max-num-batched-tokens 2048 --max-model-len 1024 --split-layers"
@@ -696,11 +703,9 @@ split_final() {  # 4 x H200, one call, pinned (PIN=1), issue 35 with split layer
   # trace with --split-layers; .whl carried
   nvidia-smi -L
   export PIN=1
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || return 1
-  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  server_wheels || return 1
   mkdir -p $OUT/split
-  local t=$((LIMIT - 20)) sizes="--max-adapters-on-device 64 --max-lora-rank 16 --max-num-seqs 256 \
---max-num-batched-tokens 2048 --max-model-len 1024"
+  local t=$((LIMIT - 20)) sizes="$README_SIZES"
   job cold_steady 0 $t python3 bench/cold_start.py --runs cold warm --after-ready 300 --deadline $((t - 15)) \
       --out $OUT/split/cold_start_split_steady.json --server-args "$sizes --split-layers"
   job cold_warm 1 $t python3 bench/cold_start.py --runs cold warm --after-ready 30 --deadline $((t - 15)) \
@@ -722,11 +727,9 @@ split_fill() {  # 4 x H200, one call, pinned (PIN=1), issue 35: the warm start w
   # warm (the baseline in the same run); GPU 3 the guard's serving trace with --split-layers; .whl carried
   nvidia-smi -L
   export PIN=1
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || return 1
-  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  server_wheels || return 1
   mkdir -p $OUT/fill
-  local t=$((LIMIT - 20)) sizes="--max-adapters-on-device 64 --max-lora-rank 16 --max-num-seqs 256 \
---max-num-batched-tokens 2048 --max-model-len 1024"
+  local t=$((LIMIT - 20)) sizes="$README_SIZES"
   job split 0 $t python3 bench/cold_start.py --runs cold warm --after-ready 30 --deadline $((t - 15)) \
       --out $OUT/fill/cold_start_split.json --server-args "$sizes --split-layers"
   job split_steady 1 $t python3 bench/cold_start.py --runs cold warm --after-ready 300 --deadline $((t - 15)) \
@@ -745,11 +748,9 @@ split_cold3() {  # 4 x H200, one call, pinned (PIN=1), issue 35 item 1: three sp
   # the spread of the cold figure) beside the stacked engine's (GPU 3, the baseline in the same run); .whl carried
   nvidia-smi -L
   export PIN=1
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || return 1
-  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  server_wheels || return 1
   mkdir -p $OUT/cold3
-  local t=$((LIMIT - 20)) sizes="--max-adapters-on-device 64 --max-lora-rank 16 --max-num-seqs 256 \
---max-num-batched-tokens 2048 --max-model-len 1024"
+  local t=$((LIMIT - 20)) sizes="$README_SIZES"
   for g in 0 1 2; do
     job split$g $g $t python3 bench/cold_start.py --runs cold warm --after-ready 30 --deadline $((t - 15)) \
         --out $OUT/cold3/cold_start_split_$g.json --server-args "$sizes --split-layers"
@@ -765,8 +766,7 @@ stacked_steady() {  # one H200, issue 35 item 2 for the default (stacked) engine
   # ready, then the same cache with every program compiled before ready (cold_start.py's "steady" run,
   # --background-compile off): its latency is the steady reference (`first_window_vs_steady`); .whl carried
   nvidia-smi -L
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || return 1
-  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  server_wheels || return 1
   timeout $((LIMIT - SECONDS - 10)) python3 bench/cold_start.py --runs cold steady --after-ready 30 \
       --deadline $((LIMIT - SECONDS - 25)) --timeout 520 --out $OUT/cold_start_stacked_steady.json \
       --server-args "--max-adapters-on-device 64 --max-lora-rank 16 --max-num-seqs 256 --max-num-batched-tokens 2048 \

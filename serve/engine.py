@@ -151,7 +151,7 @@ class Engine:
         images: a vision-language model's vision side (`serve.vision.ImageServing`; `model` is its
         language model): requests may carry images (`submit(images=)`). None: text only.
         handover: what the engine may do with `model`'s arrays (`serve.placement.Handover`): KEEP
-        them usable, TAKE (free those it replaces before sizing the KV pages), ZEROS (placeholders)."""
+        them usable, or ZEROS (placeholders: those it replaces freed, its own remade side by side)."""
         devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
         if images is not None and (mesh is not None or compressed is not None):
             raise ValueError("a vision-language model is served by one engine on one device (no tensor parallel, "

@@ -37,31 +37,29 @@ class Handover(enum.Enum):
     """What an `Engine` may do with the model it is given (decided by its caller, once).
 
     KEEP: the caller's model stays usable (tests and benchmarks build several engines on one model).
-    TAKE: the caller drops it; the arrays the engine replaces (the packed kernels the adapter
-      window widens, the stacks split layers copy, a tensor-parallel copy's sources) are deleted as
-      soon as the engine's layout is final, before the KV pages are sized from the free memory
-      (`jaxlora-serve`: 9.1 GB of an 8B model's kernels otherwise stay with the caller).
-    ZEROS: TAKE, and every weight is a zero placeholder to be written later (`serve.warm_start`):
-      the engine's arrays are made again side by side once its layout is final, so that the holes
-      the copies left do not split the free memory the KV pool's few large arrays need."""
+    ZEROS: the caller drops it and every weight is a zero placeholder to be written later
+      (`serve.warm_start`): once the engine's layout is final, the given arrays it replaced (the
+      packed kernels the adapter window widens, the stacks split layers copy: 9-14 GB of an 8B
+      model otherwise held by the caller) are deleted and the engine's own are made again side by
+      side, before the KV pages are sized from the free memory, so that the holes the copies left
+      do not split the free memory the KV pool's few large arrays need. (A loaded model's arrays
+      cannot be remade as zeros: its holes would stay, so its caller keeps it.)"""
 
     KEEP = "keep"
-    TAKE = "take"
     ZEROS = "zeros"
 
 
 def hand_over(given: Llama, served: Llama, handover: Handover) -> None:
     """Applies `handover` (see `Handover`) once `served`, the engine's model made from `given`, is
-    final: deletes `given`'s arrays that `served` does not hold (TAKE, ZEROS) and remakes `served`'s
-    weights as zeros after deleting them all (ZEROS)."""
+    final: with ZEROS, deletes `given`'s arrays that `served` does not hold and remakes `served`'s
+    weights as zeros after deleting them all."""
     if handover is Handover.KEEP:
         return
     kept = {id(array) for array in jax.tree.leaves(nnx.state(served))}
     for array in jax.tree.leaves(nnx.state(given)):
         if isinstance(array, jax.Array) and id(array) not in kept and not array.is_deleted():
             array.delete()
-    if handover is Handover.ZEROS:
-        remake_zeros(served.weights)
+    remake_zeros(served.weights)
 
 
 def check_mesh(mesh: Mesh, model_config, lora_backend: LoraBackend | str) -> None:

@@ -135,8 +135,11 @@ class WindowFill:
         """`fill_window_slot` compiled for this window (once, lowered over the arguments' shapes:
         `Warmup.start` compiles it beside the first step programs while the weights are written;
         a second caller waits for the first's compile)."""
+        if self._program is not None:  # every fill after the first: no lock
+            return self._program
         with self._compiling:
             if self._program is None:
-                args = abstract_state(self.fill_args(0, 0)[:2]) + self.fill_args(0, 0)[2:]
-                self._program = fill_window_slot.lower(self.layout, *args, split_layers=self.split_layers).compile()
+                weights, pool, *slots = self.fill_args(0, 0)
+                self._program = fill_window_slot.lower(self.layout, *abstract_state((weights, pool)), *slots,
+                                                       split_layers=self.split_layers).compile()
             return self._program

@@ -124,11 +124,12 @@ def _project_packed(x: jax.Array, weights: dict[str, jax.Array], names: tuple, p
         y, delta = _window_output(x, weights, packed, window)
     else:
         y = _base_output(x, weights, packed, _output_dtype(x, layer_lora) if grouped else x.dtype)
-    ys = dict(zip(names, jnp.split(y, np.cumsum(sizes)[:-1].tolist(), axis=-1)))
+    cuts = np.cumsum(sizes)[:-1].tolist()  # where each projection's columns start in the packed output
+    ys = dict(zip(names, jnp.split(y, cuts, axis=-1)))
     if delta is not None and delta.ndim > y.ndim:  # one delta per projection: [P, ..., T, n_p]
         ys = {name: ys[name] + delta[p] for p, name in enumerate(names)}
     elif delta is not None:
-        ys = dict(zip(names, jnp.split(y + delta, np.cumsum(sizes)[:-1].tolist(), axis=-1)))
+        ys = dict(zip(names, jnp.split(y + delta, cuts, axis=-1)))
     if grouped and window is None:
         pools = [layer_lora.pool[name] for name in grouped]
         plan = layer_lora.inputs.plan
@@ -136,7 +137,7 @@ def _project_packed(x: jax.Array, weights: dict[str, jax.Array], names: tuple, p
         if grouped == list(names):
             packed_y = layer_lora.backend.accumulate_packed(y, sizes, x, pools, plan)
         if packed_y is not None:
-            ys = dict(zip(names, jnp.split(packed_y, np.cumsum(sizes)[:-1].tolist(), axis=-1)))
+            ys = dict(zip(names, jnp.split(packed_y, cuts, axis=-1)))
         else:
             ys.update(zip(grouped, layer_lora.backend.accumulate_group([ys[name] for name in grouped], x, pools, plan)))
     return [ys[name].astype(x.dtype) for name in names]
