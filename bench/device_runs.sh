@@ -782,6 +782,14 @@ packed_check() {  # one H200, issue 34 item 3: the guard (`guard`: .jitcache and
   rm -rf "$OUT/serve_profile_traces"
 }
 
+stream_probe() {  # one H200, issue 34 item 3: the decode LoRA kernels in line, in one launch a group, and on a
+  # second CUDA stream beside the base GEMMs (bench/lora_stream_probe.py; 32 and 64 rows on distinct adapters), ~2 min.
+  # XLA_FLAGS="--xla_gpu_enable_command_buffer=" for the side stream without CUDA graphs (00:30 UTC 11-29)
+  nvidia-smi -L
+  timeout $((LIMIT - SECONDS - 5)) python3 bench/lora_stream_probe.py --layers 8 --rows 32 64 --profile ${PROBE_ARGS:-} \
+      --out "$OUT/lora_stream_probe_h200.json" 2>&1 | tail -n 40
+}
+
 guard() {  # one H200: the regression guard's serving trace (bench/regress.py --only serve; .jitcache and .whl
   # carried), alone on the machine; then, with the time left, the disk-read benchmark (CPU work beside no engine)
   nvidia-smi -L
