@@ -790,6 +790,23 @@ stream_probe() {  # one H200, issue 34 item 3: the decode LoRA kernels in line, 
       --out "$OUT/lora_stream_probe_h200.json" 2>&1 | tail -n 40
 }
 
+window_profile() {  # one H200, issue 34 item 3: per-kernel profile of the adapter window's decode32 step (rows on 1
+  # and on 8 adapters of the window) against base and base+window: where a one-adapter step's +1.0 ms goes
+  nvidia-smi -L
+  server_wheels
+  timeout $((LIMIT - SECONDS - 10)) python3 bench/serve.py --profile --lora-backend hybrid --profile-windows 1 8 \
+      --profile-steps decode32 --profile-variants base base+window window1 window8 \
+      --out "$OUT/serve_profile_window_h200.json" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 40
+  rm -rf "$OUT/serve_profile_traces"
+}
+
+decode_gemm_probe() {  # one H200, issue 34 item 3: a Pallas (Triton) decode GEMM against XLA's at the 8B projections'
+  # shapes, 32 and 64 rows (bench/decode_gemm_probe.py), ~3 min
+  nvidia-smi -L
+  timeout $((LIMIT - SECONDS - 5)) python3 bench/decode_gemm_probe.py ${PROBE_ARGS:-} --out "$OUT/decode_gemm_probe_h200.json" \
+      2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 40
+}
+
 guard() {  # one H200: the regression guard's serving trace (bench/regress.py --only serve; .jitcache and .whl
   # carried), alone on the machine; then, with the time left, the disk-read benchmark (CPU work beside no engine)
   nvidia-smi -L
