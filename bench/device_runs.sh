@@ -807,6 +807,13 @@ decode_gemm_probe() {  # one H200, issue 34 item 3: a Pallas (Triton) decode GEM
       2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 40
 }
 
+fused_decode_probe() {  # one H200, issue 34 item 3: a projection group's GEMM and its rows' LoRA in one Pallas kernel
+  # against XLA's GEMM + the in-line BGMV kernels (bench/fused_decode_probe.py), 32 and 64 distinct rows, ~2 min
+  nvidia-smi -L
+  timeout $((LIMIT - SECONDS - 5)) python3 bench/fused_decode_probe.py ${PROBE_ARGS:-} \
+      --out "$OUT/fused_decode_probe_h200.json" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 40
+}
+
 guard() {  # one H200: the regression guard's serving trace (bench/regress.py --only serve; .jitcache and .whl
   # carried), alone on the machine; then, with the time left, the disk-read benchmark (CPU work beside no engine)
   nvidia-smi -L
