@@ -4,13 +4,15 @@
     PYTHONPATH=. python bench/fused_decode_probe.py [--rows 32 64] [--out FILE]
     PYTHONPATH=. python bench/fused_decode_probe.py --tiny      # CPU smoke test (interpret, small)
 
-The kernel (`fused_gemm_lora`): programs take tickets from an atomic counter as they start. The
-first rows x parts tickets compute the LoRA shrink of one row's K part for every projection of
-the group (v parts in a float32 workspace, then a done-count); the rest are the GEMM's (column
-block, K split) programs, which stream their W block, and in split 0 wait for the shrink's count
-(by then long reached: a GEMM program streams for tens of us) and add each row's v @ B[its adapter]
-columns before the one store. So a group's LoRA launches nothing of its own and its A/B bytes
-are read beside W's. Rows on distinct adapters of a stacked 64-slot pool (r = 16).
+The kernel (`fused_gemm_lora`): programs take tickets from an atomic counter as they start and
+play one of three roles by ticket. The first rows x parts compute the LoRA shrink of one row's K
+part for every projection of the group (v parts in a float32 workspace, then a done-count); the
+next are the GEMM's (column block, K split) programs, float32 partials of x @ W; the last are the
+expand's (16 rows, column block) programs, which wait for the shrink's count (by then long
+reached) and write those rows' v @ B[their adapters] into a float32 delta. XLA's one fusion sums
+the K splits and the delta and rounds once. So a group's LoRA launches nothing of its own and its
+A/B bytes are read beside W's. (The first build added the expand in the GEMM programs' epilogue:
+slower, bench/NOTES_serve.md.) Rows on distinct adapters of a stacked 64-slot pool (r = 16).
 
 Prints per group and row count: XLA GEMM alone, XLA GEMM + in-line BGMV (today), the fused
 kernel, us per layer, the fused kernel's error against the in-line result, and its LoRA extra
@@ -47,7 +49,8 @@ GROUPS = {"qkv": (4096, (4096, 1024, 1024), (128, 128, 2, 8, 4), 8),
           "down": (14336, (4096,), (128, 128, 4, 4, 4), 16)}
 TINY_GROUPS = {"qkv": (64, (64, 32, 32), (32, 32, 2, 4, 2), 2), "o": (64, (64,), (32, 32, 1, 4, 2), 2)}
 SHRINK_BK = 128
-ROW_CHUNK = 16  # rows whose LoRA the GEMM's epilogue adds at once (a tensor-core dot needs K >= 16)
+ROW_CHUNK = 16  # rows an expand program covers
+EXPAND_BN = 64  # columns of B an expand program holds at once (registers, no shared memory)
 
 
 def _fused_kernel(slot_ref, offset_ref, *refs, groups: int, block_starts: tuple, bn: int, bk: int, split: int,
@@ -55,9 +58,10 @@ def _fused_kernel(slot_ref, offset_ref, *refs, groups: int, block_starts: tuple,
     rank_refs, scale_refs = refs[:groups], refs[groups:2 * groups]
     x_ref, w_ref = refs[2 * groups], refs[2 * groups + 1]
     a_refs, b_refs = refs[2 * groups + 2:3 * groups + 2], refs[3 * groups + 2:4 * groups + 2]
-    out_ref, v_ref, count_ref = refs[4 * groups + 3:]
+    out_ref, delta_ref, v_ref, count_ref = refs[4 * groups + 3:]
     k = x_ref.shape[1]
-    n_shrink = rows * parts
+    n_blocks = block_starts[-1]
+    n_shrink, n_gemm = rows * parts, n_blocks * split
     ticket = plt.atomic_add(count_ref, (jnp.int32(0),), jnp.int32(1))
 
     def entry_of(row):
@@ -83,8 +87,8 @@ def _fused_kernel(slot_ref, offset_ref, *refs, groups: int, block_starts: tuple,
             v_ref[part, row, pl.ds(g * R, R)] = jnp.where(ranks < rank_refs[g][entry], accs[g], 0.0)
         plt.atomic_add(count_ref, (jnp.int32(1),), jnp.int32(1))  # release: this part is written
 
-    @pl.when(ticket >= n_shrink)
-    def _():
+    @pl.when((ticket >= n_shrink) & (ticket < n_shrink + n_gemm))
+    def _():  # the GEMM's (column block, K split) programs: float32 partials, nothing else
         t = ticket - n_shrink
         block, s = t // split, t % split
         k_split = k // split
@@ -95,34 +99,32 @@ def _fused_kernel(slot_ref, offset_ref, *refs, groups: int, block_starts: tuple,
             return acc + jnp.dot(x_ref[:, pl.ds(k0, bk)], w_ref[pl.ds(k0, bk), pl.ds(col0, bn)],
                                  preferred_element_type=_F32)
 
-        acc = lax.fori_loop(0, k_split // bk, body, jnp.zeros((rows, bn), _F32))
+        out_ref[s, :, pl.ds(col0, bn)] = lax.fori_loop(0, k_split // bk, body, jnp.zeros((rows, bn), _F32))
 
-        def add_lora(acc, g):
-            if spin:  # acquire: every shrink part written (interpret mode runs programs in order)
-                lax.while_loop(lambda seen: seen < n_shrink,
-                               lambda _: plt.atomic_add(count_ref, (jnp.int32(1),), jnp.int32(0)), jnp.int32(0))
-            g_col0 = pl.multiple_of((block - block_starts[g]) * bn, bn)
-            row_ids = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    @pl.when(ticket >= n_shrink + n_gemm)
+    def _():  # the expand's (ROW_CHUNK rows, column block) programs: their rows' LoRA into `delta`
+        t = ticket - n_shrink - n_gemm
+        chunk, block = t // n_blocks, t % n_blocks
+        if spin:  # acquire: every shrink part written (interpret mode runs programs in order)
+            lax.while_loop(lambda seen: seen < n_shrink,
+                           lambda _: plt.atomic_add(count_ref, (jnp.int32(1),), jnp.int32(0)), jnp.int32(0))
+        row0 = pl.multiple_of(chunk * ROW_CHUNK, ROW_CHUNK)
+        slots = slot_ref[pl.ds(row0, ROW_CHUNK)]
+        entries = jnp.maximum(slots, 0) + offset_ref[0]
+        col0 = pl.multiple_of(block * bn, bn)
 
-            def chunk_body(c, acc):  # ROW_CHUNK rows at once: one tensor-core dot of a block-diagonal v
-                # [rows, ROW_CHUNK * R] (row m's v in its own R columns, zero elsewhere) with the rows'
-                # B columns gathered [ROW_CHUNK * R, bn]: delta lands in each row's place in acc
-                row0 = pl.multiple_of(c * ROW_CHUNK, ROW_CHUNK)
-                slots = slot_ref[pl.ds(row0, ROW_CHUNK)]
-                entries = jnp.maximum(slots, 0) + offset_ref[0]
-                v = jnp.sum(v_ref[:, pl.ds(row0, ROW_CHUNK), pl.ds(g * R, R)], axis=0)  # [chunk, R]
-                v = v * jnp.where(slots >= 0, scale_refs[g][entries], 0.0)[:, None]
-                cols = lax.broadcasted_iota(jnp.int32, (1, ROW_CHUNK * R), 1)
-                block_v = jnp.where(row_ids == row0 + cols // R, v.reshape(1, ROW_CHUNK * R), 0.0)
-                b = b_refs[g][entries, :, pl.ds(g_col0, bn)].reshape(ROW_CHUNK * R, bn)
-                return acc + jnp.dot(block_v.astype(b.dtype), b, preferred_element_type=_F32)
-
-            return lax.fori_loop(0, rows // ROW_CHUNK, chunk_body, acc)
+        def expand(g):
+            g_col0 = (block - block_starts[g]) * bn
+            v = jnp.sum(v_ref[:, pl.ds(row0, ROW_CHUNK), pl.ds(g * R, R)], axis=0)  # [chunk, R]
+            v = v * jnp.where(slots >= 0, scale_refs[g][entries], 0.0)[:, None]
+            sub_bn = min(EXPAND_BN, bn)
+            for sub in range(bn // sub_bn):  # [chunk, R, sub_bn] of the rows' B at a time
+                b = b_refs[g][entries, :, pl.ds(g_col0 + sub * sub_bn, sub_bn)].astype(_F32)
+                delta_ref[pl.ds(row0, ROW_CHUNK), pl.ds(col0 + sub * sub_bn, sub_bn)] = jnp.sum(
+                    v[:, :, None] * b, axis=1)
 
         for g in range(groups):
-            in_g = (block >= block_starts[g]) & (block < block_starts[g + 1]) & (s == 0)
-            acc = lax.cond(in_g, functools.partial(add_lora, g=g), lambda acc: acc, acc)
-        out_ref[s, :, pl.ds(col0, bn)] = acc.astype(out_ref.dtype)
+            pl.when((block >= block_starts[g]) & (block < block_starts[g + 1]))(functools.partial(expand, g))
 
 
 def fused_gemm_lora(x, w, widths, lora_as, lora_bs, slot, offset, ranks, scales, config, parts: int,
@@ -132,27 +134,27 @@ def fused_gemm_lora(x, w, widths, lora_as, lora_bs, slot, offset, ranks, scales,
     bn, bk, split, warps, stages = config
     (rows, k), n, groups = x.shape, w.shape[1], len(widths)
     shrink_bk = min(SHRINK_BK, k // parts)
-    if any(width % bn for width in widths) or k % (split * bk) or k % (parts * shrink_bk):
+    if any(width % bn for width in widths) or k % (split * bk) or k % (parts * shrink_bk) or rows % ROW_CHUNK \
+            or bn % min(EXPAND_BN, bn):
         raise ValueError(f"shapes {k} x {widths} do not fit config {config} / {parts} shrink parts")
     block_starts = [0]
     for width in widths:
         block_starts.append(block_starts[-1] + width // bn)
     kernel = functools.partial(_fused_kernel, groups=groups, block_starts=tuple(block_starts), bn=bn, bk=bk,
                                split=split, parts=parts, shrink_bk=shrink_bk, rows=rows, spin=not interpret)
-    out_dtype = x.dtype if split == 1 else _F32
-    out, _, _ = pl.pallas_call(
+    out, delta, _, _ = pl.pallas_call(
         kernel,
         name="fused_gemm_lora",
-        out_shape=(jax.ShapeDtypeStruct((split, rows, n), out_dtype),
+        out_shape=(jax.ShapeDtypeStruct((split, rows, n), _F32), jax.ShapeDtypeStruct((rows, n), _F32),
                    jax.ShapeDtypeStruct((parts, rows, groups * R), _F32),
                    jax.ShapeDtypeStruct((2,), jnp.int32)),
-        grid=(rows * parts + (n // bn) * split,),
-        input_output_aliases={4 * groups + 4: 2},
+        grid=(rows * parts + (n // bn) * split + (rows // ROW_CHUNK) * (n // bn),),
+        input_output_aliases={4 * groups + 4: 3},
         compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
     )(slot, jnp.reshape(offset, (1,)).astype(jnp.int32), *ranks, *scales, x, w, *lora_as, *lora_bs,
       jnp.zeros((2,), jnp.int32))
-    return out[0] if split == 1 else out.sum(0).astype(x.dtype)
+    return (out.sum(0) + delta).astype(x.dtype)  # one XLA fusion: the K splits and the LoRA, one rounding
 
 
 def make_group(key, k, widths, layers, slots):
