@@ -814,6 +814,18 @@ fused_decode_probe() {  # one H200, issue 34 item 3: a projection group's GEMM a
       --out "$OUT/fused_decode_probe_h200.json" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 40
 }
 
+serve100() {  # one H200, alone, issue 34 item 4: the 100-request distinct trace (more adapters than the 64 slots),
+  # base and LoRA, with the guard's compile cache (.jitcache and .whl carried); ~4 min
+  nvidia-smi -L
+  local cache=/tmp/jaxlora_serve_jit_cache
+  if [ -e .jitcache/jitcache.part00 ]; then python3 bench/jit_cache.py unpack .jitcache/jitcache $cache; fi
+  server_wheels || return 1
+  timeout $((LIMIT - SECONDS - 5)) python3 bench/serve.py --lora-backend hybrid --max-num-seqs 256 --token-budget 2048 \
+      --prefill-chunk 2048 --requests 100 --cases punica:distinct --compile-cache $cache \
+      --out "$OUT/serve100_h200.json" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 30
+  rm -f "$OUT"/*.png
+}
+
 guard() {  # one H200: the regression guard's serving trace (bench/regress.py --only serve; .jitcache and .whl
   # carried), alone on the machine; then, with the time left, the disk-read benchmark (CPU work beside no engine)
   nvidia-smi -L
