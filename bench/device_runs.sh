@@ -800,6 +800,15 @@ window_profile() {  # one H200, issue 34 item 3: per-kernel profile of the adapt
   rm -rf "$OUT/serve_profile_traces"
 }
 
+window_mask_probe() {  # one H200, issue 34 item 3: the adapter window's shrink mask as a select, a per-layer
+  # multiply and a per-step multiply, against the window-less GEMMs (bench/window_mask_probe.py), ~3 min
+  nvidia-smi -L
+  server_wheels
+  timeout $((LIMIT - SECONDS - 5)) python3 bench/window_mask_probe.py ${PROBE_ARGS:-} \
+      --out "$OUT/window_mask_probe_h200.json" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 40
+  rm -rf /tmp/window_mask_probe
+}
+
 decode_gemm_probe() {  # one H200, issue 34 item 3: a Pallas (Triton) decode GEMM against XLA's at the 8B projections'
   # shapes, 32 and 64 rows (bench/decode_gemm_probe.py), ~3 min
   nvidia-smi -L

@@ -18,6 +18,7 @@ from jaxlora.lora.plan import LoraPlan, WindowPlan
 from jaxlora.nn.model_config import PACKED_PROJECTIONS, PROJECTIONS
 from jaxlora.nn.layers import dense
 from pallas_kernels.fused_lora_layout import dropout_inv_keep, dropout_mask
+from pallas_kernels.window_expand import window_expand
 
 
 class LoraInputs(NamedTuple):
@@ -67,8 +68,7 @@ def project(x: jax.Array, weights: dict[str, jax.Array], name: str, layer_lora: 
     layer's `LayerLora` or None. Returns [..., n] in x's dtype."""
     window = _window_plan(layer_lora)
     if window is not None:
-        y, delta = _window_output(x, weights, name, window)
-        return y if delta is None else y + delta
+        return _window_output(x, weights, name, window)
     has_lora = layer_lora is not None and name in layer_lora.pool
     if has_lora and layer_lora.backend.fused:
         y = _fused_project(x, weights[f"{name}.kernel"], name, layer_lora)
@@ -119,17 +119,12 @@ def _project_packed(x: jax.Array, weights: dict[str, jax.Array], names: tuple, p
     grouped = [name for name in names if layer_lora is not None and name in layer_lora.pool]
     if grouped and window is None and (layer_lora.backend.fused or layer_lora.inputs.dropout_rate is not None):
         return project_group(x, _unpacked(weights, names, packed, sizes), names, layer_lora)
-    delta = None
     if window is not None:
-        y, delta = _window_output(x, weights, packed, window)
+        y = _window_output(x, weights, packed, window)
     else:
         y = _base_output(x, weights, packed, _output_dtype(x, layer_lora) if grouped else x.dtype)
     cuts = np.cumsum(sizes)[:-1].tolist()  # where each projection's columns start in the packed output
     ys = dict(zip(names, jnp.split(y, cuts, axis=-1)))
-    if delta is not None and delta.ndim > y.ndim:  # one delta per projection: [P, ..., T, n_p]
-        ys = {name: ys[name] + delta[p] for p, name in enumerate(names)}
-    elif delta is not None:
-        ys = dict(zip(names, jnp.split(y + delta, cuts, axis=-1)))
     if grouped and window is None:
         pools = [layer_lora.pool[name] for name in grouped]
         plan = layer_lora.inputs.plan
@@ -187,32 +182,18 @@ def _window_plan(layer_lora: LayerLora | None) -> WindowPlan | None:
     return plan if isinstance(plan, WindowPlan) else None
 
 
-def _window_output(x: jax.Array, weights: dict[str, jax.Array], name: str,
-                   plan: WindowPlan) -> tuple[jax.Array, jax.Array | None]:
-    """(x @ W (+ bias), each row's LoRA delta from the adapter window), both in x's dtype as PEFT
-    adds them (`jaxlora.models.packed.add_adapter_window`): the kernel `<name>.kernel`
-    [k, n + P*W*r] gives the base output and every window slot's shrink in one GEMM; each row
-    keeps its own slot's columns and those of its extra slot (`plan`: x's rows are its tokens); one GEMM with
-    `<name>.window_b` (B times the scale) expands them: block-diagonal [P*W*r, n] -> delta
-    [..., T, n]; or one block per projection [P, W*r, n_p] (a batched GEMM, no zero blocks) ->
-    delta [P, ..., T, n_p]. A kernel without window columns: (the base output, None).
-    x [..., T, k]."""
+def _window_output(x: jax.Array, weights: dict[str, jax.Array], name: str, plan: WindowPlan) -> jax.Array:
+    """x @ W (+ bias) plus each row's LoRA delta from the adapter window, in x's dtype as PEFT adds
+    it (`jaxlora.models.packed.add_adapter_window`): the kernel `<name>.kernel` [k, n + P*W*r]
+    gives the base output and every window slot's shrink in one GEMM; each row keeps its own
+    slot's columns and those of its extra slot (`plan`: x's rows are its tokens), expanded by
+    `<name>.window_b` (`pallas_kernels.window_expand`: one kernel on a GPU, in place on the GEMM's
+    output). A kernel without window columns: the base output. x [..., T, k]."""
     if f"{name}.window_b" not in weights:
-        return _base_output(x, weights, name, x.dtype).astype(x.dtype), None
-    window_b = weights[f"{name}.window_b"]
-    width = _window_width(weights, name)
+        return _base_output(x, weights, name, x.dtype).astype(x.dtype)
     y = jnp.dot(x, weights[f"{name}.kernel"], preferred_element_type=x.dtype)  # f32 accumulation
-    base, shrink = y[..., :width], y[..., width:]
-    if f"{name}.bias" in weights:
-        base = base + weights[f"{name}.bias"].astype(x.dtype)
-    columns = jnp.tile(plan.column_window, shrink.shape[-1] // plan.column_window.shape[0])
-    own = (columns[None, :] == plan.token_window[:, None]) | (columns[None, :] == plan.token_extra[:, None])
-    shrink = jnp.where(own, shrink, 0).astype(window_b.dtype)
-    if window_b.ndim == 2:
-        return base, jnp.dot(shrink, window_b, preferred_element_type=x.dtype)
-    per_projection = jnp.moveaxis(shrink.reshape(*shrink.shape[:-1], *window_b.shape[:2]), -2, 0)
-    return base, jnp.matmul(per_projection, window_b[(slice(None),) + (None,) * (x.ndim - 2)],
-                            preferred_element_type=x.dtype)
+    return window_expand(y, weights[f"{name}.window_b"], plan.token_window, plan.token_extra, plan.column_window,
+                         weights.get(f"{name}.bias"))
 
 
 def _dropout_seed(lora: LoraInputs, layer_index: jax.Array, name: str) -> jax.Array:

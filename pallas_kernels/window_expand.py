@@ -1,0 +1,140 @@
+"""The adapter window's expand: each row's LoRA delta from the shrink columns that the base GEMM
+wrote beside its output, added to that output (`jaxlora.models.packed.add_adapter_window` holds
+the window; `jaxlora.lora.project` calls this on a step whose adapters all sit in it).
+
+Layout: y [T, n + P*W*r] is x @ [W | A_window]: n base columns (P projections side by side, of
+widths `widths`), then P*W*r shrink columns, column (p*W + w)*r + i being rank component i of
+window slot w's projection p. window_b is B times the scale, block-diagonal [P*W*r, n] (rows of
+projection p only in p's columns) or batched [P, W*r, n_p] (every projection of width n_p). A row
+t keeps the shrink columns of its slot token_window[t] and of token_extra[t] (-1: none), the
+others are zero, and its delta is that shrink @ B. column_window [W*r] int32 gives the window slot
+of each of a projection's W*r columns (c // r).
+
+The reference (any platform) is the plain jnp form: a select, then one GEMM. XLA runs that as two
+kernels per call on a GPU (the select, reading the shrink columns sliced out of y, and the
+expand GEMM), 128 of each in an 8B decode step. The GPU kernel does the select, the expand and
+the add in one launch, in place on y (aliased; no column of y copied out): one program per block
+of rows and of `BLOCK_N` base columns; a batched B's program reads its projection's W*r rows, a
+block-diagonal one all P*W*r (its zero blocks too: the layout does not say which projections have
+window columns when only some do).
+
+`impl`: as `pallas_kernels.dispatch` (None: "gpu" on a GPU, the reference elsewhere).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.dispatch import resolve_impl
+
+BLOCK_N = 128  # base columns per program
+MAX_BLOCK_T = 64  # rows per program
+_F32, _I32 = jnp.float32, jnp.int32
+
+
+def window_expand(y: jax.Array, window_b: jax.Array, token_window: jax.Array, token_extra: jax.Array,
+                  column_window: jax.Array, bias: jax.Array | None = None, *, impl: str | None = None) -> jax.Array:
+    """y [..., T, n + P*W*r] -> [..., T, n]: the base columns (+ `bias` [n]) plus each row's window
+    LoRA delta, in y's dtype. token_window, token_extra [T] int32 (y's rows, flattened);
+    column_window [W*r] int32."""
+    n, wr = _base_width(window_b), column_window.shape[0]
+    k = window_b.shape[0] * (window_b.shape[1] if window_b.ndim == 3 else 1)
+    if y.shape[-1] != n + k or k % wr:
+        raise ValueError(f"y's {y.shape[-1]} columns must be B's {n} base columns plus its {k} rows "
+                         f"(a multiple of the window's {wr} columns); B {window_b.shape}")
+    style, interpret = resolve_impl(impl)
+    if style == "gpu" and wr >= 16 and not window_b.shape[-1] % BLOCK_N:
+        rows = y.reshape(-1, y.shape[-1])
+        out = window_expand_gpu(rows, window_b, token_window, token_extra, column_window, interpret=interpret)
+        out = out[:, :n].reshape(*y.shape[:-1], n)
+        return out if bias is None else out + bias.astype(out.dtype)
+    return window_expand_reference(y, window_b, token_window, token_extra, column_window, bias)
+
+
+def window_expand_reference(y, window_b, token_window, token_extra, column_window, bias=None):
+    """`window_expand` in plain jnp: the base columns (+ bias) plus (the row's own shrink columns,
+    the others zeroed) @ window_b, the GEMM written in y's dtype (the form the engine ran on
+    every platform before the GPU kernel)."""
+    width = _base_width(window_b)
+    base, shrink = y[..., :width], y[..., width:]
+    if bias is not None:
+        base = base + bias.astype(y.dtype)
+    columns = jnp.tile(column_window, shrink.shape[-1] // column_window.shape[0])
+    own = (columns[None, :] == token_window[:, None]) | (columns[None, :] == token_extra[:, None])
+    shrink = jnp.where(own, shrink, 0).astype(window_b.dtype)
+    if window_b.ndim == 2:
+        return base + jnp.dot(shrink, window_b, preferred_element_type=y.dtype)
+    per_projection = jnp.moveaxis(shrink.reshape(*shrink.shape[:-1], *window_b.shape[:2]), -2, 0)
+    delta = jnp.matmul(per_projection, window_b[(slice(None),) + (None,) * (y.ndim - 2)],
+                       preferred_element_type=y.dtype)
+    return base + jnp.concatenate(list(delta), axis=-1)
+
+
+def _base_width(window_b) -> int:
+    """n: window_b [P*W*r, n] or [P, W*r, n_p] (n = P * n_p)."""
+    return window_b.shape[-1] * (window_b.shape[0] if window_b.ndim == 3 else 1)
+
+
+def _pow2_at_least(v: int) -> int:
+    return max(16, 1 << max(v - 1, 0).bit_length())
+
+
+def _kernel(tw_ref, te_ref, cw_ref, y_ref, b_ref, out_ref, *, rows: int, block_t: int, n: int, k: int,
+            block_k: int, wr: int, batch_width: int | None):
+    """Rows [i*block_t, +block_t) x base columns [j*BLOCK_N, +BLOCK_N): y's base block plus the
+    masked shrink [block_t, block_k] @ B's rows [block_k, BLOCK_N] (a batched B: projection p's
+    W*r rows and shrink columns; block-diagonal: all P*W*r, padded to block_k with zeros)."""
+    i, j = pl.program_id(0), pl.program_id(1)
+    row0, col0 = i * block_t, j * BLOCK_N
+    live = row0 + lax.broadcasted_iota(_I32, (block_t,), 0) < rows
+    tw = plt.load(tw_ref.at[pl.ds(row0, block_t)], mask=live, other=-1)
+    te = plt.load(te_ref.at[pl.ds(row0, block_t)], mask=live, other=-1)
+    if batch_width is None:
+        k0, b_col0 = 0, col0
+    else:  # projection p = col0 // n_p: its W*r rows of B [P*W*r, n_p] and its shrink columns
+        p = col0 // batch_width
+        k0, b_col0 = p * wr, col0 - p * batch_width
+    ks = lax.broadcasted_iota(_I32, (block_k,), 0)
+    in_k = ks < (wr if batch_width is not None else k)
+    slot = plt.load(cw_ref.at[ks % wr], mask=in_k, other=-1)
+    rows_at = jnp.minimum(row0 + lax.broadcasted_iota(_I32, (block_t,), 0), rows - 1)
+    cols_at = jnp.minimum(n + k0 + ks, n + k - 1)  # block_k may run past y's last column: masked
+    shrink = plt.load(y_ref.at[rows_at[:, None], cols_at[None, :]], mask=live[:, None] & in_k[None, :], other=0)
+    own = (slot[None, :] == tw[:, None]) | (slot[None, :] == te[:, None])
+    shrink = jnp.where(own & in_k[None, :], shrink, jnp.zeros((), shrink.dtype)).astype(b_ref.dtype)
+    b_rows = jnp.minimum(k0 + ks, b_ref.shape[0] - 1)
+    b = plt.load(b_ref.at[b_rows[:, None], b_col0 + lax.broadcasted_iota(_I32, (1, BLOCK_N), 1)],
+                 mask=in_k[:, None], other=0)
+    delta = jnp.dot(shrink, b, preferred_element_type=_F32)
+    at = (pl.ds(row0, block_t), pl.ds(col0, BLOCK_N))
+    base = plt.load(y_ref.at[at], mask=live[:, None], other=0).astype(_F32)
+    plt.store(out_ref.at[at], (base + delta).astype(out_ref.dtype), mask=live[:, None])
+
+
+def window_expand_gpu(y, window_b, token_window, token_extra, column_window, *, interpret: bool = False):
+    """The GPU kernel of `window_expand` on y [T, n + P*W*r] (2-D), in place (y aliased to the
+    output, whose shrink columns it leaves as they were): grid (row blocks, base column blocks of
+    BLOCK_N). B's last axis a multiple of BLOCK_N; W*r >= 16."""
+    rows, wr, n = y.shape[0], column_window.shape[0], _base_width(window_b)
+    batched = window_b.ndim == 3
+    k = window_b.shape[0] * (window_b.shape[1] if batched else 1)
+    kernel = functools.partial(_kernel, rows=rows, block_t=min(MAX_BLOCK_T, _pow2_at_least(rows)), n=n, k=k,
+                               block_k=_pow2_at_least(wr if batched else k), wr=wr,
+                               batch_width=window_b.shape[-1] if batched else None)
+    block_t = min(MAX_BLOCK_T, _pow2_at_least(rows))
+    return pl.pallas_call(
+        kernel,
+        name="window_expand",
+        out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
+        grid=(pl.cdiv(rows, block_t), n // BLOCK_N),
+        input_output_aliases={3: 0},
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+    )(token_window.reshape(-1).astype(_I32), token_extra.reshape(-1).astype(_I32), column_window.astype(_I32), y,
+      window_b.reshape(-1, window_b.shape[-1]))
