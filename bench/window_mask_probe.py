@@ -39,10 +39,14 @@ import numpy as np
 
 from bench.timing import kernel_category, kernel_times, median_call_seconds
 from jaxlora.lora.plan import build_window_plan
-from pallas_kernels.window_expand import window_expand, window_expand_reference
+import pallas_kernels.window_expand as window_expand_module
+from jaxlora.lora.project import StackedWeight, _window_output
+from pallas_kernels.window_expand import window_expand_reference
 
 _F32, _BF16 = jnp.float32, jnp.bfloat16
 VARIANTS = ("base", "columns", "where", "mul_layer", "mul_step", "kernel")
+# kernel tiles swept besides the default: (name, BLOCK_N, NUM_WARPS) of pallas_kernels.window_expand
+KERNEL_TILES = {"kernel_n64": (64, 4), "kernel_n256": (256, 4), "kernel_w2": (128, 2), "kernel_n64_w2": (64, 2)}
 R, W = 16, 8
 
 
@@ -101,10 +105,12 @@ def _group(variant, x, weights, name, plan, masks):
     if variant == "columns":
         y = jnp.dot(x, weights[f"{name}.kernel"], preferred_element_type=x.dtype)
         return y[..., :_base_width(weights, name)], None
-    if variant in ("where", "kernel"):
+    if variant.startswith("kernel"):  # the engine's path (a StackedWeight in the stacked layout)
+        return _window_output(x, weights, name, plan), None
+    if variant == "where":
         y = jnp.dot(x, weights[f"{name}.kernel"], preferred_element_type=x.dtype)
-        expand = window_expand if variant == "kernel" else window_expand_reference
-        return expand(y, weights[f"{name}.window_b"], plan.token_window, plan.token_extra, plan.column_window), None
+        return window_expand_reference(y, weights[f"{name}.window_b"], plan.token_window, plan.token_extra,
+                                       plan.column_window), None
     if variant == "mul_layer":
         return _masked_output(x, weights, name, lambda p: _masks(plan)[p])
     return _masked_output(x, weights, name, lambda p: masks[p])
@@ -143,9 +149,17 @@ def chain(variant: str, s: dict):
 
     def run(x, layers, plan):
         masks = _masks(plan) if variant == "mul_step" else None
-        if isinstance(layers, dict):
+        if isinstance(layers, dict):  # as jaxlora.models.paged: the kernel gets the B stacks whole
             count = next(iter(layers.values())).shape[0]
-            x, _ = jax.lax.scan(lambda h, w: (one(h, w, plan, masks), None), x, layers, unroll=count)
+            whole = {k: v for k, v in layers.items() if k.endswith(".window_b") and variant.startswith("kernel")}
+            scanned = {k: v for k, v in layers.items() if k not in whole}
+
+            def body(h, per_layer):
+                w, index = per_layer
+                w = {**w, **{k: StackedWeight(v, index) for k, v in whole.items()}}
+                return one(h, w, plan, masks), None
+
+            x, _ = jax.lax.scan(body, x, (scanned, jnp.arange(count)), unroll=count)
             return x
         for w in layers:
             x = one(x, w, plan, masks)
@@ -160,7 +174,7 @@ def main() -> None:
     parser.add_argument("--dump-hlo", default=None, help="write each variant's compiled HLO into this folder")
     parser.add_argument("--rows", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + tuple(KERNEL_TILES))
     parser.add_argument("--layouts", nargs="+", default=["split", "stacked"], choices=["split", "stacked"])
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out", default=None)
@@ -174,7 +188,7 @@ def main() -> None:
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "layers": args.layers, "window": W, "rank": R, "cases": []}
-    variants = [v for v in VARIANTS if v in args.variants or v in ("columns", "where")]
+    variants = [v for v in VARIANTS + tuple(KERNEL_TILES) if v in args.variants or v in ("columns", "where")]
     for layout, rows in [(layout, rows) for layout in args.layouts for rows in args.rows]:
         layers = split if layout == "split" else stacked
         x = jax.random.normal(jax.random.PRNGKey(rows), (rows, s["hidden"]), _F32).astype(_BF16)
@@ -183,6 +197,8 @@ def main() -> None:
         case = {"layout": layout, "rows": rows}
         outs = {}
         for variant in variants:
+            block_n, warps = KERNEL_TILES.get(variant, (128, 4))
+            window_expand_module.BLOCK_N, window_expand_module.NUM_WARPS = block_n, warps
             compiled = jax.jit(chain(variant, s)).lower(x, layers, plan).compile()
             outs[variant] = np.asarray(compiled(x, layers, plan).astype(_F32))
             if args.dump_hlo:

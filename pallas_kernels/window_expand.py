@@ -18,6 +18,10 @@ of rows and of `BLOCK_N` base columns; a batched B's program reads its projectio
 block-diagonal one all P*W*r (its zero blocks too: the layout does not say which projections have
 window columns when only some do).
 
+Stacked weights (the engine's layer scan): with `layer` given, window_b is every layer's B
+[L, ...] and the call uses layer `layer`; the kernel reads the stack in place (a Pallas operand
+that is a slice of a stack is a copy: 4 a layer, +11 us a layer of the 8B shape on an H200).
+
 `impl`: as `pallas_kernels.dispatch` (None: "gpu" on a GPU, the reference elsewhere).
 """
 
@@ -33,35 +37,41 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.dispatch import resolve_impl
 
-BLOCK_N = 128  # base columns per program
+BLOCK_N = 128  # base columns per program (at most)
 MAX_BLOCK_T = 64  # rows per program
+NUM_WARPS = 4
 _F32, _I32 = jnp.float32, jnp.int32
 
 
 def window_expand(y: jax.Array, window_b: jax.Array, token_window: jax.Array, token_extra: jax.Array,
-                  column_window: jax.Array, bias: jax.Array | None = None, *, impl: str | None = None) -> jax.Array:
+                  column_window: jax.Array, bias: jax.Array | None = None, *, layer: jax.Array | None = None,
+                  impl: str | None = None) -> jax.Array:
     """y [..., T, n + P*W*r] -> [..., T, n]: the base columns (+ `bias` [n]) plus each row's window
     LoRA delta, in y's dtype. token_window, token_extra [T] int32 (y's rows, flattened);
-    column_window [W*r] int32."""
-    n, wr = _base_width(window_b), column_window.shape[0]
-    k = window_b.shape[0] * (window_b.shape[1] if window_b.ndim == 3 else 1)
+    column_window [W*r] int32; layer: None (window_b is one layer's) or an int32 scalar
+    (window_b [L, ...] is the stack)."""
+    shape = window_b.shape if layer is None else window_b.shape[1:]
+    n, k, wr = _base_width(shape), _shrink_width(shape), column_window.shape[0]
     if y.shape[-1] != n + k or k % wr:
         raise ValueError(f"y's {y.shape[-1]} columns must be B's {n} base columns plus its {k} rows "
-                         f"(a multiple of the window's {wr} columns); B {window_b.shape}")
+                         f"(a multiple of the window's {wr} columns); B {shape}")
     style, interpret = resolve_impl(impl)
-    if style == "gpu" and wr >= 16 and not window_b.shape[-1] % BLOCK_N:
+    block_n = _block_n(shape[-1])
+    if style == "gpu" and wr >= 16 and block_n:
         rows = y.reshape(-1, y.shape[-1])
-        out = window_expand_gpu(rows, window_b, token_window, token_extra, column_window, interpret=interpret)
+        out = window_expand_gpu(rows, window_b, token_window, token_extra, column_window, layer, block_n=block_n,
+                                interpret=interpret)
         out = out[:, :n].reshape(*y.shape[:-1], n)
         return out if bias is None else out + bias.astype(out.dtype)
+    window_b = window_b if layer is None else window_b[layer]
     return window_expand_reference(y, window_b, token_window, token_extra, column_window, bias)
 
 
 def window_expand_reference(y, window_b, token_window, token_extra, column_window, bias=None):
-    """`window_expand` in plain jnp: the base columns (+ bias) plus (the row's own shrink columns,
-    the others zeroed) @ window_b, the GEMM written in y's dtype (the form the engine ran on
-    every platform before the GPU kernel)."""
-    width = _base_width(window_b)
+    """`window_expand` in plain jnp (one layer's window_b): the base columns (+ bias) plus (the
+    row's own shrink columns, the others zeroed) @ window_b, the GEMM written in y's dtype (the
+    form the engine ran on every platform before the GPU kernel)."""
+    width = _base_width(window_b.shape)
     base, shrink = y[..., :width], y[..., width:]
     if bias is not None:
         base = base + bias.astype(y.dtype)
@@ -76,22 +86,37 @@ def window_expand_reference(y, window_b, token_window, token_extra, column_windo
     return base + jnp.concatenate(list(delta), axis=-1)
 
 
-def _base_width(window_b) -> int:
-    """n: window_b [P*W*r, n] or [P, W*r, n_p] (n = P * n_p)."""
-    return window_b.shape[-1] * (window_b.shape[0] if window_b.ndim == 3 else 1)
+def _base_width(shape) -> int:
+    """n of one layer's B: [P*W*r, n] or [P, W*r, n_p] (n = P * n_p)."""
+    return shape[-1] * (shape[0] if len(shape) == 3 else 1)
+
+
+def _shrink_width(shape) -> int:
+    """P*W*r of one layer's B (its rows)."""
+    return shape[0] * (shape[1] if len(shape) == 3 else 1)
+
+
+def _block_n(width: int) -> int:
+    """The kernel's column block for B's last axis `width`: the largest power of two <= BLOCK_N
+    dividing it, at least 16; 0 where none does (the reference runs)."""
+    block = BLOCK_N
+    while block >= 16 and width % block:
+        block //= 2
+    return block if block >= 16 else 0
 
 
 def _pow2_at_least(v: int) -> int:
     return max(16, 1 << max(v - 1, 0).bit_length())
 
 
-def _kernel(tw_ref, te_ref, cw_ref, y_ref, b_ref, out_ref, *, rows: int, block_t: int, n: int, k: int,
-            block_k: int, wr: int, batch_width: int | None):
-    """Rows [i*block_t, +block_t) x base columns [j*BLOCK_N, +BLOCK_N): y's base block plus the
-    masked shrink [block_t, block_k] @ B's rows [block_k, BLOCK_N] (a batched B: projection p's
-    W*r rows and shrink columns; block-diagonal: all P*W*r, padded to block_k with zeros)."""
+def _kernel(tw_ref, te_ref, cw_ref, offset_ref, y_ref, b_ref, out_ref, *, rows: int, block_t: int, block_n: int,
+            n: int, k: int, block_k: int, wr: int, batch_width: int | None):
+    """Rows [i*block_t, +block_t) x base columns [j*block_n, +block_n): y's base block plus the
+    masked shrink [block_t, block_k] @ B's rows [block_k, block_n] (a batched B: projection p's
+    W*r rows and shrink columns; block-diagonal: all P*W*r, padded to block_k with zeros). B's
+    rows of this layer start at offset_ref[0] of the flattened stack."""
     i, j = pl.program_id(0), pl.program_id(1)
-    row0, col0 = i * block_t, j * BLOCK_N
+    row0, col0 = i * block_t, j * block_n
     live = row0 + lax.broadcasted_iota(_I32, (block_t,), 0) < rows
     tw = plt.load(tw_ref.at[pl.ds(row0, block_t)], mask=live, other=-1)
     te = plt.load(te_ref.at[pl.ds(row0, block_t)], mask=live, other=-1)
@@ -108,33 +133,36 @@ def _kernel(tw_ref, te_ref, cw_ref, y_ref, b_ref, out_ref, *, rows: int, block_t
     shrink = plt.load(y_ref.at[rows_at[:, None], cols_at[None, :]], mask=live[:, None] & in_k[None, :], other=0)
     own = (slot[None, :] == tw[:, None]) | (slot[None, :] == te[:, None])
     shrink = jnp.where(own & in_k[None, :], shrink, jnp.zeros((), shrink.dtype)).astype(b_ref.dtype)
-    b_rows = jnp.minimum(k0 + ks, b_ref.shape[0] - 1)
-    b = plt.load(b_ref.at[b_rows[:, None], b_col0 + lax.broadcasted_iota(_I32, (1, BLOCK_N), 1)],
+    b_rows = jnp.minimum(offset_ref[0] + k0 + ks, b_ref.shape[0] - 1)
+    b = plt.load(b_ref.at[b_rows[:, None], b_col0 + lax.broadcasted_iota(_I32, (1, block_n), 1)],
                  mask=in_k[:, None], other=0)
     delta = jnp.dot(shrink, b, preferred_element_type=_F32)
-    at = (pl.ds(row0, block_t), pl.ds(col0, BLOCK_N))
+    at = (pl.ds(row0, block_t), pl.ds(col0, block_n))
     base = plt.load(y_ref.at[at], mask=live[:, None], other=0).astype(_F32)
     plt.store(out_ref.at[at], (base + delta).astype(out_ref.dtype), mask=live[:, None])
 
 
-def window_expand_gpu(y, window_b, token_window, token_extra, column_window, *, interpret: bool = False):
+def window_expand_gpu(y, window_b, token_window, token_extra, column_window, layer=None, *,
+                      block_n: int = BLOCK_N, num_warps: int | None = None, interpret: bool = False):
     """The GPU kernel of `window_expand` on y [T, n + P*W*r] (2-D), in place (y aliased to the
     output, whose shrink columns it leaves as they were): grid (row blocks, base column blocks of
-    BLOCK_N). B's last axis a multiple of BLOCK_N; W*r >= 16."""
-    rows, wr, n = y.shape[0], column_window.shape[0], _base_width(window_b)
-    batched = window_b.ndim == 3
-    k = window_b.shape[0] * (window_b.shape[1] if batched else 1)
-    kernel = functools.partial(_kernel, rows=rows, block_t=min(MAX_BLOCK_T, _pow2_at_least(rows)), n=n, k=k,
-                               block_k=_pow2_at_least(wr if batched else k), wr=wr,
-                               batch_width=window_b.shape[-1] if batched else None)
+    `block_n`). window_b: one layer's, or the stack [L, ...] with `layer`. B's last axis a
+    multiple of block_n; W*r >= 16."""
+    shape = window_b.shape if layer is None else window_b.shape[1:]
+    rows, wr, n, k = y.shape[0], column_window.shape[0], _base_width(shape), _shrink_width(shape)
+    batched = len(shape) == 3
     block_t = min(MAX_BLOCK_T, _pow2_at_least(rows))
+    kernel = functools.partial(_kernel, rows=rows, block_t=block_t, block_n=block_n, n=n, k=k,
+                               block_k=_pow2_at_least(wr if batched else k), wr=wr,
+                               batch_width=shape[-1] if batched else None)
+    offset = jnp.zeros((1,), _I32) if layer is None else (jnp.asarray(layer, _I32) * k).reshape(1)
     return pl.pallas_call(
         kernel,
         name="window_expand",
         out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
-        grid=(pl.cdiv(rows, block_t), n // BLOCK_N),
-        input_output_aliases={3: 0},
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
+        grid=(pl.cdiv(rows, block_t), n // block_n),
+        input_output_aliases={4: 0},
+        compiler_params=plt.CompilerParams(num_warps=num_warps or NUM_WARPS, num_stages=2),
         interpret=interpret,
-    )(token_window.reshape(-1).astype(_I32), token_extra.reshape(-1).astype(_I32), column_window.astype(_I32), y,
-      window_b.reshape(-1, window_b.shape[-1]))
+    )(token_window.reshape(-1).astype(_I32), token_extra.reshape(-1).astype(_I32), column_window.astype(_I32),
+      offset, y, window_b.reshape(-1, window_b.shape[-1]))

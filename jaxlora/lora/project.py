@@ -47,6 +47,15 @@ class LayerLora(NamedTuple):
     layer: jax.Array
 
 
+class StackedWeight(NamedTuple):
+    """A layer weight passed as every layer's stack [L, ...] and the layer a call reads (int32
+    scalar): the adapter window's B (`<name>.window_b`) in the paged forward's layer scan, which
+    the window's GPU kernel reads in place (a slice of a stack given to a kernel is a copy)."""
+
+    stack: jax.Array
+    layer: jax.Array
+
+
 def layer_lora(inputs: LoraInputs | None, layer_pool: dict | None, backend: LoraBackend, layer) -> LayerLora | None:
     """The LoRA context of one layer, or None without adapters. layer_pool: this layer's pool
     arrays; None takes the whole stacked pool of `inputs` at `layer` (`StackedModulePool`s: the
@@ -172,9 +181,11 @@ def _base_output(x: jax.Array, weights: dict[str, jax.Array], name: str, dtype=j
 
 def _window_width(weights: dict[str, jax.Array], name: str) -> int:
     """The base output width of a kernel with window columns: `<name>.window_b` is [P*W*r, n]
-    (block-diagonal) or [P, W*r, n_p] (one block per projection, all P of width n_p)."""
+    (block-diagonal) or [P, W*r, n_p] (one block per projection, all P of width n_p), or a
+    `StackedWeight` of those."""
     window_b = weights[f"{name}.window_b"]
-    return window_b.shape[-1] * (window_b.shape[0] if window_b.ndim == 3 else 1)
+    shape = window_b.stack.shape[1:] if isinstance(window_b, StackedWeight) else window_b.shape
+    return shape[-1] * (shape[0] if len(shape) == 3 else 1)
 
 
 def _window_plan(layer_lora: LayerLora | None) -> WindowPlan | None:
@@ -192,8 +203,10 @@ def _window_output(x: jax.Array, weights: dict[str, jax.Array], name: str, plan:
     if f"{name}.window_b" not in weights:
         return _base_output(x, weights, name, x.dtype).astype(x.dtype)
     y = jnp.dot(x, weights[f"{name}.kernel"], preferred_element_type=x.dtype)  # f32 accumulation
-    return window_expand(y, weights[f"{name}.window_b"], plan.token_window, plan.token_extra, plan.column_window,
-                         weights.get(f"{name}.bias"))
+    window_b = weights[f"{name}.window_b"]
+    stack, layer = window_b if isinstance(window_b, StackedWeight) else (window_b, None)
+    return window_expand(y, stack, plan.token_window, plan.token_extra, plan.column_window,
+                         weights.get(f"{name}.bias"), layer=layer)
 
 
 def _dropout_seed(lora: LoraInputs, layer_index: jax.Array, name: str) -> jax.Array:

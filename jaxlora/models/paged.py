@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jaxlora.lora.plan import ServingPlan
 from jaxlora.lora import backends
 from jaxlora.lora.backends import LoraBackend
-from jaxlora.lora.project import LoraInputs, layer_lora
+from jaxlora.lora.project import LoraInputs, StackedWeight, layer_lora
 from jaxlora.nn.model_config import LlamaConfig
 from jaxlora.nn.layers import AttentionSpec
 from jaxlora.models.llama import Llama, decoder_layer
@@ -205,8 +205,15 @@ def paged_hidden(
             pool = None if per_layer_pool is None else jax.tree.map(lambda a, i=index: a[i], per_layer_pool)
             carry, _ = one_layer(carry, (layer_weights, pool, jnp.asarray(index, jnp.int32)), step)
         hidden, k, v = carry
-    else:
-        per_layer = (weights, per_layer_pool, jnp.arange(config.num_layers))
-        (hidden, k, v), _ = jax.lax.scan(lambda c, p: layer(c, p, step), carry, per_layer,
-                                         unroll=config.num_layers if unroll else 1)
+    else:  # the adapter window's B goes to every layer whole, with the layer's index (`StackedWeight`)
+        whole = {key: stack for key, stack in weights.items() if key.endswith(".window_b")}
+        scanned = {key: stack for key, stack in weights.items() if key not in whole}
+
+        def stacked_layer(c, p):
+            layer_weights, pool, index = p
+            layer_weights = {**layer_weights, **{key: StackedWeight(stack, index) for key, stack in whole.items()}}
+            return layer(c, (layer_weights, pool, index), step)
+
+        per_layer = (scanned, per_layer_pool, jnp.arange(config.num_layers))
+        (hidden, k, v), _ = jax.lax.scan(stacked_layer, carry, per_layer, unroll=config.num_layers if unroll else 1)
     return (hidden[0] if every_token else hidden[0, batch.logit_indices]), PagedKVCache(k, v)

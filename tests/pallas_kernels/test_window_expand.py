@@ -78,12 +78,12 @@ def test_base_rows_and_bias():
 
 
 def test_leading_axes_and_fallback_shapes():
-    """y [1, T, .] (the model's batch axis) keeps its axes; widths off the kernel's column block
-    take the reference on every impl; a y whose columns do not match B is a clear error."""
-    widths = (48, 16)  # not multiples of BLOCK_N
+    """y [1, T, .] (the model's batch axis) keeps its axes; base columns that no column block
+    divides take the reference on every impl; a y whose columns do not match B is a clear error."""
+    widths = (48, 24)  # 72 base columns: no power-of-two block >= 16 divides them
     y, b, tw, te, cw, _ = _case(5, widths, False, 6, jnp.float32)
     got = window_expand(y[None], b, tw, te, cw, impl="gpu")
-    assert got.shape == (1, 6, 64)
+    assert got.shape == (1, 6, 72)
     assert rel_err(got[0], window_expand_reference(y, b, tw, te, cw)) <= TOL[jnp.float32]
     with pytest.raises(ValueError, match="columns"):
         window_expand(y[:, 1:], b, tw, te, cw, impl="gpu")
@@ -122,3 +122,16 @@ def test_kernel_lowers_to_triton_for_cuda(monkeypatch):
         kernel = lambda y, b, tw, te, cw: window_expand_gpu(y, b, tw, te, cw)
         exported = export.export(jax.jit(kernel), platforms=["cuda"], disabled_checks=[triton_call])(*args)
         assert "xla.gpu.triton" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("batched", (False, True))
+def test_stacked_layer_reads_its_own_layer(batched):
+    """A stack of three layers' B read at layer 2 (the engine's layer scan) equals that layer's B
+    alone, on the kernel and on the reference."""
+    widths = (BLOCK_N, BLOCK_N)
+    y, b, tw, te, cw, _ = _case(8, widths, batched, 9, jnp.float32)
+    stack = jnp.stack([b * 3.0, b * -1.0, b])
+    want = window_expand_reference(y, b, tw, te, cw)
+    for impl in ("gpu", "reference"):
+        got = window_expand(y, stack, tw, te, cw, layer=jnp.int32(2), impl=impl)
+        assert rel_err(got, want) <= TOL[jnp.float32], impl

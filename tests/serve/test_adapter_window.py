@@ -66,6 +66,29 @@ def test_window_step_equals_the_gathering_path(setup, step):
     assert relative_error(got[adapter_rows], base[adapter_rows]) > 1e-2  # the adapters matter
 
 
+def test_window_gpu_kernel_step_equals_the_reference_step(setup, monkeypatch):
+    """The forward with the window's GPU kernel (`pallas_kernels.window_expand`, interpret mode;
+    the layer scan hands it the B stacks whole with the layer's index) equals the plain-jnp form
+    that the CPU runs, on a step of prefill, decode and base rows."""
+    import pallas_kernels.window_expand as window_expand
+
+    model, pool, cache = setup
+    rows = STEPS["mixed"]
+    batch, token_slot, _, num_rows = step_batch(rows, 32, seed=3)
+    packed, window_of = windowed(model, pool, [3, 0, 1, 8])
+    lookup = np.array([window_of.get(int(s), -1) for s in range(NUM_SLOTS)] + [-1], np.int32)
+    plan = build_window_plan(lookup[token_slot], WINDOW, 16)
+    want = np.asarray(paged_forward(packed, batch, cache, LoraInputs({}, plan), "pallas_gpu")[0])[:num_rows]
+    calls = []
+    real_gpu = window_expand.window_expand_gpu
+    monkeypatch.setattr(window_expand, "resolve_impl", lambda impl: ("gpu", True))
+    monkeypatch.setattr(window_expand, "window_expand_gpu", lambda *a, **k: calls.append(a[5]) or real_gpu(*a, **k))
+    got = np.asarray(paged_forward(packed, batch, cache, LoraInputs({}, plan), "pallas_gpu")[0])[:num_rows]
+    # the four packed groups of the traced layer body, each given the stacks and the layer index (not a slice)
+    assert len(calls) == 4 and all(layer is not None for layer in calls)
+    assert relative_error(got, want) <= 1e-5
+
+
 def test_windowed_model_runs_base_and_kernel_steps_without_the_window(setup):
     """The window's columns are dropped from base steps and from steps through the LoRA kernels."""
     model, pool, cache = setup
