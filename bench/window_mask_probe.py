@@ -46,7 +46,7 @@ from pallas_kernels.window_expand import window_expand_reference
 _F32, _BF16 = jnp.float32, jnp.bfloat16
 VARIANTS = ("base", "columns", "where", "mul_layer", "mul_step", "kernel")
 # kernel tiles swept besides the default: (name, BLOCK_N, NUM_WARPS) of pallas_kernels.window_expand
-KERNEL_TILES = {"kernel_n64": (64, 4), "kernel_n256": (256, 4), "kernel_w2": (128, 2), "kernel_n64_w2": (64, 2)}
+KERNEL_TILES = {"kernel_n64": (64, 4), "kernel_w2": (128, 2), "kernel_n64_w2": (64, 2)}
 R, W = 16, 8
 
 
@@ -199,7 +199,12 @@ def main() -> None:
         for variant in variants:
             block_n, warps = KERNEL_TILES.get(variant, (128, 4))
             window_expand_module.BLOCK_N, window_expand_module.NUM_WARPS = block_n, warps
-            compiled = jax.jit(chain(variant, s)).lower(x, layers, plan).compile()
+            try:
+                compiled = jax.jit(chain(variant, s)).lower(x, layers, plan).compile()
+            except Exception as error:  # a tile the device cannot run: recorded, the others go on
+                case[variant] = {"error": str(error)[:300]}
+                print(variant, "failed:", str(error)[:300], flush=True)
+                continue
             outs[variant] = np.asarray(compiled(x, layers, plan).astype(_F32))
             if args.dump_hlo:
                 os.makedirs(args.dump_hlo, exist_ok=True)
@@ -218,7 +223,7 @@ def main() -> None:
                 entry["top_kernels"] = prof["kernels"][:12]
             case[variant] = entry
         for variant in variants:
-            if variant in ("base", "columns"):
+            if variant in ("base", "columns") or "error" in case.get(variant, {}):
                 continue
             key = "device_ms_per_layer" if gpu else "ms_per_layer"
             case[variant]["extra_over_columns_us"] = (case[variant][key] - case["columns"][key]) * 1e3

@@ -45,22 +45,25 @@ _F32, _I32 = jnp.float32, jnp.int32
 
 def window_expand(y: jax.Array, window_b: jax.Array, token_window: jax.Array, token_extra: jax.Array,
                   column_window: jax.Array, bias: jax.Array | None = None, *, layer: jax.Array | None = None,
-                  impl: str | None = None) -> jax.Array:
+                  widths: tuple[int, ...] | None = None, impl: str | None = None) -> jax.Array:
     """y [..., T, n + P*W*r] -> [..., T, n]: the base columns (+ `bias` [n]) plus each row's window
     LoRA delta, in y's dtype. token_window, token_extra [T] int32 (y's rows, flattened);
     column_window [W*r] int32; layer: None (window_b is one layer's) or an int32 scalar
-    (window_b [L, ...] is the stack)."""
+    (window_b [L, ...] is the stack); widths: the projections' base columns in y (summing to n),
+    when every one has window columns (then a block-diagonal B's kernel reads only a projection's
+    own W*r rows); None: unknown."""
     shape = window_b.shape if layer is None else window_b.shape[1:]
     n, k, wr = _base_width(shape), _shrink_width(shape), column_window.shape[0]
     if y.shape[-1] != n + k or k % wr:
         raise ValueError(f"y's {y.shape[-1]} columns must be B's {n} base columns plus its {k} rows "
                          f"(a multiple of the window's {wr} columns); B {shape}")
+    spans = _spans(shape, k // wr, widths)
     style, interpret = resolve_impl(impl)
-    block_n = _block_n(shape[-1])
+    block_n = _block_n(*(spans or (shape[-1],)))
     if style == "gpu" and wr >= 16 and block_n:
         rows = y.reshape(-1, y.shape[-1])
-        out = window_expand_gpu(rows, window_b, token_window, token_extra, column_window, layer, block_n=block_n,
-                                interpret=interpret)
+        out = window_expand_gpu(rows, window_b, token_window, token_extra, column_window, layer, spans=spans,
+                                block_n=block_n, interpret=interpret)
         out = out[:, :n].reshape(*y.shape[:-1], n)
         return out if bias is None else out + bias.astype(out.dtype)
     window_b = window_b if layer is None else window_b[layer]
@@ -96,11 +99,22 @@ def _shrink_width(shape) -> int:
     return shape[0] * (shape[1] if len(shape) == 3 else 1)
 
 
-def _block_n(width: int) -> int:
-    """The kernel's column block for B's last axis `width`: the largest power of two <= BLOCK_N
-    dividing it, at least 16; 0 where none does (the reference runs)."""
+def _spans(shape, projections: int, widths) -> tuple[int, ...] | None:
+    """Each projection's base columns where the kernel reads one projection's W*r rows of B per
+    program: a batched B's (all n_p), or `widths` of a block-diagonal B with one block each; None:
+    a block-diagonal B read whole."""
+    if len(shape) == 3:
+        return (shape[-1],) * shape[0]
+    if widths is not None and len(widths) == projections and sum(widths) == shape[-1]:
+        return tuple(int(w) for w in widths)
+    return None
+
+
+def _block_n(*widths: int) -> int:
+    """The kernel's column block: the largest power of two <= BLOCK_N dividing every width, at
+    least 16; 0 where none does (the reference runs)."""
     block = BLOCK_N
-    while block >= 16 and width % block:
+    while block >= 16 and any(width % block for width in widths):
         block //= 2
     return block if block >= 16 else 0
 
@@ -110,23 +124,26 @@ def _pow2_at_least(v: int) -> int:
 
 
 def _kernel(tw_ref, te_ref, cw_ref, offset_ref, y_ref, b_ref, out_ref, *, rows: int, block_t: int, block_n: int,
-            n: int, k: int, block_k: int, wr: int, batch_width: int | None):
+            n: int, k: int, block_k: int, wr: int, block_starts: tuple | None, batched: bool):
     """Rows [i*block_t, +block_t) x base columns [j*block_n, +block_n): y's base block plus the
-    masked shrink [block_t, block_k] @ B's rows [block_k, block_n] (a batched B: projection p's
-    W*r rows and shrink columns; block-diagonal: all P*W*r, padded to block_k with zeros). B's
+    masked shrink [block_t, block_k] @ B's rows [block_k, block_n]. With `block_starts` (each
+    projection's first column block), projection p's W*r rows and shrink columns (a batched B's
+    columns counted from p's first); without, all P*W*r rows, padded to block_k with zeros. B's
     rows of this layer start at offset_ref[0] of the flattened stack."""
     i, j = pl.program_id(0), pl.program_id(1)
     row0, col0 = i * block_t, j * block_n
     live = row0 + lax.broadcasted_iota(_I32, (block_t,), 0) < rows
     tw = plt.load(tw_ref.at[pl.ds(row0, block_t)], mask=live, other=-1)
     te = plt.load(te_ref.at[pl.ds(row0, block_t)], mask=live, other=-1)
-    if batch_width is None:
-        k0, b_col0 = 0, col0
-    else:  # projection p = col0 // n_p: its W*r rows of B [P*W*r, n_p] and its shrink columns
-        p = col0 // batch_width
-        k0, b_col0 = p * wr, col0 - p * batch_width
+    k0, b_col0, k_live = 0, col0, k
+    if block_starts is not None:  # projection p: the last whose first block is <= j (static bounds)
+        p, first = jnp.int32(0), jnp.int32(0)
+        for index, start in enumerate(block_starts[1:], 1):
+            p, first = jnp.where(j >= start, index, p), jnp.where(j >= start, start, first)
+        k0, k_live = p * wr, wr
+        b_col0 = col0 - first * block_n if batched else col0
     ks = lax.broadcasted_iota(_I32, (block_k,), 0)
-    in_k = ks < (wr if batch_width is not None else k)
+    in_k = ks < k_live
     slot = plt.load(cw_ref.at[ks % wr], mask=in_k, other=-1)
     rows_at = jnp.minimum(row0 + lax.broadcasted_iota(_I32, (block_t,), 0), rows - 1)
     cols_at = jnp.minimum(n + k0 + ks, n + k - 1)  # block_k may run past y's last column: masked
@@ -142,19 +159,22 @@ def _kernel(tw_ref, te_ref, cw_ref, offset_ref, y_ref, b_ref, out_ref, *, rows: 
     plt.store(out_ref.at[at], (base + delta).astype(out_ref.dtype), mask=live[:, None])
 
 
-def window_expand_gpu(y, window_b, token_window, token_extra, column_window, layer=None, *,
+def window_expand_gpu(y, window_b, token_window, token_extra, column_window, layer=None, *, spans=None,
                       block_n: int = BLOCK_N, num_warps: int | None = None, interpret: bool = False):
     """The GPU kernel of `window_expand` on y [T, n + P*W*r] (2-D), in place (y aliased to the
     output, whose shrink columns it leaves as they were): grid (row blocks, base column blocks of
-    `block_n`). window_b: one layer's, or the stack [L, ...] with `layer`. B's last axis a
-    multiple of block_n; W*r >= 16."""
+    `block_n`). window_b: one layer's, or the stack [L, ...] with `layer`; spans: each projection's
+    base columns (`_spans`; required for a batched B), None: a block-diagonal B read whole. Every
+    span (or B's last axis) a multiple of block_n; W*r >= 16."""
     shape = window_b.shape if layer is None else window_b.shape[1:]
     rows, wr, n, k = y.shape[0], column_window.shape[0], _base_width(shape), _shrink_width(shape)
     batched = len(shape) == 3
+    spans = (shape[-1],) * shape[0] if batched else spans
     block_t = min(MAX_BLOCK_T, _pow2_at_least(rows))
+    starts = None if spans is None else tuple(sum(spans[:p]) // block_n for p in range(len(spans)))
     kernel = functools.partial(_kernel, rows=rows, block_t=block_t, block_n=block_n, n=n, k=k,
-                               block_k=_pow2_at_least(wr if batched else k), wr=wr,
-                               batch_width=shape[-1] if batched else None)
+                               block_k=_pow2_at_least(k if spans is None else wr), wr=wr, block_starts=starts,
+                               batched=batched)
     offset = jnp.zeros((1,), _I32) if layer is None else (jnp.asarray(layer, _I32) * k).reshape(1)
     return pl.pallas_call(
         kernel,

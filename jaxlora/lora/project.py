@@ -129,7 +129,7 @@ def _project_packed(x: jax.Array, weights: dict[str, jax.Array], names: tuple, p
     if grouped and window is None and (layer_lora.backend.fused or layer_lora.inputs.dropout_rate is not None):
         return project_group(x, _unpacked(weights, names, packed, sizes), names, layer_lora)
     if window is not None:
-        y = _window_output(x, weights, packed, window)
+        y = _window_output(x, weights, packed, window, tuple(sizes))
     else:
         y = _base_output(x, weights, packed, _output_dtype(x, layer_lora) if grouped else x.dtype)
     cuts = np.cumsum(sizes)[:-1].tolist()  # where each projection's columns start in the packed output
@@ -193,20 +193,22 @@ def _window_plan(layer_lora: LayerLora | None) -> WindowPlan | None:
     return plan if isinstance(plan, WindowPlan) else None
 
 
-def _window_output(x: jax.Array, weights: dict[str, jax.Array], name: str, plan: WindowPlan) -> jax.Array:
+def _window_output(x: jax.Array, weights: dict[str, jax.Array], name: str, plan: WindowPlan,
+                   widths: tuple[int, ...] | None = None) -> jax.Array:
     """x @ W (+ bias) plus each row's LoRA delta from the adapter window, in x's dtype as PEFT adds
     it (`jaxlora.models.packed.add_adapter_window`): the kernel `<name>.kernel` [k, n + P*W*r]
     gives the base output and every window slot's shrink in one GEMM; each row keeps its own
     slot's columns and those of its extra slot (`plan`: x's rows are its tokens), expanded by
     `<name>.window_b` (`pallas_kernels.window_expand`: one kernel on a GPU, in place on the GEMM's
-    output). A kernel without window columns: the base output. x [..., T, k]."""
+    output). A kernel without window columns: the base output. x [..., T, k]; widths: the packed
+    projections' output widths (None: one projection)."""
     if f"{name}.window_b" not in weights:
         return _base_output(x, weights, name, x.dtype).astype(x.dtype)
     y = jnp.dot(x, weights[f"{name}.kernel"], preferred_element_type=x.dtype)  # f32 accumulation
     window_b = weights[f"{name}.window_b"]
     stack, layer = window_b if isinstance(window_b, StackedWeight) else (window_b, None)
     return window_expand(y, stack, plan.token_window, plan.token_extra, plan.column_window,
-                         weights.get(f"{name}.bias"), layer=layer)
+                         weights.get(f"{name}.bias"), layer=layer, widths=widths)
 
 
 def _dropout_seed(lora: LoraInputs, layer_index: jax.Array, name: str) -> jax.Array:

@@ -44,9 +44,10 @@ CASES = [((2 * BLOCK_N, BLOCK_N, BLOCK_N), False, 5),  # q/k/v: block-diagonal, 
 def test_kernel_matches_reference(widths, batched, rows, dtype):
     y, b, tw, te, cw, _ = _case(rows, widths, batched, rows, dtype)
     want = window_expand_reference(y.astype(jnp.float32), b.astype(jnp.float32), tw, te, cw)
-    got = window_expand(y, b, tw, te, cw, impl="gpu")
-    assert got.shape == (rows, sum(widths)) and got.dtype == dtype
-    assert rel_err(got, want) <= TOL[dtype]
+    for given in (None, widths):  # a block-diagonal B read whole, or one projection's rows a program
+        got = window_expand(y, b, tw, te, cw, impl="gpu", widths=given)
+        assert got.shape == (rows, sum(widths)) and got.dtype == dtype
+        assert rel_err(got, want) <= TOL[dtype]
 
 
 @pytest.mark.parametrize("batched", (False, True))
@@ -98,7 +99,7 @@ def test_block_diagonal_with_a_projection_without_window_columns():
     n = 4 * BLOCK_N
     y2 = jnp.concatenate([y[:, :n], y[:, n:n + wr], y[:, n + 2 * wr:]], axis=1)
     want = window_expand_reference(y2, q_v, tw, te, cw)
-    got = window_expand(y2, q_v, tw, te, cw, impl="gpu")
+    got = window_expand(y2, q_v, tw, te, cw, impl="gpu", widths=(2 * BLOCK_N, BLOCK_N, BLOCK_N))  # 3 widths, P = 2
     assert rel_err(got, want) <= TOL[jnp.float32]
     np.testing.assert_array_equal(np.asarray(got[:, 2 * BLOCK_N:3 * BLOCK_N]), np.asarray(y2[:, 2 * BLOCK_N:3 * BLOCK_N]))
 
@@ -119,7 +120,8 @@ def test_kernel_lowers_to_triton_for_cuda(monkeypatch):
     for n, b_shape in ((768, (3 * wr, 768)), (512, (2, wr, 256))):
         args = (spec((rows, n + 3 * wr if len(b_shape) == 2 else n + 2 * wr), bf16), spec(b_shape, bf16),
                 spec((rows,), i32), spec((rows,), i32), spec((wr,), i32))
-        kernel = lambda y, b, tw, te, cw: window_expand_gpu(y, b, tw, te, cw)
+        spans = (512, 128, 128) if len(b_shape) == 2 else None
+        kernel = lambda y, b, tw, te, cw, spans=spans: window_expand_gpu(y, b, tw, te, cw, spans=spans)
         exported = export.export(jax.jit(kernel), platforms=["cuda"], disabled_checks=[triton_call])(*args)
         assert "xla.gpu.triton" in exported.mlir_module()
 
