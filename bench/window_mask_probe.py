@@ -98,15 +98,15 @@ def _masked_output(x, weights, name, mask_fn):
     return base, jnp.matmul(per_projection, window_b, preferred_element_type=x.dtype)
 
 
-def _group(variant, x, weights, name, plan, masks):
-    """(base output, delta or None) of one packed group."""
+def _group(variant, x, weights, name, plan, masks, widths=None):
+    """(base output, delta or None) of one packed group (widths: its packed projections')."""
     if variant == "base":
         return jnp.dot(x, weights[f"{name}.kernel"][:, :_base_width(weights, name)], preferred_element_type=x.dtype), None
     if variant == "columns":
         y = jnp.dot(x, weights[f"{name}.kernel"], preferred_element_type=x.dtype)
         return y[..., :_base_width(weights, name)], None
     if variant.startswith("kernel"):  # the engine's path (a StackedWeight in the stacked layout)
-        return _window_output(x, weights, name, plan), None
+        return _window_output(x, weights, name, plan, widths), None
     if variant == "where":
         y = jnp.dot(x, weights[f"{name}.kernel"], preferred_element_type=x.dtype)
         return window_expand_reference(y, weights[f"{name}.window_b"], plan.token_window, plan.token_extra,
@@ -140,7 +140,7 @@ def chain(variant: str, s: dict):
     q, i = s["qkv"][0], s["inter"]
 
     def one(x, w, plan, masks):
-        y = _add(*_group(variant, _norm(x), w, "qkv_proj", plan, masks))
+        y = _add(*_group(variant, _norm(x), w, "qkv_proj", plan, masks, s["qkv"]))
         attn = y[:, :q].astype(_F32) * jax.nn.sigmoid(jnp.mean(y[:, q:].astype(_F32), -1, keepdims=True))
         x = x + _add(*_group(variant, attn.astype(_BF16), w, "o_proj", plan, masks))
         gu = _add(*_group(variant, _norm(x), w, "gate_up_proj", plan, masks))
