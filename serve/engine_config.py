@@ -89,7 +89,7 @@ class EngineConfig:
     compile_worker: bool | None = None
     # The adapter window (`jaxlora.models.packed.add_adapter_window`): a step whose rows use at most
     # this many adapters runs them as extra columns of the packed base GEMMs and one expand GEMM per
-    # group, no LoRA kernel (bench/NOTES_serve.md). None: 16 on a GPU/TPU, 4 on a CPU; 0: off. Capped
+    # group, no LoRA kernel (bench/NOTES_serve.md). None: 8 on a GPU/TPU, 4 on a CPU; 0: off. Capped
     # by max_adapters_on_device; off with a mesh or a compressed collection. `window_mixed_adapters`:
     # a step with a prefill row uses the window only with at most this many adapters, more run the
     # kernels (its GEMMs are compute-bound at 2048 tokens, where window columns cost FLOPs); None: as
@@ -131,7 +131,7 @@ class EngineConfig:
     # Bounds of the step sizes (each compiled program is as large as its step; tokens bound rows).
     BOUNDS = {"max_num_seqs": (1, 1024), "token_budget": (1, 65536), "prefill_chunk": (1, 65536)}
     ACCELERATOR_STEP = {"max_num_seqs": 256, "token_budget": 2048, "min_step_tokens": 32, "min_lora_mixed_tokens": 256,
-                        "adapter_window": 16, "scan_layers_from_tokens": 512, "background_compile": True}
+                        "adapter_window": 8, "scan_layers_from_tokens": 512, "background_compile": True}
     CPU_STEP = {"max_num_seqs": 32, "token_budget": 128, "prefill_chunk": 64, "min_step_tokens": 8,
                 "min_lora_mixed_tokens": 8, "adapter_window": 4, "scan_layers_from_tokens": 1,
                 "background_compile": False}

@@ -170,14 +170,12 @@ def _output_dtype(x: jax.Array, layer_lora: LayerLora):
 def _base_output(x: jax.Array, weights: dict[str, jax.Array], name: str, dtype=jnp.float32) -> jax.Array:
     """x @ W (+ bias), accumulated in float32, in `dtype` (x's: the GEMM writes x's dtype, as the
     base model's own step does after its cast); a serving kernel with the adapter window's
-    columns: without them (the GEMM reads the kernel's base columns only)."""
+    columns: without them (no copy of the window's columns in any dtype)."""
     if f"{name}.window_b" not in weights:
         y = dense(x, weights[f"{name}.kernel"])
         y = y + weights[f"{name}.bias"] if f"{name}.bias" in weights else y
         return y.astype(dtype)
-    # the base columns of the kernel, not of the output: XLA reads the slice in the GEMM (no copy), so a
-    # step without a window plan computes none of the window's P*W*r columns
-    y = jnp.dot(x, weights[f"{name}.kernel"][..., : _window_width(weights, name)], preferred_element_type=dtype)
+    y = jnp.dot(x, weights[f"{name}.kernel"], preferred_element_type=dtype)[..., : _window_width(weights, name)]
     return y + weights[f"{name}.bias"].astype(dtype) if f"{name}.bias" in weights else y
 
 
