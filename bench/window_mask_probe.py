@@ -41,7 +41,7 @@ from bench.timing import kernel_category, kernel_times, median_call_seconds
 from jaxlora.lora.plan import build_window_plan
 import pallas_kernels.window_expand as window_expand_module
 from jaxlora.lora.project import StackedWeight, _window_output
-from pallas_kernels.window_expand import window_expand_reference
+from pallas_kernels.window_expand import base_width, window_expand_reference
 
 _F32, _BF16 = jnp.float32, jnp.bfloat16
 VARIANTS = ("base", "columns", "where", "mul_layer", "mul_step", "kernel")
@@ -101,10 +101,10 @@ def _masked_output(x, weights, name, mask_fn):
 def _group(variant, x, weights, name, plan, masks, widths=None):
     """(base output, delta or None) of one packed group (widths: its packed projections')."""
     if variant == "base":
-        return jnp.dot(x, weights[f"{name}.kernel"][:, :_base_width(weights, name)], preferred_element_type=x.dtype), None
+        return jnp.dot(x, weights[f"{name}.kernel"][:, :base_width(weights[f"{name}.window_b"].shape)], preferred_element_type=x.dtype), None
     if variant == "columns":
         y = jnp.dot(x, weights[f"{name}.kernel"], preferred_element_type=x.dtype)
-        return y[..., :_base_width(weights, name)], None
+        return y[..., :base_width(weights[f"{name}.window_b"].shape)], None
     if variant.startswith("kernel"):  # the engine's path (a StackedWeight in the stacked layout)
         return _window_output(x, weights, name, plan, widths), None
     if variant == "where":
@@ -114,11 +114,6 @@ def _group(variant, x, weights, name, plan, masks, widths=None):
     if variant == "mul_layer":
         return _masked_output(x, weights, name, lambda p: _masks(plan)[p])
     return _masked_output(x, weights, name, lambda p: masks[p])
-
-
-def _base_width(weights, name) -> int:
-    window_b = weights[f"{name}.window_b"]
-    return window_b.shape[-1] * (window_b.shape[0] if window_b.ndim == 3 else 1)
 
 
 def _add(base, delta):

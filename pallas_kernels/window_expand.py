@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.dispatch import resolve_impl
+from pallas_kernels.tiles import next_pow2
 
 BLOCK_N = 128  # base columns per program (at most)
 MAX_BLOCK_T = 64  # rows per program
@@ -55,7 +56,7 @@ def window_expand(y: jax.Array, window_b: jax.Array, token_window: jax.Array, to
     when every one has window columns (then a block-diagonal B's kernel reads only a projection's
     own W*r rows); None: unknown."""
     shape = window_b.shape if layer is None else window_b.shape[1:]
-    n, k, wr = _base_width(shape), _shrink_width(shape), column_window.shape[0]
+    n, k, wr = base_width(shape), _shrink_width(shape), column_window.shape[0]
     if y.shape[-1] != n + k or k % wr:
         raise ValueError(f"y's {y.shape[-1]} columns must be B's {n} base columns plus its {k} rows "
                          f"(a multiple of the window's {wr} columns); B {shape}")
@@ -76,7 +77,7 @@ def window_expand_reference(y, window_b, token_window, token_extra, column_windo
     """`window_expand` in plain jnp (one layer's window_b): the base columns (+ bias) plus (the
     row's own shrink columns, the others zeroed) @ window_b, the GEMM written in y's dtype (the
     form the engine ran on every platform before the GPU kernel)."""
-    width = _base_width(window_b.shape)
+    width = base_width(window_b.shape)
     base, shrink = y[..., :width], y[..., width:]
     if bias is not None:
         base = base + bias.astype(y.dtype)
@@ -91,9 +92,14 @@ def window_expand_reference(y, window_b, token_window, token_extra, column_windo
     return base + jnp.concatenate(list(delta), axis=-1)
 
 
-def _base_width(shape) -> int:
+def base_width(shape) -> int:
     """n of one layer's B: [P*W*r, n] or [P, W*r, n_p] (n = P * n_p)."""
     return shape[-1] * (shape[0] if len(shape) == 3 else 1)
+
+
+def _block(v: int) -> int:
+    """A Triton block covering v: the next power of two, at least 16 (a dot's operand)."""
+    return max(16, next_pow2(v))
 
 
 def _shrink_width(shape) -> int:
@@ -119,10 +125,6 @@ def _block_n(*widths: int) -> int:
     while block >= 16 and any(width % block for width in widths):
         block //= 2
     return block if block >= 16 else 0
-
-
-def _pow2_at_least(v: int) -> int:
-    return max(16, 1 << max(v - 1, 0).bit_length())
 
 
 def _kernel(tw_ref, te_ref, cw_ref, offset_ref, y_ref, b_ref, out_ref, *, rows: int, block_t: int, block_n: int,
@@ -169,13 +171,13 @@ def window_expand_gpu(y, window_b, token_window, token_extra, column_window, lay
     base columns (`_spans`; required for a batched B), None: a block-diagonal B read whole. Every
     span (or B's last axis) a multiple of block_n; W*r >= 16."""
     shape = window_b.shape if layer is None else window_b.shape[1:]
-    rows, wr, n, k = y.shape[0], column_window.shape[0], _base_width(shape), _shrink_width(shape)
+    rows, wr, n, k = y.shape[0], column_window.shape[0], base_width(shape), _shrink_width(shape)
     batched = len(shape) == 3
     spans = (shape[-1],) * shape[0] if batched else spans
-    block_t = min(MAX_BLOCK_T, _pow2_at_least(rows))
+    block_t = min(MAX_BLOCK_T, _block(rows))
     starts = None if spans is None else tuple(sum(spans[:p]) // block_n for p in range(len(spans)))
     kernel = functools.partial(_kernel, rows=rows, block_t=block_t, block_n=block_n, n=n, k=k,
-                               block_k=_pow2_at_least(k if spans is None else wr), wr=wr, block_starts=starts,
+                               block_k=_block(k if spans is None else wr), wr=wr, block_starts=starts,
                                batched=batched)
     offset = jnp.zeros((1,), _I32) if layer is None else (jnp.asarray(layer, _I32) * k).reshape(1)
     return pl.pallas_call(

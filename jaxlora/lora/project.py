@@ -18,7 +18,7 @@ from jaxlora.lora.plan import LoraPlan, WindowPlan
 from jaxlora.nn.model_config import PACKED_PROJECTIONS, PROJECTIONS
 from jaxlora.nn.layers import dense
 from pallas_kernels.fused_lora_layout import dropout_inv_keep, dropout_mask
-from pallas_kernels.window_expand import window_expand
+from pallas_kernels.window_expand import base_width, window_expand
 
 
 class LoraInputs(NamedTuple):
@@ -184,8 +184,7 @@ def _window_width(weights: dict[str, jax.Array], name: str) -> int:
     (block-diagonal) or [P, W*r, n_p] (one block per projection, all P of width n_p), or a
     `StackedWeight` of those."""
     window_b = weights[f"{name}.window_b"]
-    shape = window_b.stack.shape[1:] if isinstance(window_b, StackedWeight) else window_b.shape
-    return shape[-1] * (shape[0] if len(shape) == 3 else 1)
+    return base_width(window_b.stack.shape[1:] if isinstance(window_b, StackedWeight) else window_b.shape)
 
 
 def _window_plan(layer_lora: LayerLora | None) -> WindowPlan | None:
