@@ -872,3 +872,38 @@ two_gpus() {  # 2 GPUs: TP=2 serving vs one GPU, then PP=2 training vs one GPU
 }
 
 "$@"
+
+slora_profile() {  # one H200, issue 34 item 5: slora_disk n=2000 (a=1, 400 requests, throughput; the guard's
+  # settings) with engine steps 600-699 of the disk and one-adapter runs under the profiler: device busy ms against
+  # the host loop's ms a step (which of the two paces the disk tier's trace), kernels by category. The compile
+  # cache comes back packed when none was carried (.jitcache)
+  nvidia-smi -L
+  local cache=/tmp/jaxlora_serve_jit_cache
+  if [ -e .jitcache/jitcache.part00 ]; then python3 bench/jit_cache.py unpack .jitcache/jitcache $cache; fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  python3 bench/slora_disk.py ${TINY:+--tiny} --adapters ${ADAPTERS:-2000} --dir /tmp/slora_dirs --write-only 2>&1 | tail -n 1
+  timeout $((LIMIT - SECONDS - 25)) python3 bench/slora_disk.py ${TINY:+--tiny} --adapters ${ADAPTERS:-2000} \
+      --dir /tmp/slora_dirs --cases "slora:n=${ADAPTERS:-2000},alpha=1" --runs disk one --mode throughput \
+      --requests ${REQUESTS:-400} --profile-steps ${PROFILE:-600 100} --compile-cache $cache \
+      --out "$OUT/slora_profile.json" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 12
+  rm -rf "$OUT"/slora_trace_*
+  if [ ! -e .jitcache/jitcache.part00 ]; then timeout 20 python3 bench/jit_cache.py pack $cache "$OUT/jitcache"; fi
+}
+
+slora_check() {  # one H200, issue 34 item 5: the guard's slora_disk part (n=2000, alpha 1 and 0.3, 400 requests,
+  # disk and one), then with the time left the alpha=1 disk run again with steps 600-699 under the profiler
+  nvidia-smi -L
+  local cache=/tmp/jaxlora_serve_jit_cache
+  if [ -e .jitcache/jitcache.part00 ]; then python3 bench/jit_cache.py unpack .jitcache/jitcache $cache; fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  timeout $((LIMIT - SECONDS - 25)) python3 bench/regress.py ${TINY:+--tiny} --only slora_disk --out-dir "$OUT" \
+      --adapter-dir /tmp/slora_adapters --compile-cache $cache 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 16
+  rm -f "$OUT"/regress_*.png
+  [ $((LIMIT - SECONDS)) -gt 120 ] && timeout $((LIMIT - SECONDS - 10)) python3 bench/slora_disk.py ${TINY:+--tiny} \
+      --adapters ${ADAPTERS:-2000} --dir /tmp/slora_adapters --cases "slora:n=${ADAPTERS:-2000},alpha=1" --runs disk --mode throughput \
+      --requests ${REQUESTS:-400} --profile-steps ${PROFILE:-600 100} --compile-cache $cache \
+      --out "$OUT/slora_profile.json" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 4
+  rm -rf "$OUT"/slora_trace_*
+}

@@ -141,10 +141,12 @@ def _reset_peak_rss() -> None:
         f.write("5")
 
 
-def run_trace(model, config: EngineConfig, trace, prompts: list, names: list) -> dict:
+def run_trace(model, config: EngineConfig, trace, prompts: list, names: list, profile=None) -> dict:
     """Serves `trace` (request i on adapter `names[i]`) on a fresh engine of `config`, warmed up;
-    returns bench/serve.py's summary plus the tiers' counts, peak RSS and page split."""
+    returns bench/serve.py's summary plus the tiers' counts, peak RSS and page split. `profile`
+    (first step, steps, log dir): those steps run under a profiler trace ("profile": `StepWindow`)."""
     engine = Engine(model, eos_ids=(), config=config)
+    window = None if profile is None else StepWindow(*profile)
     engine.warmup(greedy_shapes(engine, (True,)))
     gc.collect()
     _reset_peak_rss()
@@ -162,6 +164,8 @@ def run_trace(model, config: EngineConfig, trace, prompts: list, names: list) ->
             engine.submit(submitted, prompts[submitted], names[submitted],
                           SamplingParams(int(trace.output_lens[submitted])), recording(records[submitted], finished))
             submitted += 1
+        if window is not None:
+            window.at(engine.stats.steps)
         busy = engine.step()
         split = engine.scheduler.page_split()
         for holder in peak_pages:
@@ -186,10 +190,46 @@ def run_trace(model, config: EngineConfig, trace, prompts: list, names: list) ->
         "adapter_loads": stats.adapter_loads, "peak_adapter_rows": peak_rows,
         "adapter_rows": getattr(engine.pool, "num_rows", None),
     })
+    if window is not None:
+        result["profile"] = window.report()
     engine.adapters.close()
     del engine
     gc.collect()
     return result
+
+
+class StepWindow:
+    """Engine steps `first` .. `first + count - 1` of a run under a JAX profiler trace (to `log_dir`):
+    whether the device or the host paces them. `report`: the window's wall ms a step (host loop,
+    step start to step start), the device's busy ms a step (kernels' union) and their ratio, kernel
+    ms a step by category, the 12 costliest kernels."""
+
+    def __init__(self, first: int, count: int, log_dir: str):
+        self.first, self.count, self.log_dir = first, count, log_dir
+        self.started = self.stopped = None
+
+    def at(self, steps: int) -> None:
+        """Called before each engine step with the steps run so far."""
+        if self.started is None and steps >= self.first:
+            jax.profiler.start_trace(self.log_dir)
+            self.started, self.start_steps = time.perf_counter(), steps
+        elif self.started is not None and self.stopped is None and steps >= self.start_steps + self.count:
+            self.stopped, self.steps = time.perf_counter(), steps - self.start_steps
+            jax.profiler.stop_trace()
+
+    def report(self) -> dict | None:
+        if self.started is None:
+            return None
+        if self.stopped is None:  # the run ended inside the window
+            self.stopped, self.steps = time.perf_counter(), self.count
+            jax.profiler.stop_trace()
+        from bench.timing import trace_kernel_times
+        times = trace_kernel_times(self.log_dir, self.steps)
+        wall_ms = (self.stopped - self.started) * 1e3 / self.steps
+        return {"steps": self.steps, "wall_ms_per_step": wall_ms, "busy_ms_per_step": times["busy_ms"],
+                "device_busy_fraction": times["busy_ms"] / wall_ms if wall_ms else None,
+                "kernel_ms_per_step": times["device_ms"], "categories": times["categories"],
+                "kernels": times["kernels"][:12]}
 
 
 def print_run(case: str, label: str, r: dict) -> None:
@@ -235,6 +275,9 @@ def parse_args(argv=None):
     parser.add_argument("--compile-cache", default="/tmp/jaxlora_serve_jit_cache")
     parser.add_argument("--scan-layers-from-tokens", type=int, default=None,
                         help="EngineConfig.scan_layers_from_tokens (default: the engine's)")
+    parser.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "COUNT"), default=None,
+                        help="trace engine steps FIRST..FIRST+COUNT-1 of each run with the JAX profiler: device "
+                             "busy ms against wall ms a step, kernels by category (GPU; traces beside --out)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON (default bench/results/slora_disk[_tiny].json)")
     args = parser.parse_args(argv)
@@ -293,11 +336,15 @@ def main(argv=None) -> None:
               "settings": vars(args), "results": []}
     defaults = {"requests": args.requests, "rate": args.rate, "cv": 1.0, "slora_mode": args.mode,
                 "punica_mode": args.mode}
-    # Warm-up (untimed): programs compiled on first use (the adapter window's fill), adapter reads.
+    # Warm-up (untimed), on each pool layout the runs use: programs compiled on first use (the
+    # adapter window's fill, a row pool's write per adapter rank), adapter reads.
     warm = make_trace(parse_case("punica:distinct,requests=8,mode=throughput", defaults), args.seed + 1,
                       args.min_len, args.max_len, args.adapters)
-    run_trace(model, engine_config, warm, [[1] * int(n) for n in warm.prompt_lens],
-              [adapter_name(args.adapters - 1 - int(a)) for a in warm.adapters])
+    warm_configs = ([unified_config(engine_config, config, args)] if {"disk", "one"} & set(args.runs) else []) + (
+        [dataclasses.replace(engine_config, unified_paging=False, adapter_rows=None)] if "separate" in args.runs else [])
+    for warm_config in warm_configs:
+        run_trace(model, warm_config, warm, [[1] * int(n) for n in warm.prompt_lens],
+                  [adapter_name(args.adapters - 1 - int(a)) for a in warm.adapters])
     for spec in args.cases:
         case = parse_case(spec, defaults)
         trace = make_trace(case, args.seed, args.min_len, args.max_len, args.adapters)
@@ -310,7 +357,9 @@ def main(argv=None) -> None:
             unified = run != "separate"
             run_config = unified_config(engine_config, config, args) if unified else dataclasses.replace(
                 engine_config, unified_paging=False, adapter_rows=None)
-            entry[run] = run_with_fallback(model, run_config, trace, prompts, names)
+            profile = None if args.profile_steps is None else (
+                *args.profile_steps, os.path.join(os.path.dirname(os.path.abspath(args.out)), f"slora_trace_{run}"))
+            entry[run] = run_with_fallback(model, run_config, trace, prompts, names, profile)
             print_run(case.name, run, entry[run])
         if "one" in entry:
             for run in ("disk", "separate"):
@@ -321,13 +370,13 @@ def main(argv=None) -> None:
     print(f"device {device}, jax {jax.__version__}; wrote {args.out}", flush=True)
 
 
-def run_with_fallback(model, config: EngineConfig, trace, prompts: list, names: list) -> dict:
+def run_with_fallback(model, config: EngineConfig, trace, prompts: list, names: list, profile=None) -> dict:
     """`run_trace`; if a unified-paging run's custom-kernel backend fails (the paged kernels'
     kernels have run in interpret mode, and been lowered to Triton on a CPU, only so far), the run
     again with onehot (the XLA
     GEMMs over each layer's rows gathered into slots), the failure recorded in the result."""
     try:
-        return run_trace(model, config, trace, prompts, names)
+        return run_trace(model, config, trace, prompts, names, profile)
     except Exception as err:
         if not (config.unified_paging and lora_backends.get(config.lora_backend).custom_kernel):
             raise

@@ -43,10 +43,6 @@ def kernel_times(fn, calls: int, log_dir: str) -> dict:
     {"kernels": [{"name", "calls", "total_ms"}] sorted by time, "categories": {category: ms},
     "device_ms", "wall_ms"}, per call of `fn`. Empty kernel lists mean the trace held no device
     events (no CUPTI)."""
-    import glob
-    import gzip
-    import json
-
     jax.block_until_ready(fn())
     start = time.perf_counter()
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
@@ -54,23 +50,51 @@ def kernel_times(fn, calls: int, log_dir: str) -> dict:
             out = fn()
         jax.block_until_ready(out)
     wall_ms = (time.perf_counter() - start) * 1e3 / calls
+    times = trace_kernel_times(log_dir, calls)
+    times.pop("busy_ms")
+    return {**times, "wall_ms": wall_ms}
+
+
+def trace_kernel_times(log_dir: str, per: int = 1) -> dict:
+    """The GPU kernels of the newest profiler trace under `log_dir`, divided by `per` (e.g. the
+    steps or calls traced): {"kernels": [{"name", "calls", "total_ms"}] by time, "categories":
+    {category: ms}, "device_ms" (kernel time summed), "busy_ms" (time any kernel ran: the union of
+    their intervals, so overlapping streams count once)}."""
+    import glob
+    import gzip
+    import json
+
     paths = sorted(glob.glob(f"{log_dir}/**/*.trace.json.gz", recursive=True))
     events = json.load(gzip.open(paths[-1]))["traceEvents"] if paths else []
     device_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
                    and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
     totals: dict[str, list] = {}
+    spans = []
     for event in events:
         if event.get("ph") == "X" and event.get("pid") in device_pids and "dur" in event:
             entry = totals.setdefault(event["name"], [0, 0.0])
             entry[0] += 1
             entry[1] += event["dur"] / 1e3
-    kernels = sorted(({"name": name, "calls": n / calls, "total_ms": ms / calls} for name, (n, ms) in totals.items()),
+            spans.append((float(event["ts"]), float(event["ts"]) + float(event["dur"])))
+    kernels = sorted(({"name": name, "calls": n / per, "total_ms": ms / per} for name, (n, ms) in totals.items()),
                      key=lambda k: -k["total_ms"])
     categories: dict[str, float] = {}
     for kernel in kernels:
         category = kernel_category(kernel["name"])
         categories[category] = categories.get(category, 0.0) + kernel["total_ms"]
-    return {"kernels": kernels, "categories": categories, "device_ms": sum(categories.values()), "wall_ms": wall_ms}
+    return {"kernels": kernels, "categories": categories, "device_ms": sum(categories.values()),
+            "busy_ms": busy_us(spans) / 1e3 / per}
+
+
+def busy_us(spans) -> float:
+    """The length of the union of (start, end) intervals (any unit)."""
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted(spans):
+        if stop <= end:
+            continue
+        busy += stop - max(start, end)
+        end = stop
+    return busy
 
 
 def kernel_category(name: str) -> str:

@@ -21,6 +21,7 @@ from pallas_kernels.routing import make_routing
 BLOCK_ROWS = 16  # prefill rows per program
 MAX_BLOCK = 128  # widest k / n block
 BGMV_K_SPLITS = 4
+SGMV_K_SPLITS = 8  # a 256-token step at k = 4096: 16 row tiles x 8 = 128 programs of 4 k blocks each
 
 
 def _block(dim: int) -> int:
@@ -92,8 +93,10 @@ def sgmv_lora_paged(y, x, a_rows, b_rows, seg_starts, seg_slot, row_table, slot_
     routing = make_routing(starts, round_up(num_rows, BLOCK_ROWS), BLOCK_ROWS)
     seg_slot, slot_rank = seg_slot.astype(jnp.int32), slot_rank.astype(jnp.int32)
     offsets = _offsets(row_offset, entry_offset)
+    k_splits = min(SGMV_K_SPLITS, x_p.shape[1] // block_k)
     v = paged_lora_gpu.sgmv_paged_shrink_gpu(x_p, a_p, starts, seg_slot, table, slot_rank, offsets, routing,
-                                             block_rows=BLOCK_ROWS, block_k=block_k, interpret=interpret)
+                                             block_rows=BLOCK_ROWS, block_k=block_k, k_splits=k_splits,
+                                             interpret=interpret)
     out = paged_lora_gpu.sgmv_paged_expand_gpu(y_p, v, b_p, starts, seg_slot, table, slot_rank,
                                                slot_scale.astype(jnp.float32), offsets, routing,
                                                block_rows=BLOCK_ROWS, block_n=block_n, interpret=interpret)

@@ -19,9 +19,11 @@ widths, indexed by the same row ids; the byte budget is shared with KV (one allo
 are not (one buffer for both would need one row width for KV and every module).
 
 `RowPool` keeps `AdapterPool`'s interface for the engine (prepare, load into a slot, evict,
-write_padded of `padded` host arrays): the rows a slot's adapter gets come from `rows_of(slot)`, the
-caller's (the engine: the allocator's rows for the slot's adapter). One jitted, donated update writes
-a slot's rows and table entry for every module, whatever the slot, rows or rank."""
+write_padded of `padded` arrays): the rows a slot's adapter gets come from `rows_of(slot)`, the
+caller's (the engine: the allocator's rows for the slot's adapter). Its `padded` arrays are the
+prepared adapter's compact ones as they are (no max-rank padding on the host: a pinned host copy
+goes to the device by DMA, with no numpy copy on the engine thread); one jitted, donated update
+writes a slot's rows and table entry for every module (a program per rank and module widths)."""
 
 from __future__ import annotations
 
@@ -51,23 +53,24 @@ def empty_row_arrays(base: LlamaConfig, num_slots: int, max_rank: int, num_rows:
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
-def write_rows(modules: dict, table: jax.Array, slot, rows, values: dict):
-    """(`modules`, `table`) with slot `slot`'s adapter written, in place (donated): rows [w] int32 its
-    row ids (entries past its rank: out of range, dropped), values {module: {"a" [L, k, w], "b"
-    [L, w, n], "scale" [L], "rank" [L]}} (`AdapterPool.padded`). The table entry takes the rows
-    (dropped ones as 0: masked by the rank)."""
+def write_rows(modules: dict, table: jax.Array, slot, rows, table_row, values: dict):
+    """(`modules`, `table`) with slot `slot`'s adapter written, in place (donated): rows [r] int32 its
+    row ids (r: its rank, >= every module's width), table_row [max_rank] int32 the slot's table
+    entry (the rows, then zeros: masked by the rank), values {module: {"a" [L, k, w], "b" [L, w, n],
+    "scale" [L], "rank" [L]}} compact (`RowPool.padded`: w the module's own rank, 0 for a module
+    the adapter does not target; cast to the pool's dtype here). Rows past a module's width keep
+    what they held: nothing reads them (the rank masks them)."""
     out = {}
     for module, pool in modules.items():
         value = values[module]
+        width = value["a"].shape[2]
         out[module] = {
-            "a_rows": pool["a_rows"].at[:, rows].set(jnp.swapaxes(value["a"], 1, 2).astype(pool["a_rows"].dtype),
-                                                     mode="drop"),
-            "b_rows": pool["b_rows"].at[:, rows].set(value["b"].astype(pool["b_rows"].dtype), mode="drop"),
+            "a_rows": pool["a_rows"].at[:, rows[:width]].set(jnp.swapaxes(value["a"], 1, 2).astype(pool["a_rows"].dtype)),
+            "b_rows": pool["b_rows"].at[:, rows[:width]].set(value["b"].astype(pool["b_rows"].dtype)),
             "rank": pool["rank"].at[:, slot].set(value["rank"]),
             "scale": pool["scale"].at[:, slot].set(value["scale"]),
         }
-    num_rows = next(iter(modules.values()))["a_rows"].shape[1]
-    return out, table.at[:, slot].set(jnp.where(rows < num_rows, rows, 0))
+    return out, table.at[:, slot].set(table_row)
 
 
 @jax.jit
@@ -118,6 +121,21 @@ class RowPool(AdapterPool):
         width = sum(sum(shapes[module]) for module in self.target_modules)
         return width * self.base.num_layers * np.dtype(self.dtype).itemsize
 
+    def padded(self, prepared: PreparedAdapter | None) -> dict:
+        """One slot's arrays for every pool module, compact: {module: {a [L, k, w], b [L, w, n],
+        scale [L], rank [L]}} with w the module's own width (`PreparedAdapter.values`: no max-rank
+        padding, no host copy; rows hold exactly the rank), w = 0 for a module `prepared` does not
+        target (None: an empty slot)."""
+        values = {} if prepared is None else prepared.values
+        return {module: values.get(module) or self._untargeted(module) for module in self.target_modules}
+
+    def _untargeted(self, module: str) -> dict:
+        """A module's compact arrays for an adapter that does not target it: width 0, rank 0."""
+        (fan_in, fan_out), layers = projection_shapes(self.base)[module], self.base.num_layers
+        dtype = np.dtype(self.dtype)
+        return {"a": np.zeros((layers, fan_in, 0), dtype), "b": np.zeros((layers, 0, fan_out), dtype),
+                "scale": np.zeros(layers, np.float32), "rank": np.zeros(layers, np.int32)}
+
     def evict(self, slot: int) -> None:
         """Empties `slot` (rank 0: nothing reads its rows, which the allocator may hand out again)."""
         self._write_rows(slot, [], self._empty_values())
@@ -133,25 +151,25 @@ class RowPool(AdapterPool):
         before a staged copy landed): the slot is emptied instead, so it never points at rows that
         another adapter may hold."""
         rows = self.rows_of(slot)
+        width = max([0] + [int(parts["a"].shape[2]) for parts in values.values()])  # shapes: no device read
         if not rows:
             values = self._empty_values()
-        elif len(rows) < adapter_rank_of_values(values):
-            raise ValueError(f"slot {slot}: {len(rows)} rows for an adapter of rank {adapter_rank_of_values(values)}")
+        elif len(rows) < width:
+            raise ValueError(f"slot {slot}: {len(rows)} rows for an adapter of rank {width}")
         self._write_rows(slot, rows, values)
 
     def _write_rows(self, slot: int, rows, values: dict) -> None:
-        padded_rows = np.full(self.max_rank, self.num_rows, np.int32)  # out of range: dropped
-        padded_rows[:len(rows)] = rows
+        if len(rows) > self.max_rank:
+            raise ValueError(f"slot {slot}: {len(rows)} rows, more than the pool's max rank {self.max_rank}")
+        table_row = np.zeros(self.max_rank, np.int32)
+        table_row[:len(rows)] = rows
         if self.pinned and not self._on_device(values):
             values = self.to_device(values)
-        self._modules, self._table = write_rows(self._modules, self._table, np.int32(slot), padded_rows, values)
+        self._modules, self._table = write_rows(self._modules, self._table, np.int32(slot),
+                                                np.asarray(rows, np.int32), table_row, values)
         self.slot_writes[slot] += 1
 
     def window_source(self, slot: int) -> tuple[dict, int]:
         """(a padded pool holding `slot`'s adapter, its slot there), for the adapter window's copy."""
         return slot_view(self.arrays, np.int32(slot)), 0
 
-
-def adapter_rank_of_values(values: dict) -> int:
-    """The largest rank over the modules and layers of `padded` slot arrays."""
-    return max([0] + [int(np.max(np.asarray(parts["rank"]))) for parts in values.values()])

@@ -100,6 +100,17 @@ def test_sgmv_paged_segments(dtype):
     assert rel_err(expected.astype(jnp.float32) - y, padded - y.astype(jnp.float32)) <= TOL[dtype]
 
 
+def test_sgmv_paged_split_k_with_empty_splits():
+    """k = 200: 13 k blocks of 16 over 8 split-K programs a row tile (the last takes none)."""
+    k, n = 200, 48
+    a_rows, b_rows, table, rank, scale, _, _ = paged_pool(4, k, n, jnp.float32)
+    sizes, slots = [17, 3, 12], [3, -1, 0]
+    starts = jnp.asarray(np.r_[0, np.cumsum(sizes)], jnp.int32)
+    x, y = _inputs(4, int(np.sum(sizes)), k, n, jnp.float32)
+    args = (y, x, a_rows, b_rows, starts, jnp.asarray(slots, jnp.int32), table, rank, scale)
+    assert rel_err(sgmv_lora_paged(*args, impl="gpu") - y, ref.sgmv_paged_ref(*args) - y) <= 1e-5
+
+
 def test_sgmv_paged_single_segment_and_no_segments():
     a_rows, b_rows, table, rank, scale, _, _ = paged_pool(3, 32, 32, jnp.float32)
     x, y = _inputs(3, 16, 32, 32, jnp.float32)
@@ -138,7 +149,7 @@ def test_kernels_lower_to_triton_for_cuda(monkeypatch):
                         (spec((batch, n), f32), spec((2, batch, width), f32), spec((rows, n), bf16),
                          spec((batch,), i32), *table, spec((entries,), f32), spec((2,), i32))),
         "sgmv_shrink": (lambda x, a, st, s, t, r, o: gpu.sgmv_paged_shrink_gpu(
-            x, a, st, s, t, r, o, routed(st), block_rows=16, block_k=128, interpret=False),
+            x, a, st, s, t, r, o, routed(st), block_rows=16, block_k=128, k_splits=2, interpret=False),
                         (spec((tokens, k), bf16), spec((rows, k), bf16), spec((5,), i32), spec((4,), i32), *table,
                          spec((2,), i32))),
         "sgmv_expand": (lambda y, v, b, st, s, t, r, c, o: gpu.sgmv_paged_expand_gpu(

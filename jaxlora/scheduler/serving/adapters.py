@@ -19,7 +19,8 @@ class AdapterSlots:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
-        self.keys: list = [None] * num_slots
+        self.keys: list = [None] * num_slots  # written only here (`_set`), with `_slot_by_key`
+        self._slot_by_key: dict = {}
         self._pins = [0] * num_slots
         self._last_used = [0] * num_slots
         self._clock = itertools.count(1)
@@ -34,14 +35,30 @@ class AdapterSlots:
     def slot_of(self, key) -> int | None:
         if key in self.fixed:
             return self.fixed[key]
-        return self.keys.index(key) if key in self.keys else None
+        return self._slot_by_key.get(key)
+
+    def _placed(self, key) -> int:
+        """The slot of a placed key; ValueError if it has none."""
+        slot = self._slot_by_key.get(key)
+        if slot is None:
+            raise ValueError(f"adapter {key!r} has no slot")
+        return slot
+
+    def _set(self, slot: int, key) -> None:
+        """Puts `key` (None: nothing) in `slot`, keeping the key -> slot map."""
+        old = self.keys[slot]
+        if old is not None:
+            del self._slot_by_key[old]
+        self.keys[slot] = key
+        if key is not None:
+            self._slot_by_key[key] = slot
 
     def resident(self) -> list:
         return [key for key in self.keys if key is not None] + list(self.fixed)
 
     def victim(self, protect=()) -> int | None:
         """The slot to fill next: a free one, else the LRU unpinned one whose key is not in `protect`."""
-        if None in self.keys:
+        if len(self._slot_by_key) < self.num_slots:
             return self.keys.index(None)
         candidates = [s for s in range(self.num_slots) if self._pins[s] == 0 and self.keys[s] not in protect]
         return min(candidates, key=lambda s: self._last_used[s]) if candidates else None
@@ -57,14 +74,14 @@ class AdapterSlots:
         slot = self.victim(protect)
         if slot is None:
             return None
-        self.keys[slot] = key
+        self._set(slot, key)
         self._last_used[slot] = next(self._clock)
         return slot, True
 
     def pin(self, key) -> int:
         if key in self.fixed:
             return self.fixed[key]
-        slot = self.keys.index(key)
+        slot = self._placed(key)
         self._pins[slot] += 1
         self.touch(key)
         return slot
@@ -72,7 +89,7 @@ class AdapterSlots:
     def unpin(self, key) -> None:
         if key in self.fixed:
             return
-        slot = self.keys.index(key)
+        slot = self._placed(key)
         if self._pins[slot] == 0:
             raise ValueError(f"adapter {key!r} is not pinned")
         self._pins[slot] -= 1
@@ -80,7 +97,7 @@ class AdapterSlots:
     def touch(self, key) -> None:
         if key in self.fixed:
             return
-        self._last_used[self.keys.index(key)] = next(self._clock)
+        self._last_used[self._placed(key)] = next(self._clock)
 
     def pinned(self, key) -> bool:
         if key in self.fixed:
@@ -98,5 +115,5 @@ class AdapterSlots:
             return None
         if self._pins[slot]:
             raise ValueError(f"adapter {key!r} is in use by running requests")
-        self.keys[slot] = None
+        self._set(slot, None)
         return slot

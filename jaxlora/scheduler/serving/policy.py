@@ -313,7 +313,8 @@ class ServingScheduler:
             self._register_blocks(row.seq)
         rows.sort(key=lambda r: (r.slot < 0, r.slot))
         plan = StepPlan(rows, loads, preempted)
-        self.capacity.check(plan.work_items())
+        if plan.num_tokens > self.capacity.tokens:  # the work items only to name the overflow
+            self.capacity.check(plan.work_items())
         return plan
 
     def _grow(self, seq: Sequence, positions: int, preempted: list[Sequence]) -> bool:
@@ -351,7 +352,7 @@ class ServingScheduler:
     def _row(self, seq: Sequence, budget: int) -> StepRow:
         count = min(seq.num_pending, budget, self.config.prefill_chunk)
         slot = -1 if seq.adapter is None else self.slots.slot_of(seq.adapter)
-        return StepRow(seq, seq.num_computed, count, slot, seq.num_computed + count == len(seq.tokens))
+        return StepRow(seq, seq.num_computed, count, slot, seq.num_computed + count == len(seq.prompt) + len(seq.output))
 
     def _chunk_fits(self, chunked: set, row: StepRow) -> bool:
         """Whether `row` keeps the step within `max_prefill_adapters` adapters with prompt chunks
@@ -406,12 +407,12 @@ class ServingScheduler:
     def prefetch(self) -> list[tuple[int, Hashable]]:
         """Slots to fill now with adapters of queued requests (queue order), evicting only unpinned
         adapters that no earlier queued request wants. Returns the (slot, key) loads to perform."""
-        loads, wanted = [], []
+        loads, wanted = [], set()
         for seq in self.waiting:
             key = seq.adapter
             if key is None or key in wanted:
                 continue
-            wanted.append(key)
+            wanted.add(key)
             if self.slots.slot_of(key) is not None or not self.is_ready(key):
                 continue
             placed = self._place(key, protect=wanted)
@@ -431,7 +432,7 @@ class ServingScheduler:
         and cached pages other than its hits."""
         free = self.pages.num_free if self.prefix is None else self.prefix.num_free_besides(hits)
         needed = self._unified_pages_needed(seq) - len(hits)
-        return needed <= free + (self.pages.idle_pages(keep=(seq.adapter,)) if self.unified else 0)
+        return needed <= free or (self.unified and needed <= free + self.pages.idle_pages(keep=(seq.adapter,)))
 
     # ---- prefix caching (module doc) ----------------------------------------------------------
     def _hits(self, seq: Sequence) -> list[int]:

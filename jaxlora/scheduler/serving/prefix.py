@@ -36,14 +36,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 from typing import Hashable
 
 import numpy as np
 
 
+@functools.lru_cache(maxsize=4096)
 def root_digest(root: Hashable) -> bytes:
-    """digest_{-1} of a chain: sha256 of `repr(root)` (the root is built of ints, strings, None)."""
+    """digest_{-1} of a chain: sha256 of `repr(root)` (the root is built of ints, strings, None;
+    remembered: the scheduler asks for a running sequence's root whenever it registers a block)."""
     return hashlib.sha256(repr(root).encode()).digest()
 
 

@@ -88,7 +88,7 @@ class UnifiedPages:
 
     # ---- KV side (PageAllocator's interface) ------------------------------------------------------
     def can_allocate(self, count: int) -> bool:
-        return count <= len(self._free) + self.idle_pages()
+        return count <= len(self._free) or count <= len(self._free) + self.idle_pages()
 
     def allocate(self, count: int) -> list[int]:
         """`count` KV page ids, evicting idle adapters (LRU) if the free list is short; ValueError
@@ -124,8 +124,9 @@ class UnifiedPages:
 
     def can_add(self, key, count: int, rows: int = 0) -> bool:
         keep = (key,)
-        return key in self._adapters or (count <= len(self._free) + self.idle_pages(keep)
-                                         and rows <= len(self._free_rows) + self.idle_rows(keep))
+        return key in self._adapters or (
+            (count <= len(self._free) or count <= len(self._free) + self.idle_pages(keep))
+            and (rows <= len(self._free_rows) or rows <= len(self._free_rows) + self.idle_rows(keep)))
 
     def add_adapter(self, key, count: int, rows: int = 0) -> list[int] | None:
         """Pages for adapter `key` (`count` of them, and `rows` device row ids: its rank; already

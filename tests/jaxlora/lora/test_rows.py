@@ -71,3 +71,17 @@ def test_evict_and_a_write_without_rows_leave_rank_zero():
     for module in MODULES:
         rank = np.asarray(rows.arrays[module]["rank"])
         assert not rank[:, :2].any() and rows.slot_names[0] is None
+
+
+def test_padded_passes_the_compact_arrays_as_they_are():
+    """A row pool pads nothing on the host (rows hold exactly the rank): a rank-4 adapter's arrays
+    go to the write as prepared (no copy), an untargeted module as width 0 with rank 0."""
+    rows = RowPool(CONFIG, SLOTS, RANK, ROWS, MODULES, rows_of=lambda slot: list(range(4)))
+    prepared = rows.prepare(random_adapter("low", CONFIG, LoraConfig(r=4, target_modules=("q_proj",)), seed=3))
+    values = rows.padded(prepared)
+    assert values["q_proj"]["a"] is prepared.values["q_proj"]["a"]
+    assert values["v_proj"]["a"].shape[2] == 0 and not values["v_proj"]["rank"].any()
+    rows.load(prepared, slot=2)
+    view = slot_view(rows.arrays, np.int32(2))
+    np.testing.assert_array_equal(np.asarray(view["q_proj"]["a"][:, 0, :, :4]), np.asarray(prepared.values["q_proj"]["a"]))
+    assert not np.asarray(view["q_proj"]["a"][:, 0, :, 4:]).any() and not np.asarray(view["v_proj"]["rank"]).any()
