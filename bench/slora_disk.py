@@ -202,7 +202,7 @@ class StepWindow:
     """Engine steps `first` .. `first + count - 1` of a run under a JAX profiler trace (to `log_dir`):
     whether the device or the host paces them. `report`: the window's wall ms a step (host loop,
     step start to step start), the device's busy ms a step (kernels' union) and their ratio, kernel
-    ms a step by category, the 12 costliest kernels."""
+    ms a step by category, kernel launches a step, the 12 costliest kernels."""
 
     def __init__(self, first: int, count: int, log_dir: str):
         self.first, self.count, self.log_dir = first, count, log_dir
@@ -229,6 +229,7 @@ class StepWindow:
         return {"steps": self.steps, "wall_ms_per_step": wall_ms, "busy_ms_per_step": times["busy_ms"],
                 "device_busy_fraction": times["busy_ms"] / wall_ms if wall_ms else None,
                 "kernel_ms_per_step": times["device_ms"], "categories": times["categories"],
+                "launches_per_step": sum(kernel["calls"] for kernel in times["kernels"]),
                 "kernels": times["kernels"][:12]}
 
 
