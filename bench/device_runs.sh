@@ -907,3 +907,19 @@ slora_check() {  # one H200, issue 34 item 5: the guard's slora_disk part (n=200
       --out "$OUT/slora_profile.json" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 4
   rm -rf "$OUT"/slora_trace_*
 }
+
+guard_ab() {  # one H200: the regression guard's serving trace on old.tar (the tree before a change, untracked:
+  # `git archive REV jaxlora serve pallas_kernels bench train Makefile pyproject.toml README.md -o old.tar`)
+  # and then on this tree, one machine, one compile cache (the second run's programs hit it); the cache packed last
+  nvidia-smi -L
+  local cache=/tmp/jaxlora_serve_jit_cache
+  if [ -e .jitcache/jitcache.part00 ]; then python3 bench/jit_cache.py unpack .jitcache/jitcache $cache; fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  mkdir -p /tmp/old "$OUT/old" "$OUT/new" && tar xf old.tar -C /tmp/old
+  (cd /tmp/old && PYTHONPATH=/tmp/old:/tmp/site timeout $((LIMIT * 6 / 10)) python3 bench/regress.py --only serve \
+      --out-dir "$OUT/old" --compile-cache $cache 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 28)
+  PYTHONPATH=$PYTHONPATH:/tmp/site timeout $((LIMIT - SECONDS - 30)) python3 bench/regress.py --only serve \
+      --out-dir "$OUT/new" --compile-cache $cache 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 28
+  rm -f "$OUT"/*/regress_*.png
+  timeout 20 python3 bench/jit_cache.py pack $cache "$OUT/jitcache"
+}
