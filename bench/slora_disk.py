@@ -6,6 +6,7 @@ same trace on one adapter, with and without unified paging, in one run.
     PYTHONPATH=. python bench/slora_disk.py --cases slora:n=2000,alpha=1 [--runs disk separate one]
     PYTHONPATH=. python bench/slora_disk.py --cases punica:distinct --mode throughput --runs disk one
     PYTHONPATH=. python bench/slora_disk.py --tiny                   # CPU smoke test (tiny model)
+    PYTHONPATH=. python bench/slora_disk.py --runs disk one --profile-steps 600 100   # GPU: which side paces it
 
 Adapters (Done-when 3 of issue 20): `--adapters` folders `task-0000`.. under `--dir`, PEFT format
 (adapter_config.json + adapter_model.safetensors, bfloat16), ranks cycling over `--ranks` on
