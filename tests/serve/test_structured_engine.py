@@ -77,7 +77,9 @@ def test_free_rows_get_the_same_tokens_beside_constrained_rows(smollm2, adapters
     for name in free:
         assert mixed[name][0] == alone[name][0], name
         assert mixed[name][2] == alone[name][2]
-    np.testing.assert_allclose(mixed["penalised"][1], alone["penalised"][1], atol=1e-5)
+    # float32 logprobs of another batch's reduction order (jax 0.12.0.1 on a CPU: 1.8e-5 on -4.135):
+    # the project's f32 bound, relative
+    np.testing.assert_allclose(mixed["penalised"][1], alone["penalised"][1], rtol=1e-5, atol=1e-6)
     for name, (tokens, _, reason) in mixed.items():
         if name.startswith("json"):
             assert reason == "stop"
