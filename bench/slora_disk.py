@@ -59,6 +59,7 @@ import numpy as np
 from flax import nnx
 
 from bench.serve import Record, greedy_shapes, make_trace, parse_case, recording, summarize
+from bench.timing import trace_kernel_times
 from jaxlora.lora import backends as lora_backends
 from jaxlora.lora.adapter import LoraAdapter, ModuleLora
 from jaxlora.lora.adapter_config import LoraConfig
@@ -224,7 +225,6 @@ class StepWindow:
         if self.stopped is None:  # the run ended inside the window
             self.stopped, self.steps = time.perf_counter(), self.count
             jax.profiler.stop_trace()
-        from bench.timing import trace_kernel_times
         times = trace_kernel_times(self.log_dir, self.steps)
         wall_ms = (self.stopped - self.started) * 1e3 / self.steps
         return {"steps": self.steps, "wall_ms_per_step": wall_ms, "busy_ms_per_step": times["busy_ms"],

@@ -124,9 +124,14 @@ class Sequence:
         return self.prompt + self.output
 
     @property
+    def num_tokens(self) -> int:
+        """len(tokens), without building the list (the scheduler asks every step for every row)."""
+        return len(self.prompt) + len(self.output)
+
+    @property
     def num_pending(self) -> int:
         """Tokens whose keys/values are not in the cache yet (1 while decoding)."""
-        return len(self.prompt) + len(self.output) - self.num_computed
+        return self.num_tokens - self.num_computed
 
     @property
     def in_prefill(self) -> bool:
@@ -235,7 +240,7 @@ class ServingScheduler:
     # ---- requests in and out -------------------------------------------------------------
     def pages_needed(self, seq: Sequence) -> int:
         """KV pages `seq` takes when admitted (`admission_pages`)."""
-        return admission_pages(len(seq.tokens), len(seq.prompt) + seq.max_tokens, self.config.page_size,
+        return admission_pages(seq.num_tokens, len(seq.prompt) + seq.max_tokens, self.config.page_size,
                                self.config.reserve_output)
 
     def fits_ever(self, prompt_len: int, max_tokens: int) -> bool:
@@ -352,7 +357,7 @@ class ServingScheduler:
     def _row(self, seq: Sequence, budget: int) -> StepRow:
         count = min(seq.num_pending, budget, self.config.prefill_chunk)
         slot = -1 if seq.adapter is None else self.slots.slot_of(seq.adapter)
-        return StepRow(seq, seq.num_computed, count, slot, seq.num_computed + count == len(seq.prompt) + len(seq.output))
+        return StepRow(seq, seq.num_computed, count, slot, seq.num_computed + count == seq.num_tokens)
 
     def _chunk_fits(self, chunked: set, row: StepRow) -> bool:
         """Whether `row` keeps the step within `max_prefill_adapters` adapters with prompt chunks
@@ -458,7 +463,7 @@ class ServingScheduler:
         """An admitted `seq`'s pages: its cached `hits` (acquired; counted as computed) and new ones
         for the rest."""
         if self.prefix is not None and seq.cache_prefix:
-            self.prefix.stats.record(len(seq.tokens), len(hits) * self.config.page_size)
+            self.prefix.stats.record(seq.num_tokens, len(hits) * self.config.page_size)
         seq.prefix_blocks = len(hits)
         seq.num_computed = len(hits) * self.config.page_size
         return hits + self.pages.allocate(self.pages_needed(seq) - len(hits))
