@@ -842,10 +842,12 @@ guard() {  # one H200: the regression guard's serving trace (bench/regress.py --
   if [ -e .jitcache/jitcache.part00 ]; then python3 bench/jit_cache.py unpack .jitcache/jitcache $cache; fi
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=$PYTHONPATH:/tmp/site
-  timeout $((LIMIT - SECONDS - 25)) python3 bench/regress.py --only serve --out-dir "$OUT" --compile-cache $cache 2>&1 \
+  local spare=25  # seconds kept for the cache's pack (~70 MB: ~60 s) when none was carried
+  if [ ! -e .jitcache/jitcache.part00 ]; then spare=95; fi
+  timeout $((LIMIT - SECONDS - spare)) python3 bench/regress.py --only serve --out-dir "$OUT" --compile-cache $cache 2>&1 \
       | grep -v "cuda_timer\|Warning\|^W11" | tail -n 40
   rm -f "$OUT"/regress_serve.png
-  if [ ! -e .jitcache/jitcache.part00 ]; then timeout 20 python3 bench/jit_cache.py pack $cache "$OUT/jitcache"; fi
+  if [ ! -e .jitcache/jitcache.part00 ]; then timeout 90 python3 bench/jit_cache.py pack $cache "$OUT/jitcache"; fi
 }
 
 vision_serve() {  # one GPU, issue 39 item 4: bench/vision_serve.py (LLaVA-1.5 layout, ViT-L/14-336 + Llama-3.1-8B
@@ -888,7 +890,7 @@ slora_profile() {  # one H200, issue 34 item 5: slora_disk n=2000 (a=1, 400 requ
       --requests ${REQUESTS:-400} --profile-steps ${PROFILE:-600 100} --compile-cache $cache \
       --out "$OUT/slora_profile.json" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 12
   rm -rf "$OUT"/slora_trace_*
-  if [ ! -e .jitcache/jitcache.part00 ]; then timeout 20 python3 bench/jit_cache.py pack $cache "$OUT/jitcache"; fi
+  if [ ! -e .jitcache/jitcache.part00 ]; then timeout 90 python3 bench/jit_cache.py pack $cache "$OUT/jitcache"; fi
 }
 
 slora_check() {  # one H200, issue 34 item 5: the guard's slora_disk part (n=2000, alpha 1 and 0.3, 400 requests,
@@ -921,5 +923,5 @@ guard_ab() {  # one H200: the regression guard's serving trace on old.tar (the t
   PYTHONPATH=$PYTHONPATH:/tmp/site timeout $((LIMIT - SECONDS - 30)) python3 bench/regress.py --only serve \
       --out-dir "$OUT/new" --compile-cache $cache 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 28
   rm -f "$OUT"/*/regress_*.png
-  timeout 20 python3 bench/jit_cache.py pack $cache "$OUT/jitcache"
+  timeout 90 python3 bench/jit_cache.py pack $cache "$OUT/jitcache"
 }

@@ -93,12 +93,20 @@ def segments(config: EngineConfig, fixed: int) -> tuple[int, int]:
     """(segments of a step's LoRA plan, the scheduler's `max_prefill_adapters`): every adapter
     that can be on the device (+ the base model and `fixed` compressed ones) and no bound; a
     backend with a segment window (hybrid) plans that many segments and the scheduler keeps
-    a step's prompt chunks to that many adapters."""
-    num_segments = bucket(config.max_adapters_on_device + 1 + fixed, 4)
+    a step's prompt chunks to that many adapters. With `tail_segments` (paged pools and a backend
+    that plans one-token rows as segments) twice that: each adapter's prompt chunks and its one-
+    token rows are a run of their own."""
+    num_segments = bucket((1 + tail_segments(config)) * (config.max_adapters_on_device + 1 + fixed), 4)
     window = config.backend.segment_window
     if window is None or window >= num_segments:
         return num_segments, 0
     return window, window
+
+
+def tail_segments(config: EngineConfig) -> bool:
+    """Whether a mixed step's LoRA plan covers its one-token rows with segments
+    (`jaxlora.lora.plan.build_serving_plan`): the backend does so over paged pools (unified paging)."""
+    return config.unified_paging and config.backend.tail_segments
 
 
 class StepBuilder:
@@ -125,6 +133,7 @@ class StepBuilder:
         self.modes = modes
         self.max_rows = max_rows
         self.num_segments = num_segments
+        self.tail_segments = tail_segments(config)
         self.max_pages = bucket(pages_for(config.max_model_len, config.page_size), 1)
         self.min_tokens = config.min_step_tokens  # the smallest token bucket (`padded_tokens`)
         self.min_lora_mixed = min(bucket(config.min_lora_mixed_tokens, self.min_tokens),
@@ -210,12 +219,14 @@ class StepBuilder:
         """The step's LoRA plan over its tokens [T] (in `serving_order` of the rows): a `ServingPlan`
         for the backends that take one (without segments when `decode_only`: the BGMV-only
         variant; a mixed one lists its one-token rows when the step has more tokens than rows, so
-        BGMV runs over `max_rows` rows, not T), else a `LoraPlan`. one_token [T]: the token is its
+        BGMV runs over `max_rows` rows, not T; over paged pools a mixed one covers the one-token rows
+        with segments instead, `tail_segments`), else a `LoraPlan`. one_token [T]: the token is its
         row's only one."""
         if self.config.backend.plan_type is not ServingPlan:
             return build_plan(token_slot, self.num_segments)
         bgmv_rows = self.max_rows if self.max_rows < token_slot.size else None
-        return build_serving_plan(token_slot, one_token, 0 if decode_only else self.num_segments, bgmv_rows)
+        return build_serving_plan(token_slot, one_token, 0 if decode_only else self.num_segments, bgmv_rows,
+                                  self.tail_segments)
 
     def batch_arrays(self, plan: StepPlan, in_window: bool = False, scoring: bool = False,
                      decode_variant: bool | None = None):

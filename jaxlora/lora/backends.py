@@ -65,6 +65,9 @@ class LoraBackend:
     segment_window: the most prefill segments its mixed `ServingPlan`s should hold (a mixed step's
       segment GEMM covers that many; the engine plans no more: `jaxlora.lora.ops.SEGMENT_WINDOW`);
       None: no bound.
+    tail_segments: over paged pools (unified paging), a mixed `ServingPlan` of it covers the one-token
+      rows with segments too (`build_serving_plan`), so its kernels are the paged SGMV pair alone:
+      no BGMV pair and no row gather, half the launches of a mixed step's projection.
     """
 
     name: str
@@ -82,6 +85,7 @@ class LoraBackend:
     shared_basis: bool = False
     adds_in_input_dtype: bool = False
     segment_window: int | None = None
+    tail_segments: bool = False
 
     def __reduce_ex__(self, protocol):
         """A registry backend pickles and copies as its name: the copy is the registry's own object,
@@ -148,7 +152,8 @@ def _pallas(name: str, style: str | None) -> LoraBackend:
                        row_delta=functools.partial(ops.pallas_delta, style=style),
                        in_place=functools.partial(ops.pallas_accumulate, style=style),
                        in_place_group=functools.partial(ops.pallas_accumulate_group, style=style),
-                       in_place_packed=functools.partial(ops.pallas_accumulate_packed, style=style))
+                       in_place_packed=functools.partial(ops.pallas_accumulate_packed, style=style),
+                       tail_segments=True)
 
 
 def _fused(name: str, style: str | None) -> LoraBackend:
@@ -167,7 +172,8 @@ _HYBRID_MIXED = LoraBackend("hybrid", ServingPlan, partitionable=False, custom_k
 
 # hybrid's route for a decode-only ServingPlan: the BGMV kernels in place on the projection's
 # output in the activations' dtype (the base GEMM writes bf16, the kernels add into it).
-_HYBRID_DECODE = dataclasses.replace(_pallas("hybrid", None), trains=False, adds_in_input_dtype=True)
+_HYBRID_DECODE = dataclasses.replace(_pallas("hybrid", None), trains=False, adds_in_input_dtype=True,
+                                     tail_segments=False)
 
 
 def _hybrid_route(plan) -> LoraBackend:

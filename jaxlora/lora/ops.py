@@ -232,7 +232,10 @@ def _on_bgmv_rows(outs: list, rows: jax.Array, row_slot: jax.Array, decode_rows,
     in place on outs. With `decode_rows` [D] (a `ServingPlan`'s: every row with slot >= 0 is among
     them; padding N): the kernel runs on those D rows only, into float32 zeros, and each output
     row adds its own (gathered by row: zero for rows not listed) in one elementwise pass with the
-    result rounded once; no scatter, so a slice of a packed projection output is never copied."""
+    result rounded once; no scatter, so a slice of a packed projection output is never copied.
+    row_slot None (a `ServingPlan` whose segments cover every row, `tail_segments`): outs as they are."""
+    if row_slot is None:
+        return outs
     if decode_rows is None:
         return kernel(outs, rows, row_slot)
     decode_rows = jnp.asarray(decode_rows)
@@ -248,7 +251,8 @@ def _on_bgmv_rows(outs: list, rows: jax.Array, row_slot: jax.Array, decode_rows,
 def _serving_kernels(y, rows, module_pool, plan: ServingPlan, style: str):
     """y [N, n] (float32, or x's dtype) plus the LoRA of rows [N, k] already in the plan's order:
     SGMV over the prefill segments (none in a decode-only step), then BGMV over the one-token rows
-    (`_on_bgmv_rows`), both in place on y (2 or 4 kernel launches, no per-call rank/scale lookups:
+    (`_on_bgmv_rows`; none where the segments cover them, `ServingPlan`'s `tail_segments`), both in
+    place on y (2 or 4 kernel launches, no per-call rank/scale lookups:
     the kernels read them by slot; forward only: no VJP). module_pool: a layer's dict or a StackedModulePool
     (a PagedModulePool: the paged kernels, reading the adapters' rows through the row table)."""
     if isinstance(module_pool, PagedModulePool):

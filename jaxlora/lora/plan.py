@@ -85,6 +85,11 @@ class ServingPlan(NamedTuple):
       ascending, padded with N (no row): a mixed step's BGMV runs over these D rows only and each
       row's delta is added back by a row gather, instead of over all N (`jaxlora.lora.ops.
       _on_bgmv_rows`); None: over all N rows, in place.
+
+    A plan built with `tail_segments` (a mixed step over paged pools, `LoraBackend.tail_segments`)
+    has no BGMV rows: its segments are the runs of equal slot over every token up to the last
+    adapter token (the one-token rows as well, sorted by slot in `serving_order`), and
+    decode_slot and decode_rows are None, so its kernels are the SGMV pair alone.
     """
 
     token_slot: np.ndarray
@@ -98,15 +103,19 @@ def serving_order(row_slot, row_tokens) -> np.ndarray:
     """The order of a step's rows that `build_serving_plan` expects: [R] row indices.
 
     row_slot [R]: adapter slot of each row (-1: base model); row_tokens [R]: its token count.
-    Multi-token adapter rows come first, by slot ascending; then the others, in their given order.
+    Multi-token adapter rows come first, by slot ascending; then one-token adapter rows, by slot
+    ascending (one segment per slot under `build_serving_plan`'s `tail_segments`); base-model rows
+    last. Rows of equal key keep their given order.
     """
-    row_slot, row_tokens = np.asarray(row_slot), np.asarray(row_tokens)
+    row_slot, row_tokens = np.asarray(row_slot, np.int64), np.asarray(row_tokens)
     segmented = (row_slot >= 0) & (row_tokens > 1)
-    key = np.where(segmented, row_slot, np.iinfo(np.int32).max)
+    tail = row_slot.max(initial=0) + 1  # one-token adapter rows after every prefill chunk
+    key = np.where(segmented, row_slot, np.where(row_slot >= 0, tail + row_slot, np.iinfo(np.int64).max))
     return np.argsort(key, kind="stable")
 
 
-def build_serving_plan(token_slot, one_token, num_segments: int, bgmv_rows: int | None = None) -> ServingPlan:
+def build_serving_plan(token_slot, one_token, num_segments: int, bgmv_rows: int | None = None,
+                       tail_segments: bool = False) -> ServingPlan:
     """Plan for tokens in `serving_order` (ValueError otherwise).
 
     Args:
@@ -116,6 +125,8 @@ def build_serving_plan(token_slot, one_token, num_segments: int, bgmv_rows: int 
       bgmv_rows: D, the most one-token adapter tokens the step may have (a static bound, e.g. the
         engine's rows per step): a plan with segments lists them in `decode_rows` [D] (ValueError
         if there are more); None, or a plan without segments: BGMV over all N rows.
+      tail_segments: a plan with segments covers the one-token rows too, one segment per run of
+        equal slot (ServingPlan's doc; ValueError if the runs exceed `num_segments`).
     """
     token_slot = np.asarray(token_slot, np.int32).reshape(-1)
     one_token = np.asarray(one_token, bool).reshape(-1)
@@ -126,9 +137,24 @@ def build_serving_plan(token_slot, one_token, num_segments: int, bgmv_rows: int 
         raise ValueError("multi-token adapter rows must come first, grouped by slot (see serving_order)")
     if num_segments == 0 and prefix == 0:
         return ServingPlan(token_slot, decode_slot, None, None)
+    if tail_segments:
+        seg_starts, seg_slot = _runs(token_slot, num_segments)
+        return ServingPlan(token_slot, None, seg_starts, seg_slot, None)
     slots, counts = np.unique(token_slot[:prefix], return_counts=True)
     seg_starts, seg_slot = _segments(slots, counts, num_segments)
     return ServingPlan(token_slot, decode_slot, seg_starts, seg_slot, _decode_rows(decode_slot, bgmv_rows))
+
+
+def _runs(token_slot: np.ndarray, num_segments: int):
+    """(seg_starts [S+1], seg_slot [S]): one segment per run of equal slot over the tokens up to
+    the last one with slot >= 0 (runs of -1 between them are inactive segments)."""
+    adapter = np.flatnonzero(token_slot >= 0)
+    span = token_slot[: adapter[-1] + 1 if len(adapter) else 0]
+    starts = np.flatnonzero(np.diff(span, prepend=-2) != 0)  # the first token of each run
+    if len(starts) > num_segments:
+        raise ValueError(f"{len(starts)} runs of one adapter's tokens do not fit in {num_segments} segments "
+                         "(rows not in serving_order?)")
+    return _segments(span[starts], np.diff(np.append(starts, len(span))), num_segments)
 
 
 def _decode_rows(decode_slot: np.ndarray, bgmv_rows: int | None) -> np.ndarray | None:

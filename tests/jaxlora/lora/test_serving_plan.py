@@ -66,15 +66,35 @@ def step_plan(rows, num_tokens=32, num_segments=4):
 def test_serving_order_puts_prefill_chunks_first_grouped_by_slot():
     rows = STEPS["mixed"]
     order = serving_order([s for s, _ in rows], [c for _, c in rows])
-    assert [rows[i] for i in order] == [(0, 3), (2, 5), (5, 7), (-1, 4), (1, 1), (2, 1), (-1, 1), (0, 1)]
+    assert [rows[i] for i in order] == [(0, 3), (2, 5), (5, 7), (0, 1), (1, 1), (2, 1), (-1, 4), (-1, 1)]
 
 
 def test_serving_plan_segments_cover_the_prefill_prefix_only():
     token_slot, plan = step_plan(STEPS["mixed"], num_segments=8)
     assert list(plan.seg_slot) == [0, 2, 5, -1, -1, -1, -1, -1]
     assert list(plan.seg_starts) == [0, 3, 8, 15, 15, 15, 15, 15, 15]
-    assert list(plan.decode_slot[15:21]) == [-1, -1, -1, -1, 1, 2] and list(plan.decode_slot[21:24]) == [-1, 0, -1]
+    assert list(plan.decode_slot[15:24]) == [0, 1, 2, -1, -1, -1, -1, -1, -1]
     assert np.all(plan.decode_slot[:15] == -1) and np.array_equal(plan.token_slot, token_slot)
+
+
+def test_tail_segments_cover_the_one_token_rows_by_runs():
+    """`tail_segments`: the prefill chunks' segments, then one per slot of the one-token rows
+    (sorted by `serving_order`), up to the last adapter token; no BGMV rows."""
+    token_slot, one_token = ordered_tokens(STEPS["mixed"] + [(2, 1), (7, 1)], 32)
+    plan = build_serving_plan(token_slot, one_token, 8, bgmv_rows=16, tail_segments=True)
+    assert list(plan.seg_slot) == [0, 2, 5, 0, 1, 2, 7, -1]
+    assert list(plan.seg_starts) == [0, 3, 8, 15, 16, 17, 19, 20, 20]
+    assert plan.decode_slot is None and plan.decode_rows is None
+    assert np.array_equal(plan.token_slot, token_slot)
+    # a prefill chunk and a one-token row of one adapter next to each other: one run
+    token_slot, one_token = ordered_tokens([(3, 4), (3, 1), (-1, 2), (4, 1)], 16)
+    plan = build_serving_plan(token_slot, one_token, 4, tail_segments=True)
+    assert list(plan.seg_slot) == [3, 4, -1, -1] and list(plan.seg_starts) == [0, 5, 6, 6, 6]
+    with pytest.raises(ValueError, match="runs of one adapter"):
+        build_serving_plan(*ordered_tokens(STEPS["mixed"], 32), 4, tail_segments=True)
+    # without adapter tokens (a padding step of the mixed program): no segment
+    empty = build_serving_plan(np.full(8, -1), np.zeros(8, bool), 4, tail_segments=True)
+    assert list(empty.seg_starts) == [0] * 5 and list(empty.seg_slot) == [-1] * 4
 
 
 def test_decode_only_step_has_no_segments_and_any_number_of_adapters():
@@ -219,7 +239,7 @@ def test_hybrid_grouped_projections_of_a_stacked_pool_equal_the_reference(small_
 def test_mixed_plan_lists_its_one_token_adapter_rows_within_the_bound():
     token_slot, one_token = ordered_tokens(STEPS["mixed"], 32)
     plan = build_serving_plan(token_slot, one_token, 4, bgmv_rows=6)
-    assert list(plan.decode_rows) == [19, 20, 22, 32, 32, 32]  # the decode_slot >= 0 rows, then N
+    assert list(plan.decode_rows) == [15, 16, 17, 32, 32, 32]  # the decode_slot >= 0 rows, then N
     assert np.array_equal(np.flatnonzero(plan.decode_slot >= 0), plan.decode_rows[:3])
     with pytest.raises(ValueError, match="exceed the step's bound of 2"):
         build_serving_plan(token_slot, one_token, 4, bgmv_rows=2)
@@ -270,3 +290,48 @@ def test_hybrid_adds_in_the_outputs_dtype():
     assert decode16.dtype == jnp.bfloat16 and relative_error(decode16.astype(jnp.float32), expected4) <= 1e-2
     assert hybrid.for_plan(plan).adds_in_input_dtype and hybrid.for_plan(decode).adds_in_input_dtype
     assert not backends.get("pallas").adds_in_input_dtype  # a training backend adds in float32
+
+
+def paged_module_pool(pool, rng):
+    """The padded pool `pool` as a one-layer `PagedModulePool`: each slot's rank rows at shuffled
+    rows of the row pools (as after frees), table entries past the rank pointing anywhere."""
+    from jaxlora.lora.paged_ops import PagedModulePool
+
+    a, b, rank = np.asarray(pool["a"]), np.asarray(pool["b"]), np.asarray(pool["rank"])
+    slots = a.shape[0]
+    order = rng.permutation(slots * MAX_RANK)
+    table = order.reshape(slots, MAX_RANK).astype(np.int32)
+    a_rows = np.zeros((slots * MAX_RANK, IN_DIM), np.float32)
+    b_rows = np.zeros((slots * MAX_RANK, OUT_DIM), np.float32)
+    for s in range(slots):
+        a_rows[table[s]] = a[s].T
+        b_rows[table[s]] = b[s]
+        table[s, rank[s]:] = rng.integers(0, slots * MAX_RANK, MAX_RANK - rank[s])
+    return PagedModulePool(jnp.asarray(a_rows)[None], jnp.asarray(b_rows)[None], jnp.asarray(table)[None],
+                           jnp.asarray(rank)[None], pool["scale"][None], jnp.int32(0))
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+@pytest.mark.parametrize("step", ["mixed", "single_prefill", "single_decode", "base_only",
+                                  "more_adapters_than_segments"])
+def test_tail_segments_over_a_paged_pool_equal_the_reference(step, impl):
+    """The engine's unified-paging plan: the paged SGMV pair alone (2 kernels, none of BGMV's)
+    gives the reference's result, as the plan with BGMV rows does with its 4."""
+    rng = np.random.default_rng(zlib.crc32(f"tail {step} {impl}".encode()))
+    pool = random_pool(rng)
+    paged = paged_module_pool(pool, rng)
+    token_slot, one_token = ordered_tokens(STEPS[step], 40)
+    tail = build_serving_plan(token_slot, one_token, 32, bgmv_rows=16, tail_segments=True)
+    bgmv = build_serving_plan(token_slot, one_token, 4, bgmv_rows=16)
+    x = jnp.asarray(rng.normal(size=(token_slot.size, IN_DIM)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(token_slot.size, OUT_DIM)), jnp.float32)
+    expected = np.asarray(y) + np.asarray(lora_delta(x, pool, build_plan(token_slot), "gather"))
+    backend = backends.get(impl)
+    assert backend.tail_segments and not backends.get("hybrid").tail_segments
+    got = np.asarray(backend.accumulate(y, x, paged, tail))
+    assert relative_error(got, expected) <= 1e-5
+    np.testing.assert_array_equal(got[token_slot < 0], np.asarray(y)[token_slot < 0])
+    if impl == "pallas_gpu" and step != "base_only":
+        kernels = lambda plan: sum(e.primitive.name == "pallas_call" for e in jax.make_jaxpr(
+            lambda y, x: backend.accumulate(y, x, paged, plan))(y, x).eqns)
+        assert (kernels(tail), kernels(bgmv)) == (2, 4)
