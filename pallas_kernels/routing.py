@@ -68,7 +68,7 @@ def _work_list(lo: jax.Array, hi: jax.Array, num_segments: int):
     counts = jnp.maximum(hi - lo, 1)
     ends = jnp.cumsum(counts)
     item = jnp.arange(num_items, dtype=jnp.int32)
-    tile = jnp.minimum(jnp.searchsorted(ends, item, side="right"), num_tiles - 1)
+    tile = jnp.minimum(jnp.searchsorted(ends, item, side="right", method="compare_all"), num_tiles - 1)
     tile = tile.astype(jnp.int32)
     seg = lo[tile] + item - (ends[tile] - counts[tile])
     valid = (item < ends[-1]) & (seg < hi[tile])

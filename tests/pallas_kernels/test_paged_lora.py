@@ -100,6 +100,27 @@ def test_sgmv_paged_segments(dtype):
     assert rel_err(expected.astype(jnp.float32) - y, padded - y.astype(jnp.float32)) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16))
+def test_sgmv_paged_one_row_segments(dtype):
+    """A mixed step's plan over paged pools (`tail_segments`): prefill segments, then a run of one-
+    row segments (decode rows, up to 16 segments in one row tile, each a work item of its own)
+    with a slot -1 run among them; rows of no active segment keep y."""
+    k, n = 64, 40
+    a_rows, b_rows, table, rank, scale, _, _ = paged_pool(5, k, n, dtype)
+    sizes = [11, 6] + [1] * 19 + [3] + [1] * 4
+    slots = [2, 0] + [s % len(RANKS) for s in range(19)] + [-1] + [1, 3, 4, 0]
+    starts = jnp.asarray(np.r_[0, np.cumsum(sizes)], jnp.int32)
+    num_rows = int(np.sum(sizes)) + 5
+    x, y = _inputs(5, num_rows, k, n, dtype)
+    args = (y, x, a_rows, b_rows, starts, jnp.asarray(slots, jnp.int32), table, rank, scale, ROWS, len(RANKS))
+    expected = ref.sgmv_paged_ref(*args)
+    out = sgmv_lora_paged(*args, impl="gpu")
+    assert out.dtype == dtype and rel_err(out - y, expected - y) <= TOL[dtype]
+    assert float(jnp.abs((expected - y).astype(jnp.float32)).max()) > 0.1  # the adapters contribute
+    untouched = np.r_[36:39, 43:48]  # the slot -1 run and the padding rows
+    np.testing.assert_array_equal(np.asarray(out)[untouched], np.asarray(y)[untouched])
+
+
 def test_sgmv_paged_split_k_with_empty_splits():
     """k = 200: 13 k blocks of 16 over 8 split-K programs a row tile (the last takes none)."""
     k, n = 200, 48
