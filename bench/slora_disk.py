@@ -189,6 +189,7 @@ def run_trace(model, config: EngineConfig, trace, prompts: list, names: list, pr
         "device_loads": stats.adapter_loads, "device_load_seconds": stats.adapter_load_seconds,
         "peak_pages": peak_pages, "total_pages": config.num_pages, "steps": stats.steps,
         "compiles_in_run": stats.step_compiles, "phase_ms_per_step": stats.phase_ms_per_step(),
+        "steps_by_kind": stats.steps_by_kind(),
         "adapter_loads": stats.adapter_loads, "peak_adapter_rows": peak_rows,
         "adapter_rows": getattr(engine.pool, "num_rows", None),
     })
@@ -204,7 +205,8 @@ class StepWindow:
     """Engine steps `first` .. `first + count - 1` of a run under a JAX profiler trace (to `log_dir`):
     whether the device or the host paces them. `report`: the window's wall ms a step (host loop,
     step start to step start), the device's busy ms a step (kernels' union) and their ratio, kernel
-    ms a step by category, kernel launches a step, the 12 costliest kernels."""
+    ms a step by category, kernel launches a step, the 12 costliest kernels, and the host's costliest
+    trace events by self time (`bench.timing.host_self_times`: where the host's step goes)."""
 
     def __init__(self, first: int, count: int, log_dir: str):
         self.first, self.count, self.log_dir = first, count, log_dir
@@ -231,7 +233,7 @@ class StepWindow:
                 "device_busy_fraction": times["busy_ms"] / wall_ms if wall_ms else None,
                 "kernel_ms_per_step": times["device_ms"], "categories": times["categories"],
                 "launches_per_step": sum(kernel["calls"] for kernel in times["kernels"]),
-                "kernels": times["kernels"][:12]}
+                "kernels": times["kernels"][:12], "host": times["host"]}
 
 
 def print_run(case: str, label: str, r: dict) -> None:

@@ -83,7 +83,34 @@ def trace_kernel_times(log_dir: str, per: int = 1) -> dict:
         category = kernel_category(kernel["name"])
         categories[category] = categories.get(category, 0.0) + kernel["total_ms"]
     return {"kernels": kernels, "categories": categories, "device_ms": sum(categories.values()),
-            "busy_ms": busy_us(spans) / 1e3 / per}
+            "busy_ms": busy_us(spans) / 1e3 / per, "host": host_self_times(events, device_pids, per)}
+
+
+def host_self_times(events: list, device_pids: set, per: int = 1, top: int = 25) -> list:
+    """The host side of a trace: [{"name", "calls", "self_ms"}] per event name, divided by `per`,
+    costliest first (`top`): each event's duration less that of the events nested in it on its
+    thread (self time, so nested names do not count twice), e.g. where a step's host dispatch goes."""
+    threads: dict = {}
+    for event in events:
+        if event.get("ph") == "X" and "dur" in event and event.get("pid") not in device_pids:
+            threads.setdefault((event["pid"], event.get("tid")), []).append(event)
+    totals: dict[str, list] = {}
+    for thread in threads.values():
+        thread.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
+        stack: list = []  # [event, end, child time] of the open events
+        for event in thread + [None]:
+            start = float("inf") if event is None else float(event["ts"])
+            while stack and stack[-1][1] <= start:
+                done, end, child = stack.pop()
+                entry = totals.setdefault(done["name"], [0, 0.0])
+                entry[0] += 1
+                entry[1] += float(done["dur"]) - child
+                if stack:
+                    stack[-1][2] += float(done["dur"])
+            if event is not None:
+                stack.append([event, start + float(event["dur"]), 0.0])
+    ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:top]
+    return [{"name": name, "calls": n / per, "self_ms": us / 1e3 / per} for name, (n, us) in ranked]
 
 
 def busy_us(spans) -> float:

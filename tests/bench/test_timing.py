@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench.timing import busy_us, trace_kernel_times
+from bench.timing import busy_us, host_self_times, trace_kernel_times
 
 
 def _trace(path, events):
@@ -39,3 +39,17 @@ def test_trace_kernel_times_per_step(tmp_path):
 def test_no_trace_no_kernels(tmp_path):
     times = trace_kernel_times(str(tmp_path))
     assert times["kernels"] == [] and times["device_ms"] == 0 and times["busy_ms"] == 0
+
+
+def test_host_self_times_subtract_nested_events():
+    """A host event's self time is its duration less its nested events' (per thread); device events
+    and other threads do not nest into it."""
+    event = lambda name, ts, dur, tid=1, pid=1: {"ph": "X", "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur}
+    events = [event("run_step", 0, 1000), event("Execute", 100, 600), event("copy", 200, 100),
+              event("launch", 720, 50), event("run_step", 2000, 500), event("Execute", 2000, 500),
+              event("other_thread", 0, 3000, tid=2), event("kernel", 0, 3000, pid=7)]
+    host = {h["name"]: h for h in host_self_times(events, {7}, per=2)}
+    assert set(host) == {"run_step", "Execute", "copy", "launch", "other_thread"}
+    assert host["run_step"]["self_ms"] == pytest.approx((1000 - 600 - 50) / 2e3)
+    assert host["Execute"] == {"name": "Execute", "calls": 1.0, "self_ms": pytest.approx((600 - 100 + 500) / 2e3)}
+    assert host["copy"]["self_ms"] == pytest.approx(0.05) and host["other_thread"]["self_ms"] == pytest.approx(1.5)
