@@ -910,6 +910,23 @@ slora_check() {  # one H200, issue 34 item 5: the guard's slora_disk part (n=200
   rm -rf "$OUT"/slora_trace_*
 }
 
+slora_flags() {  # one H200, issue 34 item 5: the guard's slora_disk part, then the alpha=1 disk run again with
+  # $FLAGS as XLA_FLAGS (default: XLA's command buffers off), same machine: whether the step's CUDA-graph
+  # updates (`command_buffer::update` in the host trace) pace the disk tier's steps
+  nvidia-smi -L
+  local cache=/tmp/jaxlora_serve_jit_cache
+  if [ -e .jitcache/jitcache.part00 ]; then python3 bench/jit_cache.py unpack .jitcache/jitcache $cache; fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  timeout $((LIMIT - SECONDS - 200)) python3 bench/regress.py ${TINY:+--tiny} --only slora_disk --out-dir "$OUT" \
+      --adapter-dir /tmp/slora_adapters --compile-cache $cache 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 16
+  rm -f "$OUT"/regress_*.png
+  XLA_FLAGS="${FLAGS:---xla_gpu_enable_command_buffer=}" timeout $((LIMIT - SECONDS - 10)) python3 bench/slora_disk.py \
+      ${TINY:+--tiny} --adapters ${ADAPTERS:-2000} --dir /tmp/slora_adapters --cases "slora:n=${ADAPTERS:-2000},alpha=1" \
+      --runs disk --mode throughput --requests ${REQUESTS:-400} --compile-cache $cache \
+      --out "$OUT/slora_flags.json" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 3
+}
+
 guard_ab() {  # one H200: the regression guard's serving trace on old.tar (the tree before a change, untracked:
   # `git archive REV jaxlora serve pallas_kernels bench train Makefile pyproject.toml README.md -o old.tar`)
   # and then on this tree, one machine, one compile cache (the second run's programs hit it); the cache packed last

@@ -104,8 +104,11 @@ class PreparedAdapter:
     values: dict
     layout: tuple
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
+        """Bytes of its arrays (summed once: the host tiers ask for it every step, for every queued
+        adapter, and a pinned host array's `nbytes` is a Python property: 1.6 ms a step on the
+        2000-adapter trace, H200 profile of 2026-11-29)."""
         return sum(v.nbytes for parts in self.values.values() for v in parts.values())
 
 
