@@ -10,7 +10,9 @@ each with a set of XLA options), and times, per way, `Engine.run_step` (the forw
   call_ms       the call alone, the device idle before it (host launch cost);
   queued_ms     the call made while the previous step still runs (returns at once if dispatch is async);
   pipelined_ms  20 calls back to back, then one wait, per call (the engine's async loop's floor);
-  sync_ms       call and wait, one at a time.
+  sync_ms       call and wait, one at a time;
+  stable_inputs the four again with the step's host inputs placed on the device once (the same input
+                buffers every call: no CUDA-graph update for them).
 
 It also counts the optimized HLO's while loops and those with a known trip count (XLA's `WhileThunk`
 reads an unknown loop's predicate back to the host and waits for the device every iteration).
@@ -102,8 +104,20 @@ def probe_way(engine: Engine, step, scanned: bool, options: dict) -> dict:
     programs._compiled[forward] = compiled  # this probe's program serves the step (bench only)
     result = {"scanned": scanned, "options": options, "compile_s": compile_s, "hlo": hlo_loops(compiled.as_text())}
     result.update(timings(lambda: engine.run_step(step)))
+    # the same step with its host inputs placed on the device once: every call gets the same input
+    # buffers, so XLA's command buffers (CUDA graphs) need no update for them (`command_buffer::
+    # update` was 2.6-4.2 ms of a step's host time on the H200's disk trace, 2026-11-29)
+    stable = step._replace(batch=_on_device(step.batch), prev_tokens=_on_device(step.prev_tokens),
+                           token_src=_on_device(step.token_src), sampling=_on_device(step.sampling),
+                           lora=None if step.lora is None else step.lora._replace(plan=_on_device(step.lora.plan)))
+    result["stable_inputs"] = timings(lambda: engine.run_step(stable))
     result["tokens"] = np.asarray(engine.run_step(step)).tolist()
     return result
+
+
+def _on_device(tree):
+    """`tree` with its numpy arrays placed on the default device (once)."""
+    return jax.tree.map(lambda a: jax.device_put(a) if isinstance(a, np.ndarray) else a, tree)
 
 
 def main() -> None:
