@@ -112,6 +112,7 @@ from serve.sampler_state import SamplerSlots
 from serve.stats import EngineStats, _PhaseClock, engine_snapshot
 from serve.step import Programs, Step, StepShape
 from serve.step_builder import StepBuilder, scores_prompt, segments
+from serve.step_inputs import StepInputs
 from serve.structured import GrammarRows
 from serve.warmup import Warmup
 from serve.window import WindowFill
@@ -162,6 +163,8 @@ class Engine:
         self.model_config = model.config
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         self.mesh = mesh
+        stable = config.stable_step_inputs
+        self.step_inputs = StepInputs(mesh is None and jax.default_backend() == "gpu" if stable is None else stable)
         # packed projections (or a copy placed over the mesh); window: its layout (`AdapterWindow`), None: off
         given = model
         model, self.window, window = serving_model(model, config, mesh, compressed)
@@ -595,8 +598,12 @@ class Engine:
         scoring = () if step.score_targets is None else (step.score_targets,)
         if step.image_rows is not None:  # a prefill with image tokens (`serve.vision`)
             scoring = (step.score_targets, step.image_rows)
+        plan = None if step.lora is None else step.lora.plan  # the pool's arrays stay put already
+        batch, plan, prev_tokens, token_src = self.step_inputs.place(
+            forward, (step.batch, plan, step.prev_tokens, step.token_src))
+        lora = None if step.lora is None else step.lora._replace(plan=plan)
         greedy, logits, cache, self._last_features, self._last_scores = self.programs.run(
-            forward, self._state, cache, step.batch, step.lora, step.prev_tokens, step.token_src, *scoring)
+            forward, self._state, cache, batch, lora, prev_tokens, token_src, *scoring)
         if step.sampling is None:
             return greedy, cache
         sampler, masks = step.shapes[1], () if step.masks is None else (step.masks(),)  # overlaps the forward
@@ -689,6 +696,7 @@ class Engine:
 
     def _fail_running(self, message: str) -> None:
         self.sampler_slots.reset()  # the failed step may have consumed its donated arrays
+        self.step_inputs.clear()  # and its inputs' held buffers
         for seq in list(self.scheduler.running):
             self._end(seq, "error", message)
         self.scheduler.clear_prefix_cache()  # the failed step's writes are unknown

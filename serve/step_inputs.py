@@ -1,0 +1,74 @@
+"""A step's small inputs in device buffers that stay put from step to step (vLLM's and SGLang's static
+CUDA-graph inputs, here for XLA's command buffers).
+
+XLA runs a step's kernels as CUDA graphs (command buffers). A graph records each kernel's buffer
+addresses, so when a call's input buffers lie elsewhere than the last call's, XLA re-records the
+graphs before launching them. Every step's tokens, positions, block tables, LoRA plan and previous
+tokens used to arrive as fresh buffers (from numpy, or the last step's output), and that update
+was most of the host's `dispatch`: H200, jax 0.11.2, 2026-11-29 (`bench/dispatch_probe.py`, 8B,
+pallas LoRA): the call of a mixed step 7.0 -> 3.9 ms and of a 64-row decode step 5.2 -> 1.9 ms with
+the same input buffers every call; `command_buffer::update` was 2.6-4.2 ms of a step's host time in
+the disk tier's trace (`bench/slora_disk.py --profile-steps`).
+
+`StepInputs.place(key, tree)` returns `tree` (a pytree of numpy and device arrays) as device arrays
+held for `key` (the program: its shapes are fixed), written into the same buffers as at the last
+call with that key: a jitted copy that donates the held arrays (XLA writes its output into them,
+after the kernels of the step before, which read them, in stream order). The copy's own inputs are
+new buffers, but its program is a handful of copies. Off (`enabled` False: a CPU backend, which
+has no command buffers, or a mesh, whose programs place their inputs themselves) it returns `tree`
+as it is.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Hashable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import numpy as np
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _refill(held, new):
+    """`new` written into the buffers of `held` (donated; the same shapes and dtypes): an update of
+    each held array, so XLA writes it in place (`new` returned as it is would be handed back in its
+    own buffer, and an unused `held` dropped)."""
+    return jax.tree.map(lambda h, n: lax.dynamic_update_slice(h, jnp.asarray(n, h.dtype), (0,) * h.ndim), held, new)
+
+
+def _first(tree):
+    """`tree` in new device buffers of the runtime's own (a CPU's `device_put` may share numpy's
+    memory, which a later donation cannot write into)."""
+    return jax.tree.map(lambda leaf: jnp.array(leaf, copy=True), tree)
+
+
+class StepInputs:
+    """Device buffers per program key for a step's small inputs (module doc)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._held: dict[Hashable, object] = {}
+
+    @staticmethod
+    def signature(tree) -> tuple:
+        """(tree structure, (shape, dtype) of every leaf): the buffers `tree` needs."""
+        leaves, treedef = jax.tree.flatten(tree)
+        leaves = [leaf if hasattr(leaf, "dtype") else np.asarray(leaf) for leaf in leaves]
+        return treedef, tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in leaves)
+
+    def place(self, key: Hashable, tree):
+        """`tree` in the device buffers held for (`key`, its signature): placed there the first time,
+        copied into them after (module doc); `tree` itself when off."""
+        if not self.enabled:
+            return tree
+        full_key = (key, self.signature(tree))
+        held = self._held.pop(full_key, None)
+        placed = _first(tree) if held is None else _refill(held, tree)
+        self._held[full_key] = placed
+        return placed
+
+    def clear(self) -> None:
+        """Forgets the held buffers (e.g. after a failed step: the next step places its inputs anew)."""
+        self._held.clear()
