@@ -63,6 +63,7 @@ class Warmup:
             engine.window_fill.program()
         if engine.modes is not None:
             engine.modes.warmup(engine)
+        self._input_copies()
         seconds = time.perf_counter() - started
         programs = engine.programs
         log.info("step programs ready: %d compiled in %.1f s (summed over threads: lowering %.1f s, compiling or "
@@ -75,6 +76,17 @@ class Warmup:
                 target=self.compile_rest, args=(rest,), daemon=True, name="jaxlora-compile-background")
             engine.builder.background.start()
         return {"programs": len(programs) - before, "seconds": seconds, "background": len(rest)}
+
+    def _input_copies(self) -> None:
+        """The copies of each forward's small inputs into their held buffers (`serve.step_inputs`),
+        compiled now rather than at a step's first use."""
+        engine = self.engine
+        if not engine.step_inputs.enabled:
+            return
+        for shape in engine.step_shapes():
+            if shape.program == "forward":
+                _, _, batch, lora, last_tokens, token_src = self.padding_args(shape)[:6]
+                engine.step_inputs.prepare(shape, (batch, None if lora is None else lora.plan, last_tokens, token_src))
 
     def start(self) -> None:
         """`Engine.start_warmup` (its doc)."""

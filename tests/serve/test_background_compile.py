@@ -217,3 +217,17 @@ def test_samplers_compile_as_soon_as_a_forward_over_their_rows_is(smollm2, monke
         assert any(at[("end", f)] <= at[("start", sampler)] for f in shapes
                    if f.program == "forward" and f.rows == sampler.rows)
         assert at[("end", sampler)] < slowest
+
+
+def test_warmup_compiles_the_input_copies_the_steps_use(smollm2, adapters8, expected):
+    """With stable step inputs (`serve.step_inputs`, a GPU's default) warmup compiles each forward's
+    input copy; the steps then find theirs (no copy compiled while serving) and answer as before."""
+    model, tokenizer = smollm2
+    engine = Engine(model, tokenizer.eos_token_ids, EngineConfig(**TINY_ENGINE, stable_step_inputs=True),
+                    {name: adapters8[name] for name in ("ad0", "ad1")})
+    engine.warmup()
+    forwards = [shape for shape in engine.step_shapes() if shape.program == "forward"]
+    assert len(engine.step_inputs._copies) == len(forwards)
+    assert _serve(engine, tokenizer) == expected
+    held = set(engine.step_inputs._held)
+    assert held and held <= set(engine.step_inputs._copies)

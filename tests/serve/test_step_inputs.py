@@ -34,6 +34,22 @@ def test_place_writes_new_values_into_the_held_buffers():
     assert off.place("forward", first) is first
 
 
+def test_prepared_copy_serves_the_steps_of_its_signature():
+    """`prepare` (the engine's warmup, per program) compiles the copy ahead; `place` then runs it."""
+    inputs = StepInputs(enabled=True)
+    step = lambda seed: (np.random.default_rng(seed).integers(0, 9, 10).astype(np.int32), np.zeros(3, np.float32))
+    inputs.prepare("decode", step(0))
+    assert len(inputs._copies) == 1
+    inputs.prepare("decode", step(1))  # the same signature: nothing more to compile
+    assert len(inputs._copies) == 1
+    placed = inputs.place("decode", step(2))
+    pointers = _pointers(placed)
+    again = inputs.place("decode", step(3))
+    assert _pointers(again) == pointers
+    np.testing.assert_array_equal(np.asarray(again[0]), step(3)[0])
+    StepInputs(enabled=False).prepare("decode", step(0))  # off: nothing compiled, no error
+
+
 def test_engine_answers_are_the_same_with_stable_inputs(tiny_model_dir):
     """Greedy tokens (float32) of requests over 8 adapters with the inputs held in stable buffers equal
     those without, with the XLA delta and with the paged kernels (interpret mode; unified paging), and
