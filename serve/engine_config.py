@@ -126,8 +126,10 @@ class EngineConfig:
     pinned_host_adapters: bool | None = None
     # A step's small inputs (tokens, positions, block tables, LoRA plan, previous tokens) copied into
     # device buffers that stay put, so XLA's CUDA graphs need no re-recording each step (serve.step_inputs:
-    # the host's call of a step 3 ms shorter on an H200). None: on a GPU without a mesh.
-    stable_step_inputs: bool | None = None
+    # a step's call 3 ms shorter in bench/dispatch_probe.py on an H200). Off by default until measured in
+    # the serving traces with its warmup (bench/NOTES_serve.md, "Seventeenth session"); None: on a GPU
+    # without a mesh.
+    stable_step_inputs: bool | None = False
     # Prefix caching (vLLM's automatic prefix caching; jaxlora.scheduler.serving.prefix): full KV blocks
     # reused by requests of the same adapter (uid) and inference-mode numerics with the same leading tokens.
     prefix_caching: bool = True
