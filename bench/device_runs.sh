@@ -10,6 +10,7 @@ set -u
 OUT=${OUT:-bench/results}
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 LIMIT=${LIMIT:-560}
+JIT_CACHE=/tmp/jaxlora_serve_jit_cache  # jax's persistent compile cache (.jitcache unpacked into it)
 
 job() {  # job NAME GPUS SECONDS COMMAND...: one background job, its output in $OUT/log_NAME.txt; with
   # PIN=1 a one-GPU job runs on its own quarter of the CPU cores (taskset), so one job's compile does
@@ -893,37 +894,34 @@ slora_profile() {  # one H200, issue 34 item 5: slora_disk n=2000 (a=1, 400 requ
   if [ ! -e .jitcache/jitcache.part00 ]; then timeout 90 python3 bench/jit_cache.py pack $cache "$OUT/jitcache"; fi
 }
 
-slora_check() {  # one H200, issue 34 item 5: the guard's slora_disk part (n=2000, alpha 1 and 0.3, 400 requests,
-  # disk and one), then with the time left the alpha=1 disk run again with steps 600-699 under the profiler
+slora_regress() {  # the guard's slora_disk part (n=2000, alpha 1 and 0.3, 400 requests, disk and one) on one H200,
+  # .jitcache and the wheels set up first; keeps $1 seconds of LIMIT for what follows
   nvidia-smi -L
-  local cache=/tmp/jaxlora_serve_jit_cache
-  if [ -e .jitcache/jitcache.part00 ]; then python3 bench/jit_cache.py unpack .jitcache/jitcache $cache; fi
+  if [ -e .jitcache/jitcache.part00 ]; then python3 bench/jit_cache.py unpack .jitcache/jitcache $JIT_CACHE; fi
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=$PYTHONPATH:/tmp/site
-  timeout $((LIMIT - SECONDS - 25)) python3 bench/regress.py ${TINY:+--tiny} --only slora_disk --out-dir "$OUT" \
-      --adapter-dir /tmp/slora_adapters --compile-cache $cache 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 16
+  timeout $((LIMIT - SECONDS - $1)) python3 bench/regress.py ${TINY:+--tiny} --only slora_disk --out-dir "$OUT" \
+      --adapter-dir /tmp/slora_adapters --compile-cache $JIT_CACHE 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 16
   rm -f "$OUT"/regress_*.png
+}
+
+slora_check() {  # one H200, issue 34 item 5: `slora_regress`, then with the time left the alpha=1 disk run again
+  # with steps 600-699 under the profiler
+  slora_regress 25
   [ $((LIMIT - SECONDS)) -gt 120 ] && timeout $((LIMIT - SECONDS - 10)) python3 bench/slora_disk.py ${TINY:+--tiny} \
       --adapters ${ADAPTERS:-2000} --dir /tmp/slora_adapters --cases "slora:n=${ADAPTERS:-2000},alpha=1" --runs disk --mode throughput \
-      --requests ${REQUESTS:-400} --profile-steps ${PROFILE:-600 100} --compile-cache $cache \
+      --requests ${REQUESTS:-400} --profile-steps ${PROFILE:-600 100} --compile-cache $JIT_CACHE \
       --out "$OUT/slora_profile.json" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 4
   rm -rf "$OUT"/slora_trace_*
 }
 
-slora_flags() {  # one H200, issue 34 item 5: the guard's slora_disk part, then the alpha=1 disk run again with
-  # $FLAGS as XLA_FLAGS (default: XLA's command buffers off), same machine: whether the step's CUDA-graph
-  # updates (`command_buffer::update` in the host trace) pace the disk tier's steps
-  nvidia-smi -L
-  local cache=/tmp/jaxlora_serve_jit_cache
-  if [ -e .jitcache/jitcache.part00 ]; then python3 bench/jit_cache.py unpack .jitcache/jitcache $cache; fi
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH=$PYTHONPATH:/tmp/site
-  timeout $((LIMIT - SECONDS - 200)) python3 bench/regress.py ${TINY:+--tiny} --only slora_disk --out-dir "$OUT" \
-      --adapter-dir /tmp/slora_adapters --compile-cache $cache 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 16
-  rm -f "$OUT"/regress_*.png
+slora_flags() {  # one H200, issue 34 item 5: `slora_regress`, then the alpha=1 disk run again with $FLAGS as
+  # XLA_FLAGS (default: XLA's command buffers off), same machine: whether the step's CUDA-graph updates
+  # (`command_buffer::update` in the host trace) pace the disk tier's steps
+  slora_regress 200
   XLA_FLAGS="${FLAGS:---xla_gpu_enable_command_buffer=}" timeout $((LIMIT - SECONDS - 10)) python3 bench/slora_disk.py \
       ${TINY:+--tiny} --adapters ${ADAPTERS:-2000} --dir /tmp/slora_adapters --cases "slora:n=${ADAPTERS:-2000},alpha=1" \
-      --runs disk --mode throughput --requests ${REQUESTS:-400} --compile-cache $cache \
+      --runs disk --mode throughput --requests ${REQUESTS:-400} --compile-cache $JIT_CACHE \
       --out "$OUT/slora_flags.json" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 3
 }
 
