@@ -4,8 +4,8 @@ CUDA-graph inputs, here for XLA's command buffers).
 XLA runs a step's kernels as CUDA graphs (command buffers). A graph records each kernel's buffer
 addresses, so when a call's input buffers lie elsewhere than the last call's, XLA re-records the
 graphs before launching them. Every step's tokens, positions, block tables, LoRA plan and previous
-tokens used to arrive as fresh buffers (from numpy, or the last step's output), and that update
-was most of the host's `dispatch`: H200, jax 0.11.2, 2026-11-29 (`bench/dispatch_probe.py`, 8B,
+tokens arrive as fresh buffers (from numpy, or the last step's output), and that update is most of
+the host's call of a step: H200, jax 0.11.2, 2026-11-29 (`bench/dispatch_probe.py`, 8B,
 pallas LoRA): the call of a mixed step 7.0 -> 3.9 ms and of a 64-row decode step 5.2 -> 1.9 ms with
 the same input buffers every call; `command_buffer::update` was 2.6-4.2 ms of a step's host time in
 the disk tier's trace (`bench/slora_disk.py --profile-steps`).
