@@ -925,6 +925,21 @@ slora_flags() {  # one H200, issue 34 item 5: `slora_regress`, then the alpha=1 
       --out "$OUT/slora_flags.json" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 3
 }
 
+guard_inputs() {  # one H200: the regression guard's serving trace with stable step inputs off (the default),
+  # then on (`--stable-step-inputs`, serve/step_inputs.py), one machine, one compile cache (.jitcache: the
+  # guard's programs, which the option does not change)
+  nvidia-smi -L
+  if [ -e .jitcache/jitcache.part00 ]; then python3 bench/jit_cache.py unpack .jitcache/jitcache $JIT_CACHE; fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  mkdir -p "$OUT/off" "$OUT/on"
+  timeout $(((LIMIT - SECONDS - 10) / 2)) python3 bench/regress.py --only serve --out-dir "$OUT/off" \
+      --compile-cache $JIT_CACHE 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 28
+  timeout $((LIMIT - SECONDS - 10)) python3 bench/regress.py --only serve --out-dir "$OUT/on" \
+      --compile-cache $JIT_CACHE --serve-args=--stable-step-inputs 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 28
+  rm -f "$OUT"/*/regress_*.png
+}
+
 guard_ab() {  # one H200: the regression guard's serving trace on old.tar (the tree before a change, untracked:
   # `git archive REV jaxlora serve pallas_kernels bench train Makefile pyproject.toml README.md -o old.tar`)
   # and then on this tree, one machine, one compile cache (the second run's programs hit it); the cache packed last

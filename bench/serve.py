@@ -863,6 +863,8 @@ def main() -> None:
                         help="EngineConfig.adapter_window: adapters a step may hold in the window (default: the "
                              "engine's, 8 on a GPU/TPU; 0: off)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="EngineConfig.prefix_caching off")
+    parser.add_argument("--stable-step-inputs", action="store_true",
+                        help="EngineConfig.stable_step_inputs on (serve/step_inputs.py: inputs in held device buffers)")
     parser.add_argument("--split-layers", action="store_true",
                         help="EngineConfig.split_layers: each layer's weights arrays of their own, every program unrolled")
     parser.add_argument("--scan-layers-from-tokens", type=int, default=None,
@@ -909,7 +911,8 @@ def main() -> None:
         max_model_len=max_model_len, max_num_seqs=max_num_seqs, token_budget=pick(args.token_budget, 256, 32),
         prefill_chunk=pick(args.prefill_chunk, 128, 16), max_waiting=1 << 30, lora_backend=backend,
         unified_paging=args.unified_paging, adapter_rows=args.adapter_rows, adapter_window=args.adapter_window,
-        window_mixed_adapters=args.window_mixed_adapters, prefix_caching=not args.no_prefix_caching)
+        window_mixed_adapters=args.window_mixed_adapters, prefix_caching=not args.no_prefix_caching,
+        stable_step_inputs=args.stable_step_inputs)
     if args.scan_layers_from_tokens is not None:
         engine_config = dataclasses.replace(engine_config, scan_layers_from_tokens=args.scan_layers_from_tokens)
     if args.split_layers:
