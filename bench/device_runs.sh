@@ -894,12 +894,17 @@ slora_profile() {  # one H200, issue 34 item 5: slora_disk n=2000 (a=1, 400 requ
   if [ ! -e .jitcache/jitcache.part00 ]; then timeout 90 python3 bench/jit_cache.py pack $cache "$OUT/jitcache"; fi
 }
 
-slora_regress() {  # the guard's slora_disk part (n=2000, alpha 1 and 0.3, 400 requests, disk and one) on one H200,
-  # .jitcache and the wheels set up first; keeps $1 seconds of LIMIT for what follows
+gpu_setup() {  # a fresh one-GPU machine: the carried compile cache (.jitcache) into $JIT_CACHE, the server's
+  # wheels (.whl) on PYTHONPATH
   nvidia-smi -L
   if [ -e .jitcache/jitcache.part00 ]; then python3 bench/jit_cache.py unpack .jitcache/jitcache $JIT_CACHE; fi
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=$PYTHONPATH:/tmp/site
+}
+
+slora_regress() {  # the guard's slora_disk part (n=2000, alpha 1 and 0.3, 400 requests, disk and one) on one H200,
+  # .jitcache and the wheels set up first; keeps $1 seconds of LIMIT for what follows
+  gpu_setup
   timeout $((LIMIT - SECONDS - $1)) python3 bench/regress.py ${TINY:+--tiny} --only slora_disk --out-dir "$OUT" \
       --adapter-dir /tmp/slora_adapters --compile-cache $JIT_CACHE 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 16
   rm -f "$OUT"/regress_*.png
@@ -928,10 +933,7 @@ slora_flags() {  # one H200, issue 34 item 5: `slora_regress`, then the alpha=1 
 guard_inputs() {  # one H200: the regression guard's serving trace with stable step inputs off (the default),
   # then on (`--stable-step-inputs`, serve/step_inputs.py), one machine, one compile cache (.jitcache: the
   # guard's programs, which the option does not change)
-  nvidia-smi -L
-  if [ -e .jitcache/jitcache.part00 ]; then python3 bench/jit_cache.py unpack .jitcache/jitcache $JIT_CACHE; fi
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  gpu_setup
   mkdir -p "$OUT/off" "$OUT/on"
   timeout $(((LIMIT - SECONDS - 10) / 2)) python3 bench/regress.py --only serve --out-dir "$OUT/off" \
       --compile-cache $JIT_CACHE 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 28

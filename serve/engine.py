@@ -112,7 +112,7 @@ from serve.sampler_state import SamplerSlots
 from serve.stats import EngineStats, _PhaseClock, engine_snapshot
 from serve.step import Programs, Step, StepShape
 from serve.step_builder import StepBuilder, scores_prompt, segments
-from serve.step_inputs import StepInputs
+from serve.step_inputs import StepInputs, forward_inputs
 from serve.structured import GrammarRows
 from serve.warmup import Warmup
 from serve.window import WindowFill
@@ -598,9 +598,8 @@ class Engine:
         scoring = () if step.score_targets is None else (step.score_targets,)
         if step.image_rows is not None:  # a prefill with image tokens (`serve.vision`)
             scoring = (step.score_targets, step.image_rows)
-        plan = None if step.lora is None else step.lora.plan  # the pool's arrays stay put already
         batch, plan, prev_tokens, token_src = self.step_inputs.place(
-            forward, (step.batch, plan, step.prev_tokens, step.token_src))
+            forward, forward_inputs(step.batch, step.lora, step.prev_tokens, step.token_src))
         lora = None if step.lora is None else step.lora._replace(plan=plan)
         greedy, logits, cache, self._last_features, self._last_scores = self.programs.run(
             forward, self._state, cache, batch, lora, prev_tokens, token_src, *scoring)

@@ -40,6 +40,21 @@ def _refill(held, new):
     return jax.tree.map(lambda h, n: lax.dynamic_update_slice(h, jnp.asarray(n, h.dtype), (0,) * h.ndim), held, new)
 
 
+def forward_inputs(batch, lora, prev_tokens, token_src) -> tuple:
+    """The tree of a forward's small inputs that `StepInputs` holds: the batch arrays, the LoRA
+    plan (not the pool: its arrays stay put already), the previous step's tokens and the token
+    sources. One definition for the engine's steps and its warmup (`prepare`), so their signatures
+    agree."""
+    return batch, None if lora is None else lora.plan, prev_tokens, token_src
+
+
+def _spec(leaf) -> jax.ShapeDtypeStruct:
+    """A leaf's shape and dtype (read from the leaf: a device array is not copied to the host)."""
+    if not hasattr(leaf, "dtype"):
+        leaf = np.asarray(leaf)
+    return jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype)
+
+
 def _first(tree):
     """`tree` in new device buffers of the runtime's own (a CPU's `device_put` may share numpy's
     memory, which a later donation cannot write into)."""
@@ -57,9 +72,8 @@ class StepInputs:
     @staticmethod
     def signature(tree) -> tuple:
         """(tree structure, (shape, dtype) of every leaf): the buffers `tree` needs."""
-        leaves, treedef = jax.tree.flatten(tree)
-        leaves = [leaf if hasattr(leaf, "dtype") else np.asarray(leaf) for leaf in leaves]
-        return treedef, tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in leaves)
+        specs, treedef = jax.tree.flatten(jax.tree.map(_spec, tree))
+        return treedef, tuple((spec.shape, str(spec.dtype)) for spec in specs)
 
     def place(self, key: Hashable, tree):
         """`tree` in the device buffers held for (`key`, its signature): placed there the first time,
@@ -79,8 +93,7 @@ class StepInputs:
         full_key = (key, self.signature(tree))
         if not self.enabled or full_key in self._copies:
             return
-        specs = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(np.shape(leaf), getattr(leaf, "dtype", None)
-                                                               or np.asarray(leaf).dtype), tree)
+        specs = jax.tree.map(_spec, tree)
         self._copies[full_key] = _refill.lower(specs, specs).compile()
 
     def clear(self) -> None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from serve.compile_worker import CompileWorker
 from serve.placement import abstract_state
 from serve.step import StepShape
+from serve.step_inputs import forward_inputs
 
 if TYPE_CHECKING:
     from serve.engine import Engine
@@ -85,8 +86,7 @@ class Warmup:
             return
         for shape in engine.step_shapes():
             if shape.program == "forward":
-                _, _, batch, lora, last_tokens, token_src = self.padding_args(shape)[:6]
-                engine.step_inputs.prepare(shape, (batch, None if lora is None else lora.plan, last_tokens, token_src))
+                engine.step_inputs.prepare(shape, forward_inputs(*self.padding_args(shape)[2:6]))
 
     def start(self) -> None:
         """`Engine.start_warmup` (its doc)."""
