@@ -957,3 +957,28 @@ guard_ab() {  # one H200: the regression guard's serving trace on old.tar (the t
   rm -f "$OUT"/*/regress_*.png
   timeout 90 python3 bench/jit_cache.py pack $cache "$OUT/jitcache"
 }
+
+issue34_x4() {  # 4 x H200, one call, pinned (PIN=1), issue 34: GPU 0 the guard's serving trace (the default),
+  # GPU 1 the same with stable step inputs (--stable-step-inputs), GPU 2 the guard's slora_disk part (n=2000, alpha
+  # 1 and 0.3; host phases by step kind), GPU 3 Compress-then-Serve on its 1000-adapter collection (single,
+  # compressed and uncompressed; item 5). .jitcache (the guard's programs) and .whl carried; each job its own
+  # copy of the cache; results as issue34_x4.tgz
+  nvidia-smi -L
+  export PIN=1
+  gpu_setup
+  local work=/tmp/issue34 t=$((LIMIT - 25))
+  mkdir -p $work/off $work/on $work/slora $work/compress
+  for g in 0 1 2 3; do cp -r $JIT_CACHE /tmp/jc$g; done
+  job guard_off 0 $t python3 bench/regress.py --only serve --out-dir $work/off --compile-cache /tmp/jc0
+  job guard_on 1 $t python3 bench/regress.py --only serve --out-dir $work/on --compile-cache /tmp/jc1 \
+      --serve-args=--stable-step-inputs
+  job slora 2 $t python3 bench/regress.py --only slora_disk --out-dir $work/slora --adapter-dir /tmp/slora_adapters \
+      --compile-cache /tmp/jc2
+  job compress 3 $t python3 bench/compress_serve.py --requests 300 --cases "slora:n=1000,alpha=1,cv=1,mode=throughput" \
+      --compile-cache /tmp/jc3 --out $work/compress/compress_serve_h200.json
+  wait
+  rm -f $work/*/regress_*.png
+  mv "$OUT"/log_*.txt $work/ 2>/dev/null
+  for f in $work/log_*.txt; do grep -v "cuda_timer\|Warning\|^W11" "$f" | tail -n 30; done
+  tar czf "$OUT/issue34_x4.tgz" -C $work .
+}

@@ -310,6 +310,7 @@ def run_trace(model, engine_config: EngineConfig, trace: Trace, prompts: list, f
         "mean_step_ms": 1e3 * stats.step_seconds / max(1, stats.steps),
         "max_submit_lateness_s": lateness, "compiles_in_run": stats.step_compiles,
         "phase_ms_per_step": stats.phase_ms_per_step(), "steps_by_kind": stats.steps_by_kind(),
+        "phase_ms_by_kind": stats.phase_ms_by_kind(), "slowest_steps": stats.slowest_steps(),
         "train_steps": stats.train_steps, "train_tokens": stats.train_tokens, "train_seconds": stats.train_seconds,
         **({} if engine.modes is None else {"modes": engine.modes.snapshot()}),
         **({} if spans is None else {"timeline": {**spans.summary(), "kinds": ["serve", "train", "idle"],

@@ -190,6 +190,7 @@ def run_trace(model, config: EngineConfig, trace, prompts: list, names: list, pr
         "peak_pages": peak_pages, "total_pages": config.num_pages, "steps": stats.steps,
         "compiles_in_run": stats.step_compiles, "phase_ms_per_step": stats.phase_ms_per_step(),
         "steps_by_kind": stats.steps_by_kind(),
+        "phase_ms_by_kind": stats.phase_ms_by_kind(), "slowest_steps": stats.slowest_steps(),
         "adapter_loads": stats.adapter_loads, "peak_adapter_rows": peak_rows,
         "adapter_rows": getattr(engine.pool, "num_rows", None),
     })

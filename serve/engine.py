@@ -488,6 +488,8 @@ class Engine:
         if launched is not None and not self.config.async_scheduling:
             self._in_flight = None
             self._finish(launched, phases)
+            previous = launched
+        self.stats.end_iteration(phases, launched and launched.step.kind, previous and previous.step.kind)
         return True
 
     def _launch(self, phases: "_PhaseClock") -> "_InFlight | None":

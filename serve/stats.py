@@ -5,21 +5,25 @@ adapter loads, training steps in idle serving steps, and the prefix cache's hit 
 from __future__ import annotations
 
 import collections
+import heapq
 import time
 
 
 class _PhaseClock:
-    """Adds the time since the previous mark to `seconds[name]` at each `mark(name)`."""
+    """Adds the time since the previous mark to `seconds[name]` at each `mark(name)`, and to
+    `iteration[name]` (this engine iteration's own: `EngineStats.end_iteration` files it by kind)."""
 
-    __slots__ = ("seconds", "last")
+    __slots__ = ("seconds", "iteration", "last")
 
     def __init__(self, seconds: dict):
         self.seconds = seconds
+        self.iteration: dict[str, float] = {}
         self.last = time.perf_counter()
 
     def mark(self, name: str) -> None:
         now = time.perf_counter()
         self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
+        self.iteration[name] = self.iteration.get(name, 0.0) + now - self.last
         self.last = now
 
 
@@ -56,6 +60,8 @@ class EngineStats:
         self.train_seconds = 0.0
         self.phase_seconds: dict[str, float] = {}
         self.kind_steps: dict[str, list] = {}  # kind -> [steps, seconds, tokens]
+        self.kind_phases: dict[str, dict[str, float]] = {}  # kind -> {phase: host seconds} (`end_iteration`)
+        self.slowest: list[tuple] = []  # the SLOWEST longest steps: (seconds, step index, kind, tokens)
         self._recent: collections.deque = collections.deque()
 
     def phases(self) -> _PhaseClock:
@@ -74,8 +80,38 @@ class EngineStats:
         return {kind: {"steps": n, "mean_ms": 1e3 * seconds / n, "mean_tokens": tokens / n}
                 for kind, (n, seconds, tokens) in sorted(self.kind_steps.items())}
 
+    def end_iteration(self, clock: _PhaseClock, launched: str | None, finished: str | None) -> None:
+        """Files one engine iteration's phases (`clock.iteration`) by step kind: the launch's phases
+        (schedule .. prefetch) under the kind of the step it launched, `wait` and `complete` under
+        the kind of the step it finished ("none" where there was no such step)."""
+        for name, seconds in clock.iteration.items():
+            kind = (finished if name in ("wait", "complete") else launched) or "none"
+            phases = self.kind_phases.setdefault(kind, {})
+            phases[name] = phases.get(name, 0.0) + seconds
+
+    def phase_ms_by_kind(self) -> dict[str, dict[str, float]]:
+        """{kind: {phase: mean host ms per step of that kind}} (`end_iteration`; PHASES order): which
+        step kind the host's time per step goes to; "none" (iterations that launched and finished
+        no step: waiting for adapter reads) in total ms."""
+        out = {}
+        for kind, phases in sorted(self.kind_phases.items()):
+            steps = max(1, self.kind_steps.get(kind, [0])[0])
+            out[kind] = {name: 1e3 * phases[name] / steps for name in self.PHASES if name in phases}
+        return out
+
+    def slowest_steps(self) -> list[dict]:
+        """The longest steps so far, longest first: {"step" (index), "kind", "tokens", "ms"}."""
+        return [{"step": index, "kind": kind, "tokens": tokens, "ms": 1e3 * seconds}
+                for seconds, index, kind, tokens in sorted(self.slowest, reverse=True)]
+
+    SLOWEST = 12
+
     def record_step(self, kind: str, tokens: int, generated: int, seconds: float) -> None:
         """Counts a finished step of `kind` (`Step.kind`): its tokens, generated tokens and seconds."""
+        if len(self.slowest) < self.SLOWEST:
+            heapq.heappush(self.slowest, (seconds, self.steps, kind, tokens))
+        elif seconds > self.slowest[0][0]:
+            heapq.heapreplace(self.slowest, (seconds, self.steps, kind, tokens))
         self.steps += 1
         kind = self.kind_steps.setdefault(kind, [0, 0.0, 0])
         kind[0], kind[1], kind[2] = kind[0] + 1, kind[1] + seconds, kind[2] + tokens
