@@ -982,3 +982,17 @@ issue34_x4() {  # 4 x H200, one call, pinned (PIN=1), issue 34: GPU 0 the guard'
   for f in $work/log_*.txt; do grep -v "cuda_timer\|Warning\|^W11" "$f" | tail -n 30; done
   tar czf "$OUT/issue34_x4.tgz" -C $work .
 }
+
+slora_first() {  # one H200, issue 34 item 5: the disk run (n=2000, alpha 1, 400 requests, throughput) with its
+  # first steps under the profiler (PROFILE, default "0 12": the start-up burst of slow steps, 2.4 s of a 20.7 s
+  # run at 13:45), host events by self time; the slora programs' compile cache packed as jitcache_slora
+  gpu_setup
+  local cache=/tmp/jc_slora
+  [ -e .jitcache/jitcache_slora.part00 ] && python3 bench/jit_cache.py unpack .jitcache/jitcache_slora $cache
+  python3 bench/slora_disk.py --adapters 2000 --dir /tmp/slora_adapters --write-only 2>&1 | tail -n 1
+  timeout $((LIMIT - SECONDS - 70)) python3 bench/slora_disk.py --adapters 2000 --dir /tmp/slora_adapters \
+      --cases "slora:n=2000,alpha=1" --runs ${RUNS:-disk} --mode throughput --requests 400 --profile-steps ${PROFILE:-0 12} \
+      --compile-cache $cache --out "$OUT/slora_first.json" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 4
+  rm -rf "$OUT"/slora_trace_*
+  [ -e .jitcache/jitcache_slora.part00 ] || timeout 60 python3 bench/jit_cache.py pack $cache "$OUT/jitcache_slora"
+}

@@ -83,7 +83,7 @@ def trace_kernel_times(log_dir: str, per: int = 1) -> dict:
         category = kernel_category(kernel["name"])
         categories[category] = categories.get(category, 0.0) + kernel["total_ms"]
     return {"kernels": kernels, "categories": categories, "device_ms": sum(categories.values()),
-            "busy_ms": busy_us(spans) / 1e3 / per, "host": host_self_times(events, device_pids, per)}
+            "busy_ms": busy_us(spans) / 1e3 / per, "host": host_self_times(events, device_pids, per, top=40)}
 
 
 def host_self_times(events: list, device_pids: set, per: int = 1, top: int = 25) -> list:
