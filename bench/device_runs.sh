@@ -898,6 +898,9 @@ gpu_setup() {  # a fresh one-GPU machine: the carried compile cache (.jitcache) 
   # wheels (.whl) on PYTHONPATH
   nvidia-smi -L
   if [ -e .jitcache/jitcache.part00 ]; then python3 bench/jit_cache.py unpack .jitcache/jitcache $JIT_CACHE; fi
+  if [ -e .jitcache/jitcache_slora.part00 ]; then  # slora_disk's programs (`slora_first` packs them)
+    python3 bench/jit_cache.py unpack .jitcache/jitcache_slora $JIT_CACHE
+  fi
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=$PYTHONPATH:/tmp/site
 }
@@ -995,4 +998,12 @@ slora_first() {  # one H200, issue 34 item 5: the disk run (n=2000, alpha 1, 400
       --compile-cache $cache --out "$OUT/slora_first.json" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 4
   rm -rf "$OUT"/slora_trace_*
   [ -e .jitcache/jitcache_slora.part00 ] || timeout 60 python3 bench/jit_cache.py pack $cache "$OUT/jitcache_slora"
+}
+
+slora_then_guard() {  # one H200: the guard's slora_disk part (`slora_regress`), then its serving trace, one machine;
+  # .jitcache carried (the guard's programs and slora_disk's: jitcache_slora)
+  slora_regress 130
+  timeout $((LIMIT - SECONDS - 5)) mkdir -p "$OUT/g" && python3 bench/regress.py --only serve --out-dir "$OUT/g" --compile-cache $JIT_CACHE 2>&1 \
+      | grep -v "cuda_timer\|Warning\|^W11" | tail -n 28
+  rm -f "$OUT"/g/regress_serve.png
 }

@@ -215,6 +215,20 @@ class Residency:
         self.check(adapter)
         return self.pool.prepare(adapter, check=False)  # check covers the pool's checks
 
+    HOST_RESERVE_CAP = 4 << 30
+
+    def reserve_host(self) -> int:
+        """For an engine that reads adapters from a directory while it serves (`adapter_dir`) into
+        pinned host copies: grows the pinned host allocator before the first step
+        (`AdapterPool.reserve_host`) by the host tier's bound, else the device pool's bytes, at most
+        HOST_RESERVE_CAP. Returns the bytes reserved (0: none)."""
+        if self.config.adapter_dir is None or not self.pool.pinned:
+            return 0
+        bound = self.config.max_host_adapter_bytes
+        if bound is None:
+            bound = sum(leaf.nbytes for leaf in jax.tree.leaves(self.pool.arrays))
+        return self.pool.reserve_host(min(bound, self.HOST_RESERVE_CAP))
+
     # ---- what a step reads (engine thread) --------------------------------------------------------
     def lora_arrays(self) -> dict:
         """The LoRA arrays a step reads: the pool's (read afresh: loads replace them), plus the

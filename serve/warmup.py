@@ -5,7 +5,8 @@ worker's child, `serve.compile_worker`).
 `Warmup.run` (what `Engine.warmup` calls) compiles the first programs (`StepBuilder.compile_first`:
 those that can serve any step, scanned stand-ins below `scan_layers_from_tokens`), then the adapter
 pool's slot update, the adapter window's fill and the inference modes' switch, and starts the
-background thread (`StepBuilder.compile_rest`) for the rest. `Warmup.start` (`Engine.start_warmup`)
+background thread (`StepBuilder.compile_rest`) for the rest; it also grows the pinned host memory that
+adapters read from a directory will use (`Residency.reserve_host`). `Warmup.start` (`Engine.start_warmup`)
 starts the first programs early, lowered over the weights' shapes alone, while the caller writes the
 weights (`serve.warm_start`). The engine holds one `Warmup` (`Engine.startup`) and stops its
 worker when it stops (`Warmup.stop`)."""
@@ -65,6 +66,11 @@ class Warmup:
         if engine.modes is not None:
             engine.modes.warmup(engine)
         self._input_copies()
+        reserve_started = time.perf_counter()
+        reserved = engine.residency.reserve_host()
+        if reserved:
+            log.info("pinned host memory for adapter reads: %.2f GiB reserved in %.2f s", reserved / 2**30,
+                     time.perf_counter() - reserve_started)
         seconds = time.perf_counter() - started
         programs = engine.programs
         log.info("step programs ready: %d compiled in %.1f s (summed over threads: lowering %.1f s, compiling or "

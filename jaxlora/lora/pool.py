@@ -152,6 +152,21 @@ class AdapterPool:
         self._device_sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=device.default_memory().kind)
         self._host_sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host") if pinned else None
 
+    def reserve_host(self, nbytes: int) -> int:
+        """With pinned host copies, grows the pinned host allocator by `nbytes` now (one block
+        allocated and freed: XLA's host allocator keeps the region it grew for later arrays), so
+        adapters read while steps run do not grow it. Each growth is a `cuMemHostAlloc` of a region
+        twice the last, ~0.1-0.8 s on an H200 at 0.1-1 GB, and it held up the engine thread's CUDA
+        calls: the disk tier's trace lost ~2 s of its first steps to seven of them
+        (bench/NOTES_serve.md, eighteenth session). Returns the bytes reserved (0 without pinned
+        copies). The block's source is numpy zeros (untouched pages: no device memory, no fill)."""
+        if self._host_sharding is None or nbytes <= 0:
+            return 0
+        block = jax.device_put(np.zeros(nbytes, np.uint8), self._host_sharding)
+        block.block_until_ready()
+        del block
+        return nbytes
+
     def to_device(self, values: dict) -> dict:
         """`padded` slot arrays copied to the pool's device (asynchronously; pinned ones by DMA)."""
         return jax.device_put(values, self._device_sharding)

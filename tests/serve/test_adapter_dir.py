@@ -9,6 +9,7 @@ import os
 import shutil
 
 import httpx
+import jax
 import pytest
 
 from jaxlora.lora.adapter import random_adapter
@@ -269,3 +270,38 @@ def test_unified_paging_refuses_an_adapter_larger_than_the_page_pool(tiny_model_
     engine.run_until_idle()
     assert events[0][-1].finish_reason == "adapter_error" and "exceed the device page pool" in events[0][-1].error
     assert events[1][-1].finish_reason == "length"
+
+
+def test_warmup_reserves_pinned_host_memory_for_directory_reads(tiny_model_dir, adapter_dir, monkeypatch):
+    """An engine that reads adapters from a directory into pinned host copies grows the pinned host
+    memory once at warmup by its host bound (`Residency.reserve_host`: the device pool's bytes when
+    unbounded, at most HOST_RESERVE_CAP); without pinned copies or without a directory it reserves
+    nothing; its answers are those of an engine without the reserve."""
+    from jaxlora.lora.pool import AdapterPool
+    from jaxlora.sampling import SamplingParams
+    from jaxlora.weights import load_model
+    from serve.engine import Engine
+    from serve.residency import Residency
+
+    model, tokenizer = load_model(tiny_model_dir)
+    asked = []
+    reserve = AdapterPool.reserve_host
+    monkeypatch.setattr(AdapterPool, "reserve_host", lambda pool, nbytes: (asked.append(nbytes), reserve(pool, nbytes))[1])
+    prompt, answers = tokenizer.encode("Once upon a time"), []
+    for changes, expected in (({"pinned_host_adapters": True}, [4 << 20]), ({}, [])):
+        asked.clear()
+        engine = Engine(model, tokenizer.eos_token_ids, _engine_config(adapter_dir, **changes))
+        engine.warmup(background=False)
+        assert asked == expected
+        events = []
+        engine.submit(0, prompt, adapter_name(3), SamplingParams(4), events.append)
+        engine.run_until_idle()
+        answers.append([e.token for e in events])
+    assert answers[0] == answers[1] and events[-1].finish_reason == "length"
+    asked.clear()
+    unbounded = Engine(model, tokenizer.eos_token_ids,
+                       _engine_config(adapter_dir, pinned_host_adapters=True, max_host_adapter_bytes=None))
+    pool_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(unbounded.pool.arrays))
+    assert unbounded.residency.reserve_host() == min(pool_bytes, Residency.HOST_RESERVE_CAP) and asked == [pool_bytes]
+    no_dir = Engine(model, tokenizer.eos_token_ids, _engine_config(None, pinned_host_adapters=True))
+    assert no_dir.residency.reserve_host() == 0

@@ -3,6 +3,7 @@ eviction); a prepared adapter loads the same values as a raw one; a donating poo
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -187,3 +188,27 @@ def test_values_already_on_the_device_are_written_without_a_second_device_put(ro
     for module in MODULES:
         for key, value in reference.arrays[module].items():
             np.testing.assert_array_equal(np.asarray(pool.arrays[module][key]), np.asarray(value))
+
+
+def test_reserve_host_puts_one_pinned_block_and_changes_no_slot(monkeypatch):
+    """`reserve_host` grows the pinned host memory with one block of the bytes asked (a pinned
+    `device_put`, freed at once), leaves the pool's arrays as they were, and does nothing for a
+    pool without pinned copies or for 0 bytes."""
+    pool = AdapterPool(CONFIG, 2, RANK, MODULES, dtype=jnp.float32, donate=True, pinned=True)
+    pool.load(pool.prepare(_adapters(1)[0]), slot=0)
+    before = {m: {k: np.asarray(v) for k, v in arrays.items()} for m, arrays in pool.arrays.items()}
+    puts, original = [], jax.device_put
+
+    def recording(x, sharding=None, **kwargs):
+        puts.append((getattr(x, "nbytes", None), getattr(sharding, "memory_kind", None)))
+        return original(x, sharding, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", recording)
+    assert pool.reserve_host(3 << 20) == 3 << 20
+    assert puts == [(3 << 20, "pinned_host")]
+    assert pool.reserve_host(0) == 0 and len(puts) == 1
+    plain = AdapterPool(CONFIG, 2, RANK, MODULES, dtype=jnp.float32, donate=True)
+    assert plain.reserve_host(3 << 20) == 0 and len(puts) == 1
+    for module, arrays in before.items():
+        for key, value in arrays.items():
+            np.testing.assert_array_equal(np.asarray(pool.arrays[module][key]), value)
