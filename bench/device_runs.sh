@@ -1003,7 +1003,8 @@ slora_first() {  # one H200, issue 34 item 5: the disk run (n=2000, alpha 1, 400
 slora_then_guard() {  # one H200: the guard's slora_disk part (`slora_regress`), then its serving trace, one machine;
   # .jitcache carried (the guard's programs and slora_disk's: jitcache_slora)
   slora_regress 130
-  timeout $((LIMIT - SECONDS - 5)) mkdir -p "$OUT/g" && python3 bench/regress.py --only serve --out-dir "$OUT/g" --compile-cache $JIT_CACHE 2>&1 \
+  mkdir -p "$OUT/g"
+  timeout $((LIMIT - SECONDS - 5)) python3 bench/regress.py --only serve --out-dir "$OUT/g" --compile-cache $JIT_CACHE 2>&1 \
       | grep -v "cuda_timer\|Warning\|^W11" | tail -n 28
   rm -f "$OUT"/g/regress_serve.png
 }
