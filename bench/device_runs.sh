@@ -898,8 +898,8 @@ gpu_setup() {  # a fresh one-GPU machine: the carried compile cache (.jitcache) 
   # wheels (.whl) on PYTHONPATH
   nvidia-smi -L
   if [ -e .jitcache/jitcache.part00 ]; then python3 bench/jit_cache.py unpack .jitcache/jitcache $JIT_CACHE; fi
-  if [ -e .jitcache/jitcache_slora.part00 ]; then  # slora_disk's programs (`slora_first` packs them)
-    python3 bench/jit_cache.py unpack .jitcache/jitcache_slora $JIT_CACHE
+  if [ -e .jitcache_slora/jitcache_slora.part00 ]; then  # slora_disk's programs (`slora_first` packs them; carried
+    python3 bench/jit_cache.py unpack .jitcache_slora/jitcache_slora $JIT_CACHE  # apart: both pass the 64 MiB)
   fi
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=$PYTHONPATH:/tmp/site
@@ -991,13 +991,13 @@ slora_first() {  # one H200, issue 34 item 5: the disk run (n=2000, alpha 1, 400
   # run at 13:45), host events by self time; the slora programs' compile cache packed as jitcache_slora
   gpu_setup
   local cache=/tmp/jc_slora
-  [ -e .jitcache/jitcache_slora.part00 ] && python3 bench/jit_cache.py unpack .jitcache/jitcache_slora $cache
+  [ -e .jitcache_slora/jitcache_slora.part00 ] && python3 bench/jit_cache.py unpack .jitcache_slora/jitcache_slora $cache
   python3 bench/slora_disk.py --adapters 2000 --dir /tmp/slora_adapters --write-only 2>&1 | tail -n 1
   timeout $((LIMIT - SECONDS - 70)) python3 bench/slora_disk.py --adapters 2000 --dir /tmp/slora_adapters \
       --cases "slora:n=2000,alpha=1" --runs ${RUNS:-disk} --mode throughput --requests 400 --profile-steps ${PROFILE:-0 12} \
       --compile-cache $cache --out "$OUT/slora_first.json" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 4
   rm -rf "$OUT"/slora_trace_*
-  [ -e .jitcache/jitcache_slora.part00 ] || timeout 60 python3 bench/jit_cache.py pack $cache "$OUT/jitcache_slora"
+  [ -e .jitcache_slora/jitcache_slora.part00 ] || timeout 60 python3 bench/jit_cache.py pack $cache "$OUT/jitcache_slora"
 }
 
 slora_then_guard() {  # one H200: the guard's slora_disk part (`slora_regress`), then its serving trace, one machine;
