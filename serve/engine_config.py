@@ -126,9 +126,10 @@ class EngineConfig:
     pinned_host_adapters: bool | None = None
     # A step's small inputs (tokens, positions, block tables, LoRA plan, previous tokens) copied into
     # device buffers that stay put, so XLA's CUDA graphs need no re-recording each step (serve.step_inputs:
-    # a step's call 3 ms shorter in bench/dispatch_probe.py on an H200). Off by default until measured in
-    # the serving traces with its warmup (bench/NOTES_serve.md, "Seventeenth session"); None: on a GPU
-    # without a mesh.
+    # a step's call 3 ms shorter in bench/dispatch_probe.py on an H200). Off by default: in the serving
+    # guard's trace (H200, 2026-11-29 13:42, beside the default on the same machine) the engine's dispatch
+    # did not fall and distinct / identical ran 3.4% / 2.6% slower (bench/NOTES_serve.md, "Eighteenth
+    # session"); None: on a GPU without a mesh.
     stable_step_inputs: bool | None = False
     # Prefix caching (vLLM's automatic prefix caching; jaxlora.scheduler.serving.prefix): full KV blocks
     # reused by requests of the same adapter (uid) and inference-mode numerics with the same leading tokens.
