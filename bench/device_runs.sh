@@ -1008,3 +1008,18 @@ slora_then_guard() {  # one H200: the guard's slora_disk part (`slora_regress`),
       | grep -v "cuda_timer\|Warning\|^W11" | tail -n 28
   rm -f "$OUT"/g/regress_serve.png
 }
+
+compress_cached() {  # one H200, issue 34 item 5: Compress-then-Serve (1000 adapters: single, compressed and
+  # uncompressed side by side), its compile cache unpacked first when carried (.jitcache_compress) and packed at
+  # the end when not, whatever the run reached: the compressed engine's programs compile for > 2 min (one
+  # 256-token forward 2m9s on 11-29), so a first call fills the cache and a second (carrying it) runs all three
+  gpu_setup
+  local cache=/tmp/jc_compress
+  [ -e .jitcache_compress/jitcache_compress.part00 ] && python3 bench/jit_cache.py unpack \
+      .jitcache_compress/jitcache_compress $cache
+  timeout $((LIMIT - SECONDS - 75)) python3 bench/compress_serve.py --requests 300 \
+      --cases "slora:n=1000,alpha=1,cv=1,mode=throughput" --compile-cache $cache --out "$OUT/compress_serve_h200.json" \
+      2>&1 | grep -v "cuda_timer\|Warning\|^W11\|slow_operation\|\*\*\*\|Very slow\|^$" | tail -n 12
+  [ -e .jitcache_compress/jitcache_compress.part00 ] || timeout 70 python3 bench/jit_cache.py pack $cache \
+      "$OUT/jitcache_compress"
+}
