@@ -103,6 +103,9 @@ def serve_figures(report: dict) -> dict:
         add(figures, f"{prefix} lora tok/s", result["lora"]["tokens_per_s"], HIGHER)
         add(figures, f"{prefix} lora/base", result["throughput_vs_base"], HIGHER)
         run_figures(figures, f"{prefix} lora", result["lora"])
+        floor = result.get("decode_floor")  # the distinct case: issue 34 item 3's ratio (printed, not gated)
+        if floor:
+            add(figures, f"{prefix} decode extra/floor", floor["extra_over_floor"], LOWER)
     return figures
 
 

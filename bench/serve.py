@@ -553,6 +553,23 @@ HEADER = (f"{'case':48} {'run':12} {'tok/s':>8} {'req/s':>6} {'TTFT p50':>9} {'p
           f"{'p90':>7} {'loads':>5}")
 
 
+def decode_floor(lora: dict, base: dict, adapter_bytes: int, copy_bytes_per_s: float) -> dict | None:
+    """Issue 34 item 3's figure for a trace whose rows each use an adapter of their own (Punica
+    distinct): the LoRA decode step's extra ms over the base run's decode step against the floor,
+    each row's adapter A/B read once at the copy bandwidth measured in the same run (rows = the LoRA
+    decode steps' mean rows; `bench.timing.copy_bandwidth` counts bytes read plus written, the 4.0
+    TB/s of the H200). None when either run has no decode step of that kind."""
+    lora_decode = (lora.get("steps_by_kind") or {}).get("lora decode")
+    base_decode = (base.get("steps_by_kind") or {}).get("base decode")
+    if not lora_decode or not base_decode or not copy_bytes_per_s:
+        return None
+    rows = lora_decode["mean_tokens"]
+    floor_ms = 1e3 * rows * adapter_bytes / copy_bytes_per_s
+    extra_ms = lora_decode["mean_ms"] - base_decode["mean_ms"]
+    return {"rows": rows, "adapter_bytes": adapter_bytes, "copy_tb_per_s": copy_bytes_per_s / 1e12,
+            "floor_ms": floor_ms, "extra_ms": extra_ms, "extra_over_floor": extra_ms / floor_ms}
+
+
 def print_row(name: str, label: str, r: dict) -> None:
     print(f"{name:48} {label:12} {r['tokens_per_s']:8.0f} {r['requests_per_s']:6.2f} {r['ttft_p50_ms']:7.0f}ms "
           f"{r['ttft_p90_ms']:6.0f}ms {r['tpot_p50_ms']:7.1f}ms {r['tpot_p90_ms']:5.1f}ms {r['adapter_loads']:5d}"
@@ -996,6 +1013,8 @@ def main() -> None:
     print(HEADER, flush=True)
     base_runs: dict = {}
     last_run_s = 0.0
+    copy_bytes_per_s = None  # the device's copy bandwidth (`decode_floor`), measured at the first distinct case
+    adapter_bytes = factory.bytes_per_set * jnp.dtype(model.dtype).itemsize // 4  # one adapter in the pool's dtype
     for case in cases:
         trace = make_trace(case, args.seed, args.min_len, args.max_len, args.max_adapters)
         need_base = trace.base_key() not in base_runs
@@ -1021,11 +1040,25 @@ def main() -> None:
                                                                 step_fn=step_fn))
         base_of, base = base_runs[trace.base_key()]
         print_row("", "base", base)
+        floor = None
+        if case.kind == "punica" and case.popularity == "distinct":
+            if copy_bytes_per_s is None:  # measured once, after the first runs (nothing else on the device)
+                from bench.timing import copy_bandwidth
+                try:
+                    copy_bytes_per_s = copy_bandwidth(*((64 << 20, 5) if tiny else (1 << 30, 50)))
+                except Exception as err:  # e.g. out of device memory: the floor is then not reported
+                    print(f"copy bandwidth not measured ({type(err).__name__}: {err}); no decode floor", flush=True)
+                    copy_bytes_per_s = 0.0
+            floor = decode_floor(lora, base, adapter_bytes, copy_bytes_per_s)
+            if floor is not None:
+                print(f"{'':48} decode step +{floor['extra_ms']:.2f} ms over base; floor {floor['floor_ms']:.2f} ms "
+                      f"({floor['rows']:.0f} adapters x {adapter_bytes / 2**20:.1f} MiB at "
+                      f"{floor['copy_tb_per_s']:.2f} TB/s): {floor['extra_over_floor']:.2f}x", flush=True)
         report["results"].append({
             "case": case.name, "spec": dataclasses.asdict(case),
             "distinct_adapters": int(len(set(trace.adapters.tolist()))),
             "lora": lora, "lora_by_backend": by_backend, "base": base, "base_run_of": base_of,
-            "throughput_vs_base": lora["tokens_per_s"] / base["tokens_per_s"]})
+            "throughput_vs_base": lora["tokens_per_s"] / base["tokens_per_s"], "decode_floor": floor})
         write_report(args.out, report)
     report["total_s"] = time.perf_counter() - t0
     write_report(args.out, report)

@@ -80,6 +80,25 @@ def test_serve_figures_from_a_serve_report():
     assert figures["serve punica distinct lora TTFT p50 ms"]["better"] == "lower"
 
 
+def test_the_distinct_decode_step_against_its_bytes_floor():
+    """bench/serve.py's `decode_floor`: the LoRA decode step's extra over base against each row's
+    adapter read once at the measured bandwidth; regress reports it, lower is better, not gated."""
+    from bench.serve import decode_floor
+
+    report = serve_report()
+    lora, base = report["results"][0]["lora"], report["results"][0]["base"]
+    floor = decode_floor(lora, base, adapter_bytes=84 << 20, copy_bytes_per_s=4e12)
+    assert floor["rows"] == 30 and floor["extra_ms"] == pytest.approx(3.0)
+    assert floor["floor_ms"] == pytest.approx(1e3 * 30 * (84 << 20) / 4e12)
+    assert floor["extra_over_floor"] == pytest.approx(3.0 / floor["floor_ms"])
+    assert decode_floor(report["results"][1]["lora"], base, 84 << 20, 4e12) is None  # no LoRA decode step
+    report["results"][0]["decode_floor"] = floor
+    figures = regress.serve_figures(report)
+    assert figures["serve punica distinct decode extra/floor"] == {"value": floor["extra_over_floor"],
+                                                                    "better": "lower"}
+    assert not regress.verdict(None, figures["serve punica distinct decode extra/floor"], 0.05)["gates"]
+
+
 def test_slora_disk_figures_from_a_slora_disk_report():
     figures = regress.slora_disk_figures(slora_report())
     assert {name: f["value"] for name, f in figures.items()} == {
