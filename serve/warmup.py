@@ -5,8 +5,9 @@ worker's child, `serve.compile_worker`).
 `Warmup.run` (what `Engine.warmup` calls) compiles the first programs (`StepBuilder.compile_first`:
 those that can serve any step, scanned stand-ins below `scan_layers_from_tokens`), then the adapter
 pool's slot update, the adapter window's fill and the inference modes' switch, and starts the
-background thread (`StepBuilder.compile_rest`) for the rest; it also grows the pinned host memory that
-adapters read from a directory will use (`Residency.reserve_host`). `Warmup.start` (`Engine.start_warmup`)
+background thread (`StepBuilder.compile_rest`) for the rest; beside the compile, a thread grows the pinned
+host memory that adapters read from a directory will use (`Residency.reserve_host`), joined before `run`
+returns. `Warmup.start` (`Engine.start_warmup`)
 starts the first programs early, lowered over the weights' shapes alone, while the caller writes the
 weights (`serve.warm_start`). The engine holds one `Warmup` (`Engine.startup`) and stops its
 worker when it stops (`Warmup.stop`)."""
@@ -38,6 +39,7 @@ class Warmup:
         self.worker: CompileWorker | None = None  # its child process (`config.compile_worker`)
         self.early = None  # `start`'s first programs (a Future)
         self.lowering_state = None  # while `start`'s programs compile: the weights' shapes
+        self.reserve = None  # the pinned host reserve's thread (`Residency.reserve_host`), beside the compile
 
     @property
     def background(self) -> threading.Thread | None:
@@ -48,6 +50,7 @@ class Warmup:
             background: bool | None = None) -> dict:
         """`Engine.warmup` (its doc)."""
         engine = self.engine
+        self.start_reserve()
         early = self.early if (shapes, threads, background) == (None, None, None) else None
         if early is not None:
             self.early = None
@@ -66,11 +69,7 @@ class Warmup:
         if engine.modes is not None:
             engine.modes.warmup(engine)
         self._input_copies()
-        reserve_started = time.perf_counter()
-        reserved = engine.residency.reserve_host()
-        if reserved:
-            log.info("pinned host memory for adapter reads: %.2f GiB reserved in %.2f s", reserved / 2**30,
-                     time.perf_counter() - reserve_started)
+        self.reserve.join()  # before the first step: the reserve's allocation would hold up the step's calls
         seconds = time.perf_counter() - started
         programs = engine.programs
         log.info("step programs ready: %d compiled in %.1f s (summed over threads: lowering %.1f s, compiling or "
@@ -94,9 +93,33 @@ class Warmup:
             if shape.program == "forward":
                 engine.step_inputs.prepare(shape, forward_inputs(*self.padding_args(shape)[2:6]))
 
+    def start_reserve(self) -> None:
+        """Starts growing the pinned host memory for adapter reads (`Residency.reserve_host`) on a
+        thread of its own, beside the compile (page-locking takes time in proportion to the bytes, which
+        a start-up would otherwise wait for), once per engine; `run` joins it before it returns. An error is
+        logged, not raised: without the reserve reads still work (they grow the memory as they go)."""
+        if self.reserve is not None:
+            return
+        residency = self.engine.residency
+
+        def reserve():
+            started = time.perf_counter()
+            try:
+                reserved = residency.reserve_host()
+            except Exception:  # noqa: BLE001 (see the doc)
+                log.exception("reserving pinned host memory for adapter reads failed")
+                return
+            if reserved:
+                log.info("pinned host memory for adapter reads: %.2f GiB reserved in %.2f s", reserved / 2**30,
+                         time.perf_counter() - started)
+
+        self.reserve = threading.Thread(target=reserve, daemon=True, name="jaxlora-pinned-reserve")
+        self.reserve.start()
+
     def start(self) -> None:
         """`Engine.start_warmup` (its doc)."""
         engine = self.engine
+        self.start_reserve()
         self.lowering_state = abstract_state(engine._state)
         if engine.config.background_compile:
             self.start_worker()
