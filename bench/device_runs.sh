@@ -1054,3 +1054,12 @@ cold_caches_x4() {  # 4 x H200, one call, pinned (PIN=1): every figure of issue 
   python3 bench/jit_cache.py pack /tmp/jc_compress "$OUT/jitcache_compress" &
   wait
 }
+
+slora_alpha1() {  # one H200, short: the slora_disk n=2000 alpha=1 case alone (disk and one, 400 requests), with
+  # slora_disk's compile cache (.jitcache_slora) carried; ~80 s
+  gpu_setup
+  python3 bench/slora_disk.py --adapters 2000 --dir /tmp/slora_adapters --write-only 2>&1 | tail -n 1
+  timeout $((LIMIT - SECONDS - 5)) python3 bench/slora_disk.py --adapters 2000 --dir /tmp/slora_adapters \
+      --cases "slora:n=2000,alpha=1" --runs disk one --mode throughput --requests 400 --compile-cache $JIT_CACHE \
+      --out "$OUT/slora_alpha1.json" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 3
+}
