@@ -468,8 +468,8 @@ class Engine:
     def step(self) -> bool:
         """Runs one iteration: plans and launches the next step, then (async scheduling) reads the
         tokens of the step launched before it, or (synchronous) of this one; returns False when
-        there was nothing to do. Host time per phase accumulates in `stats.phase_seconds` (see
-        `EngineStats.PHASES`)."""
+        there was nothing to do. Host time per phase goes to `stats.phase_seconds`, in total and by
+        step kind (`EngineStats.end_iteration`, `PHASES`)."""
         phases = self.stats.phases()
         self.residency.new_step()  # last step's host copies: copied to the device by now
         while self._commands:
@@ -562,7 +562,7 @@ class Engine:
     def build_step(self, plan: StepPlan) -> Step:
         """The padded inputs of a step over `plan.rows` (laid out in `serving_order`; each row's
         sequence carries its `SamplingParams` in `sampling`), reading the adapter pool now."""
-        return self._build_step(plan, _PhaseClock({}))
+        return self._build_step(plan, _PhaseClock())
 
     def _build_step(self, plan: StepPlan, phases: "_PhaseClock") -> Step:
         """`StepBuilder.build` over `plan` in serving order, with this engine's state of the moment."""

@@ -10,20 +10,19 @@ import time
 
 
 class _PhaseClock:
-    """Adds the time since the previous mark to `seconds[name]` at each `mark(name)`, and to
-    `iteration[name]` (this engine iteration's own: `EngineStats.end_iteration` files it by kind)."""
+    """One engine iteration's host time per phase: adds the time since the previous mark to
+    `seconds[name]` at each `mark(name)` (`EngineStats.end_iteration` files them, in total and by
+    step kind)."""
 
-    __slots__ = ("seconds", "iteration", "last")
+    __slots__ = ("seconds", "last")
 
-    def __init__(self, seconds: dict):
-        self.seconds = seconds
-        self.iteration: dict[str, float] = {}
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
         self.last = time.perf_counter()
 
     def mark(self, name: str) -> None:
         now = time.perf_counter()
         self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
-        self.iteration[name] = self.iteration.get(name, 0.0) + now - self.last
         self.last = now
 
 
@@ -61,12 +60,12 @@ class EngineStats:
         self.phase_seconds: dict[str, float] = {}
         self.kind_steps: dict[str, list] = {}  # kind -> [steps, seconds, tokens]
         self.kind_phases: dict[str, dict[str, float]] = {}  # kind -> {phase: host seconds} (`end_iteration`)
-        self.slowest: list[tuple] = []  # the SLOWEST longest steps: (seconds, step index, kind, tokens)
+        self.slowest: list[tuple] = []  # a heap of the SLOWEST longest steps: (seconds, step index, kind, tokens)
         self._recent: collections.deque = collections.deque()
 
     def phases(self) -> _PhaseClock:
-        """A clock starting now that adds to `phase_seconds`."""
-        return _PhaseClock(self.phase_seconds)
+        """A clock for one engine iteration, starting now (`end_iteration` files its phases)."""
+        return _PhaseClock()
 
     def phase_ms_per_step(self) -> dict[str, float]:
         """Mean host milliseconds per step of each phase (PHASES order; over `steps`)."""
@@ -81,10 +80,11 @@ class EngineStats:
                 for kind, (n, seconds, tokens) in sorted(self.kind_steps.items())}
 
     def end_iteration(self, clock: _PhaseClock, launched: str | None, finished: str | None) -> None:
-        """Files one engine iteration's phases (`clock.iteration`) by step kind: the launch's phases
-        (schedule .. prefetch) under the kind of the step it launched, `wait` and `complete` under
-        the kind of the step it finished ("none" where there was no such step)."""
-        for name, seconds in clock.iteration.items():
+        """Files one engine iteration's phases (`clock.seconds`) into `phase_seconds` and by step kind:
+        the launch's phases (schedule .. prefetch) under the kind of the step it launched, `wait` and
+        `complete` under the kind of the step it finished ("none" where there was no such step)."""
+        for name, seconds in clock.seconds.items():
+            self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + seconds
             kind = (finished if name in ("wait", "complete") else launched) or "none"
             phases = self.kind_phases.setdefault(kind, {})
             phases[name] = phases.get(name, 0.0) + seconds
