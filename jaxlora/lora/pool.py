@@ -47,15 +47,18 @@ if TYPE_CHECKING:
     from jax.sharding import Mesh
 
 
-def empty_pool_arrays(base: LlamaConfig, num_slots: int, max_rank: int, modules, dtype) -> dict:
+def empty_pool_arrays(base: LlamaConfig, num_slots: int, max_rank: int, modules, dtype, device=None) -> dict:
+    """The pool's arrays (module doc), zeros; `device`: a sharding to create them on (committed), else
+    jax's default placement."""
     shapes = projection_shapes(base)
     layers = base.num_layers
+    zeros = functools.partial(jnp.zeros, device=device)
     return {
         module: {
-            "a": jnp.zeros((layers, num_slots, shapes[module][0], max_rank), dtype),
-            "b": jnp.zeros((layers, num_slots, max_rank, shapes[module][1]), dtype),
-            "scale": jnp.zeros((layers, num_slots), jnp.float32),
-            "rank": jnp.zeros((layers, num_slots), jnp.int32),
+            "a": zeros((layers, num_slots, shapes[module][0], max_rank), dtype),
+            "b": zeros((layers, num_slots, max_rank, shapes[module][1]), dtype),
+            "scale": zeros((layers, num_slots), jnp.float32),
+            "rank": zeros((layers, num_slots), jnp.int32),
         }
         for module in modules
     }
@@ -131,8 +134,11 @@ class AdapterPool:
         self.dtype = dtype
         self.donate = donate
         self.mesh = mesh
-        if mesh is None:
-            self.arrays = empty_pool_arrays(base, num_slots, max_rank, self.target_modules, dtype)
+        self._set_host_memory(pinned)
+        if mesh is None:  # committed to the device from the start, like every write's outputs: the slot update
+            # that `Engine.warmup` compiles (an eviction) is then the one serving's writes call (issue 34)
+            self.arrays = empty_pool_arrays(base, num_slots, max_rank, self.target_modules, dtype,
+                                            self._device_sharding)
             self._update = write_slot_donated if donate else write_slot
         else:
             empty, self._update = _placed_pool_fns(base, num_slots, max_rank, self.target_modules,
@@ -141,7 +147,6 @@ class AdapterPool:
         self.slot_names: list[str | None] = [None] * num_slots
         self.slot_writes = [0] * num_slots  # loads and evictions of each slot (copies of it go stale)
         self._empty: dict | None = None
-        self._set_host_memory(pinned)
 
     def _set_host_memory(self, pinned: bool) -> None:
         """Where prepared adapters live on the host (module doc): `pinned` needs a pool on one device."""

@@ -42,14 +42,16 @@ def adapter_rank(prepared: PreparedAdapter) -> int:
     return max([1] + [int(parts["a"].shape[2]) for parts in prepared.values.values()])
 
 
-def empty_row_arrays(base: LlamaConfig, num_slots: int, max_rank: int, num_rows: int, modules, dtype):
-    """({module: {"a_rows", "b_rows", "rank", "scale"}}, table [L, slots, max_rank]) all zeros."""
+def empty_row_arrays(base: LlamaConfig, num_slots: int, max_rank: int, num_rows: int, modules, dtype, device=None):
+    """({module: {"a_rows", "b_rows", "rank", "scale"}}, table [L, slots, max_rank]) all zeros; `device`:
+    a sharding to create them on (committed), else jax's default placement."""
     shapes, layers = projection_shapes(base), base.num_layers
-    modules = {module: {"a_rows": jnp.zeros((layers, num_rows, shapes[module][0]), dtype),
-                        "b_rows": jnp.zeros((layers, num_rows, shapes[module][1]), dtype),
-                        "rank": jnp.zeros((layers, num_slots), jnp.int32),
-                        "scale": jnp.zeros((layers, num_slots), jnp.float32)} for module in modules}
-    return modules, jnp.zeros((layers, num_slots, max_rank), jnp.int32)
+    zeros = functools.partial(jnp.zeros, device=device)
+    modules = {module: {"a_rows": zeros((layers, num_rows, shapes[module][0]), dtype),
+                        "b_rows": zeros((layers, num_rows, shapes[module][1]), dtype),
+                        "rank": zeros((layers, num_slots), jnp.int32),
+                        "scale": zeros((layers, num_slots), jnp.float32)} for module in modules}
+    return modules, zeros((layers, num_slots, max_rank), jnp.int32)
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -100,13 +102,13 @@ class RowPool(AdapterPool):
                              f"{max_rank}, {num_rows}")
         self.base, self.num_slots, self.max_rank, self.num_rows = base, num_slots, max_rank, num_rows
         self.target_modules, self.dtype, self.donate, self.mesh = tuple(target_modules), dtype, True, None
+        self._set_host_memory(pinned)
         self._modules, self._table = empty_row_arrays(base, num_slots, max_rank, num_rows, self.target_modules,
-                                                      dtype)
+                                                      dtype, self._device_sharding)  # committed: `AdapterPool`'s why
         self.rows_of = rows_of
         self.slot_names: list[str | None] = [None] * num_slots
         self.slot_writes = [0] * num_slots
         self._empty: dict | None = None
-        self._set_host_memory(pinned)
 
     @property
     def arrays(self) -> dict:

@@ -212,3 +212,19 @@ def test_reserve_host_puts_one_pinned_block_and_changes_no_slot(monkeypatch):
     for module, arrays in before.items():
         for key, value in arrays.items():
             np.testing.assert_array_equal(np.asarray(pool.arrays[module][key]), value)
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_the_slot_update_compiled_by_an_eviction_serves_the_loads_after_it(pinned):
+    """The pool's arrays are committed to the device from the start, like every write's outputs, so
+    the slot update an eviction compiles (what `Engine.warmup` runs) is the one later loads call: no
+    second signature of `write_slot_donated` after it (a fresh server compiled it again at its first
+    adapter load, on the engine thread)."""
+    pool = AdapterPool(CONFIG, 3, RANK, MODULES, dtype=jnp.float32, donate=True, pinned=pinned)
+    pool.evict(0)
+    compiled = write_slot_donated._cache_size()
+    for slot, adapter in enumerate(_adapters(2), start=1):
+        prepared = pool.prepare(adapter)
+        values = pool.to_device(pool.padded(prepared)) if pinned else pool.padded(prepared)
+        pool.write_padded(slot, adapter.name, values)
+    assert write_slot_donated._cache_size() == compiled
