@@ -19,7 +19,8 @@ job() {  # job NAME GPUS SECONDS COMMAND...: one background job, its output in $
   local name=$1 gpus=$2 seconds=$3 pin=()
   shift 3
   if [ "${PIN:-0}" = 1 ] && command -v taskset >/dev/null; then
-    local per=$(($(nproc) / 4)); pin=(taskset -c $((gpus * per))-$((gpus * per + per - 1)))
+    local n; n=$(nvidia-smi -L 2>/dev/null | wc -l); [ "${n:-0}" -gt 0 ] || n=4  # a share per GPU of the machine
+    local per=$(($(nproc) / n)); pin=(taskset -c $((gpus * per))-$((gpus * per + per - 1)))
   fi
   (CUDA_VISIBLE_DEVICES=$gpus timeout "$seconds" "${pin[@]}" "$@" >"$OUT/log_$name.txt" 2>&1
    echo "[$name exit $?]" >>"$OUT/log_$name.txt") &
@@ -1024,34 +1025,37 @@ compress_cached() {  # one H200, issue 34 item 5: Compress-then-Serve (1000 adap
       "$OUT/jitcache_compress"
 }
 
-cold_caches_x4() {  # 4 x H200, one call, pinned (PIN=1): every figure of issue 34 that this tree can change, from empty
-  # compile caches (a change that alters the step programs' lowered text, e.g. `next/pool-committed`), and the
+cold_caches() {  # 2 or 4 x H200, one call, pinned (PIN=1): every figure of issue 34 that this tree can change, from
+  # empty compile caches (a change that alters the step programs' lowered text, e.g. `next/pool-committed`), and the
   # caches packed for the next calls: GPU 0 the guard's serving trace (-> jitcache.partNN, for .jitcache), GPU 1
-  # its slora_disk part (-> jitcache_slora.partNN, for .jitcache_slora), GPU 2 Compress-then-Serve's first pass
-  # (-> jitcache_compress.partNN, for .jitcache_compress; `compress_cached` then runs all three), GPU 3 the
-  # 100-request distinct trace (item 4). .whl carried, no cache
+  # its slora_disk part (-> jitcache_slora.partNN, for .jitcache_slora); on 4 GPUs also GPU 2 Compress-then-Serve's
+  # first pass (-> jitcache_compress.partNN, for .jitcache_compress; `compress_cached` then runs all three) and
+  # GPU 3 the 100-request distinct trace (item 4). .whl carried, no cache
   nvidia-smi -L
   export PIN=1
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=$PYTHONPATH:/tmp/site
-  local work=/tmp/cold t=$((LIMIT - 110))
+  local work=/tmp/cold t=$((LIMIT - 110)) gpus
+  gpus=$(nvidia-smi -L | wc -l)
   mkdir -p $work/guard $work/slora $work/compress $work/serve100
   job guard 0 $t python3 bench/regress.py --only serve --out-dir $work/guard --compile-cache /tmp/jc_guard
   job slora 1 $t python3 bench/regress.py --only slora_disk --out-dir $work/slora --adapter-dir /tmp/slora_adapters \
       --compile-cache /tmp/jc_slora
-  job compress 2 $t python3 bench/compress_serve.py --requests 300 --cases "slora:n=1000,alpha=1,cv=1,mode=throughput" \
-      --compile-cache /tmp/jc_compress --out $work/compress/compress_serve_h200.json
-  job serve100 3 $t python3 bench/serve.py --lora-backend hybrid --max-num-seqs 256 --token-budget 2048 \
-      --prefill-chunk 2048 --requests 100 --cases punica:distinct --compile-cache /tmp/jc_100 \
-      --out $work/serve100/serve100_h200.json
+  if [ "$gpus" -ge 4 ]; then
+    job compress 2 $t python3 bench/compress_serve.py --requests 300 --cases "slora:n=1000,alpha=1,cv=1,mode=throughput" \
+        --compile-cache /tmp/jc_compress --out $work/compress/compress_serve_h200.json
+    job serve100 3 $t python3 bench/serve.py --lora-backend hybrid --max-num-seqs 256 --token-budget 2048 \
+        --prefill-chunk 2048 --requests 100 --cases punica:distinct --compile-cache /tmp/jc_100 \
+        --out $work/serve100/serve100_h200.json
+  fi
   wait
   rm -f $work/*/regress_*.png $work/serve100/*.png
   mv "$OUT"/log_*.txt $work/ 2>/dev/null
   for f in $work/log_*.txt; do grep -v "cuda_timer\|Warning\|^W11\|slow_operation\|\*\*\*\|Very slow\|^$" "$f" | tail -n 30; done
-  tar czf "$OUT/cold_caches_x4.tgz" -C $work .
+  tar czf "$OUT/cold_caches.tgz" -C $work .
   python3 bench/jit_cache.py pack /tmp/jc_guard "$OUT/jitcache" &
   python3 bench/jit_cache.py pack /tmp/jc_slora "$OUT/jitcache_slora" &
-  python3 bench/jit_cache.py pack /tmp/jc_compress "$OUT/jitcache_compress" &
+  [ -d /tmp/jc_compress ] && python3 bench/jit_cache.py pack /tmp/jc_compress "$OUT/jitcache_compress" &
   wait
 }
 
