@@ -896,14 +896,15 @@ slora_profile() {  # one H200, issue 34 item 5: slora_disk n=2000 (a=1, 400 requ
 }
 
 gpu_setup() {  # a fresh one-GPU machine: the carried compile cache (.jitcache) into $JIT_CACHE, the server's
-  # wheels (.whl) on PYTHONPATH
+  # wheels (.whl) on PYTHONPATH; once per call
+  [ -n "${GPU_SETUP_DONE:-}" ] && return
   nvidia-smi -L
   if [ -e .jitcache/jitcache.part00 ]; then python3 bench/jit_cache.py unpack .jitcache/jitcache $JIT_CACHE; fi
   if [ -e .jitcache_slora/jitcache_slora.part00 ]; then  # slora_disk's programs (`slora_first` packs them; carried
     python3 bench/jit_cache.py unpack .jitcache_slora/jitcache_slora $JIT_CACHE  # apart: both pass the 64 MiB)
   fi
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  export PYTHONPATH=$PYTHONPATH:/tmp/site GPU_SETUP_DONE=1
 }
 
 slora_regress() {  # the guard's slora_disk part (n=2000, alpha 1 and 0.3, 400 requests, disk and one) on one H200,
@@ -1066,4 +1067,17 @@ slora_alpha1() {  # one H200, short: the slora_disk n=2000 alpha=1 case alone (d
   timeout $((LIMIT - SECONDS - 5)) python3 bench/slora_disk.py --adapters 2000 --dir /tmp/slora_adapters \
       --cases "slora:n=2000,alpha=1" --runs disk one --mode throughput --requests 400 --compile-cache $JIT_CACHE \
       --out "$OUT/slora_alpha1.json" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 3
+  python3 -c "
+import json, sys
+for r in json.load(open(sys.argv[1]))['results']:
+    for run in ('disk', 'one'):
+        for s in r[run]['slowest_steps'][:8]:
+            print(run, s['step'], s['kind'], s['tokens'], round(s['ms'], 1),
+                  {k: round(v, 1) for k, v in s.get('phases_ms', {}).items() if v >= 1})" "$OUT/slora_alpha1.json"
+}
+
+slora_then_compress() {  # one H200: slora_alpha1 (the slowest steps with their host phases), then
+  # compress_cached in the time left (its first pass packs the compile cache); .whl and .jitcache_slora carried
+  slora_alpha1
+  compress_cached
 }

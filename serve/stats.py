@@ -60,12 +60,15 @@ class EngineStats:
         self.phase_seconds: dict[str, float] = {}
         self.kind_steps: dict[str, list] = {}  # kind -> [steps, seconds, tokens]
         self.kind_phases: dict[str, dict[str, float]] = {}  # kind -> {phase: host seconds} (`end_iteration`)
-        self.slowest: list[tuple] = []  # a heap of the SLOWEST longest steps: (seconds, step index, kind, tokens)
+        self.slowest: list[tuple] = []  # a heap of the SLOWEST longest steps: (seconds, step index, kind, tokens, clock)
+        self._clock: _PhaseClock | None = None  # the iteration running now (`phases`)
         self._recent: collections.deque = collections.deque()
 
     def phases(self) -> _PhaseClock:
-        """A clock for one engine iteration, starting now (`end_iteration` files its phases)."""
-        return _PhaseClock()
+        """A clock for one engine iteration, starting now (`end_iteration` files its phases); a step
+        that this iteration finishes keeps it if it is among the slowest (`slowest_steps`)."""
+        self._clock = _PhaseClock()
+        return self._clock
 
     def phase_ms_per_step(self) -> dict[str, float]:
         """Mean host milliseconds per step of each phase (PHASES order; over `steps`)."""
@@ -100,18 +103,22 @@ class EngineStats:
         return out
 
     def slowest_steps(self) -> list[dict]:
-        """The longest steps so far, longest first: {"step" (index), "kind", "tokens", "ms"}."""
-        return [{"step": index, "kind": kind, "tokens": tokens, "ms": 1e3 * seconds}
-                for seconds, index, kind, tokens in sorted(self.slowest, reverse=True)]
+        """The longest steps so far, longest first: {"step" (index), "kind", "tokens", "ms", "phases_ms"}.
+        phases_ms: the host ms per phase of the iteration that finished the step (under async
+        scheduling the launch of the next step, then the wait for this one's tokens: what the
+        step's time overlapped on the host); {} for a step finished outside `Engine.step`."""
+        return [{"step": index, "kind": kind, "tokens": tokens, "ms": 1e3 * seconds,
+                 "phases_ms": {} if clock is None else {name: 1e3 * v for name, v in clock.seconds.items()}}
+                for seconds, index, kind, tokens, clock in sorted(self.slowest, key=lambda s: s[:2], reverse=True)]
 
     SLOWEST = 12
 
     def record_step(self, kind: str, tokens: int, generated: int, seconds: float) -> None:
         """Counts a finished step of `kind` (`Step.kind`): its tokens, generated tokens and seconds."""
         if len(self.slowest) < self.SLOWEST:
-            heapq.heappush(self.slowest, (seconds, self.steps, kind, tokens))
+            heapq.heappush(self.slowest, (seconds, self.steps, kind, tokens, self._clock))
         elif seconds > self.slowest[0][0]:
-            heapq.heapreplace(self.slowest, (seconds, self.steps, kind, tokens))
+            heapq.heapreplace(self.slowest, (seconds, self.steps, kind, tokens, self._clock))
         self.steps += 1
         kind = self.kind_steps.setdefault(kind, [0, 0.0, 0])
         kind[0], kind[1], kind[2] = kind[0] + 1, kind[1] + seconds, kind[2] + tokens

@@ -49,6 +49,24 @@ def test_slowest_steps_keeps_the_longest_in_order():
     slowest = stats.slowest_steps()
     assert len(slowest) == EngineStats.SLOWEST
     assert [round(s["ms"]) for s in slowest[:3]] == [500, 400, 200]
-    assert slowest[0] == {"step": 1, "kind": "lora decode", "tokens": 11, "ms": 500.0}
+    assert slowest[0] == {"step": 1, "kind": "lora decode", "tokens": 11, "ms": 500.0, "phases_ms": {}}
     assert slowest[1]["step"] == len(seconds) - 1
     assert all(a["ms"] >= b["ms"] for a, b in zip(slowest, slowest[1:]))
+
+
+def test_a_slow_step_keeps_the_phases_of_the_iteration_that_finished_it():
+    stats = EngineStats()
+    for launch_s in (0.0, 0.04, 0.0):  # the second iteration's launch (commit) stalls
+        clock = stats.phases()
+        time.sleep(launch_s)
+        clock.mark("commit")
+        time.sleep(0.002)
+        clock.mark("wait")
+        stats.record_step("lora decode", 8, 8, 0.005 + launch_s)
+        clock.mark("complete")
+        stats.end_iteration(clock, "lora decode", "lora decode")
+    slow = stats.slowest_steps()[0]
+    assert slow["step"] == 1
+    assert set(slow["phases_ms"]) == {"commit", "wait", "complete"}
+    assert slow["phases_ms"]["commit"] >= 39 and slow["phases_ms"]["wait"] < 39
+    assert all(s["phases_ms"]["commit"] < 39 for s in stats.slowest_steps()[1:])
