@@ -1081,3 +1081,34 @@ slora_then_compress() {  # one H200: slora_alpha1 (the slowest steps with their 
   slora_alpha1
   compress_cached
 }
+
+prefetch_ab_x2() {  # 2 x H200, pinned: GPU 0 Compress-then-Serve (its cache .jitcache_compress carried, packed
+  # again at the end), GPU 1 the slora_disk n=2000 alpha=1 disk run with prefetch over the whole queue
+  # (--prefetch-steps 0, the old behaviour), then the guard's slora part on the default (2 steps) — the
+  # A/B of the prefetch lookahead (issue 34 item 5); .whl, .jitcache_slora and .jitcache_compress carried
+  gpu_setup
+  export PIN=1
+  local work=/tmp/ab t=$((LIMIT - SECONDS - 40))
+  mkdir -p $work
+  [ -e .jitcache_compress/jitcache_compress.part00 ] && python3 bench/jit_cache.py unpack \
+      .jitcache_compress/jitcache_compress /tmp/jc_compress
+  job compress 0 $t python3 bench/compress_serve.py --requests 300 --cases "slora:n=1000,alpha=1,cv=1,mode=throughput" \
+      --compile-cache /tmp/jc_compress --out $work/compress_serve_h200.json
+  job slora 1 $t bash -c "python3 bench/slora_disk.py --adapters 2000 --dir /tmp/slora_adapters --cases slora:n=2000,alpha=1 \
+      --runs disk --mode throughput --requests 400 --prefetch-steps 0 --compile-cache $JIT_CACHE \
+      --out $work/slora_prefetch0.json; python3 bench/regress.py --only slora_disk --out-dir $work/slora \
+      --adapter-dir /tmp/slora_adapters --compile-cache $JIT_CACHE"
+  wait
+  mv "$OUT"/log_*.txt $work/ 2>/dev/null
+  rm -f $work/slora/regress_*.png
+  for f in $work/log_*.txt; do echo "== $f"; grep -v "cuda_timer\|Warning\|^W11\|slow_operation\|\*\*\*\|Very slow\|^$" "$f" | tail -n 30; done
+  for f in $work/slora_prefetch0.json $work/slora/regress_slora_disk.json; do python3 -c "
+import json, sys
+for r in json.load(open(sys.argv[1]))['results']:
+    x = r['disk']
+    print(sys.argv[1].split('/')[-1], r['case'], round(x['tokens_per_s']), [(s['step'], s['kind'], round(s['ms'], 1),
+          {k: round(v, 1) for k, v in s.get('phases_ms', {}).items() if v >= 2}) for s in x['slowest_steps'][:5]])" $f; done
+  tar czf "$OUT/prefetch_ab_x2.tgz" -C $work .
+  [ -e .jitcache_compress/jitcache_compress.part00 ] && timeout 60 python3 bench/jit_cache.py pack /tmp/jc_compress \
+      "$OUT/jitcache_compress"
+}

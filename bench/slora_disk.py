@@ -280,6 +280,8 @@ def parse_args(argv=None):
     parser.add_argument("--compile-cache", default="/tmp/jaxlora_serve_jit_cache")
     parser.add_argument("--scan-layers-from-tokens", type=int, default=None,
                         help="EngineConfig.scan_layers_from_tokens (default: the engine's)")
+    parser.add_argument("--prefetch-steps", type=int, default=None,
+                        help="EngineConfig.prefetch_steps (default: the engine's; 0: prefetch for the whole queue)")
     parser.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "COUNT"), default=None,
                         help="trace engine steps FIRST..FIRST+COUNT-1 of each run with the JAX profiler: device "
                              "busy ms against wall ms a step, kernels by category (GPU; traces beside --out)")
@@ -328,7 +330,8 @@ def main(argv=None) -> None:
         max_waiting=1 << 30, lora_backend=args.lora_backend or ("pallas" if jax.default_backend() == "gpu"
                                                                 else "gather"),
         adapter_dir=args.dir, max_host_adapter_bytes=host_bound, lora_target_modules=tuple(args.targets),
-        scan_layers_from_tokens=args.scan_layers_from_tokens)
+        scan_layers_from_tokens=args.scan_layers_from_tokens,
+        **({} if args.prefetch_steps is None else {"prefetch_steps": args.prefetch_steps}))
     model = Llama(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     device = jax.devices()[0].device_kind
     report = {"device": device, "jax": jax.__version__, "host": platform.node(),

@@ -85,6 +85,24 @@ def test_lru_never_evicts_pinned_adapters_and_queue_skips_ahead():
     assert s.prefetch() == [(0, "b")]  # queued b1's adapter goes in once "a" is unpinned
 
 
+def test_prefetch_looks_only_as_far_as_the_next_steps_can_start():
+    def queued(**kw):
+        s = _scheduler(num_pages=64, num_adapter_slots=16, max_num_seqs=8, token_budget=8, **kw)
+        for i in range(10):
+            s.add(Sequence(i, [1] * 6, max_tokens=2, adapter=f"a{i}"))
+        return s
+
+    # two budgets of 8 tokens: requests starting at tokens 0, 6 and 12 (< 16); the fourth starts at 18
+    assert [key for _, key in queued().prefetch()] == ["a0", "a1", "a2"]
+    assert [key for _, key in queued(prefetch_steps=1).prefetch()] == ["a0", "a1"]
+    assert len(queued(prefetch_steps=0).prefetch()) == 10  # the whole queue
+    s = queued()
+    s.is_ready = lambda key: key not in ("a0", "a1")  # still being read: passed over, not counted
+    assert [key for _, key in s.prefetch()] == ["a2", "a3", "a4"]
+    with pytest.raises(ValueError, match="prefetch_steps"):
+        _scheduler(prefetch_steps=-1)
+
+
 def test_adapter_slots_lru_order():
     slots = AdapterSlots(2)
     assert slots.place("a") == (0, True) and slots.place("b") == (1, True)

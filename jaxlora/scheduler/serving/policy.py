@@ -171,10 +171,13 @@ class SchedulerConfig:
     reserve_output: bool = True  # admission reserves prompt + max_tokens pages (else: pages grow; module doc)
     max_prefill_adapters: int = 0  # distinct adapters with prompt chunks in one step (0: no bound; module doc)
     prefix_caching: bool = False  # reuse cached full KV blocks across requests (module doc)
+    prefetch_steps: int = 2  # `prefetch` looks this many steps' token budgets down the queue (0: the whole queue)
 
     def __post_init__(self):
         if min(self.max_num_seqs, self.token_budget, self.prefill_chunk) < 1:
             raise ValueError("max_num_seqs, token_budget and prefill_chunk must be >= 1")
+        if self.prefetch_steps < 0:
+            raise ValueError("prefetch_steps must be >= 0 (0: the whole queue)")
         if self.max_prefill_adapters < 0:
             raise ValueError("max_prefill_adapters must be >= 0 (0: no bound)")
 
@@ -411,15 +414,31 @@ class ServingScheduler:
 
     def prefetch(self) -> list[tuple[int, Hashable]]:
         """Slots to fill now with adapters of queued requests (queue order), evicting only unpinned
-        adapters that no earlier queued request wants. Returns the (slot, key) loads to perform."""
+        adapters that no earlier queued request wants. Returns the (slot, key) loads to perform.
+
+        Only the requests that the next `prefetch_steps` steps can start are looked at: those whose
+        pending tokens, summed in queue order over the requests that could start now (base, or an
+        adapter resident or on the host), begin within that many token budgets. A deeper prefetch
+        copies adapters steps before a request can use them, all at once when a long queue forms
+        (400 queued requests: ~60 copies and slot writes in the first steps, 0.1-0.26 s of host time
+        each; bench/NOTES_serve.md, nineteenth session)."""
         loads, wanted = [], set()
+        horizon = self.config.prefetch_steps * self.config.token_budget or float("inf")
+        ahead = 0
         for seq in self.waiting:
+            if ahead >= horizon:
+                break
             key = seq.adapter
             if key is None or key in wanted:
+                ahead += seq.num_pending
                 continue
             wanted.add(key)
-            if self.slots.slot_of(key) is not None or not self.is_ready(key):
+            if self.slots.slot_of(key) is not None:
+                ahead += seq.num_pending
                 continue
+            if not self.is_ready(key):
+                continue
+            ahead += seq.num_pending
             placed = self._place(key, protect=wanted)
             if placed is None:
                 break
