@@ -1084,7 +1084,7 @@ slora_then_compress() {  # one H200: slora_alpha1 (the slowest steps with their 
 
 prefetch_ab_x2() {  # 2 x H200, pinned: GPU 0 Compress-then-Serve (its cache .jitcache_compress carried, packed
   # again at the end), GPU 1 the slora_disk n=2000 alpha=1 disk run with prefetch over the whole queue
-  # (--prefetch-steps 0, the old behaviour), then the guard's slora part on the default (2 steps) — the
+  # (--prefetch-steps 0), then the guard's slora part on the default (then 2 steps; now 0) — the
   # A/B of the prefetch lookahead (issue 34 item 5); .whl, .jitcache_slora and .jitcache_compress carried
   gpu_setup
   export PIN=1

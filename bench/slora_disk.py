@@ -281,7 +281,7 @@ def parse_args(argv=None):
     parser.add_argument("--scan-layers-from-tokens", type=int, default=None,
                         help="EngineConfig.scan_layers_from_tokens (default: the engine's)")
     parser.add_argument("--prefetch-steps", type=int, default=None,
-                        help="EngineConfig.prefetch_steps (default: the engine's; 0: prefetch for the whole queue)")
+                        help="EngineConfig.prefetch_steps (default: the engine's, 0: prefetch for the whole queue)")
     parser.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "COUNT"), default=None,
                         help="trace engine steps FIRST..FIRST+COUNT-1 of each run with the JAX profiler: device "
                              "busy ms against wall ms a step, kernels by category (GPU; traces beside --out)")

@@ -135,8 +135,9 @@ class EngineConfig:
     # reused by requests of the same adapter (uid) and inference-mode numerics with the same leading tokens.
     prefix_caching: bool = True
     # Adapter prefetch looks this many steps' token budgets down the waiting queue (the scheduler's
-    # `prefetch`: copies of adapters that the next steps can use, spread over the steps; 0: the whole queue).
-    prefetch_steps: int = 2
+    # `prefetch`; 0: the whole queue). 2 spread the disk trace's first loads over later steps without a
+    # throughput change on an H200 (bench/NOTES_serve.md, nineteenth session), so the default stays 0.
+    prefetch_steps: int = 0
 
     # Bounds of the step sizes (each compiled program is as large as its step; tokens bound rows).
     BOUNDS = {"max_num_seqs": (1, 1024), "token_budget": (1, 65536), "prefill_chunk": (1, 65536)}

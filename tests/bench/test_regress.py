@@ -115,6 +115,7 @@ def test_the_h200_reference_names_figures_the_extraction_produces():
     serve["results"][1]["lora"] = serve["results"][0]["lora"]
     serve["results"][2] = {**serve["results"][1], "spec": punica_spec("skewed")}
     serve["results"].append({**serve["results"][1], "spec": punica_spec("uniform")})
+    serve["results"][0]["decode_floor"] = {"floor_ms": 0.75, "extra_ms": 2.2, "extra_over_floor": 2.9}  # distinct's
     disk = slora_report()
     disk["results"].append({**disk["results"][0], "spec": slora_spec(2000, 1.0)})
     produced = {**regress.serve_figures(serve), **regress.slora_disk_figures(disk)}

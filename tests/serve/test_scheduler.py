@@ -93,10 +93,10 @@ def test_prefetch_looks_only_as_far_as_the_next_steps_can_start():
         return s
 
     # two budgets of 8 tokens: requests starting at tokens 0, 6 and 12 (< 16); the fourth starts at 18
-    assert [key for _, key in queued().prefetch()] == ["a0", "a1", "a2"]
+    assert [key for _, key in queued(prefetch_steps=2).prefetch()] == ["a0", "a1", "a2"]
     assert [key for _, key in queued(prefetch_steps=1).prefetch()] == ["a0", "a1"]
-    assert len(queued(prefetch_steps=0).prefetch()) == 10  # the whole queue
-    s = queued()
+    assert len(queued().prefetch()) == 10  # the default: the whole queue
+    s = queued(prefetch_steps=2)
     s.is_ready = lambda key: key not in ("a0", "a1")  # still being read: passed over, not counted
     assert [key for _, key in s.prefetch()] == ["a2", "a3", "a4"]
     with pytest.raises(ValueError, match="prefetch_steps"):

@@ -171,7 +171,7 @@ class SchedulerConfig:
     reserve_output: bool = True  # admission reserves prompt + max_tokens pages (else: pages grow; module doc)
     max_prefill_adapters: int = 0  # distinct adapters with prompt chunks in one step (0: no bound; module doc)
     prefix_caching: bool = False  # reuse cached full KV blocks across requests (module doc)
-    prefetch_steps: int = 2  # `prefetch` looks this many steps' token budgets down the queue (0: the whole queue)
+    prefetch_steps: int = 0  # `prefetch` looks this many steps' token budgets down the queue (0: the whole queue)
 
     def __post_init__(self):
         if min(self.max_num_seqs, self.token_budget, self.prefill_chunk) < 1:
@@ -416,12 +416,14 @@ class ServingScheduler:
         """Slots to fill now with adapters of queued requests (queue order), evicting only unpinned
         adapters that no earlier queued request wants. Returns the (slot, key) loads to perform.
 
-        Only the requests that the next `prefetch_steps` steps can start are looked at: those whose
-        pending tokens, summed in queue order over the requests that could start now (base, or an
-        adapter resident or on the host), begin within that many token budgets. A deeper prefetch
-        copies adapters steps before a request can use them, all at once when a long queue forms
-        (400 queued requests: ~60 copies and slot writes in the first steps, 0.1-0.26 s of host time
-        each; bench/NOTES_serve.md, nineteenth session)."""
+        With `prefetch_steps` > 0 only the requests that the next that many steps can start are looked
+        at: those whose pending tokens, summed in queue order over the requests that could start now
+        (base, or an adapter resident or on the host), begin within that many token budgets. The
+        whole queue (0, the default) copies adapters steps before a request can use them, all at once
+        when a long queue forms (400 queued requests: ~60 copies and slot writes in the disk trace's
+        first steps, 0.1-0.26 s of host time each); a bound of 2 spread them over later steps but did
+        not raise the trace's throughput (H200, 2026-11-29: 5,471 against 5,437 tok/s; the host's
+        time per load is the cost, not when it is paid; bench/NOTES_serve.md, nineteenth session)."""
         loads, wanted = [], set()
         horizon = self.config.prefetch_steps * self.config.token_budget or float("inf")
         ahead = 0
