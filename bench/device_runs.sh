@@ -1112,3 +1112,11 @@ for r in json.load(open(sys.argv[1]))['results']:
   [ -e .jitcache_compress/jitcache_compress.part00 ] && timeout 60 python3 bench/jit_cache.py pack /tmp/jc_compress \
       "$OUT/jitcache_compress"
 }
+
+load_probe() {  # one H200, ~1-2 min: the host's cost of one adapter load on the engine's path (prefetch issue,
+  # slot write; alone, in a burst, beside a busy device; one flat array for comparison), for the 8B adapters of
+  # the serving traces (all seven projections, 84 MB) and of the disk trace (q/v, ~8 MB); .whl carried
+  gpu_setup
+  python3 bench/load_probe.py --targets all --out "$OUT/load_probe_all_h200.json" 2>&1 | grep -v "cuda_timer\|Warning" | tail -n 8
+  python3 bench/load_probe.py --targets qv --out "$OUT/load_probe_qv_h200.json" 2>&1 | grep -v "cuda_timer\|Warning" | tail -n 8
+}
