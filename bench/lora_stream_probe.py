@@ -9,7 +9,11 @@ down; rows on distinct adapters of a stacked 64-slot pool), in one run.
 Variants per row count: `base` (the GEMMs and the elementwise glue only), `inline` (the LoRA
 kernels after each GEMM, in place on its output: `pallas_kernels.bgmv_lora_packed` /
 `bgmv_lora_stacked`), `stream` (the same kernels into a float32 zero delta on a second CUDA
-stream, `side_stream`, added to the GEMM's output by the glue that follows).
+stream, `side_stream`, added to the GEMM's output by the glue that follows), `xla` (no kernel of
+its own: the shrink as a multiply-and-reduce over each row's gathered A, the expand as R
+multiply-adds of each row's gathered B rows, elementwise, so that XLA can fuse it into the glue
+that consumes the GEMM's output; the question is whether XLA's fusions take the LoRA with fewer
+launches than the kernel pair: `--profile` counts kernels a call).
 Prints ms per layer, each variant's extra over base against the bytes floor (each row's A and B
 read once at the measured copy bandwidth), the stream variant's error against inline, and
 whether XLA put the side-stream calls on their own stream (`call-start` in the compiled HLO).
@@ -33,7 +37,7 @@ import pallas_kernels as pk
 from bench.timing import copy_bandwidth, median_call_seconds
 
 _F32, _BF16 = jnp.float32, jnp.bfloat16
-VARIANTS = ("inline", "stream")
+VARIANTS = ("inline", "stream", "xla")
 SIDE_STREAM = "gpu_stream:1"
 R = 16
 
@@ -110,6 +114,24 @@ def _lora_reference(y, x, pool, names, slot, offset):
     return (y.astype(_F32) + jnp.concatenate(deltas, axis=-1)).astype(_BF16)
 
 
+def _lora_xla(y, x, pool, names, slot, offset):
+    """y plus the LoRA of x for `names` in elementwise form (module doc, `xla`): v [B, R] of each
+    projection = sum over k of x[:, k] * A[row's slot][k, :] (one reduce over the group's gathered
+    A, ranks side by side), each projection's delta = sum over j < R of v[:, j] * B[row's slot][j, :]
+    (unrolled multiply-adds, no dot), scaled and added to y in float32, one rounding."""
+    index = slot + offset
+    a = jnp.concatenate([pool[n]["a"][index] for n in names], axis=-1).astype(_F32)  # [B, k, R * len(names)]
+    v = jnp.sum(x.astype(_F32)[:, :, None] * a, axis=1)  # [B, R * len(names)]
+    deltas = []
+    for g, name in enumerate(names):
+        b = pool[name]["b"][index].astype(_F32)  # [B, R, n]
+        delta = v[:, g * R, None] * b[:, 0]
+        for j in range(1, R):
+            delta = delta + v[:, g * R + j, None] * b[:, j]
+        deltas.append(delta * pool[name]["scale"][index][:, None])
+    return (y.astype(_F32) + jnp.concatenate(deltas, axis=-1)).astype(_BF16)
+
+
 def project(variant: str, x, w, pool, names, widths, slot, offset, impl):
     """x @ w in bf16 plus the LoRA of `names` per `variant`."""
     y = jnp.dot(x, w, preferred_element_type=_F32).astype(_BF16)
@@ -119,6 +141,8 @@ def project(variant: str, x, w, pool, names, widths, slot, offset, impl):
         return _lora_reference(y, x, pool, names, slot, offset)
     if variant == "inline":
         return _lora(y, x, pool, names, widths, slot, offset, impl)
+    if variant == "xla":
+        return _lora_xla(y, x, pool, names, slot, offset)
     delta_fn = side_stream(
         lambda x, pool, slot, offset: _lora(jnp.zeros((x.shape[0], sum(widths)), _F32), x, pool, names, widths, slot,
                                             offset, impl))
@@ -174,7 +198,8 @@ def overlap_stats(log_dir: str, calls: int) -> dict:
             union, end = union + stop - end, stop
     total = sum(stop - start for start, stop, _ in spans)
     return {"kernel_ms": total / calls / 1e3, "busy_ms": union / calls / 1e3,
-            "concurrent_ms": (total - union) / calls / 1e3, "streams": len({tid for *_, tid in spans})}
+            "concurrent_ms": (total - union) / calls / 1e3, "streams": len({tid for *_, tid in spans}),
+            "kernels_per_call": len(spans) / calls}
 
 
 def adapter_bytes(s: dict) -> int:
@@ -221,7 +246,7 @@ def main() -> None:
             outs[variant] = np.asarray(compiled(x, state, slot).astype(_F32))
             seconds = median_call_seconds(lambda: compiled(x, state, slot), args.repeats)
             case[variant] = {"ms_per_layer": seconds * 1e3 / args.layers, "call_starts": text.count("call-start(")}
-            if args.profile and variant in VARIANTS:
+            if args.profile and variant in ("base", *VARIANTS):
                 log_dir = f"/tmp/lora_stream_probe_{rows}_{variant}"
                 with jax.profiler.trace(log_dir):
                     for _ in range(3):
