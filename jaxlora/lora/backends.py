@@ -16,6 +16,8 @@ call that names none; `TRAINING_DEFAULT` that of a training config that names no
                                      token rows and, on a mixed step, a segment GEMM over the
                                      step's first prefill segments' own A/B (`ops.segment_*`);
                                      the one-hot GEMMs with a `LoraPlan` (bench/NOTES_serve.md);
+  hybrid_xla                         hybrid with a decode-only step's LoRA in elementwise form for
+                                     XLA to fuse (`ops.elementwise_*`; an experiment, issue 34);
   fused, fused_tpu                   training: x @ W and the LoRA in one fused kernel, inside
                                      the projection (`jaxlora.lora.project`);
   compressed                         serving: a compressed collection's adapters from shared
@@ -185,6 +187,22 @@ def _hybrid_route(plan) -> LoraBackend:
     return _HYBRID_DECODE if plan.seg_starts is None else _HYBRID_MIXED
 
 
+# hybrid_xla's route for a decode-only ServingPlan: the LoRA in elementwise form (`ops.elementwise_*`:
+# no kernel of its own, for XLA to fuse into the projection's consumers), in the activations' dtype.
+_HYBRID_DECODE_XLA = LoraBackend("hybrid_xla", ServingPlan, partitionable=False, custom_kernel=False, serves=True,
+                                 trains=False, row_delta=ops.elementwise_delta, in_place=ops.elementwise_accumulate,
+                                 in_place_group=ops.elementwise_accumulate_group,
+                                 in_place_packed=ops.elementwise_accumulate_packed, adds_in_input_dtype=True)
+
+
+def _hybrid_xla_route(plan) -> LoraBackend:
+    """hybrid's route with the decode-only step's LoRA in elementwise form (an experiment of issue
+    34 item 3 against the BGMV pair: bench/NOTES_serve.md, nineteenth session)."""
+    if isinstance(plan, ServingPlan) and plan.seg_starts is None:
+        return _HYBRID_DECODE_XLA
+    return _hybrid_route(plan)
+
+
 _REGISTRY: dict[str, LoraBackend] = {backend.name: backend for backend in (
     _xla("gather", ops.gather_delta),
     _xla("onehot", ops.onehot_delta),
@@ -195,6 +213,8 @@ _REGISTRY: dict[str, LoraBackend] = {backend.name: backend for backend in (
     _pallas("pallas_tpu", "tpu"),
     LoraBackend("hybrid", ServingPlan, partitionable=False, custom_kernel=True, serves=True, trains=True,
                 route=_hybrid_route, segment_window=ops.SEGMENT_WINDOW),
+    LoraBackend("hybrid_xla", ServingPlan, partitionable=False, custom_kernel=True, serves=True, trains=False,
+                route=_hybrid_xla_route, segment_window=ops.SEGMENT_WINDOW),
     _fused("fused", None),
     _fused("fused_tpu", "tpu"),
     LoraBackend("compressed", LoraPlan, partitionable=False, custom_kernel=False, serves=True, trains=False,

@@ -208,6 +208,63 @@ def pallas_accumulate_packed(y, widths, x: jax.Array, module_pools, plan: Servin
     return out.reshape(y.shape)
 
 
+# ---- the LoRA in elementwise form, for XLA to fuse (issue 34 item 3) --------------------------------
+
+def _gathered(module_pool, token_slot: jax.Array):
+    """(a [N, k, r], b [N, r, n] of each row's slot, scale [N]: 0 for rows with slot -1), gathered
+    from a stacked pool's flattened entries at its layer's offset (no slice of the stack) or from a
+    layer's dict; a paged pool through its padded view (`layer_pool`)."""
+    if isinstance(module_pool, PagedModulePool) or paged_ops.is_paged(module_pool):
+        module_pool = layer_pool(module_pool)
+    a, b, _, scale, offset = _entries(module_pool)
+    index = jnp.maximum(token_slot, 0) + offset
+    return a[index], b[index], jnp.where(token_slot >= 0, scale[index], 0.0)
+
+
+def elementwise_deltas(rows: jax.Array, module_pools, token_slot: jax.Array) -> list:
+    """The LoRA of rows [N, k] for each of `module_pools` (projections of one input), float32 [N, n_g],
+    with no dot: the shrink one multiply-and-reduce over the rows' gathered A (the group's ranks side
+    by side), each expand R multiply-adds of the rows' gathered B rows. XLA may fuse the expand into
+    whatever consumes the projection's output and the shrink into one reduction, where a kernel pair
+    is two launches a group (`bench/lora_stream_probe.py --variants xla`)."""
+    gathered = [_gathered(pool, token_slot) for pool in module_pools]
+    a = jnp.concatenate([g[0] for g in gathered], axis=-1).astype(_F32)
+    v = jnp.sum(rows.astype(_F32)[:, :, None] * a, axis=1)  # [N, sum of ranks]
+    deltas, start = [], 0
+    for a_g, b_g, scale in gathered:
+        rank = a_g.shape[-1]
+        part = v[:, start:start + rank] * scale[:, None]
+        delta = part[:, 0, None] * b_g[:, 0].astype(_F32)
+        for j in range(1, rank):
+            delta = delta + part[:, j, None] * b_g[:, j].astype(_F32)
+        deltas.append(delta)
+        start += rank
+    return deltas
+
+
+def elementwise_delta(rows: jax.Array, module_pool, plan) -> jax.Array:
+    """`elementwise_deltas` of one projection over rows [N, k] in the plan's order: [N, n] float32."""
+    return elementwise_deltas(rows, [module_pool], plan.token_slot)[0]
+
+
+def elementwise_accumulate_group(ys, x: jax.Array, module_pools, plan) -> tuple:
+    """ys [..., n_g] (float32, or x's dtype: kept) plus the LoRA of x [..., k] (`elementwise_deltas`),
+    added in float32 and rounded once."""
+    deltas = elementwise_deltas(x.reshape(-1, x.shape[-1]), module_pools, plan.token_slot)
+    return tuple((y.astype(_F32) + d.reshape(y.shape)).astype(y.dtype) for y, d in zip(ys, deltas))
+
+
+def elementwise_accumulate(y: jax.Array, x: jax.Array, module_pool, plan) -> jax.Array:
+    """`elementwise_accumulate_group` for one projection."""
+    return elementwise_accumulate_group((y,), x, (module_pool,), plan)[0]
+
+
+def elementwise_accumulate_packed(y: jax.Array, widths, x: jax.Array, module_pools, plan) -> jax.Array:
+    """`elementwise_accumulate_group` for projections side by side in y [..., sum(widths)]."""
+    deltas = elementwise_deltas(x.reshape(-1, x.shape[-1]), module_pools, plan.token_slot)
+    return (y.astype(_F32) + jnp.concatenate(deltas, axis=-1).reshape(y.shape)).astype(y.dtype)
+
+
 def _grouped_bgmv(entries, style: str):
     """(outs, rows, row_slot) -> outs plus the LoRA of the rows with slot >= 0: the grouped BGMV
     kernels of the projections whose stacked pools' `_entries` are `entries` (one: the plain pair)."""
