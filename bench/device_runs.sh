@@ -1120,3 +1120,17 @@ load_probe() {  # one H200, ~1-2 min: the host's cost of one adapter load on the
   python3 bench/load_probe.py --targets all --out "$OUT/load_probe_all_h200.json" 2>&1 | grep -v "cuda_timer\|Warning" | tail -n 8
   python3 bench/load_probe.py --targets qv --out "$OUT/load_probe_qv_h200.json" 2>&1 | grep -v "cuda_timer\|Warning" | tail -n 8
 }
+
+xla_lora_check() {  # one H200, ~8 min: issue 34 item 3's next questions in one call (.whl and .jitcache carried):
+  # (1) the decode LoRA in elementwise form against the kernel pair on the 8-layer chain (lora_stream_probe
+  # --variants inline xla, kernels a call counted), (2) the host's cost of a load (load_probe), (3) the guard's
+  # distinct trace with hybrid and hybrid_xla in one run (bench/serve.py, 64 requests, the README's sizes)
+  gpu_setup
+  timeout 200 python3 bench/lora_stream_probe.py --layers 8 --rows 32 64 --profile --variants inline xla \
+      --out "$OUT/lora_stream_probe_xla_h200.json" 2>&1 | grep -v "cuda_timer\|Warning" | tail -n 4
+  timeout 120 python3 bench/load_probe.py --targets all --out "$OUT/load_probe_all_h200.json" 2>&1 \
+      | grep -v "cuda_timer\|Warning" | tail -n 8
+  timeout $((LIMIT - SECONDS - 10)) python3 bench/serve.py --lora-backend hybrid hybrid_xla --max-num-seqs 256 \
+      --token-budget 2048 --prefill-chunk 2048 --requests 64 --cases punica:distinct --compile-cache $JIT_CACHE \
+      --out "$OUT/serve_xla_ab_h200.json" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 8
+}
