@@ -32,6 +32,7 @@ from jaxlora.lora.paged_ops import PagedModulePool
 from jaxlora.lora.plan import LoraPlan, ServingPlan
 from jaxlora.nn.layers import dense
 from pallas_kernels.fused_lora import fused_lora_linear
+from pallas_kernels.reference import paged_rows
 
 _F32 = jnp.float32
 
@@ -213,8 +214,16 @@ def pallas_accumulate_packed(y, widths, x: jax.Array, module_pools, plan: Servin
 def _gathered(module_pool, token_slot: jax.Array):
     """(a [N, k, r], b [N, r, n] of each row's slot, scale [N]: 0 for rows with slot -1), gathered
     from a stacked pool's flattened entries at its layer's offset (no slice of the stack) or from a
-    layer's dict; a paged pool through its padded view (`layer_pool`)."""
-    if isinstance(module_pool, PagedModulePool) or paged_ops.is_paged(module_pool):
+    layer's dict; a `PagedModulePool`'s rows through its row table (zeros past each rank), a paged
+    layer dict through its padded view."""
+    if isinstance(module_pool, PagedModulePool):
+        a_rows, b_rows, table, rank, scale, row_offset, entry_offset = module_pool.flat()
+        rows, live = paged_rows(token_slot, table, rank, row_offset, entry_offset)  # [N, w]
+        a = jnp.where(live[:, :, None], a_rows[rows], 0)  # [N, w, k]
+        b = jnp.where(live[:, :, None], b_rows[rows], 0)  # [N, w, n]
+        row_scale = jnp.where(token_slot >= 0, scale[jnp.maximum(token_slot, 0) + entry_offset], 0.0)
+        return jnp.swapaxes(a, 1, 2), b, row_scale
+    if paged_ops.is_paged(module_pool):
         module_pool = layer_pool(module_pool)
     a, b, _, scale, offset = _entries(module_pool)
     index = jnp.maximum(token_slot, 0) + offset

@@ -306,7 +306,8 @@ def test_adapters_in_device_rows_give_the_padded_pools_answers(tiny_model_dir):
     out again scattered; the greedy tokens (float32) equal the padded slots' with unified paging
     off. gather: the XLA delta over the rows gathered into slots; hybrid: the paged BGMV kernel
     (interpret mode) on one-token rows and the segment GEMM over rows gathered for prefill; pallas:
-    the paged SGMV kernel on prefill chunks, paged BGMV on one-token rows."""
+    the paged SGMV kernel on prefill chunks, paged BGMV on one-token rows; hybrid_xla: decode-only
+    steps' LoRA in elementwise form over the rows read through the table."""
     from jaxlora.weights import load_model
 
     model, tokenizer = load_model(tiny_model_dir)
@@ -314,7 +315,7 @@ def test_adapters_in_device_rows_give_the_padded_pools_answers(tiny_model_dir):
     requests = [(tokenizer.encode(f"Request {i} of the rows test"), f"m{(3 * i) % 8}") for i in range(10)]
     _, padded = _serve(model, tokenizer, adapters, requests, lora_backend="gather")
     assert len({tuple(a) for a in padded}) > 6
-    for backend in ("gather", "hybrid", "pallas"):
+    for backend in ("gather", "hybrid", "pallas", "hybrid_xla"):
         engine, paged = _serve(model, tokenizer, adapters, requests, lora_backend=backend, unified_paging=True,
                                adapter_rows=48)
         assert paged == padded, backend

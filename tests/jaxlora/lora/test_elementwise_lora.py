@@ -1,7 +1,8 @@
 """The LoRA in elementwise form (`jaxlora.lora.ops.elementwise_*`, hybrid_xla's decode route): each
 row's delta equals the plain reference over a stacked pool at a layer's offset, for one projection,
-a group (ranks side by side in one shrink) and outputs packed side by side; base rows (slot -1)
-unchanged; float32 and bfloat16; no dot in the program."""
+a group (ranks side by side in one shrink) and outputs packed side by side, and over a paged pool
+(rows through its table, unified paging); base rows (slot -1) unchanged; float32 and bfloat16; no
+dot in the program."""
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ import pytest
 from jaxlora.lora import ops
 from jaxlora.lora.plan import ServingPlan
 from tests.jaxlora.hf_checkpoints import relative_error
+from tests.jaxlora.lora.test_serving_plan import IN_DIM, OUT_DIM, paged_module_pool, random_pool
 
 LAYERS, SLOTS, K, RANKS, WIDTHS = 3, 5, 37, (4, 8), (23, 9)  # odd sizes; two projections of ranks 4 and 8
 
@@ -63,3 +65,18 @@ def test_elementwise_lora_computes_no_dot():
     y, x = jnp.zeros((4, sum(WIDTHS))), jnp.ones((4, K))
     jaxpr = str(jax.make_jaxpr(lambda y, x: ops.elementwise_accumulate_packed(y, WIDTHS, x, pools, plan))(y, x))
     assert "dot_general" not in jaxpr and "reduce_sum" in jaxpr
+
+
+def test_elementwise_lora_reads_a_paged_pool_through_its_table():
+    rng = np.random.default_rng(7)
+    pool = random_pool(rng)  # padded slots with mixed ranks (zeros past each)
+    paged = paged_module_pool(pool, rng)
+    token_slot = rng.integers(-1, pool["a"].shape[0], 13).astype(np.int32)
+    token_slot[0] = 1
+    plan = ServingPlan(jnp.asarray(token_slot), jnp.asarray(token_slot), None, None)
+    x = jnp.asarray(rng.normal(size=(13, IN_DIM)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(13, OUT_DIM)), jnp.float32)
+    stacked = ops.StackedModulePool(*(jnp.asarray(pool[key])[None] for key in ("a", "b", "scale", "rank")),
+                                    jnp.int32(0))
+    expected = np.asarray(y, np.float64) + _reference(x, stacked, token_slot)
+    assert relative_error(ops.elementwise_accumulate(y, x, paged, plan), expected) <= 1e-5
