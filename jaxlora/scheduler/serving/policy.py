@@ -425,26 +425,23 @@ class ServingScheduler:
         not raise the trace's throughput (H200, 2026-11-29: 5,471 against 5,437 tok/s; the host's
         time per load is the cost, not when it is paid; bench/NOTES_serve.md, nineteenth session)."""
         loads, wanted = [], set()
-        horizon = self.config.prefetch_steps * self.config.token_budget or float("inf")
+        horizon = self.config.prefetch_steps * self.config.token_budget  # 0: the whole queue, nothing counted
         ahead = 0
         for seq in self.waiting:
-            if ahead >= horizon:
+            if horizon and ahead >= horizon:
                 break
             key = seq.adapter
-            if key is None or key in wanted:
+            if key is not None and key not in wanted:
+                wanted.add(key)
+                if self.slots.slot_of(key) is None:
+                    if not self.is_ready(key):
+                        continue  # still being read: passed over, not counted
+                    placed = self._place(key, protect=wanted)
+                    if placed is None:
+                        break
+                    loads.append((placed[0], key))
+            if horizon:
                 ahead += seq.num_pending
-                continue
-            wanted.add(key)
-            if self.slots.slot_of(key) is not None:
-                ahead += seq.num_pending
-                continue
-            if not self.is_ready(key):
-                continue
-            ahead += seq.num_pending
-            placed = self._place(key, protect=wanted)
-            if placed is None:
-                break
-            loads.append((placed[0], key))
         return loads
 
     # ---- adapter residency (slots, and pages with unified paging) ------------------------------------
