@@ -1134,3 +1134,15 @@ xla_lora_check() {  # one H200, ~8 min: issue 34 item 3's next questions in one 
       --token-budget 2048 --prefill-chunk 2048 --requests 64 --cases punica:distinct --compile-cache $JIT_CACHE \
       --out "$OUT/serve_xla_ab_h200.json" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 8
 }
+
+xla_lora_disk() {  # one H200, ~8 min: the disk trace (n=2000, alpha 1, 400 requests, disk run only) with hybrid
+  # and with hybrid_xla (the same mixed steps, the decode steps' LoRA as kernels / in elementwise form over the
+  # paged rows); .whl carried (neither backend's programs are in .jitcache_slora: both compile)
+  gpu_setup
+  python3 bench/slora_disk.py --adapters 2000 --dir /tmp/slora_adapters --write-only 2>&1 | tail -n 1
+  for backend in hybrid hybrid_xla; do
+    timeout $(((LIMIT - SECONDS - 10) / 2)) python3 bench/slora_disk.py --adapters 2000 --dir /tmp/slora_adapters \
+        --cases "slora:n=2000,alpha=1" --runs disk --mode throughput --requests 400 --lora-backend $backend \
+        --compile-cache $JIT_CACHE --out "$OUT/slora_disk_$backend.json" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 2
+  done
+}
