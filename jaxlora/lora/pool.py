@@ -12,7 +12,8 @@ keeps it compact (`PreparedAdapter`: each module at its own rank) in the pool's 
 no wider than the dtype it was stored in (a float32 adapter for a bfloat16 pool is cast once, here,
 not on every write; a bfloat16 adapter for a float32 pool stays bfloat16 on the host, half the
 bytes). `padded` makes a slot's arrays from it: the compact arrays themselves when they are at the
-pool's max rank and dtype (no copy), else padded with zeros and cast. So a host that holds many
+pool's max rank and dtype (no copy), else padded with zeros and cast; a module the adapter does not
+target is written from one slot's zeros kept on the device (`_zeros`). So a host that holds many
 adapters holds their own bytes, not max-rank copies, and a load on the serving path copies nothing
 on the host for a full-rank adapter (issue 34: a per-load float32 -> bfloat16 cast of 160 MB
 adapters had tripled the mixed steps of the distinct-adapter trace).
@@ -147,6 +148,7 @@ class AdapterPool:
         self.slot_names: list[str | None] = [None] * num_slots
         self.slot_writes = [0] * num_slots  # loads and evictions of each slot (copies of it go stale)
         self._empty: dict | None = None
+        self._zero_slots: dict[str, dict] = {}  # module -> one slot's zeros, on the device (`_zeros`)
 
     def _set_host_memory(self, pinned: bool) -> None:
         """Where prepared adapters live on the host (module doc): `pinned` needs a pool on one device."""
@@ -216,12 +218,30 @@ class AdapterPool:
         return pool if pool.itemsize <= stored.itemsize else stored
 
     def padded(self, prepared: PreparedAdapter | None) -> dict:
-        """One slot's host arrays for every pool module from `prepared` (None: an empty slot):
-        {module: {a [L, k, r_max], b [L, r_max, n] in the pool's dtype, scale [L], rank [L]}}, zeros
-        past each module's rank and for modules it does not target. A module already at the max rank
-        and in the pool's dtype is passed as it is (no host copy); others are made per write."""
+        """One slot's arrays for every pool module from `prepared` (None: an empty slot): {module:
+        {a [L, k, r_max], b [L, r_max, n] in the pool's dtype, scale [L], rank [L]}}, zeros past each
+        module's rank and for modules it does not target. A module already at the max rank and in the
+        pool's dtype is passed as it is (no host copy); one at a lower rank or in another dtype is
+        padded on the host per write; a module it does not target is one slot's zeros kept on the
+        device (`_zeros`), so a load ships no zeros from the host."""
         values = {} if prepared is None else prepared.values
-        return {module: self._slot_values(values.get(module), module) for module in self.target_modules}
+        return {module: self._slot_values(values[module], module) if module in values else self._zeros(module)
+                for module in self.target_modules}
+
+    def _zeros(self, module: str) -> dict:
+        """One slot's arrays of `module` for an adapter that does not target it (or an empty slot):
+        zeros, made once per module and kept in device memory (~1-19 MB a module at the 8B shape and
+        rank 16), so that writing them copies nothing from the host. A q/v adapter in a pool of all
+        seven projections had shipped ~60 MB of pageable host zeros per load: ~11 ms of the engine
+        thread a load in Compress-then-Serve's uncompressed run (H200, 2026-11-29,
+        bench/NOTES_serve.md). Under a mesh: host zeros (the placed update splits host arrays itself)."""
+        zeros = self._zero_slots.get(module)
+        if zeros is None:
+            zeros = self._slot_values(None, module)
+            if self.mesh is None:
+                zeros = jax.device_put(zeros, self._device_sharding)
+            self._zero_slots[module] = zeros
+        return zeros
 
     def load(self, adapter: LoraAdapter | PreparedAdapter, slot: int | None = None) -> int:
         """Puts `adapter` (or one `prepare`d for this pool) in `slot` (default: a free one) and
@@ -266,7 +286,9 @@ class AdapterPool:
                    for leaf in jax.tree.leaves(values))
 
     def _write(self, slot: int, values: dict) -> None:
-        if self.pinned and not self._on_device(values):
+        # Without a mesh every write takes device arrays (committed, as the pool's are): one compiled
+        # update whatever mix of host, pinned and device-resident (`_zeros`) arrays `values` holds.
+        if self.mesh is None and not self._on_device(values):
             values = self.to_device(values)
         self.arrays = self._update(self.arrays, np.int32(slot), values)
         self.slot_writes[slot] += 1

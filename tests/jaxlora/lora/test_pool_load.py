@@ -228,3 +228,20 @@ def test_the_slot_update_compiled_by_an_eviction_serves_the_loads_after_it(pinne
         values = pool.to_device(pool.padded(prepared)) if pinned else pool.padded(prepared)
         pool.write_padded(slot, adapter.name, values)
     assert write_slot_donated._cache_size() == compiled
+
+
+def test_modules_an_adapter_does_not_target_are_written_from_zeros_kept_on_the_device():
+    """A q/v adapter in a pool of more modules: the others' slot arrays are one set of zeros made
+    once and held in device memory (no host zeros shipped per load), and the slot reads as zeros there."""
+    pool = AdapterPool(CONFIG, SLOTS, RANK, MODULES, donate=True)
+    adapter = random_adapter("qv", CONFIG, LoraConfig(r=RANK, lora_alpha=16, target_modules=("q_proj", "v_proj")),
+                             seed=11)
+    prepared = pool.prepare(adapter)
+    first, second = pool.padded(prepared), pool.padded(prepared)
+    zeros = first["down_proj"]
+    assert all(isinstance(zeros[key], jax.Array) and zeros[key] is second["down_proj"][key] for key in zeros)
+    assert all(not np.asarray(value).any() for value in zeros.values())
+    assert pool.padded(None)["down_proj"]["a"] is zeros["a"]  # an empty slot's too
+    pool.load(pool.prepare(_adapters(3)[2]), slot=1)  # down_proj written with real values first
+    pool.load(prepared, slot=1)
+    _check_slot(pool, 1, adapter)  # q/v the adapter's, down_proj zero again
