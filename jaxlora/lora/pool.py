@@ -232,7 +232,7 @@ class AdapterPool:
         """One slot's arrays of `module` for an adapter that does not target it (or an empty slot):
         zeros, made once per module and kept in device memory (~1-19 MB a module at the 8B shape and
         rank 16), so that writing them copies nothing from the host. A q/v adapter in a pool of all
-        seven projections had shipped ~60 MB of pageable host zeros per load: ~11 ms of the engine
+        seven projections had shipped ~70 MB of pageable host zeros per load: ~11 ms of the engine
         thread a load in Compress-then-Serve's uncompressed run (H200, 2026-11-29,
         bench/NOTES_serve.md). Under a mesh: host zeros (the placed update splits host arrays itself)."""
         zeros = self._zero_slots.get(module)
