@@ -155,7 +155,8 @@ class AdapterPool:
         if pinned and self.mesh is not None:
             raise ValueError("pinned host adapters need a pool on one device (no mesh)")
         self.pinned = pinned
-        device = jax.devices()[0]
+        device = jax.local_devices()[0]  # this process's first device (in a multi-process job jax.devices()[0]
+        # may be another process's: arrays committed there would be unreachable, e.g. the trainer's pool)
         self._device_sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=device.default_memory().kind)
         self._host_sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host") if pinned else None
 
