@@ -135,6 +135,9 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=None, help="tokens per step (default 256; --tiny 32)")
     parser.add_argument("--lora-backend", default=None, help="uncompressed runs (default hybrid on a GPU, else gather)")
     parser.add_argument("--skip-uncompressed", action="store_true", help="only the single and compressed runs")
+    parser.add_argument("--skip-compressed", action="store_true",
+                        help="only the single and uncompressed runs (nothing compressed: fits one call from an empty "
+                             "compile cache)")
     parser.add_argument("--collection", default=None,
                         help="directory: reuse the compressed collection saved there by an earlier run with the same "
                              "settings (then only adapter 0 is made), else save it there (with --make-only: and stop)")
@@ -143,6 +146,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench/results/compress_serve.json")
     args = parser.parse_args()
+    if args.skip_compressed and (args.skip_uncompressed or args.make_only):
+        parser.error("--skip-compressed runs single and uncompressed: not with --skip-uncompressed or --make-only")
     pick = lambda value, default, tiny: value if value is not None else (tiny if args.tiny else default)
     args.rank = pick(args.rank, 64, 16)
     layers, count = pick(args.layers, 32, 2), pick(args.adapters, 1000, 24)
@@ -155,12 +160,21 @@ def main() -> None:
     started = time.perf_counter()
     config = llama8b_config(layers, args.tiny)
     model = Llama(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
-    collection, made_info = made_and_compressed(args, config, count)
-    if args.make_only:
-        return
-    adapters = synthetic_adapters(config, 1, args.groups, args.noise, args.seed)  # adapter 0: the single run's
-    errors = [np.mean(list(e.values())) for e in collection.errors.values()]
-    shared = collection.serving_set()
+    if args.skip_compressed:
+        made = time.perf_counter()
+        adapters = synthetic_adapters(config, count, args.groups, args.noise, args.seed)
+        collection, shared, errors = None, None, [float("nan")]
+        made_info = {"make_seconds": time.perf_counter() - made, "compress_seconds": None, "parameters_before": None,
+                     "bytes_float32": sum(m.a.nbytes + m.b.nbytes for a in adapters for m in a.modules.values())}
+        print(f"{count} adapters made in {made_info['make_seconds']:.0f} s (not compressed: --skip-compressed)",
+              flush=True)
+    else:
+        collection, made_info = made_and_compressed(args, config, count)
+        if args.make_only:
+            return
+        adapters = synthetic_adapters(config, 1, args.groups, args.noise, args.seed)  # adapter 0: the single run's
+        errors = [np.mean(list(e.values())) for e in collection.errors.values()]
+        shared = collection.serving_set()
     max_model_len = 2 * (max_len - 1)
     engine = EngineConfig(max_adapters_on_device=slots, max_lora_rank=LORA.r, page_size=16,
                           num_pages=max_num_seqs * pages_for(max_model_len, 16), max_model_len=max_model_len,
@@ -173,12 +187,11 @@ def main() -> None:
               "adapters": {"count": count, "r": LORA.r, "target_modules": list(LORA.target_modules),
                            "construction": f"{args.groups} shared components + {args.noise} x individual (module doc)",
                            "bytes_float32": made_info["bytes_float32"], "make_seconds": made_info["make_seconds"]},
-              "compression": {"method": "jd-full", "rank": args.rank, "clusters": args.clusters, "iters": args.iters,
-                              "seconds": made_info["compress_seconds"],
-                              "parameters_before": made_info["parameters_before"],
-                              "parameters_after": collection.parameter_count(),
-                              "mean_relative_error": float(np.mean(errors)),
-                              "reused_from": made_info.get("reused_from")},
+              "compression": None if collection is None else {
+                  "method": "jd-full", "rank": args.rank, "clusters": args.clusters, "iters": args.iters,
+                  "seconds": made_info["compress_seconds"], "parameters_before": made_info["parameters_before"],
+                  "parameters_after": collection.parameter_count(), "mean_relative_error": float(np.mean(errors)),
+                  "reused_from": made_info.get("reused_from")},
               "engine": dataclasses.asdict(engine), "settings": vars(args), "results": []}
     defaults = {"requests": requests, "rate": 4.0, "cv": 1.0, "slora_mode": "throughput", "punica_mode": "throughput"}
     for spec in args.cases:
@@ -194,15 +207,18 @@ def main() -> None:
             adapters = adapters if len(adapters) == count else synthetic_adapters(
                 config, count, args.groups, args.noise, args.seed)
         print_row(case.name, "single", runs["single"])
-        runs["compressed"] = run_trace(model, compressed_engine, trace, prompts, None, compressed=shared)
-        print_row("", "compressed", runs["compressed"])
+        if shared is not None:
+            runs["compressed"] = run_trace(model, compressed_engine, trace, prompts, None, compressed=shared)
+            print_row("", "compressed", runs["compressed"])
         if not args.skip_uncompressed:
             runs["uncompressed"] = run_trace(model, engine, trace, prompts, lambda i: adapters[i])
             print_row("", "uncompressed", runs["uncompressed"])
-        ratio = runs["compressed"]["tokens_per_s"] / runs["single"]["tokens_per_s"]
-        print(f"{'':48} compressed / single = {ratio:.3f}", flush=True)
+        ratios = {f"{name}_vs_single": runs[name]["tokens_per_s"] / runs["single"]["tokens_per_s"]
+                  for name in ("compressed", "uncompressed") if name in runs}
+        for name, ratio in ratios.items():
+            print(f"{'':48} {name.replace('_vs_', ' / ')} = {ratio:.3f}", flush=True)
         report["results"].append({"case": case.name, "distinct_adapters": int(len(set(trace.adapters.tolist()))),
-                                  "runs": runs, "compressed_vs_single": ratio})
+                                  "runs": runs, **ratios})
         report["total_s"] = time.perf_counter() - started
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:

@@ -1146,3 +1146,12 @@ xla_lora_disk() {  # one H200, ~8 min: the disk trace (n=2000, alpha 1, 400 requ
         --compile-cache $JIT_CACHE --out "$OUT/slora_disk_$backend.json" 2>&1 | grep -v "cuda_timer\|Warning\|^W11" | tail -n 2
   done
 }
+
+uncompressed_check() {  # one H200, ~5 min from an empty cache: Compress-then-Serve's single and uncompressed runs
+  # alone (--skip-compressed: nothing compressed), the run that paid ~11 ms a load for host zeros before
+  # AdapterPool._zeros (issue 34 item 5); .whl carried (.jitcache_compress, 59 MB, no longer fits the carry)
+  gpu_setup
+  timeout $((LIMIT - SECONDS - 5)) python3 bench/compress_serve.py --requests 300 --skip-compressed \
+      --cases "slora:n=1000,alpha=1,cv=1,mode=throughput" --out "$OUT/compress_serve_uncompressed_h200.json" 2>&1 \
+      | grep -v "cuda_timer\|Warning\|^W11\|slow_operation\|\*\*\*\|Very slow\|^$" | tail -n 8
+}
