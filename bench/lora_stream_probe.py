@@ -35,6 +35,7 @@ import numpy as np
 
 import pallas_kernels as pk
 from bench.timing import copy_bandwidth, median_call_seconds
+from jaxlora.lora import ops
 
 _F32, _BF16 = jnp.float32, jnp.bfloat16
 VARIANTS = ("inline", "stream", "xla")
@@ -115,20 +116,10 @@ def _lora_reference(y, x, pool, names, slot, offset):
 
 
 def _lora_xla(y, x, pool, names, slot, offset):
-    """y plus the LoRA of x for `names` in elementwise form (module doc, `xla`): v [B, R] of each
-    projection = sum over k of x[:, k] * A[row's slot][k, :] (one reduce over the group's gathered
-    A, ranks side by side), each projection's delta = sum over j < R of v[:, j] * B[row's slot][j, :]
-    (unrolled multiply-adds, no dot), scaled and added to y in float32, one rounding."""
-    index = slot + offset
-    a = jnp.concatenate([pool[n]["a"][index] for n in names], axis=-1).astype(_F32)  # [B, k, R * len(names)]
-    v = jnp.sum(x.astype(_F32)[:, :, None] * a, axis=1)  # [B, R * len(names)]
-    deltas = []
-    for g, name in enumerate(names):
-        b = pool[name]["b"][index].astype(_F32)  # [B, R, n]
-        delta = v[:, g * R, None] * b[:, 0]
-        for j in range(1, R):
-            delta = delta + v[:, g * R + j, None] * b[:, j]
-        deltas.append(delta * pool[name]["scale"][index][:, None])
+    """y plus the LoRA of x for `names` in elementwise form (module doc, `xla`): the engine's
+    `ops.elementwise_deltas` over the flattened stacks (each row's entry slot + offset), added in
+    float32, one rounding."""
+    deltas = ops.elementwise_deltas(x, [pool[n] for n in names], slot + offset)
     return (y.astype(_F32) + jnp.concatenate(deltas, axis=-1)).astype(_BF16)
 
 
