@@ -1155,3 +1155,25 @@ uncompressed_check() {  # one H200, ~5 min from an empty cache: Compress-then-Se
       --cases "slora:n=1000,alpha=1,cv=1,mode=throughput" --out "$OUT/compress_serve_uncompressed_h200.json" 2>&1 \
       | grep -v "cuda_timer\|Warning\|^W11\|slow_operation\|\*\*\*\|Very slow\|^$" | tail -n 8
 }
+
+xla_x4() {  # 4 x H200, one call, pinned (PIN=1), issue 34 items 3 and 5: GPU 0 xla_lora_check (.jitcache carried);
+  # GPU 1 uncompressed_check; GPUs 2 and 3 the disk trace (n=2000, alpha 1, 400 requests) with hybrid and with
+  # hybrid_xla side by side (each its own adapter folders; both compile: .jitcache_slora is not carried)
+  nvidia-smi -L
+  export PIN=1 OUT
+  gpu_setup >/dev/null
+  local t=$((LIMIT - 15)) src="source bench/device_runs.sh; export GPU_SETUP_DONE=1 PYTHONPATH=$PYTHONPATH"
+  job xla 0 $t bash -c "$src; LIMIT=$t xla_lora_check"
+  job uncompressed 1 $t bash -c "$src; LIMIT=$t uncompressed_check"
+  local i=2 backend
+  for backend in hybrid hybrid_xla; do
+    job disk_$backend $i $t bash -c "$src; python3 bench/slora_disk.py --adapters 2000 --dir /tmp/slora_$i --write-only \
+        2>&1 | tail -n 1; timeout \$(($t - 10 - \$SECONDS)) python3 bench/slora_disk.py --adapters 2000 \
+        --dir /tmp/slora_$i --cases 'slora:n=2000,alpha=1' --runs disk one --mode throughput --requests 400 \
+        --lora-backend $backend --compile-cache $JIT_CACHE --out $OUT/slora_disk_$backend.json 2>&1 \
+        | grep -v 'cuda_timer\|Warning\|^W11' | tail -n 4"
+    i=$((i + 1))
+  done
+  wait
+  collect_logs xla_x4
+}
