@@ -16,6 +16,9 @@ the host (27 GB float32 for 32 layers) and the disk (PEFT not written: the host 
 engine serves from). Compression (`jaxlora.compress.compress`, JD-Full at `--rank`, `--clusters`)
 is timed, with its parameter count and mean relative reconstruction error.
 
+Every engine's pool holds A/B for the adapters' target modules only (`EngineConfig.lora_target_modules`,
+as `bench/slora_disk.py`'s; `--all-modules`: all seven, the runs before 2026-11-30).
+
 Runs per case (default: Punica distinct and S-LoRA n=1000, throughput mode): `single` (every
 request on adapter 0, uncompressed; backend --lora-backend), `compressed` (request i on its own
 compressed adapter; backend compressed), `uncompressed` (request i on its own uncompressed
@@ -142,6 +145,9 @@ def main() -> None:
                         help="directory: reuse the compressed collection saved there by an earlier run with the same "
                              "settings (then only adapter 0 is made), else save it there (with --make-only: and stop)")
     parser.add_argument("--make-only", action="store_true", help="make, compress and save --collection, then stop")
+    parser.add_argument("--all-modules", action="store_true",
+                        help="the engines' pools hold all seven projections (before 11-30: the untargeted five as zeros "
+                             "that every decode step's LoRA reads), not only the adapters' q_proj and v_proj")
     parser.add_argument("--compile-cache", default="/tmp/jaxlora_serve_jit_cache")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench/results/compress_serve.json")
@@ -179,7 +185,8 @@ def main() -> None:
     engine = EngineConfig(max_adapters_on_device=slots, max_lora_rank=LORA.r, page_size=16,
                           num_pages=max_num_seqs * pages_for(max_model_len, 16), max_model_len=max_model_len,
                           max_num_seqs=max_num_seqs, token_budget=pick(args.token_budget, 256, 32),
-                          prefill_chunk=pick(None, 128, 16), max_waiting=1 << 30, lora_backend=backend)
+                          prefill_chunk=pick(None, 128, 16), max_waiting=1 << 30, lora_backend=backend,
+                          lora_target_modules=None if args.all_modules else LORA.target_modules)
     compressed_engine = dataclasses.replace(engine, lora_backend="compressed", max_adapters_on_device=1)
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),

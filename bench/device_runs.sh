@@ -1177,3 +1177,33 @@ xla_x4() {  # 4 x H200, one call, pinned (PIN=1), issue 34 items 3 and 5: GPU 0 
   wait
   collect_logs xla_x4
 }
+
+lof_x4() {  # 4 x H200, one call, pinned (PIN=1), issue 34 items 2, 4, 5 (.whl and .jitcache carried): GPU 0
+  # Compress-then-Serve's single and uncompressed runs (pools of the adapters' q/v only), then the guard's
+  # serving trace; GPU 1 its single and compressed runs; GPUs 2 and 3 the 100-request distinct trace with the
+  # fcfs and the lof queue (each with its own base run)
+  nvidia-smi -L
+  export PIN=1 OUT
+  gpu_setup >/dev/null
+  local t=$((LIMIT - 15)) src="source bench/device_runs.sh; export GPU_SETUP_DONE=1 PYTHONPATH=$PYTHONPATH"
+  local filter="grep -v 'cuda_timer\|Warning\|^W11\|slow_operation\|\*\*\*\|Very slow\|^\$'"
+  job uncompressed_guard 0 $t bash -c "$src; timeout 240 python3 bench/compress_serve.py --requests 300 \
+      --skip-compressed --cases 'slora:n=1000,alpha=1,cv=1,mode=throughput' \
+      --out $OUT/compress_serve_uncompressed_qv_h200.json 2>&1 | $filter | tail -n 6;
+      mkdir -p $OUT/guard; timeout \$(($t - 5 - \$SECONDS)) python3 bench/regress.py --only serve \
+      --out-dir $OUT/guard --compile-cache $JIT_CACHE 2>&1 | $filter | tail -n 40"
+  job compressed 1 $t bash -c "$src; timeout $((t - 5)) python3 bench/compress_serve.py --requests 300 \
+      --skip-uncompressed --cases 'slora:n=1000,alpha=1,cv=1,mode=throughput' \
+      --out $OUT/compress_serve_compressed_qv_h200.json 2>&1 | $filter | tail -n 6"
+  local i=2 policy
+  for policy in fcfs lof; do
+    job serve100_$policy $i $t bash -c "$src; timeout $((t - 5)) python3 bench/serve.py --lora-backend hybrid \
+        --max-num-seqs 256 --token-budget 2048 --prefill-chunk 2048 --requests 100 --cases punica:distinct \
+        --schedule-policy $policy --compile-cache $JIT_CACHE --out $OUT/serve100_${policy}_h200.json 2>&1 \
+        | $filter | tail -n 6"
+    i=$((i + 1))
+  done
+  wait
+  rm -f "$OUT"/*.png "$OUT"/guard/*.png
+  collect_logs lof_x4
+}

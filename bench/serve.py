@@ -79,7 +79,7 @@ from jaxlora.nn.model_config import PROJECTIONS, LlamaConfig
 from jaxlora.models.llama import Llama
 from jaxlora.models.presets import llama8b_config
 from jaxlora.sampling import SamplingParams
-from jaxlora.scheduler.serving import CostPolicy, ModePolicy, Sequence, StepPlan, StepRow, pages_for
+from jaxlora.scheduler.serving import SCHEDULE_POLICIES, CostPolicy, ModePolicy, Sequence, StepPlan, StepRow, pages_for
 from serve.engine import Engine, EngineConfig, Event
 
 LORA = LoraConfig(r=16, lora_alpha=32, target_modules=PROJECTIONS)
@@ -881,6 +881,8 @@ def main() -> None:
                         help="EngineConfig.adapter_window: adapters a step may hold in the window (default: the "
                              "engine's, 8 on a GPU/TPU; 0: off)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="EngineConfig.prefix_caching off")
+    parser.add_argument("--schedule-policy", default="fcfs", choices=tuple(SCHEDULE_POLICIES),
+                        help="EngineConfig.schedule_policy: the waiting queue's order in every run (base and LoRA)")
     parser.add_argument("--stable-step-inputs", action="store_true",
                         help="EngineConfig.stable_step_inputs on (serve/step_inputs.py: inputs in held device buffers)")
     parser.add_argument("--split-layers", action="store_true",
@@ -930,7 +932,7 @@ def main() -> None:
         prefill_chunk=pick(args.prefill_chunk, 128, 16), max_waiting=1 << 30, lora_backend=backend,
         unified_paging=args.unified_paging, adapter_rows=args.adapter_rows, adapter_window=args.adapter_window,
         window_mixed_adapters=args.window_mixed_adapters, prefix_caching=not args.no_prefix_caching,
-        stable_step_inputs=args.stable_step_inputs)
+        stable_step_inputs=args.stable_step_inputs, schedule_policy=args.schedule_policy)
     if args.scan_layers_from_tokens is not None:
         engine_config = dataclasses.replace(engine_config, scan_layers_from_tokens=args.scan_layers_from_tokens)
     if args.split_layers:

@@ -12,7 +12,7 @@ import jax
 
 from jaxlora.lora import backends
 from jaxlora.lora.backends import LoraBackend
-from jaxlora.scheduler.serving import INFERENCE_MODES
+from jaxlora.scheduler.serving import INFERENCE_MODES, SCHEDULE_POLICIES
 from jaxlora.dtypes import DTYPES
 
 DEFAULT_COMPILE_CACHE = "~/.cache/jaxlora/jit"
@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="turn off prefix caching (on by default: a request reuses the KV pages of the full blocks of "
                         "its leading tokens that an earlier request of the same adapter computed)")
+    p.add_argument("--schedule-policy", default="fcfs", choices=tuple(SCHEDULE_POLICIES),
+                   help="the waiting queue's order: fcfs (arrival), or lof (longest output first, as SGLang's: the "
+                        "request with the most max_tokens still to come starts first; shortens a batch's tail when "
+                        "requests wait for adapter slots, and lets short requests wait behind long ones)")
     p.add_argument("--inference-mode", default="unmerged", choices=INFERENCE_MODES,
                    help="unmerged: every adapter as LoRA; merged: one adapter's ΔW folded into the base weights a "
                         "step (the others wait); mixed: the most requested adapter merged, the others beside it "
@@ -427,7 +431,8 @@ def engine_config(args, max_rank: int, context: int, host_bound: int | None):
         max_host_adapter_bytes=host_bound, max_host_adapters=args.max_cpu_adapters,
         reserve_output_kv=not args.grow_kv, inference_mode=args.inference_mode,
         unified_paging=args.unified_paging, adapter_rows=args.adapter_rows, prefix_caching=args.prefix_caching,
-        scan_layers_from_tokens=args.scan_layers_from_tokens, split_layers=args.split_layers,
+        schedule_policy=args.schedule_policy, scan_layers_from_tokens=args.scan_layers_from_tokens,
+        split_layers=args.split_layers,
         background_compile={"auto": None, "on": True, "off": False}[args.background_compile],
         compile_worker={"auto": None, "on": True, "off": False}[args.compile_worker])
 

@@ -199,7 +199,7 @@ class Engine:
             unified_paging=config.unified_paging, reserve_output=config.reserve_output_kv,
             adapter_rows=self.pool.num_rows if isinstance(self.pool, RowPool) else 0,
             max_prefill_adapters=chunk_bound, prefix_caching=config.prefix_caching,
-            prefetch_steps=config.prefetch_steps))
+            prefetch_steps=config.prefetch_steps, schedule_policy=config.schedule_policy))
         if self.modes is not None:  # merged weights compute other bits: blocks keyed by the step's mode too
             self.scheduler.prefix_root = self.modes.prefix_root
         self.handoff: Callable[[Handoff], None] | None = None  # set by a replica set (module doc)

@@ -14,7 +14,7 @@ import numpy as np
 from jaxlora.lora import backends
 from jaxlora.nn.model_config import PROJECTIONS
 from jaxlora.scheduler.core import WorkItem
-from jaxlora.scheduler.serving import INFERENCE_MODES, CostPolicy, ModePolicy
+from jaxlora.scheduler.serving import INFERENCE_MODES, SCHEDULE_POLICIES, CostPolicy, ModePolicy
 
 
 class RequestError(ValueError):
@@ -138,6 +138,10 @@ class EngineConfig:
     # `prefetch`; 0: the whole queue). 2 spread the disk trace's first loads over later steps without a
     # throughput change on an H200 (bench/NOTES_serve.md, nineteenth session), so the default stays 0.
     prefetch_steps: int = 0
+    # The waiting queue's order (jaxlora.scheduler.serving.policy's module doc): "fcfs", or "lof" (SGLang's
+    # longest output first: the most max_tokens still to come first; a batch's makespan when requests wait
+    # for adapter slots, at the cost of short requests' waiting).
+    schedule_policy: str = "fcfs"
 
     # Bounds of the step sizes (each compiled program is as large as its step; tokens bound rows).
     BOUNDS = {"max_num_seqs": (1, 1024), "token_budget": (1, 65536), "prefill_chunk": (1, 65536)}
@@ -172,6 +176,8 @@ class EngineConfig:
             raise ValueError(f"window_mixed_adapters must be >= 0 (None: no bound), got {self.window_mixed_adapters}")
         if self.split_layers and self.inference_mode != "unmerged":
             raise ValueError(f"split_layers serves unmerged inference only, got inference_mode {self.inference_mode!r}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, got {self.schedule_policy!r}")
         if self.inference_mode not in INFERENCE_MODES:
             raise ValueError(f"inference_mode must be one of {', '.join(INFERENCE_MODES)}, got {self.inference_mode!r}")
         if self.lora_target_modules is not None and not set(self.lora_target_modules) <= set(PROJECTIONS):

@@ -170,3 +170,58 @@ def test_prompt_chunks_of_at_most_max_prefill_adapters_per_step():
     assert steps <= 6
     with pytest.raises(ValueError, match="max_prefill_adapters"):
         SchedulerConfig(num_pages=8, page_size=4, num_adapter_slots=2, max_prefill_adapters=-1)
+
+
+def _steps_to_drain(scheduler):
+    steps = 0
+    while scheduler.has_work():
+        _run_step(scheduler)
+        steps += 1
+    return steps
+
+
+def test_lof_admits_the_longest_remaining_output_first_ties_in_arrival_order():
+    fcfs, lof = _scheduler(max_num_seqs=2, num_pages=64), _scheduler(max_num_seqs=2, num_pages=64,
+                                                                      schedule_policy="lof")
+    for s in (fcfs, lof):
+        for seq_id, max_tokens in (("short", 2), ("long", 9), ("mid", 5), ("long2", 9)):
+            s.add(Sequence(seq_id, [1, 2], max_tokens=max_tokens))
+    assert [q.seq_id for q in lof.waiting] == ["long", "long2", "mid", "short"]
+    assert [q.seq_id for q in fcfs.waiting] == ["short", "long", "mid", "long2"]
+    _run_step(lof)
+    _run_step(fcfs)
+    assert [q.seq_id for q in lof.running] == ["long", "long2"]
+    assert [q.seq_id for q in fcfs.running] == ["short", "long"]
+
+
+def test_lof_shortens_the_tail_when_requests_wait_for_adapter_slots():
+    """More distinct adapters than slots, all queued at once (the 100-request distinct trace in
+    small): fcfs starts a long request late and its tail runs alone; lof starts the long ones first."""
+    lengths = [3, 4, 20, 5, 3, 18, 4, 6]
+    steps = {}
+    for policy in ("fcfs", "lof"):
+        s = _scheduler(num_adapter_slots=4, max_num_seqs=8, num_pages=256, token_budget=64, schedule_policy=policy)
+        for i, n in enumerate(lengths):
+            s.add(Sequence(i, [1, 2], max_tokens=n, adapter=f"adapter{i}"))
+        steps[policy] = _steps_to_drain(s)
+    assert steps["lof"] == max(lengths) < steps["fcfs"], steps
+
+
+def test_preempted_requests_requeue_by_the_output_they_have_left():
+    """Pages grow (no reservation) and run out: the newest running request is preempted with tokens
+    generated, and the queue stays ordered by the output each request has left."""
+    s = _scheduler(schedule_policy="lof", reserve_output=False, num_pages=6, page_size=2, max_num_seqs=3)
+    for i, n in enumerate((9, 8, 7, 3)):
+        s.add(Sequence(i, [1, 2], max_tokens=n))
+    preempted = []
+    while s.has_work():
+        plan, _ = _run_step(s)
+        preempted += [q for q in plan.preempted if q.output]
+        keys = [(-(q.max_tokens - len(q.output)), q.order) for q in s.waiting]
+        assert keys == sorted(keys)
+    assert preempted, "the scenario must preempt a request that has generated tokens"
+
+
+def test_unknown_schedule_policy_is_refused():
+    with pytest.raises(ValueError, match="schedule_policy"):
+        _scheduler(schedule_policy="sjf")

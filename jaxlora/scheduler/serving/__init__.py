@@ -14,6 +14,7 @@ from jaxlora.scheduler.serving.placement import ReplicaState, RoundRobin, place
 from jaxlora.scheduler.serving.unified import UnifiedPages, adapter_pages
 from jaxlora.scheduler.serving.policy import (
     PENDING,
+    SCHEDULE_POLICIES,
     SchedulerConfig,
     Sequence,
     ServingScheduler,
@@ -24,7 +25,7 @@ from jaxlora.scheduler.serving.policy import (
 
 __all__ = [
     "AdapterSlots", "CostModes", "CostPolicy", "CreditModes", "INFERENCE_MODES", "Mode", "ModePolicy", "PENDING",
-    "Pending", "PageAllocator", "PrefixCache", "PrefixStats", "ReplicaState",
+    "Pending", "SCHEDULE_POLICIES", "PageAllocator", "PrefixCache", "PrefixStats", "ReplicaState",
     "RoundRobin", "SchedulerConfig", "Sequence", "ServingScheduler", "Status", "StepCosts", "StepPlan", "StepRow",
     "UnifiedPages", "adapter_pages", "admission_pages", "choose_mode", "fixed_mode", "pages_for", "place", "runs_in",
 ]

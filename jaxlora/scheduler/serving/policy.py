@@ -3,8 +3,8 @@
 Every step the scheduler picks, from the requests it knows, which tokens run next:
   1. one decode token for every running request that has finished its prompt;
   2. the next prompt chunk (at most `prefill_chunk` tokens) of running requests still in prefill;
-  3. new requests from the queue, first come first served, while the step has token budget,
-     rows, KV pages and an adapter slot for them.
+  3. new requests from the queue, in its order, while the step has token budget, rows, KV pages
+     and an adapter slot for them.
 Requests join and leave at every step. Rows of a step are returned grouped by adapter slot
 (base-model rows last), the order the LoRA batch plan wants.
 
@@ -14,9 +14,17 @@ nothing is preempted; its pages come back when it finishes or is aborted. Withou
 `reserve_output` (Punica, vLLM) a request is admitted with the pages of its tokens so far plus the
 next one, and a decode row takes a new page when it crosses into one; when the pool has none, the
 newest running request is preempted (Punica: newest first, which keeps FCFS): its pages are
-freed, its unread (PENDING) tokens dropped, and it goes back to the waiting queue in arrival order
+freed, its unread (PENDING) tokens dropped, and it goes back to the waiting queue in its order
 with its prompt and the tokens it generated, to be recomputed by a prefill over both when it is
 admitted again (or handed to another replica by the caller: `StepPlan.preempted`).
+
+Queue order (`SchedulerConfig.schedule_policy`): "fcfs" (default) admits in arrival order; "lof"
+(SGLang's longest-output-first) admits the waiting request with the most output tokens still to
+come (max_tokens minus what it generated; ties in arrival order) first. When slots or rows are the
+bottleneck (more distinct adapters than device slots) lof starts the long requests first, so the
+ones that start late are short and the batch's tail does not run nearly alone; it minimizes a
+batch's makespan, not its mean latency, and under sustained load a short request may wait behind
+every longer one that arrives after it.
 
 Adapter slots: a running request pins its adapter's slot; admitting a request whose adapter is not on the device takes a free slot or
 evicts the least recently used unpinned adapter (the caller copies the weights before the step).
@@ -75,6 +83,7 @@ Pure host-side Python: no JAX here; `serve.engine` turns a `StepPlan` into devic
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
 import itertools
@@ -155,6 +164,14 @@ class Sequence:
         return None
 
 
+def _remaining_output(seq: Sequence) -> tuple[int, int]:
+    return -(seq.max_tokens - len(seq.output)), seq.order
+
+
+# The waiting queue's orders (`SchedulerConfig.schedule_policy`; module doc): a sort key of a Sequence.
+SCHEDULE_POLICIES: dict[str, Callable[[Sequence], Any]] = {"fcfs": lambda seq: seq.order, "lof": _remaining_output}
+
+
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     """max_num_seqs: rows per step; token_budget: tokens per step; prefill_chunk: most prompt
@@ -172,8 +189,11 @@ class SchedulerConfig:
     max_prefill_adapters: int = 0  # distinct adapters with prompt chunks in one step (0: no bound; module doc)
     prefix_caching: bool = False  # reuse cached full KV blocks across requests (module doc)
     prefetch_steps: int = 0  # `prefetch` looks this many steps' token budgets down the queue (0: the whole queue)
+    schedule_policy: str = "fcfs"  # the waiting queue's order: one of SCHEDULE_POLICIES (module doc)
 
     def __post_init__(self):
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {sorted(SCHEDULE_POLICIES)}, got {self.schedule_policy!r}")
         if min(self.max_num_seqs, self.token_budget, self.prefill_chunk) < 1:
             raise ValueError("max_num_seqs, token_budget and prefill_chunk must be >= 1")
         if self.prefetch_steps < 0:
@@ -232,9 +252,10 @@ class ServingScheduler:
         self.adapter_pages: Callable[[Hashable], int] = lambda key: 1  # unified paging: an adapter's pages
         self.adapter_rows: Callable[[Hashable], int] = lambda key: 1  # with adapter_rows: its rank in rows
         self.refused: list[Sequence] = []  # finished "too_large" by admission; the caller tells them
-        self.waiting: list[Sequence] = []
+        self.waiting: list[Sequence] = []  # sorted by `_queue_key`
         self.running: list[Sequence] = []
         self._order = itertools.count()
+        self._queue_key = SCHEDULE_POLICIES[config.schedule_policy]
         self.is_ready: Callable[[Hashable], bool] = lambda key: True  # adapter copyable to the device now
         # whether requests of an adapter (None: the base model) get rows now (merged inference mode:
         # only the merged adapter's; `jaxlora.scheduler.serving.mode_choice.runs_in`)
@@ -257,7 +278,7 @@ class ServingScheduler:
             raise ValueError(f"prompt + max_tokens ({len(seq.prompt) + seq.max_tokens}) exceeds the KV cache")
         seq.order = next(self._order)
         seq.status = Status.WAITING
-        self.waiting.append(seq)
+        bisect.insort(self.waiting, seq, key=self._queue_key)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Ends a waiting or running sequence: frees its pages and unpins its adapter."""
@@ -311,7 +332,7 @@ class ServingScheduler:
         budget += sum(row.count for row in rows if row.seq.status is not Status.RUNNING)
         rows = [row for row in rows if row.seq.status is Status.RUNNING]  # a victim has no row yet; kept safe
         loads = self._admit(rows, budget, chunked)
-        self.waiting = sorted(self.waiting + preempted, key=lambda s: s.order)  # not re-admitted this step
+        self.waiting = sorted(self.waiting + preempted, key=self._queue_key)  # not re-admitted this step
         for row in rows:
             if row.seq.adapter is not None:
                 self.slots.touch(row.seq.adapter)
