@@ -1178,32 +1178,41 @@ xla_x4() {  # 4 x H200, one call, pinned (PIN=1), issue 34 items 3 and 5: GPU 0 
   collect_logs xla_x4
 }
 
-lof_x4() {  # 4 x H200, one call, pinned (PIN=1), issue 34 items 2, 4, 5 (.whl and .jitcache carried): GPU 0
-  # Compress-then-Serve's single and uncompressed runs (pools of the adapters' q/v only), then the guard's
-  # serving trace; GPU 1 its single and compressed runs; GPUs 2 and 3 the 100-request distinct trace with the
-  # fcfs and the lof queue (each with its own base run)
+_lof_setup() {  # lof_x2a / lof_x2b: the carried cache and wheels once, the job command's prefix and log filter
   nvidia-smi -L
   export PIN=1 OUT
   gpu_setup >/dev/null
-  local t=$((LIMIT - 15)) src="source bench/device_runs.sh; export GPU_SETUP_DONE=1 PYTHONPATH=$PYTHONPATH"
-  local filter="grep -v 'cuda_timer\|Warning\|^W11\|slow_operation\|\*\*\*\|Very slow\|^\$'"
-  job uncompressed_guard 0 $t bash -c "$src; timeout 240 python3 bench/compress_serve.py --requests 300 \
-      --skip-compressed --cases 'slora:n=1000,alpha=1,cv=1,mode=throughput' \
-      --out $OUT/compress_serve_uncompressed_qv_h200.json 2>&1 | $filter | tail -n 6;
-      mkdir -p $OUT/guard; timeout \$(($t - 5 - \$SECONDS)) python3 bench/regress.py --only serve \
-      --out-dir $OUT/guard --compile-cache $JIT_CACHE 2>&1 | $filter | tail -n 40"
-  job compressed 1 $t bash -c "$src; timeout $((t - 5)) python3 bench/compress_serve.py --requests 300 \
-      --skip-uncompressed --cases 'slora:n=1000,alpha=1,cv=1,mode=throughput' \
-      --out $OUT/compress_serve_compressed_qv_h200.json 2>&1 | $filter | tail -n 6"
-  local i=2 policy
-  for policy in fcfs lof; do
-    job serve100_$policy $i $t bash -c "$src; timeout $((t - 5)) python3 bench/serve.py --lora-backend hybrid \
-        --max-num-seqs 256 --token-budget 2048 --prefill-chunk 2048 --requests 100 --cases punica:distinct \
-        --schedule-policy $policy --compile-cache $JIT_CACHE --out $OUT/serve100_${policy}_h200.json 2>&1 \
-        | $filter | tail -n 6"
-    i=$((i + 1))
-  done
+  T=$((LIMIT - 15)) SRC="source bench/device_runs.sh; export GPU_SETUP_DONE=1 PYTHONPATH=$PYTHONPATH"
+  FILTER="grep -v 'cuda_timer\|Warning\|^W11\|slow_operation\|\*\*\*\|Very slow\|^\$'"
+  COMPRESS="python3 bench/compress_serve.py --requests 300 --cases 'slora:n=1000,alpha=1,cv=1,mode=throughput'"
+}
+
+_serve100() {  # _serve100 POLICY: the 100-request distinct trace (base and LoRA) with that queue order
+  echo "timeout 270 python3 bench/serve.py --lora-backend hybrid --max-num-seqs 256 --token-budget 2048 \
+      --prefill-chunk 2048 --requests 100 --cases punica:distinct --schedule-policy $1 --compile-cache $JIT_CACHE \
+      --out $OUT/serve100_$1_h200.json 2>&1 | $FILTER | tail -n 6"
+}
+
+lof_x2a() {  # 2 x H200, one call, pinned (PIN=1), issue 34 items 4-5 (.whl and .jitcache carried): the 100-request
+  # distinct trace with the fcfs (GPU 0) and the lof queue (GPU 1), each with its own base run; then on GPU 0
+  # Compress-then-Serve's single and uncompressed runs (pools of the adapters' q/v only)
+  _lof_setup
+  job serve100_fcfs_uncompressed 0 $T bash -c "$SRC; $(_serve100 fcfs); timeout \$(($T - 5 - \$SECONDS)) $COMPRESS \
+      --skip-compressed --out $OUT/compress_serve_uncompressed_qv_h200.json 2>&1 | $FILTER | tail -n 6"
+  job serve100_lof 1 $T bash -c "$SRC; $(_serve100 lof)"
+  wait
+  rm -f "$OUT"/*.png
+  collect_logs lof_x2a
+}
+
+lof_x2b() {  # 2 x H200, one call, pinned (PIN=1), issue 34 items 2 and 5 (.whl and .jitcache carried): GPU 0 the
+  # guard's serving trace; GPU 1 Compress-then-Serve's single and compressed runs (pools of q/v only)
+  _lof_setup
+  job guard 0 $T bash -c "$SRC; mkdir -p $OUT/guard; timeout $((T - 5)) python3 bench/regress.py --only serve \
+      --out-dir $OUT/guard --compile-cache $JIT_CACHE 2>&1 | $FILTER | tail -n 40"
+  job compressed 1 $T bash -c "$SRC; timeout $((T - 5)) $COMPRESS --skip-uncompressed \
+      --out $OUT/compress_serve_compressed_qv_h200.json 2>&1 | $FILTER | tail -n 6"
   wait
   rm -f "$OUT"/*.png "$OUT"/guard/*.png
-  collect_logs lof_x4
+  collect_logs lof_x2b
 }
