@@ -206,8 +206,10 @@ def main() -> None:
         if case.kind == "slora" and case.n > count:  # --tiny: the adapters there are
             case = dataclasses.replace(case, n=count)
         trace = make_trace(case, args.seed, 8, max_len, count)
-        prompts = [np.random.default_rng([args.seed, 3]).integers(0, config.vocab_size, int(n)).tolist()
-                   for n in trace.prompt_lens]
+        token_rng = np.random.default_rng([args.seed, 3])  # one stream: distinct prompts, as bench/serve.py's (a
+        # generator made per prompt gave every prompt the same leading tokens, which prefix caching served
+        # to the one-adapter run from cache: 2026-11-29 and before)
+        prompts = [token_rng.integers(0, config.vocab_size, int(n)).tolist() for n in trace.prompt_lens]
         single_trace = dataclasses.replace(trace, adapters=np.zeros_like(trace.adapters))
         runs = {"single": run_trace(model, engine, single_trace, prompts, lambda i: adapters[i])}
         if not args.skip_uncompressed:  # every adapter (made here if the collection was reused)
