@@ -45,11 +45,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bench.serve import make_trace, parse_case, print_row, run_trace
+from bench.serve import compile_all, make_trace, parse_case, print_row, run_trace
 from jaxlora.compress import store
 from jaxlora.compress.collection import Source, compress, source_parameter_count
 from jaxlora.lora.adapter import LoraAdapter, ModuleLora
 from jaxlora.lora.adapter_config import LoraConfig
+from jaxlora.lora.compressed import SharedBasisSet
 from jaxlora.nn.model_config import projection_shapes
 from jaxlora.models.llama import Llama
 from jaxlora.models.presets import llama8b_config
@@ -120,7 +121,36 @@ def _make_settings(args, count: int) -> dict:
             "rank": args.rank, "clusters": args.clusters, "iters": args.iters, "seed": args.seed}
 
 
-def main() -> None:
+def trace_prompts(lengths, vocab_size: int, seed: int) -> list[list[int]]:
+    """Random prompts of `lengths` from one stream, as bench/serve.py's: distinct, so the prefix cache
+    serves no run from another request's prompt (until 2026-11-29 a generator made per prompt gave every
+    prompt the same leading tokens, which the cache served to the one-adapter run)."""
+    token_rng = np.random.default_rng([seed, 3])
+    return [token_rng.integers(0, vocab_size, int(n)).tolist() for n in lengths]
+
+
+def shape_alike_set(config, count: int, rank: int, clusters: int) -> SharedBasisSet:
+    """A JD-Full `SharedBasisSet` of the shapes `compress` makes for `count` adapters (zeros, float32):
+    what the compressed engine's programs need to compile before the collection exists."""
+    shapes, layers = projection_shapes(config), config.num_layers
+    modules = {m: {"basis_in": np.zeros((layers, clusters, shapes[m][0], rank), np.float32),
+                   "basis_out": np.zeros((layers, clusters, rank, shapes[m][1]), np.float32),
+                   "sigma": np.zeros((layers, count, rank, rank), np.float32)} for m in LORA.target_modules}
+    return SharedBasisSet(tuple(f"adapter{i}" for i in range(count)), np.zeros(count, np.int32), modules)
+
+
+def compile_engines(model, engine: EngineConfig, compressed_engine: EngineConfig | None, shared, threads: int) -> dict:
+    """Compiles both engines' LoRA step programs `threads` at a time (the runs' engines then find them in
+    JAX's caches instead of compiling one at a time in their warm-up); returns seconds per engine."""
+    seconds = {"uncompressed": compile_all(model, engine, threads, lora=(True,))["seconds"]}
+    if compressed_engine is not None:
+        seconds["compressed"] = compile_all(model, compressed_engine, threads, lora=(True,), compressed=shared)["seconds"]
+    print("compiled the step programs (" + ", ".join(f"{k} engine {v:.0f} s" for k, v in seconds.items())
+          + f", {threads} threads)", flush=True)
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny model, 24 adapters, short sequences (CPU smoke)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default 32; --tiny 2)")
@@ -148,10 +178,17 @@ def main() -> None:
     parser.add_argument("--all-modules", action="store_true",
                         help="the engines' pools hold all seven projections (before 11-30: the untargeted five as zeros "
                              "that every decode step's LoRA reads), not only the adapters' q_proj and v_proj")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="compile both engines' programs into --compile-cache (the compressed one from a set of "
+                             "the collection's shapes, zeros) and stop: a run on another GPU of the machine, sharing "
+                             "the cache, then compiles nothing")
+    parser.add_argument("--compile-threads", type=int, default=min(16, os.cpu_count() or 1))
     parser.add_argument("--compile-cache", default="/tmp/jaxlora_serve_jit_cache")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench/results/compress_serve.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.compile_only and args.make_only:
+        parser.error("--compile-only and --make-only: one or the other")
     if args.skip_compressed and (args.skip_uncompressed or args.make_only):
         parser.error("--skip-compressed runs single and uncompressed: not with --skip-uncompressed or --make-only")
     pick = lambda value, default, tiny: value if value is not None else (tiny if args.tiny else default)
@@ -166,6 +203,20 @@ def main() -> None:
     started = time.perf_counter()
     config = llama8b_config(layers, args.tiny)
     model = Llama(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    max_model_len = 2 * (max_len - 1)
+    engine = EngineConfig(max_adapters_on_device=slots, max_lora_rank=LORA.r, page_size=16,
+                          num_pages=max_num_seqs * pages_for(max_model_len, 16), max_model_len=max_model_len,
+                          max_num_seqs=max_num_seqs, token_budget=pick(args.token_budget, 256, 32),
+                          prefill_chunk=pick(None, 128, 16), max_waiting=1 << 30, lora_backend=backend,
+                          lora_target_modules=None if args.all_modules else LORA.target_modules)
+    compressed_engine = dataclasses.replace(engine, lora_backend="compressed", max_adapters_on_device=1)
+    compile_s = None
+    if not args.make_only:
+        compile_s = compile_engines(model, engine, None if args.skip_compressed else compressed_engine,
+                                    shape_alike_set(config, count, args.rank, args.clusters), args.compile_threads)
+        if args.compile_only:
+            print(f"--compile-only: done in {time.perf_counter() - started:.0f} s", flush=True)
+            return
     if args.skip_compressed:
         made = time.perf_counter()
         adapters = synthetic_adapters(config, count, args.groups, args.noise, args.seed)
@@ -181,13 +232,6 @@ def main() -> None:
         adapters = synthetic_adapters(config, 1, args.groups, args.noise, args.seed)  # adapter 0: the single run's
         errors = [np.mean(list(e.values())) for e in collection.errors.values()]
         shared = collection.serving_set()
-    max_model_len = 2 * (max_len - 1)
-    engine = EngineConfig(max_adapters_on_device=slots, max_lora_rank=LORA.r, page_size=16,
-                          num_pages=max_num_seqs * pages_for(max_model_len, 16), max_model_len=max_model_len,
-                          max_num_seqs=max_num_seqs, token_budget=pick(args.token_budget, 256, 32),
-                          prefill_chunk=pick(None, 128, 16), max_waiting=1 << 30, lora_backend=backend,
-                          lora_target_modules=None if args.all_modules else LORA.target_modules)
-    compressed_engine = dataclasses.replace(engine, lora_backend="compressed", max_adapters_on_device=1)
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "model": {"shape": "tiny" if args.tiny else "Llama-3.1-8B", "layers": layers, "dtype": "bfloat16"},
@@ -199,17 +243,14 @@ def main() -> None:
                   "seconds": made_info["compress_seconds"], "parameters_before": made_info["parameters_before"],
                   "parameters_after": collection.parameter_count(), "mean_relative_error": float(np.mean(errors)),
                   "reused_from": made_info.get("reused_from")},
-              "engine": dataclasses.asdict(engine), "settings": vars(args), "results": []}
+              "engine": dataclasses.asdict(engine), "compile_seconds": compile_s, "settings": vars(args), "results": []}
     defaults = {"requests": requests, "rate": 4.0, "cv": 1.0, "slora_mode": "throughput", "punica_mode": "throughput"}
     for spec in args.cases:
         case = parse_case(spec, defaults)
         if case.kind == "slora" and case.n > count:  # --tiny: the adapters there are
             case = dataclasses.replace(case, n=count)
         trace = make_trace(case, args.seed, 8, max_len, count)
-        token_rng = np.random.default_rng([args.seed, 3])  # one stream: distinct prompts, as bench/serve.py's (a
-        # generator made per prompt gave every prompt the same leading tokens, which prefix caching served
-        # to the one-adapter run from cache: 2026-11-29 and before)
-        prompts = [token_rng.integers(0, config.vocab_size, int(n)).tolist() for n in trace.prompt_lens]
+        prompts = trace_prompts(trace.prompt_lens, config.vocab_size, args.seed)
         single_trace = dataclasses.replace(trace, adapters=np.zeros_like(trace.adapters))
         runs = {"single": run_trace(model, engine, single_trace, prompts, lambda i: adapters[i])}
         if not args.skip_uncompressed:  # every adapter (made here if the collection was reused)

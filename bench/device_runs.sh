@@ -1216,3 +1216,12 @@ lof_x2b() {  # 2 x H200, one call, pinned (PIN=1), issue 34 items 2 and 5 (.whl 
   rm -f "$OUT"/*.png "$OUT"/guard/*.png
   collect_logs lof_x2b
 }
+
+compress_full() {  # one H200, ~5-6 min from an empty cache (.whl carried), issue 34 item 5: Compress-then-Serve's
+  # single, compressed and uncompressed runs (S-LoRA n=1000, 300 requests; distinct prompts, q/v pools); both
+  # engines' programs compiled first, 16 threads at a time, then the collection made and compressed
+  gpu_setup
+  timeout $((LIMIT - SECONDS - 5)) python3 bench/compress_serve.py --requests 300 \
+      --cases "slora:n=1000,alpha=1,cv=1,mode=throughput" --out "$OUT/compress_serve_h200.json" 2>&1 \
+      | grep -v "cuda_timer\|Warning\|^W11\|slow_operation\|\*\*\*\|Very slow\|^$" | tail -n 10
+}

@@ -379,11 +379,13 @@ def greedy_shapes(engine: Engine, lora=(False, True)) -> list:
     return [shape for shape in engine.step_shapes() if shape.program == "forward" and shape.lora in lora]
 
 
-def compile_all(model, config: EngineConfig, threads: int, mesh=None, shapes=None, lora=(False, True)) -> dict:
+def compile_all(model, config: EngineConfig, threads: int, mesh=None, shapes=None, lora=(False, True),
+                compressed=None) -> dict:
     """Compiles the step programs of `shapes` (default: `greedy_shapes(.., lora)`) for an engine of
-    `config` (over `mesh`), `threads` at a time: later engines of the same model and sizes find
-    them in JAX's caches. Returns the warm-up's counts and time."""
-    engine = Engine(model, eos_ids=(), config=config, mesh=mesh)
+    `config` (over `mesh`; serving the `SharedBasisSet` `compressed` if given: only its shapes
+    matter), `threads` at a time: later engines of the same model and sizes find them in JAX's
+    caches. Returns the warm-up's counts and time."""
+    engine = Engine(model, eos_ids=(), config=config, mesh=mesh, compressed=compressed)
     info = {**engine.warmup(greedy_shapes(engine, lora) if shapes is None else shapes, threads), "threads": threads}
     del engine
     gc.collect()
