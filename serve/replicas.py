@@ -10,11 +10,12 @@ server over a replica set.
   takes), ties to a replica holding its adapter, then the lowest id. The set keeps its own ledger
   of the requests it placed (prompt, tokens delivered so far, replica), so the states it places by
   are exact at once, not one scrape late. When no replica has room, requests wait in the set's
-  queue, first come first served, and are placed as requests finish.
+  queue, in the order of the engines' `schedule_policy` (fcfs: first come first served; lof: the
+  most output tokens still to come first), and are placed as requests finish.
 - Migration: each engine's `handoff` is the set's. An engine that cannot grow a running request's
   KV (`EngineConfig.reserve_output_kv=False`) preempts its newest request and hands it here with
   the tokens already delivered; the set places it on another replica (its source excluded; if no
-  other has room, it waits at the head of the queue, by arrival), which recomputes prompt + output
+  other has room, it waits in the queue, by arrival under fcfs), which recomputes prompt + output
   in one prefill and continues. The client's callback is the same object throughout, so its
   stream goes on without a gap or a repeated token, and greedy (or seeded) tokens are unchanged.
 - Cancellation: `abort` reaches whichever replica holds the request now (or takes it out of the
@@ -34,6 +35,7 @@ one replica), which `serve.router` places by across servers.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import threading
@@ -41,7 +43,7 @@ from typing import Callable
 
 from jaxlora.lora.adapter import LoraAdapter
 from jaxlora.sampling import SamplingParams
-from jaxlora.scheduler.serving import ReplicaState, admission_pages, place
+from jaxlora.scheduler.serving import SCHEDULE_POLICIES, ReplicaState, admission_pages, place
 from jaxlora.sharding import make_mesh
 from jaxlora.lora.head import TaskHead
 from serve.engine import Engine, EngineBusy, Event, Handoff
@@ -84,7 +86,9 @@ class ReplicaSet:
         self.config, self.model_config = engines[0].config, engines[0].model_config
         self._lock = threading.RLock()
         self._requests: dict[object, _Placed] = {}
-        self._queue: list[_Placed] = []  # no replica had room: arrival order
+        self._queue: list[_Placed] = []  # no replica had room: sorted by `_queue_key`
+        policy = SCHEDULE_POLICIES[self.config.schedule_policy]
+        self._queue_key = lambda p: policy(p.arrival, p.sampling.max_new_tokens - len(p.output))
         self._draining: set[int] = set()
         self._arrivals = itertools.count()
         self._started = False
@@ -195,7 +199,7 @@ class ReplicaSet:
                 raise EngineBusy(f"{len(self._queue)} requests wait for a replica; try again later")
             placed = _Placed(request_id, list(prompt), adapter, sampling, callback, next(self._arrivals), head=head)
             self._requests[request_id] = placed
-            self._queue.append(placed)
+            bisect.insort(self._queue, placed, key=self._queue_key)
             self._pump()
 
     def abort(self, request_id) -> None:
@@ -213,7 +217,7 @@ class ReplicaSet:
         placed.callback(Event(None, "abort"))
 
     def _pump(self) -> None:
-        """Places queued requests, oldest first, while the oldest finds a replica with room."""
+        """Places queued requests in the queue's order while its head finds a replica with room."""
         with self._lock:
             while self._queue:
                 placed = self._queue[0]
@@ -251,7 +255,7 @@ class ReplicaSet:
                 self._pump()
 
     def _migrated(self, source: int, handoff: Handoff) -> None:
-        """Engine `source` handed a request off (engine thread): placed elsewhere, or queued by arrival."""
+        """Engine `source` handed a request off (engine thread): placed elsewhere, or queued in the policy's order."""
         with self._lock:
             placed = self._requests.get(handoff.request_id)
             if placed is None:
@@ -261,8 +265,7 @@ class ReplicaSet:
             else:
                 self.migrations += 1
                 placed.output, placed.replica, placed.exclude = list(handoff.output), None, (source,)
-                self._queue.append(placed)
-                self._queue.sort(key=lambda p: p.arrival)
+                bisect.insort(self._queue, placed, key=self._queue_key)
                 self._pump()
                 return
         placed.callback(Event(None, "abort"))

@@ -180,3 +180,20 @@ def test_summed_stats_add_counters_dicts_and_lists_and_take_the_largest_maximum(
     assert (summed.steps, summed.adapter_load_max_s) == (7, 0.5)
     assert summed.phase_seconds == {"schedule": 3.0, "dispatch": 1.5}
     assert summed.kind_steps == {"lora decode": [3, 0.75, 96], "base mixed": [1, 1.0, 256]}
+
+
+def test_the_sets_queue_follows_the_engines_schedule_policy(model, adapters):
+    """lof: requests that wait for a replica are placed by the output they have left, longest first
+    (fcfs: by arrival, the test above); every request still gets its max_tokens."""
+    one_row = dict(ROOMY_KV, max_num_seqs=1, schedule_policy="lof")
+    replicas = ReplicaSet([Engine(model, (), EngineConfig(**one_row), adapters) for _ in range(2)])
+    placed = []
+    submit_to = replicas._submit_to
+    replicas._submit_to = lambda replica, p: (placed.append(p.request_id), submit_to(replica, p))
+    lengths = [4, 4, 2, 9, 5, 7]
+    events = {i: [] for i in range(6)}
+    for i, (prompt, adapter, _) in enumerate(_requests(6)):
+        replicas.submit(i, prompt, adapter, SamplingParams(lengths[i]), events[i].append)
+    replicas.run_until_idle()
+    assert placed == [0, 1, 3, 5, 4, 2]
+    assert [len(_tokens(events[i])) for i in range(6)] == lengths

@@ -164,12 +164,18 @@ class Sequence:
         return None
 
 
-def _remaining_output(seq: Sequence) -> tuple[int, int]:
-    return -(seq.max_tokens - len(seq.output)), seq.order
+def _fcfs(arrival: int, tokens_left: int) -> int:
+    return arrival
 
 
-# The waiting queue's orders (`SchedulerConfig.schedule_policy`; module doc): a sort key of a Sequence.
-SCHEDULE_POLICIES: dict[str, Callable[[Sequence], Any]] = {"fcfs": lambda seq: seq.order, "lof": _remaining_output}
+def _lof(arrival: int, tokens_left: int) -> tuple[int, int]:
+    return -tokens_left, arrival
+
+
+# The waiting queue's orders (`SchedulerConfig.schedule_policy`; module doc): a sort key from a request's
+# arrival order and the output tokens it has still to come (max_tokens minus those generated), so that
+# every queue of requests (this scheduler's, a replica set's) orders by the same policy.
+SCHEDULE_POLICIES: dict[str, Callable[[int, int], Any]] = {"fcfs": _fcfs, "lof": _lof}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,7 +261,8 @@ class ServingScheduler:
         self.waiting: list[Sequence] = []  # sorted by `_queue_key`
         self.running: list[Sequence] = []
         self._order = itertools.count()
-        self._queue_key = SCHEDULE_POLICIES[config.schedule_policy]
+        policy = SCHEDULE_POLICIES[config.schedule_policy]
+        self._queue_key: Callable[[Sequence], Any] = lambda seq: policy(seq.order, seq.max_tokens - len(seq.output))
         self.is_ready: Callable[[Hashable], bool] = lambda key: True  # adapter copyable to the device now
         # whether requests of an adapter (None: the base model) get rows now (merged inference mode:
         # only the merged adapter's; `jaxlora.scheduler.serving.mode_choice.runs_in`)
