@@ -1225,3 +1225,23 @@ compress_full() {  # one H200, ~5-6 min from an empty cache (.whl carried), issu
       --cases "slora:n=1000,alpha=1,cv=1,mode=throughput" --out "$OUT/compress_serve_h200.json" 2>&1 \
       | grep -v "cuda_timer\|Warning\|^W11\|slow_operation\|\*\*\*\|Very slow\|^$" | tail -n 10
 }
+
+compress_x2() {  # 2 x H200, one call, pinned (PIN=1), issue 34 item 5 (.whl carried): GPU 1 compiles both engines'
+  # programs into the shared cache (`compress_serve.py --compile-only`: the compressed engine's took minutes a
+  # program on the H200, 11-29) while GPU 0 makes and compresses the collection (`--make-only --collection`);
+  # then GPU 0 runs single, compressed and uncompressed from the saved collection and the shared cache
+  nvidia-smi -L
+  export PIN=1 OUT
+  gpu_setup >/dev/null
+  local t=$((LIMIT - 15)) filter="grep -v 'cuda_timer\|Warning\|^W11\|slow_operation\|\*\*\*\|Very slow\|^\$'"
+  local src="source bench/device_runs.sh; export GPU_SETUP_DONE=1 PYTHONPATH=$PYTHONPATH"
+  local run="python3 bench/compress_serve.py --requests 300 --cases 'slora:n=1000,alpha=1,cv=1,mode=throughput'"
+  rm -f /tmp/compile_done
+  job compile 1 $t bash -c "$src; timeout $((t - 5)) $run --compile-only 2>&1 | $filter | tail -n 3; touch /tmp/compile_done"
+  job compress 0 $t bash -c "$src; $run --make-only --collection /tmp/collection 2>&1 | $filter | tail -n 2;
+      while [ ! -e /tmp/compile_done ]; do sleep 2; done;
+      timeout \$(($t - 5 - \$SECONDS)) $run --collection /tmp/collection --out $OUT/compress_serve_h200.json 2>&1 \
+      | $filter | tail -n 8"
+  wait
+  collect_logs compress_x2
+}
