@@ -1245,3 +1245,22 @@ compress_x2() {  # 2 x H200, one call, pinned (PIN=1), issue 34 item 5 (.whl car
   wait
   collect_logs compress_x2
 }
+
+slora_lof_x2() {  # 2 x H200, one call, pinned (PIN=1), issue 34 item 5 (.whl and .jitcache_slora carried): the disk
+  # trace (n=2000, alpha 1, 400 requests, disk and one) with the fcfs (GPU 0) and the lof queue (GPU 1), each
+  # with its own adapter folders and one-adapter run
+  nvidia-smi -L
+  export PIN=1 OUT
+  gpu_setup >/dev/null
+  local t=$((LIMIT - 15)) i=0 policy src="source bench/device_runs.sh; export GPU_SETUP_DONE=1 PYTHONPATH=$PYTHONPATH"
+  for policy in fcfs lof; do
+    job disk_$policy $i $t bash -c "$src; python3 bench/slora_disk.py --adapters 2000 --dir /tmp/slora_$i --write-only \
+        2>&1 | tail -n 1; timeout \$(($t - 10 - \$SECONDS)) python3 bench/slora_disk.py --adapters 2000 \
+        --dir /tmp/slora_$i --cases 'slora:n=2000,alpha=1' --runs disk one --mode throughput --requests 400 \
+        --schedule-policy $policy --compile-cache $JIT_CACHE --out $OUT/slora_disk_$policy.json 2>&1 \
+        | grep -v 'cuda_timer\|Warning\|^W11' | tail -n 4"
+    i=$((i + 1))
+  done
+  wait
+  collect_logs slora_lof_x2
+}

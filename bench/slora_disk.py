@@ -68,7 +68,7 @@ from jaxlora.nn.model_config import LlamaConfig, projection_shapes
 from jaxlora.models.llama import Llama
 from jaxlora.models.presets import llama8b_config
 from jaxlora.sampling import SamplingParams
-from jaxlora.scheduler.serving import pages_for
+from jaxlora.scheduler.serving import SCHEDULE_POLICIES, pages_for
 from serve.engine import Engine, EngineConfig
 
 DEFAULT_CASES = ["slora:n=2000,alpha=1", "slora:n=2000,alpha=0.3", "punica:distinct"]
@@ -282,6 +282,8 @@ def parse_args(argv=None):
                         help="EngineConfig.scan_layers_from_tokens (default: the engine's)")
     parser.add_argument("--prefetch-steps", type=int, default=None,
                         help="EngineConfig.prefetch_steps (default: the engine's, 0: prefetch for the whole queue)")
+    parser.add_argument("--schedule-policy", default="fcfs", choices=tuple(SCHEDULE_POLICIES),
+                        help="EngineConfig.schedule_policy: the waiting queue's order in every run")
     parser.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "COUNT"), default=None,
                         help="trace engine steps FIRST..FIRST+COUNT-1 of each run with the JAX profiler: device "
                              "busy ms against wall ms a step, kernels by category (GPU; traces beside --out)")
@@ -330,7 +332,7 @@ def main(argv=None) -> None:
         max_waiting=1 << 30, lora_backend=args.lora_backend or ("pallas" if jax.default_backend() == "gpu"
                                                                 else "gather"),
         adapter_dir=args.dir, max_host_adapter_bytes=host_bound, lora_target_modules=tuple(args.targets),
-        scan_layers_from_tokens=args.scan_layers_from_tokens,
+        scan_layers_from_tokens=args.scan_layers_from_tokens, schedule_policy=args.schedule_policy,
         **({} if args.prefetch_steps is None else {"prefetch_steps": args.prefetch_steps}))
     model = Llama(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     device = jax.devices()[0].device_kind
