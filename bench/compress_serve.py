@@ -144,7 +144,8 @@ def compile_engines(model, engine: EngineConfig, compressed_engine: EngineConfig
     JAX's caches instead of compiling one at a time in their warm-up); returns seconds per engine."""
     seconds = {"uncompressed": compile_all(model, engine, threads, lora=(True,))["seconds"]}
     if compressed_engine is not None:
-        seconds["compressed"] = compile_all(model, compressed_engine, threads, lora=(True,), compressed=shared)["seconds"]
+        seconds["compressed"] = compile_all(model, compressed_engine, threads, lora=(True,),
+                                            compressed=shared)["seconds"]
     print("compiled the step programs (" + ", ".join(f"{k} engine {v:.0f} s" for k, v in seconds.items())
           + f", {threads} threads)", flush=True)
     return seconds
@@ -176,8 +177,9 @@ def main(argv: list[str] | None = None) -> None:
                              "settings (then only adapter 0 is made), else save it there (with --make-only: and stop)")
     parser.add_argument("--make-only", action="store_true", help="make, compress and save --collection, then stop")
     parser.add_argument("--all-modules", action="store_true",
-                        help="the engines' pools hold all seven projections (before 11-30: the untargeted five as zeros "
-                             "that every decode step's LoRA reads), not only the adapters' q_proj and v_proj")
+                        help="the engines' pools hold all seven projections (the runs until 2026-11-29: the "
+                             "untargeted five as zeros that every decode step's LoRA reads), not only the adapters' "
+                             "q_proj and v_proj")
     parser.add_argument("--compile-only", action="store_true",
                         help="compile both engines' programs into --compile-cache (the compressed one from a set of "
                              "the collection's shapes, zeros) and stop: a run on another GPU of the machine, sharing "

@@ -177,7 +177,8 @@ class EngineConfig:
         if self.split_layers and self.inference_mode != "unmerged":
             raise ValueError(f"split_layers serves unmerged inference only, got inference_mode {self.inference_mode!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, got {self.schedule_policy!r}")
+            raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
+                             f"got {self.schedule_policy!r}")
         if self.inference_mode not in INFERENCE_MODES:
             raise ValueError(f"inference_mode must be one of {', '.join(INFERENCE_MODES)}, got {self.inference_mode!r}")
         if self.lora_target_modules is not None and not set(self.lora_target_modules) <= set(PROJECTIONS):

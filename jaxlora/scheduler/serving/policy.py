@@ -199,7 +199,8 @@ class SchedulerConfig:
 
     def __post_init__(self):
         if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"schedule_policy must be one of {sorted(SCHEDULE_POLICIES)}, got {self.schedule_policy!r}")
+            raise ValueError(f"schedule_policy must be one of {sorted(SCHEDULE_POLICIES)}, "
+                             f"got {self.schedule_policy!r}")
         if min(self.max_num_seqs, self.token_budget, self.prefill_chunk) < 1:
             raise ValueError("max_num_seqs, token_budget and prefill_chunk must be >= 1")
         if self.prefetch_steps < 0:
