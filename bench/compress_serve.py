@@ -17,7 +17,11 @@ engine serves from). Compression (`jaxlora.compress.compress`, JD-Full at `--ran
 is timed, with its parameter count and mean relative reconstruction error.
 
 Every engine's pool holds A/B for the adapters' target modules only (`EngineConfig.lora_target_modules`,
-as `bench/slora_disk.py`'s; `--all-modules`: all seven, the runs before 2026-11-30).
+as `bench/slora_disk.py`'s; `--all-modules`: all seven, the runs until 2026-11-29). Prompts are
+distinct (one random stream). Both engines' step programs are compiled first, `--compile-threads` at a
+time, the compressed engine's from a set of the collection's shapes (`shape_alike_set`), before the
+collection is made; `--compile-only` stops there (another process, e.g. on another GPU of the machine,
+then finds them in the shared `--compile-cache`).
 
 Runs per case (default: Punica distinct and S-LoRA n=1000, throughput mode): `single` (every
 request on adapter 0, uncompressed; backend --lora-backend), `compressed` (request i on its own
