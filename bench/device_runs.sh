@@ -1156,6 +1156,17 @@ uncompressed_check() {  # one H200, ~5 min from an empty cache: Compress-then-Se
       | grep -v "cuda_timer\|Warning\|^W11\|slow_operation\|\*\*\*\|Very slow\|^$" | tail -n 8
 }
 
+_disk_job() {  # _disk_job NAME GPU SECONDS PREFIX ARGS...: a background job on GPU (job, PIN as set) writing
+  # 2000 adapter folders of its own, then the disk trace (n=2000, alpha 1, 400 requests, disk and one) with
+  # ARGS added -> $OUT/slora_NAME.json; PREFIX: the shell commands before it (the caller's setup)
+  local name=$1 gpu=$2 t=$3 prefix=$4
+  shift 4
+  job $name $gpu $t bash -c "$prefix; python3 bench/slora_disk.py --adapters 2000 --dir /tmp/slora_$gpu --write-only \
+      2>&1 | tail -n 1; timeout \$(($t - 10 - \$SECONDS)) python3 bench/slora_disk.py --adapters 2000 \
+      --dir /tmp/slora_$gpu --cases 'slora:n=2000,alpha=1' --runs disk one --mode throughput --requests 400 \
+      $* --compile-cache $JIT_CACHE --out $OUT/slora_$name.json 2>&1 | grep -v 'cuda_timer\|Warning\|^W11' | tail -n 4"
+}
+
 xla_x4() {  # 4 x H200, one call, pinned (PIN=1), issue 34 items 3 and 5: GPU 0 xla_lora_check (.jitcache carried);
   # GPU 1 uncompressed_check; GPUs 2 and 3 the disk trace (n=2000, alpha 1, 400 requests) with hybrid and with
   # hybrid_xla side by side (each its own adapter folders; both compile: .jitcache_slora is not carried)
@@ -1165,15 +1176,8 @@ xla_x4() {  # 4 x H200, one call, pinned (PIN=1), issue 34 items 3 and 5: GPU 0 
   local t=$((LIMIT - 15)) src="source bench/device_runs.sh; export GPU_SETUP_DONE=1 PYTHONPATH=$PYTHONPATH"
   job xla 0 $t bash -c "$src; LIMIT=$t xla_lora_check"
   job uncompressed 1 $t bash -c "$src; LIMIT=$t uncompressed_check"
-  local i=2 backend
-  for backend in hybrid hybrid_xla; do
-    job disk_$backend $i $t bash -c "$src; python3 bench/slora_disk.py --adapters 2000 --dir /tmp/slora_$i --write-only \
-        2>&1 | tail -n 1; timeout \$(($t - 10 - \$SECONDS)) python3 bench/slora_disk.py --adapters 2000 \
-        --dir /tmp/slora_$i --cases 'slora:n=2000,alpha=1' --runs disk one --mode throughput --requests 400 \
-        --lora-backend $backend --compile-cache $JIT_CACHE --out $OUT/slora_disk_$backend.json 2>&1 \
-        | grep -v 'cuda_timer\|Warning\|^W11' | tail -n 4"
-    i=$((i + 1))
-  done
+  _disk_job disk_hybrid 2 $t "$src" --lora-backend hybrid
+  _disk_job disk_hybrid_xla 3 $t "$src" --lora-backend hybrid_xla
   wait
   collect_logs xla_x4
 }
@@ -1252,15 +1256,9 @@ slora_lof_x2() {  # 2 x H200, one call, pinned (PIN=1), issue 34 item 5 (.whl an
   nvidia-smi -L
   export PIN=1 OUT
   gpu_setup >/dev/null
-  local t=$((LIMIT - 15)) i=0 policy src="source bench/device_runs.sh; export GPU_SETUP_DONE=1 PYTHONPATH=$PYTHONPATH"
-  for policy in fcfs lof; do
-    job disk_$policy $i $t bash -c "$src; python3 bench/slora_disk.py --adapters 2000 --dir /tmp/slora_$i --write-only \
-        2>&1 | tail -n 1; timeout \$(($t - 10 - \$SECONDS)) python3 bench/slora_disk.py --adapters 2000 \
-        --dir /tmp/slora_$i --cases 'slora:n=2000,alpha=1' --runs disk one --mode throughput --requests 400 \
-        --schedule-policy $policy --compile-cache $JIT_CACHE --out $OUT/slora_disk_$policy.json 2>&1 \
-        | grep -v 'cuda_timer\|Warning\|^W11' | tail -n 4"
-    i=$((i + 1))
-  done
+  local t=$((LIMIT - 15)) src="source bench/device_runs.sh; export GPU_SETUP_DONE=1 PYTHONPATH=$PYTHONPATH"
+  _disk_job disk_fcfs 0 $t "$src" --schedule-policy fcfs
+  _disk_job disk_lof 1 $t "$src" --schedule-policy lof
   wait
   collect_logs slora_lof_x2
 }

@@ -340,7 +340,8 @@ class ServingScheduler:
         budget += sum(row.count for row in rows if row.seq.status is not Status.RUNNING)
         rows = [row for row in rows if row.seq.status is Status.RUNNING]  # a victim has no row yet; kept safe
         loads = self._admit(rows, budget, chunked)
-        self.waiting = sorted(self.waiting + preempted, key=self._queue_key)  # not re-admitted this step
+        for seq in preempted:  # not re-admitted this step; the queue stays sorted (no re-sort a step)
+            bisect.insort(self.waiting, seq, key=self._queue_key)
         for row in rows:
             if row.seq.adapter is not None:
                 self.slots.touch(row.seq.adapter)
