@@ -925,6 +925,22 @@ slora_check() {  # one H200, issue 34 item 5: `slora_regress`, then with the tim
   rm -rf "$OUT"/slora_trace_*
 }
 
+slora_startup() {  # one H200 (.whl and .jitcache_slora carried), issue 34 item 5: where the disk trace's first
+  # steps go (steps 0-3 took 0.4-0.7 s together, 3-4% of the run, on 11-29/30: commit and prefetch of the first
+  # ~60 adapters): the alpha=1 disk run with steps 0-7 under the profiler, then with steps 300-329 (steady
+  # state), host time thread by thread (`host_threads`)
+  gpu_setup
+  python3 bench/slora_disk.py --adapters 2000 --dir /tmp/slora_adapters --write-only 2>&1 | tail -n 1
+  local w
+  for w in "0 8" "300 30"; do
+    [ $((LIMIT - SECONDS)) -gt 60 ] && timeout $((LIMIT - SECONDS - 10)) python3 bench/slora_disk.py --adapters 2000 \
+        --dir /tmp/slora_adapters --cases "slora:n=2000,alpha=1" --runs disk --mode throughput --requests 400 \
+        --profile-steps $w --compile-cache $JIT_CACHE --out "$OUT/slora_profile_${w%% *}.json" 2>&1 \
+        | grep -v "cuda_timer\|Warning\|^W11" | tail -n 12
+  done
+  rm -rf "$OUT"/slora_trace_*
+}
+
 slora_flags() {  # one H200, issue 34 item 5: `slora_regress`, then the alpha=1 disk run again with $FLAGS as
   # XLA_FLAGS (default: XLA's command buffers off), same machine: whether the step's CUDA-graph updates
   # (`command_buffer::update` in the host trace) pace the disk tier's steps

@@ -234,7 +234,7 @@ class StepWindow:
                 "device_busy_fraction": times["busy_ms"] / wall_ms if wall_ms else None,
                 "kernel_ms_per_step": times["device_ms"], "categories": times["categories"],
                 "launches_per_step": sum(kernel["calls"] for kernel in times["kernels"]),
-                "kernels": times["kernels"][:12], "host": times["host"]}
+                "kernels": times["kernels"][:12], "host": times["host"], "host_threads": times["host_threads"]}
 
 
 def print_run(case: str, label: str, r: dict) -> None:
@@ -243,6 +243,16 @@ def print_run(case: str, label: str, r: dict) -> None:
           f"{r['peak_rss_bytes'] / 2**30:6.2f} GiB  pages kv/adapters {r['peak_pages']['kv']}/"
           f"{r['peak_pages']['adapters']}  rows {r['peak_adapter_rows']}/{r['adapter_rows']}"
           + (f"  errors {r['errors']}" if r["errors"] else ""), flush=True)
+
+
+def print_profile(profile: dict, threads: int = 6, events: int = 8) -> None:
+    """The profiled steps (`StepWindow.report`): wall and device ms a step, then the busiest host threads'
+    costliest events by self time, ms a step."""
+    print(f"  profiled {profile['steps']} steps: wall {profile['wall_ms_per_step']:.2f} ms a step, device busy "
+          f"{profile['busy_ms_per_step']:.2f}, launches {profile['launches_per_step']:.0f}", flush=True)
+    for thread in profile.get("host_threads", [])[:threads]:
+        top = ", ".join(f"{e['name'][:48]} {e['self_ms']:.2f}" for e in thread["events"][:events])
+        print(f"  thread {thread['thread'][:24]} busy {thread['busy_ms']:.2f}: {top}", flush=True)
 
 
 # ---- main -------------------------------------------------------------------------------------------
@@ -371,6 +381,8 @@ def main(argv=None) -> None:
                 *args.profile_steps, os.path.join(os.path.dirname(os.path.abspath(args.out)), f"slora_trace_{run}"))
             entry[run] = run_with_fallback(model, run_config, trace, prompts, names, profile)
             print_run(case.name, run, entry[run])
+            if entry[run].get("profile"):
+                print_profile(entry[run]["profile"])
         if "one" in entry:
             for run in ("disk", "separate"):
                 if run in entry:

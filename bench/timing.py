@@ -83,7 +83,26 @@ def trace_kernel_times(log_dir: str, per: int = 1) -> dict:
         category = kernel_category(kernel["name"])
         categories[category] = categories.get(category, 0.0) + kernel["total_ms"]
     return {"kernels": kernels, "categories": categories, "device_ms": sum(categories.values()),
-            "busy_ms": busy_us(spans) / 1e3 / per, "host": host_self_times(events, device_pids, per, top=40)}
+            "busy_ms": busy_us(spans) / 1e3 / per, "host": host_self_times(events, device_pids, per, top=40),
+            "host_threads": host_thread_times(events, device_pids, per)}
+
+
+def host_thread_times(events: list, device_pids: set, per: int = 1, threads: int = 8, top: int = 15) -> list:
+    """`host_self_times` thread by thread: [{"thread" (its name in the trace), "busy_ms" (its top-level
+    events' time), "events": its costliest events by self time}], the `threads` busiest first, divided
+    by `per`: which thread the host's time goes to (the engine's, or the adapter readers')."""
+    names = {(e["pid"], e.get("tid")): str(e.get("args", {}).get("name", ""))
+             for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    by_thread: dict = {}
+    for event in events:
+        if event.get("ph") == "X" and "dur" in event and event.get("pid") not in device_pids:
+            by_thread.setdefault((event["pid"], event.get("tid")), []).append(event)
+    rows = []
+    for key, thread in by_thread.items():
+        spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in thread]
+        rows.append({"thread": names.get(key, str(key)), "busy_ms": busy_us(spans) / 1e3 / per,
+                     "events": host_self_times(thread, set(), per, top=top)})
+    return sorted(rows, key=lambda row: -row["busy_ms"])[:threads]
 
 
 def host_self_times(events: list, device_pids: set, per: int = 1, top: int = 25) -> list:

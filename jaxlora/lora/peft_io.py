@@ -7,9 +7,12 @@ Loading validates everything before returning, so a refused adapter changes noth
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import os
 import re
+import threading
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -40,8 +43,98 @@ def load_peft_adapter(path: str, base: LlamaConfig, name: str | None = None,
     costs beside a busy engine thread (`jaxlora.lora.safetensors_io`)."""
     config = read_adapter_config(path, base)
     weights = read_weights(os.path.join(path, WEIGHTS_FILE))
-    return adapter_from_peft(config, weights.tensors(), base, name or os.path.basename(os.path.normpath(path)), path,
-                             keep_dtype, host_dtype, check_finite_values=weights.maybe_nonfinite())
+    name = name or os.path.basename(os.path.normpath(path))
+    plan = _placement_plan(config, weights, base, path)
+    adapter = LoraAdapter(name, config, {})
+    dtype = _placed_dtype(plan.stored_dtype, keep_dtype, host_dtype)
+    for module in config.target_modules:
+        adapter.modules[module] = empty_module(base, config, module, dtype)
+    plan.place(adapter.modules, weights.buffer)
+    if weights.maybe_nonfinite():
+        check_finite(adapter, path)
+    return adapter
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+    """Where one file layout's tensors go (`_placement_plan`): per group of one module, part and shape,
+    the destination layers and the source views as (byte offset in the file, shape, strides, dtype):
+    one view [G, *shape] of all G tensors when they lie at equal steps, else one per layer."""
+
+    stored_dtype: np.dtype
+    groups: tuple  # ((module, part, rank, layers int array, ((offset, shape, strides, dtype), ...)), ...)
+
+    def place(self, modules: dict, buffer: np.ndarray) -> None:
+        """Writes the tensors of a file with this layout (`buffer`: the file's bytes) transposed into
+        `modules`' A [L, k, r] / B [L, r, n]: one numpy assignment per view."""
+        for module, part, rank, layers, views in self.groups:
+            weights = modules[module]
+            dest = weights.a[:, :, :rank] if part == "A" else weights.b[:, :rank, :]
+            sources = [np.ndarray(shape, dtype, buffer=buffer, offset=offset, strides=strides)
+                       for offset, shape, strides, dtype in views]
+            if len(sources) == 1 and sources[0].ndim == 3:
+                dest[layers] = sources[0].transpose(0, 2, 1)
+            else:
+                for layer, source in zip(layers, sources):
+                    dest[layer] = source.T
+
+
+_PLANS: "collections.OrderedDict[tuple, _Placement]" = collections.OrderedDict()
+_PLANS_KEPT = 64
+_PLANS_LOCK = threading.Lock()
+
+
+def _placement_plan(config: LoraConfig, weights: TensorFile, base: LlamaConfig, path: str) -> _Placement:
+    """The checked placement of `weights`' tensors for an adapter of `config` on `base`, kept per
+    (file header, config, base): a server reading many adapters of one config (one header) checks
+    and plans the layout once, so its reader threads spend ~0.1 ms of Python a file, not ~3 ms of
+    per-tensor work that holds the GIL the engine thread waits for (bench/NOTES_serve.md, issue 34).
+    AdapterError naming `path` if the tensors do not fit."""
+    key = (weights.header, weights.data_start, repr(config), base)
+    with _PLANS_LOCK:
+        plan = _PLANS.get(key)
+        if plan is not None:
+            _PLANS.move_to_end(key)
+            return plan
+    plan = _make_plan(config, weights, base, path)
+    with _PLANS_LOCK:
+        _PLANS[key] = plan
+        while len(_PLANS) > _PLANS_KEPT:
+            _PLANS.popitem(last=False)
+    return plan
+
+
+def _make_plan(config: LoraConfig, weights: TensorFile, base: LlamaConfig, path: str) -> _Placement:
+    """`_placement_plan` worked out from the tensors: the checks of `adapter_from_peft` and each
+    group's views (`_stacked`) as offsets into the file's buffer."""
+    tensors = weights.tensors()
+    probe = LoraAdapter("", config, {module: empty_module(base, config, module, np.float32)
+                                     for module in config.target_modules})
+    groups = _grouped(probe, tensors, base, path)
+    _check_all_present(config, base, {(l, m, p) for (m, p, _), pieces in groups.items() for l, _ in pieces}, path)
+    origin = weights.buffer.__array_interface__["data"][0]
+
+    def spec(view: np.ndarray) -> tuple:
+        return view.__array_interface__["data"][0] - origin, view.shape, view.strides, view.dtype
+
+    planned = []
+    for (module, part, _), pieces in groups.items():
+        rank = pieces[0][1].shape[0 if part == "A" else 1]
+        stacked = _stacked([tensor for _, tensor in pieces])
+        if stacked is None:
+            layers, views = [layer for layer, _ in pieces], tuple(spec(tensor) for _, tensor in pieces)
+        else:
+            view, order = stacked
+            layers, views = [pieces[i][0] for i in order], (spec(view),)
+        planned.append((module, part, rank, np.array(layers, np.intp), views))
+    return _Placement(np.dtype(_common_float_dtype(tensors)) if tensors else np.dtype(np.float32), tuple(planned))
+
+
+def _placed_dtype(stored: np.dtype, keep_dtype: bool, host_dtype) -> np.dtype:
+    """The dtype an adapter stored in `stored` is placed in (see `load_peft_adapter`)."""
+    if not (keep_dtype or host_dtype is not None):
+        return np.dtype(np.float32)
+    return stored if host_dtype is None else np.dtype(host_dtype(stored))
 
 
 def adapter_from_peft(config: LoraConfig, tensors: dict[str, np.ndarray], base: LlamaConfig, name: str, path: str,
@@ -65,10 +158,7 @@ def adapter_from_peft(config: LoraConfig, tensors: dict[str, np.ndarray], base: 
 
 def _held_dtype(tensors: dict[str, np.ndarray], keep_dtype: bool, host_dtype) -> np.dtype:
     """The dtype the adapter's A/B are placed in (see `load_peft_adapter`)."""
-    if not (keep_dtype or host_dtype is not None):
-        return np.dtype(np.float32)
-    stored = np.dtype(_common_float_dtype(tensors))
-    return stored if host_dtype is None else np.dtype(host_dtype(stored))
+    return _placed_dtype(np.dtype(_common_float_dtype(tensors)), keep_dtype, host_dtype)
 
 
 def read_adapter_config(path: str, base: LlamaConfig) -> LoraConfig:

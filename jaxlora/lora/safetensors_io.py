@@ -17,7 +17,9 @@ then the data; offsets are relative to the data's start, the tensors tile it wit
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import os
 
 import ml_dtypes
@@ -48,6 +50,7 @@ class TensorFile:
     buffer: np.ndarray
     data_start: int
     entries: dict
+    header: bytes = b""  # the JSON header as read: files with equal headers lay their tensors out alike
 
     def tensor(self, key: str) -> np.ndarray:
         """Tensor `key` as a view of the buffer (no copy)."""
@@ -116,16 +119,30 @@ def parse(buffer: np.ndarray) -> TensorFile:
     length = int(buffer[:8].view("<u8")[0])
     if length > min(MAX_HEADER_BYTES, buffer.size - 8):
         raise SafetensorsError(f"header of {length} bytes does not fit a file of {buffer.size} bytes")
+    raw, data_start = buffer[8:8 + length].tobytes(), 8 + length
+    entries = _parsed_entries(raw, buffer.size - data_start)
+    return TensorFile(buffer, data_start, entries, raw)
+
+
+_PARSED_HEADERS = 256  # headers whose checked entries `_parsed_entries` keeps
+
+
+@functools.lru_cache(maxsize=_PARSED_HEADERS)
+def _parsed_entries(raw: bytes, data_bytes: int) -> dict:
+    """{key: (dtype, shape, begin, end)} of a header's tensors, checked against `data_bytes` of data.
+    Kept per (header, data size): adapters trained with one config have equal headers, so a server
+    reading thousands of them parses and checks each layout once (its reader threads hold the GIL
+    for the per-tensor Python work, ~1 ms a 128-tensor file, while the engine thread waits for it).
+    Callers must not change the dict."""
     try:
-        header = json.loads(buffer[8:8 + length].tobytes())
+        header = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise SafetensorsError(f"header is not valid JSON: {err}") from None
     if not isinstance(header, dict):
         raise SafetensorsError("header is not a JSON object")
-    data_start = 8 + length
     entries = {key: _entry(key, value) for key, value in header.items() if key != "__metadata__"}
-    _check_tiling(entries, buffer.size - data_start)
-    return TensorFile(buffer, data_start, entries)
+    _check_tiling(entries, data_bytes)
+    return entries
 
 
 def _entry(key: str, value) -> tuple:
@@ -141,7 +158,7 @@ def _entry(key: str, value) -> tuple:
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(n, int) for n in offsets)
             and 0 <= offsets[0] <= offsets[1]):
         raise SafetensorsError(f"tensor {key!r}: bad data_offsets {offsets!r}")
-    if offsets[1] - offsets[0] != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+    if offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize:  # Python ints: no numpy call per tensor
         raise SafetensorsError(f"tensor {key!r}: data_offsets {offsets} do not hold shape {shape} of {dtype}")
     return dtype, tuple(shape), offsets[0], offsets[1]
 

@@ -126,6 +126,7 @@ def test_vectorised_placement_equals_per_layer(tmp_path, pattern, stored, monkey
     peft_io.save_peft_adapter(adapter, path)
     for host_dtype in (None, lambda s: np.dtype(ml_dtypes.bfloat16)):
         stacked.clear()
+        peft_io._PLANS.clear()  # the layout worked out afresh (`_make_plan`), not the plan of the last pass
         fast = peft_io.load_peft_adapter(path, CONFIG, keep_dtype=True, host_dtype=host_dtype)
         assert any(view is not None and len(view[1]) > 1 for view in stacked)  # one assignment for many layers
         slow = _per_layer(path, host_dtype) if host_dtype else peft_io.adapter_from_peft(
@@ -163,3 +164,45 @@ def test_missing_weights_file_and_a_bin_file(tmp_path):
     os.rename(path / peft_io.WEIGHTS_FILE, path / "adapter_model.bin")
     with pytest.raises(AdapterError, match="only safetensors is read"):
         peft_io.load_peft_adapter(str(path), CONFIG)
+
+
+def test_one_layout_planned_once(tmp_path, monkeypatch):
+    """Adapters with equal file headers (one training config) share one checked placement plan; each
+    is placed from its own bytes, equal to the per-layer placement; a file of another layout (another
+    rank) gets a plan of its own."""
+    rng = np.random.default_rng()
+    made, original = [], peft_io._make_plan
+    monkeypatch.setattr(peft_io, "_make_plan", lambda *a: made.append(1) or original(*a))
+    peft_io._PLANS.clear()
+    lora = LoraConfig(r=int(rng.integers(2, 9)), lora_alpha=16.0, target_modules=("q_proj", "v_proj"))
+    paths = []
+    for i in range(3):
+        adapter = random_adapter(f"a{i}", CONFIG, lora, seed=int(rng.integers(1 << 30)), b_std=0.3)
+        paths.append(str(tmp_path / f"a{i}"))
+        peft_io.save_peft_adapter(adapter, paths[-1])
+    for path in paths:
+        got = peft_io.load_peft_adapter(path, CONFIG, keep_dtype=True)
+        want = _per_layer(path, lambda s: np.dtype(np.float32))
+        for module, weights in want.modules.items():
+            np.testing.assert_array_equal(got.modules[module].a, weights.a)
+            np.testing.assert_array_equal(got.modules[module].b, weights.b)
+    assert len(made) == 1
+    other = LoraConfig(r=lora.r + 1, lora_alpha=16.0, target_modules=("q_proj", "v_proj"))
+    peft_io.save_peft_adapter(random_adapter("b", CONFIG, other, seed=1, b_std=0.3), str(tmp_path / "b"))
+    assert peft_io.load_peft_adapter(str(tmp_path / "b"), CONFIG).modules["q_proj"].a.shape[2] == other.r
+    assert len(made) == 2
+
+
+def test_planned_layout_still_checks_values(tmp_path):
+    """A file whose layout was planned before but whose values are not finite is refused (the plan
+    covers the layout's checks, not the values)."""
+    peft_io._PLANS.clear()
+    lora = LoraConfig(r=4, lora_alpha=8.0, target_modules=("q_proj",))
+    good, bad = str(tmp_path / "good"), str(tmp_path / "bad")
+    adapter = random_adapter("g", CONFIG, lora, seed=3, b_std=0.3)
+    peft_io.save_peft_adapter(adapter, good)
+    adapter.modules["q_proj"].b[1, 0, 0] = np.nan
+    peft_io.save_peft_adapter(adapter, bad)
+    peft_io.load_peft_adapter(good, CONFIG)
+    with pytest.raises(AdapterError, match="finite|NaN|nan"):
+        peft_io.load_peft_adapter(bad, CONFIG)
