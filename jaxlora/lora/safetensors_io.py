@@ -120,20 +120,24 @@ def parse(buffer: np.ndarray) -> TensorFile:
     if length > min(MAX_HEADER_BYTES, buffer.size - 8):
         raise SafetensorsError(f"header of {length} bytes does not fit a file of {buffer.size} bytes")
     raw, data_start = buffer[8:8 + length].tobytes(), 8 + length
-    entries = _parsed_entries(raw, buffer.size - data_start)
-    return TensorFile(buffer, data_start, entries, raw)
+    kept = _kept_entries if length <= KEPT_HEADER_BYTES else _parsed_entries
+    return TensorFile(buffer, data_start, kept(raw, buffer.size - data_start), raw)
 
 
-_PARSED_HEADERS = 256  # headers whose checked entries `_parsed_entries` keeps
+KEPT_HEADER_BYTES = 1 << 20  # headers up to this size have their checked entries kept (an adapter's: ~10-100 KB)
 
 
-@functools.lru_cache(maxsize=_PARSED_HEADERS)
+@functools.lru_cache(maxsize=256)
+def _kept_entries(raw: bytes, data_bytes: int) -> dict:
+    """`_parsed_entries`, kept per (header, data size): adapters trained with one config have equal
+    headers, so a server reading thousands of them parses and checks each layout once (its reader
+    threads hold the GIL for the per-tensor Python work, ~1 ms a 128-tensor file, while the engine
+    thread waits for it). Callers must not change the dict."""
+    return _parsed_entries(raw, data_bytes)
+
+
 def _parsed_entries(raw: bytes, data_bytes: int) -> dict:
-    """{key: (dtype, shape, begin, end)} of a header's tensors, checked against `data_bytes` of data.
-    Kept per (header, data size): adapters trained with one config have equal headers, so a server
-    reading thousands of them parses and checks each layout once (its reader threads hold the GIL
-    for the per-tensor Python work, ~1 ms a 128-tensor file, while the engine thread waits for it).
-    Callers must not change the dict."""
+    """{key: (dtype, shape, begin, end)} of a header's tensors, checked against `data_bytes` of data."""
     try:
         header = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:

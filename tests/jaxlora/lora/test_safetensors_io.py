@@ -206,3 +206,18 @@ def test_planned_layout_still_checks_values(tmp_path):
     peft_io.load_peft_adapter(good, CONFIG)
     with pytest.raises(AdapterError, match="finite|NaN|nan"):
         peft_io.load_peft_adapter(bad, CONFIG)
+
+
+def test_large_headers_are_not_kept(tmp_path, monkeypatch):
+    """A header above `KEPT_HEADER_BYTES` (not an adapter's usual size) is parsed and planned on each
+    read and kept nowhere: the caches hold only small headers."""
+    monkeypatch.setattr(safetensors_io, "KEPT_HEADER_BYTES", 16)
+    peft_io._PLANS.clear()
+    safetensors_io._kept_entries.cache_clear()
+    path = str(tmp_path / "a")
+    peft_io.save_peft_adapter(random_adapter("a", CONFIG, LoraConfig(r=2, lora_alpha=4.0, target_modules=("v_proj",)),
+                                             seed=5, b_std=0.3), path)
+    first = peft_io.load_peft_adapter(path, CONFIG)
+    second = peft_io.load_peft_adapter(path, CONFIG)
+    np.testing.assert_array_equal(first.modules["v_proj"].b, second.modules["v_proj"].b)
+    assert not peft_io._PLANS and safetensors_io._kept_entries.cache_info().currsize == 0
