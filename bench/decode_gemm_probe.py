@@ -6,6 +6,13 @@ only if the plain GEMM keeps XLA's speed (bench/NOTES_serve.md, fourteenth sessi
     PYTHONPATH=. python bench/decode_gemm_probe.py [--rows 32 64] [--out FILE]
     PYTHONPATH=. python bench/decode_gemm_probe.py --tiny      # CPU smoke test (interpret, small)
 
+    PYTHONPATH=. python bench/decode_gemm_probe.py --kernel mosaic   # JAX's Mosaic GPU Hopper GEMM (Hopper only)
+
+`--kernel mosaic` times JAX's own warp-specialised Mosaic GPU GEMM
+(`jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu`: TMA loads, wgmma, a persistent grid) over a
+few tile configs instead (rows padded to its 64-row tile): the base of a decode GEMM whose LoRA
+would run in warps of its own, if it streams the weights at XLA's speed.
+
 For each projection of the 8B shape (q/k/v packed 4096 -> 6144, o 4096 -> 4096, gate/up packed
 4096 -> 28672, down 14336 -> 4096) and row count: x [rows, k] @ W [k, n] over 8 different
 weights (so the weights stream from HBM, not L2), XLA's `jnp.dot` (autotuned by XLA) against the
@@ -72,6 +79,25 @@ def pallas_gemm(x, w, config, interpret: bool):
     return out[0] if split_k == 1 else out.sum(0).astype(x.dtype)
 
 
+# JAX's Hopper GEMM (`hopper_matmul_mgpu.TuningConfig`): (tile_n, tile_k, max_concurrent_steps); tile_m 64,
+# the two compute warpgroups side by side in N (a CTA's tile 64 x 2*tile_n)
+MOSAIC_CONFIGS = [(64, 64, 4), (64, 64, 8), (64, 128, 4), (128, 64, 4), (64, 256, 2)]  # fit 227 KB (jax.export check)
+MOSAIC_ROWS = 64
+
+
+def mosaic_gemm(x, w, config):
+    """x [m, k] @ w [k, n] -> [m, n] bf16 by JAX's Mosaic GPU Hopper GEMM (rows padded to 64)."""
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hopper
+
+    tile_n, tile_k, steps = config
+    m = x.shape[0]
+    padded = jnp.pad(x, ((0, -m % MOSAIC_ROWS), (0, 0)))
+    tuning = hopper.TuningConfig(tile_m=MOSAIC_ROWS, tile_n=tile_n, tile_k=tile_k, max_concurrent_steps=steps,
+                                 epi_tile_m=MOSAIC_ROWS, epi_tile_n=min(64, tile_n),
+                                 wg_dimension=hopper.MatmulDimension.N)
+    return hopper.matmul(padded, w, None, tuning)[:m]
+
+
 def chain(gemm):
     """The sum of x @ w_i over the weights (each product rounded to bf16, as a projection's)."""
     def run(x, ws):
@@ -89,19 +115,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--sweep", choices=("first", "wide"), default="first")
     parser.add_argument("--shapes", nargs="+", default=None, choices=list(SHAPES))
+    parser.add_argument("--kernel", choices=("pallas", "mosaic"), default="pallas",
+                        help="pallas: the Pallas (Triton) kernel above; mosaic: JAX's Mosaic GPU Hopper GEMM")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     shapes, configs = (TINY_SHAPES, TINY_CONFIGS) if args.tiny else (SHAPES, CONFIGS)
     if not args.tiny and args.sweep == "wide":
         configs = WIDE_CONFIGS
+    if args.kernel == "mosaic":
+        if jax.default_backend() != "gpu":
+            raise SystemExit("--kernel mosaic needs a Hopper GPU (Mosaic GPU has no CPU lowering)")
+        configs = MOSAIC_CONFIGS
     if args.shapes and not args.tiny:
         shapes = {name: SHAPES[name] for name in args.shapes}
     if args.tiny:
         args.rows, args.weights, args.repeats = [16], 2, 2
     interpret = jax.default_backend() != "gpu"
     bandwidth = None if args.tiny else copy_bandwidth()
-    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "kernel": args.kernel,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "copy_bandwidth_tb_s": None if bandwidth is None else bandwidth / 1e12, "cases": []}
     key = jax.random.PRNGKey(0)
@@ -118,11 +150,17 @@ def main() -> None:
             case["xla_us"] = seconds * 1e6
             case["xla_of_bandwidth"] = bytes_per_gemm / seconds / bandwidth if bandwidth else None
             for config in configs:
-                block_n, block_k, split_k = config[:3]
-                if n % block_n or k % (split_k * block_k):
-                    continue
+                if args.kernel == "mosaic":
+                    if n % (2 * config[0]) or k % config[1]:
+                        continue
+                    gemm = functools.partial(mosaic_gemm, config=config)
+                else:
+                    block_n, block_k, split_k = config[:3]
+                    if n % block_n or k % (split_k * block_k):
+                        continue
+                    gemm = functools.partial(pallas_gemm, config=config, interpret=interpret)
                 try:
-                    fn = chain(functools.partial(pallas_gemm, config=config, interpret=interpret))
+                    fn = chain(gemm)
                     out = np.asarray(fn(x, ws))
                     err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
                     seconds = median_call_seconds(lambda: fn(x, ws), args.repeats) / args.weights
@@ -137,9 +175,9 @@ def main() -> None:
             result["cases"].append(case)
             print(json.dumps({key: case[key] for key in ("proj", "rows", "xla_us", "best_over_xla")} |
                              {"best": best}), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+            if args.out:  # after every case: a call cut short keeps what it measured
+                with open(args.out, "w") as f:
+                    json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
