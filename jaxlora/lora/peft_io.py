@@ -37,18 +37,16 @@ def load_peft_adapter(path: str, base: LlamaConfig, name: str | None = None,
     host_dtype: stored dtype -> the dtype to hold A/B in (a pool's `AdapterPool.host_dtype`;
     implies keep_dtype): the cast happens while the tensors are placed, in the same pass.
 
-    The file is read in one call and its tensors placed from views of that buffer, one numpy
-    assignment per module, part and tensor shape (`_place_group`), and checked finite on its
-    sum (`TensorFile.maybe_nonfinite`): few calls that release the GIL, which is what a read
-    costs beside a busy engine thread (`jaxlora.lora.safetensors_io`)."""
+    The file is read in one call and its tensors placed from views of that buffer by the layout's
+    placement plan (`_placement_plan`: checked and worked out once per file header, adapter config
+    and base model), one numpy assignment per module, part and tensor shape, and checked finite
+    on its sum (`TensorFile.maybe_nonfinite`): little Python and few calls that release the GIL,
+    which is what a read costs beside a busy engine thread (`jaxlora.lora.safetensors_io`)."""
     config = read_adapter_config(path, base)
     weights = read_weights(os.path.join(path, WEIGHTS_FILE))
     name = name or os.path.basename(os.path.normpath(path))
     plan = _placement_plan(config, weights, base, path)
-    adapter = LoraAdapter(name, config, {})
-    dtype = _placed_dtype(plan.stored_dtype, keep_dtype, host_dtype)
-    for module in config.target_modules:
-        adapter.modules[module] = empty_module(base, config, module, dtype)
+    adapter = _zero_adapter(name, config, base, _placed_dtype(plan.stored_dtype, keep_dtype, host_dtype))
     plan.place(adapter.modules, weights.buffer)
     if weights.maybe_nonfinite():
         check_finite(adapter, path)
@@ -104,9 +102,7 @@ def _make_plan(config: LoraConfig, weights: TensorFile, base: LlamaConfig, path:
     """`_placement_plan` worked out from the tensors: the checks of `adapter_from_peft` and each
     group's views (`_stacked`) as offsets into the file's buffer."""
     tensors = weights.tensors()
-    probe = LoraAdapter("", config, {module: empty_module(base, config, module, np.float32)
-                                     for module in config.target_modules})
-    groups = _grouped(probe, tensors, base, path)
+    groups = _grouped(_zero_adapter("", config, base, np.float32), tensors, base, path)  # the shapes it checks
     _check_all_present(config, base, {(l, m, p) for (m, p, _), pieces in groups.items() for l, _ in pieces}, path)
     origin = weights.buffer.__array_interface__["data"][0]
 
@@ -139,10 +135,7 @@ def adapter_from_peft(config: LoraConfig, tensors: dict[str, np.ndarray], base: 
     adapter in errors. (`jaxlora.vision.adapters` maps a vision-language model's names onto
     these first.) keep_dtype, host_dtype: as `load_peft_adapter`. check_finite_values=False: the
     caller found every tensor finite (the placed arrays hold only their values and zeros)."""
-    adapter = LoraAdapter(name, config, {})
-    dtype = _held_dtype(tensors, keep_dtype, host_dtype)
-    for module in config.target_modules:
-        adapter.modules[module] = empty_module(base, config, module, dtype)
+    adapter = _zero_adapter(name, config, base, _held_dtype(tensors, keep_dtype, host_dtype))
     groups = _grouped(adapter, tensors, base, path)
     _check_all_present(config, base, {(l, m, p) for (m, p, _), pieces in groups.items() for l, _ in pieces}, path)
     for (module, part, _), pieces in groups.items():
@@ -150,6 +143,12 @@ def adapter_from_peft(config: LoraConfig, tensors: dict[str, np.ndarray], base: 
     if check_finite_values:
         check_finite(adapter, path)
     return adapter
+
+
+def _zero_adapter(name: str, config: LoraConfig, base: LlamaConfig, dtype) -> LoraAdapter:
+    """An adapter of `config` on `base` with zero A/B of `dtype` (its ranks and scales set), to be placed into."""
+    return LoraAdapter(name, config, {module: empty_module(base, config, module, dtype)
+                                      for module in config.target_modules})
 
 
 def _held_dtype(tensors: dict[str, np.ndarray], keep_dtype: bool, host_dtype) -> np.dtype:
